@@ -1,0 +1,381 @@
+"""
+Fit the ScaleRL compute-performance curve to a run's eval pass rates, extrapolate it, and
+compare runs. Implements SCALERL.md section 1 (paper arXiv 2510.13786, "The scaling curve"):
+
+    R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B)     A ceiling, B efficiency, C_mid half-gain
+
+    fit_sigmoid(C, R)                  grid over (A, C_mid), best B per pair, lowest SSE wins
+    fit_power_law(C, R)                R = A - D / C**B, for comparison
+    linear_view(R, A, B, C_mid, R0)    log F(R) = B log C: a straight line of slope B
+    bootstrap_A(C, R)                  spread of A by resampling the fit's residuals
+    compare(fit_a, fit_b, data_a, data_b)   the +-0.02 rule on A, then compare B
+    load_run(run_dir)                  (C, R, meta) from the eval lines of run_dir/metrics.jsonl
+    predict_final(C, R, C_end)         live prediction for train.py (None while too few points)
+
+Usage (CPU only, seconds):
+    python fit.py runs/cpu                          # table, runs/cpu/fit.png, fit_linear.png
+    python fit.py runs/a runs/b --fit_until 600 --extrapolate_to 5000 --png out/ab.png
+    python fit.py runs/gpu --compute flops --fit_from 1e15 --metric pass_rate/math
+Test: python -m pytest -q test_all.py -k fit
+
+Procedure and the readings chosen:
+- R0 is the measured pass rate at C = 0 (the step-0 eval) unless given. Points at C = 0 and
+  with C < fit_from (the early transient) are dropped; at least 4 must remain. C must be
+  finite and strictly increase, in any unit (CPU-seconds, GPU-hours, FLOPs): the grids adapt.
+- A grid: steps of 0.005 (the paper's) from max(R) - 0.02 to 1.0 and above R0 (the curve is
+  taken to rise). The paper's 0.450-0.800 suited its runs; starting 0.02 (the noise level)
+  under the best measured point lets a noisy plateau settle below its highest point.
+- C_mid grid: 100 log-spaced values from the smallest fitted C to 10x the largest, so a run
+  that has not reached its midpoint yet can still be fitted.
+- B per (A, C_mid) pair: the paper calls curve_fit per pair. Here the same least-squares
+  problem in B alone is solved for all pairs at once by a vectorized golden-section search
+  on log B in [0.05, 20] (~0.1-0.2 s for 50 points, where 10^4 curve_fit calls take seconds).
+  Departure: the lowest-SSE pair is then polished by curve_fit on (A, B, log C_mid), A kept in
+  [R0, 1] and B in [0.05, 20], so A and C_mid are not stuck on the grid (on noiseless data the
+  grid alone missed A by a step, from C_mid's ~6% spacing). If curve_fit fails to converge
+  (e.g. a flat, noisy run) the grid point is kept. bootstrap_A resamples residuals.
+- Power law: R = A - D / C**B (the large-C limit of the sigmoid; it ignores R0). Grid over A
+  from above max(R) (the form stays under A) to 1.0, best B in [1e-3, 20] per A by the same
+  search, D in closed form. On sigmoid data its best A lands far above the sigmoid's (often
+  on the 1.0 cap), it fits far worse, and fitted after the early transient it over-predicts
+  later pass rates (test_fit_power_law_overpredicts_sigmoid_data).
+- Comparison: |A_a - A_b| < 0.02 is noise (three seeds differed by <= 0.015); then both runs
+  are refitted with the shared A = (A_a + A_b) / 2 and the larger B is the more efficient
+  recipe. Otherwise the higher A wins. The CLI compares every pair of runs it is given.
+- Figures: C = 0 cannot sit on a log axis, so the R0 point is not drawn; hollow points are
+  the ones the fit did not use (before --fit_from or after --fit_until).
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+
+import numpy as np
+from scipy.optimize import curve_fit
+
+MIN_POINTS = 4       # fitted points needed (3 parameters + 1)
+A_STEP = 0.005       # A grid step (the paper's)
+NOISE_A = 0.02       # differences in A below this are noise
+N_CMID = 100         # C_mid grid size (the paper's)
+CMID_BEYOND = 10.0   # the C_mid grid ends at this many times the largest fitted C
+B_RANGE = (0.05, 20.0)  # B searched in this range (the paper's fits: 1.1-2.4)
+GOLDEN_ITERS = 25    # golden-section steps on log B: the bracket shrinks by 0.618**25 ~ 6e-6
+
+
+def sigmoid(C, A, B, C_mid, R0):
+    """Pass rate at compute C (any shape; C = 0 gives R0)."""
+    C = np.asarray(C, dtype=float)
+    with np.errstate(divide="ignore", over="ignore"):
+        return R0 + (A - R0) / (1.0 + (C_mid / C) ** B)
+
+
+def power_law(C, A, B, D):
+    """R = A - D / C**B (C > 0)."""
+    return A - D * np.asarray(C, dtype=float) ** -B
+
+
+def check_points(C, R):
+    """Validate (C, R) as float arrays (N,): same length, finite, C >= 0 strictly increasing."""
+    C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
+    if C.shape != R.shape:
+        raise ValueError(f"C and R differ in length: {len(C)} vs {len(R)}")
+    bad = np.flatnonzero(~(np.isfinite(C) & np.isfinite(R)))
+    if len(bad):
+        raise ValueError(f"NaN or inf at point {bad[0]}: C={C[bad[0]]}, R={R[bad[0]]}")
+    if len(C) and C.min() < 0:
+        raise ValueError(f"negative compute: C={C.min()}")
+    down = np.flatnonzero(np.diff(C) <= 0)
+    if len(down):
+        i = down[0]
+        raise ValueError(f"compute must strictly increase: C[{i}]={C[i]}, C[{i + 1}]={C[i + 1]}")
+    return C, R
+
+
+def fit_points(C, R, R0=None, fit_from=None):
+    """The points a fit uses: C > 0 and C >= fit_from -> (C (n,), R (n,), R0)."""
+    C, R = check_points(C, R)
+    if R0 is None:
+        if not len(C) or C[0] != 0:
+            raise ValueError("R0 not given and no point at C = 0 to read it from; pass R0=")
+        R0 = R[0]
+    keep = (C > 0) & (C >= (fit_from or 0.0))
+    if keep.sum() < MIN_POINTS:
+        where = "with C > 0" + (f" and C >= fit_from={fit_from:g}" if fit_from else "")
+        raise ValueError(f"need at least {MIN_POINTS} points {where} to fit, got {keep.sum()}")
+    return C[keep], R[keep], float(R0)
+
+
+def golden_min(f, lo, hi, shape):
+    """Minimize f elementwise over x in [lo, hi] by golden-section search, for an array of
+    independent problems of the given shape at once (f maps x (shape) -> values (shape)).
+    -> x (shape), f(x) (shape)."""
+    g = (math.sqrt(5) - 1) / 2
+    lo, hi = np.full(shape, float(lo)), np.full(shape, float(hi))
+    x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+    f1, f2 = f(x1), f(x2)
+    for _ in range(GOLDEN_ITERS):
+        left = f1 < f2                                          # the minimum lies in [lo, x2]
+        hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
+        x_new = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
+        f_new = f(x_new)
+        x1, x2 = np.where(left, x_new, x2), np.where(left, x1, x_new)
+        f1, f2 = np.where(left, f_new, f2), np.where(left, f1, f_new)
+    return np.where(f1 < f2, x1, x2), np.minimum(f1, f2)
+
+
+def best_B(C, R, R0, A, C_mid):
+    """For every pair of A (a,) x C_mid (m,), the B in B_RANGE with the lowest SSE on the
+    points C, R (n,). -> B (a, m), sse (a, m)."""
+    L = np.log(C_mid)[:, None] - np.log(C)                      # (m, n) log(C_mid / C)
+    gain = (A - R0)[:, None, None]                              # (a, 1, 1)
+
+    def sse(log_b):                                             # (a, m) -> (a, m)
+        with np.errstate(over="ignore"):                        # u = inf gives the value R0
+            u = np.exp(np.exp(log_b)[..., None] * L)            # (a, m, n) (C_mid / C)**B
+        return ((R - R0 - gain / (1.0 + u)) ** 2).sum(-1)
+
+    log_b, sse_min = golden_min(sse, *np.log(B_RANGE), (len(A), len(C_mid)))
+    return np.exp(log_b), sse_min
+
+
+def polish(C, R, R0, A, B, C_mid, fix_A):
+    """curve_fit of (A, B, log C_mid), or of (B, log C_mid) with A fixed, from a grid point.
+    Keeps the grid point if curve_fit does not converge. -> A, B, C_mid."""
+    def model(c, *p):                                           # p = ([A,] B, log C_mid)
+        return sigmoid(c, A if fix_A else p[0], p[-2], math.exp(p[-1]), R0)
+
+    k = int(fix_A)                                              # drop A from the parameters
+    lo, hi = [R0, B_RANGE[0], -np.inf][k:], [1.0, B_RANGE[1], np.inf][k:]
+    try:
+        p, _ = curve_fit(model, C, R, p0=[A, B, math.log(C_mid)][k:], bounds=(lo, hi))
+    except RuntimeError:
+        return A, B, C_mid
+    return (A if fix_A else float(p[0])), float(p[-2]), math.exp(p[-1])
+
+
+def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
+    """Grid over (A, C_mid) with the best B for each pair, then the lowest-SSE pair polished
+    by curve_fit (SCALERL.md section 1). A given: A stays fixed (used by compare).
+    -> dict(A, B, C_mid, R0, sse)."""
+    C, R, R0 = fit_points(C, R, R0, fit_from)
+    if A is None:
+        lo = max(np.floor((R.max() - NOISE_A) / A_STEP) * A_STEP, R0 + A_STEP)
+        A_grid = np.arange(lo, 1.0 + 1e-9, A_STEP)
+        if not len(A_grid):
+            raise ValueError(f"R0 = {R0} leaves no room for a ceiling A <= 1")
+    else:
+        A_grid = np.array([float(A)])
+    M_grid = np.geomspace(C[0], C[-1] * CMID_BEYOND, N_CMID)
+    B_grid, sse = best_B(C, R, R0, A_grid, M_grid)             # (a, m), (a, m)
+    i, j = np.unravel_index(np.argmin(sse), sse.shape)
+    A, B, C_mid = polish(C, R, R0, A_grid[i], B_grid[i, j], M_grid[j], fix_A=A is not None)
+    sse = float(((R - sigmoid(C, A, B, C_mid, R0)) ** 2).sum())
+    return dict(A=float(A), B=B, C_mid=C_mid, R0=R0, sse=sse)
+
+
+def power_D(C, R, A, B):
+    """Least-squares D of R = A - D * C**-B for each A (a,), B (a,) on the points (n,) -> (a,)."""
+    X = C ** -B[:, None]                                        # (a, n)
+    return ((A[:, None] - R) * X).sum(1) / (X ** 2).sum(1)
+
+
+def fit_power_law(C, R, R0=None, fit_from=None):
+    """R = A - D / C**B on the same points as fit_sigmoid: grid over A (above max R, up to 1),
+    best B for each (D in closed form), lowest SSE wins. -> dict(A, B, D, R0, sse)."""
+    C, R, R0 = fit_points(C, R, R0, fit_from)
+    A = np.arange(np.floor(R.max() / A_STEP + 1) * A_STEP, 1.0 + 1e-9, A_STEP)
+    A = A if len(A) else np.array([R.max() + A_STEP])          # (a,)
+
+    def sse(log_b):                                             # (a,) -> (a,)
+        B = np.exp(log_b)
+        D = power_D(C, R, A, B)
+        return ((R - power_law(C, A[:, None], B[:, None], D[:, None])) ** 2).sum(1)
+
+    log_b, sse_min = golden_min(sse, math.log(1e-3), math.log(B_RANGE[1]), len(A))
+    i = int(np.argmin(sse_min))
+    B = math.exp(log_b[i])
+    D = float(power_D(C, R, A[i:i + 1], np.array([B]))[0])
+    return dict(A=float(A[i]), B=B, D=D, R0=R0, sse=float(sse_min[i]))
+
+
+def linear_view(R, A, B, C_mid, R0):
+    """log F(R) with F(R) = C_mid**B / ((A - R0)/(R - R0) - 1); equals B log C on the curve.
+    NaN where R is outside (R0, A)."""
+    R = np.asarray(R, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return B * math.log(C_mid) - np.log((A - R0) / (R - R0) - 1.0)
+
+
+def bootstrap_A(C, R, R0=None, fit_from=None, n=50, seed=0):
+    """Spread of A: refit n times (~0.2 s each) on the fitted curve + residuals resampled with
+    replacement. -> dict(mean, std, lo, hi) with lo..hi the 95% interval."""
+    fit = fit_sigmoid(C, R, R0, fit_from)
+    C, R, R0 = fit_points(C, R, fit["R0"], fit_from)
+    pred = sigmoid(C, fit["A"], fit["B"], fit["C_mid"], R0)    # (n_points,)
+    rng = np.random.default_rng(seed)
+    A = np.array([fit_sigmoid(C, pred + rng.choice(R - pred, len(R)), R0)["A"] for _ in range(n)])
+    lo, hi = np.percentile(A, [2.5, 97.5])
+    return dict(mean=float(A.mean()), std=float(A.std()), lo=float(lo), hi=float(hi))
+
+
+def compare(fit_a, fit_b, data_a, data_b, fit_from=None, tol=NOISE_A):
+    """The +-0.02 rule; data_x = the (C, R) run x was fitted on.
+    -> dict(branch="noise" | "different", better="a" | "b", verdict, dA, ...)."""
+    dA = fit_b["A"] - fit_a["A"]
+    if abs(dA) >= tol:
+        better = "b" if dA > 0 else "a"
+        return dict(branch="different", dA=dA, better=better,
+                    verdict=f"A differs by {abs(dA):.3f} >= {tol}: {better} has the higher ceiling")
+    A = (fit_a["A"] + fit_b["A"]) / 2
+    ra = fit_sigmoid(*data_a, R0=fit_a["R0"], fit_from=fit_from, A=A)
+    rb = fit_sigmoid(*data_b, R0=fit_b["R0"], fit_from=fit_from, A=A)
+    better = "b" if rb["B"] > ra["B"] else "a"
+    return dict(branch="noise", dA=dA, A_shared=A, B_a=ra["B"], B_b=rb["B"],
+                C_mid_a=ra["C_mid"], C_mid_b=rb["C_mid"], better=better,
+                verdict=f"A within noise (|dA| = {abs(dA):.3f} < {tol}); refit with shared A = "
+                        f"{A:.3f}: B {ra['B']:.2f} vs {rb['B']:.2f}, {better} is more efficient")
+
+
+def predict_final(C, R, C_end, R0=None):
+    """Live prediction: fit what there is, predict R at C_end. None while < 4 points after R0."""
+    C = np.asarray(C, dtype=float)
+    if (C > 0).sum() < MIN_POINTS:
+        return None
+    f = fit_sigmoid(C, R, R0)
+    R_end = float(sigmoid(C_end, f["A"], f["B"], f["C_mid"], f["R0"]))
+    return dict(A=f["A"], B=f["B"], C_mid=f["C_mid"], R_end=R_end)
+
+
+def load_run(run_dir, compute="compute_s", metric="pass_rate"):
+    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory of train.py?)")
+    C, R, config = [], [], {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}, line {lineno}: not a JSON object: {line.strip()[:60]}")
+            if rec.get("kind") == "config":
+                config = rec
+            elif rec.get("kind") == "eval":
+                missing = [k for k in (compute, metric) if k not in rec]
+                if missing:
+                    raise ValueError(f"{path}, line {lineno}: eval line has no {missing[0]!r} "
+                                     f"(it has {sorted(rec)})")
+                C.append(rec[compute])
+                R.append(rec[metric])
+    try:
+        C, R = check_points(C, R)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    name = os.path.basename(os.path.normpath(run_dir))
+    return C, R, dict(run=name, path=path, config=config, compute=compute, metric=metric)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def fit_run(run_dir, args):
+    """Load one run and fit it as the flags say -> dict(meta, C, R, used, data, fit, power);
+    data = the (C, R) before --fit_until, used = mask of the points the fit used."""
+    C, R, meta = load_run(run_dir, args.compute, args.metric)
+    head = C <= (np.inf if args.fit_until is None else args.fit_until)
+    try:
+        fit = fit_sigmoid(C[head], R[head], fit_from=args.fit_from)
+        power = fit_power_law(C[head], R[head], fit_from=args.fit_from)
+    except ValueError as e:
+        raise ValueError(f"{meta['path']}: {e}") from None
+    used = head & (C > 0) & (C >= (args.fit_from or 0.0))
+    return dict(meta, C=C, R=R, used=used, data=(C[head], R[head]), fit=fit, power=power)
+
+
+def print_table(runs, args):
+    """One row per run, like the paper's Table 1, plus the check at the last measured point."""
+    cols = f"{'run':<16} {'A':>6} {'B':>5} {'C_mid':>9} {'R0':>6} {'fit range':>19} "
+    cols += f"{'last C':>9} {'R meas':>7} {'R pred':>7} {'R power':>7}"
+    if args.extrapolate_to:
+        cols += f" {'R @ ' + format(args.extrapolate_to, '.3g'):>10}"
+    print(cols)
+    for run in runs:
+        f, p, C = run["fit"], run["power"], run["C"]
+        params = (f["A"], f["B"], f["C_mid"], f["R0"])
+        span = f"{C[run['used']][0]:.3g}..{C[run['used']][-1]:.3g}"
+        row = f"{run['run']:<16} {f['A']:6.3f} {f['B']:5.2f} {f['C_mid']:9.3g} {f['R0']:6.3f} "
+        row += f"{span:>19} {C[-1]:9.3g} {run['R'][-1]:7.3f} {sigmoid(C[-1], *params):7.3f} "
+        row += f"{power_law(C[-1], p['A'], p['B'], p['D']):7.3f}"
+        if args.extrapolate_to:
+            row += f" {sigmoid(args.extrapolate_to, *params):10.3f}"
+        print(row)
+
+
+def plot(runs, png, png_linear, extrapolate_to=None):
+    """Two figures. png: pass rate vs compute (log x), points (hollow = not fitted), the fit,
+    its dashed extrapolation and a +-0.02 band around A. png_linear: F(R) vs C on log-log
+    axes, where the fit is the line F = C**B."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    (fig, ax), (fig_lin, ax_lin) = plt.subplots(figsize=(6, 4)), plt.subplots(figsize=(6, 4))
+    for k, run in enumerate(runs):
+        f, C, R, used, col = run["fit"], run["C"], run["R"], run["used"], f"C{k}"
+        rest, params = (C > 0) & ~used, (f["A"], f["B"], f["C_mid"], f["R0"])
+        F = np.exp(linear_view(R, *params))                     # (N,), NaN: R outside (R0, A)
+        name = f"{run['run']}: B={f['B']:.2f}"
+        curve = f"{name} A={f['A']:.3f} C_mid={f['C_mid']:.3g}"
+        for a, y, label in ((ax, R, curve), (ax_lin, F, name)):
+            a.scatter(C[used], y[used], s=12, color=col, label=label)
+            a.scatter(C[rest], y[rest], s=12, facecolors="none", edgecolors=col)
+        x = np.geomspace(C[used][0], C[used][-1], 200)
+        ax.plot(x, sigmoid(x, *params), color=col)
+        ax_lin.plot(x, x ** f["B"], color=col)
+        x = np.geomspace(C[used][-1], max(C[-1], extrapolate_to or 0.0), 100)
+        ax.plot(x, sigmoid(x, *params), "--", color=col)
+        ax_lin.plot(x, x ** f["B"], "--", color=col)
+        ax.axhspan(f["A"] - NOISE_A, f["A"] + NOISE_A, color=col, alpha=0.12, lw=0)
+    unit = runs[0]["compute"]
+    ax.set(xscale="log", xlabel=f"compute C ({unit})", ylabel=runs[0]["metric"])
+    ax_lin.set(xscale="log", yscale="log", xlabel=f"compute C ({unit})",
+               ylabel="F(R) = C_mid^B / ((A - R0)/(R - R0) - 1)")
+    for fig_, ax_, path in ((fig, ax, png), (fig_lin, ax_lin, png_linear)):
+        ax_.legend(fontsize=7)
+        fig_.tight_layout()
+        fig_.savefig(path, dpi=90)
+        plt.close(fig_)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Fit the ScaleRL sigmoid to runs' eval pass rates.")
+    p.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
+    p.add_argument("--fit_from", type=float, default=None, help="drop points with C below this "
+                   "(the early transient); default None keeps every point with C > 0")
+    p.add_argument("--fit_until", type=float, default=None, help="fit only points with C <= this "
+                   "and extrapolate to the rest; default None fits every point")
+    p.add_argument("--extrapolate_to", type=float, default=None, help="also predict and draw "
+                   "the curve up to this compute; default None stops at the last point")
+    p.add_argument("--compute", choices=("compute_s", "flops"), default="compute_s",
+                   help="which compute field of the eval lines is C")
+    p.add_argument("--metric", default="pass_rate", help="eval field to fit, e.g. pass_rate/math")
+    p.add_argument("--png", default=None, help="figure file; the straight-line view goes next to "
+                   "it with a _linear suffix; default None means fit.png in the first run dir")
+    args = p.parse_args(argv)
+    runs = [fit_run(d, args) for d in args.run_dirs]
+    print_table(runs, args)
+    for a, b in itertools.combinations(runs, 2):
+        v = compare(a["fit"], b["fit"], a["data"], b["data"], fit_from=args.fit_from)
+        print(f"{a['run']} (a) vs {b['run']} (b): {v['verdict']}")
+    png = args.png or os.path.join(args.run_dirs[0], "fit.png")
+    root, ext = os.path.splitext(png)
+    png_linear = root + "_linear" + (ext or ".png")
+    plot(runs, png, png_linear, args.extrapolate_to)
+    print(f"wrote {png} and {png_linear}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""
+Policy-gradient losses for RL with verifiable rewards: ScaleRL's CISPO and the GRPO, DAPO and
+GSPO ablations, with their advantage normalizations, loss aggregations and batch hygiene.
+Implements SCALERL.md section 2 (paper arXiv 2510.13786, "The loss"). Pure functions of tensors.
+
+    advantages(rewards, group, norm)          A_i = r_i - mean_{j in group(i)} r_j, then normalized
+    policy_loss(logp, gen_logp, adv, mask, group, kind, agg)    scalar to MINIMIZE
+    zero_variance_keep(rewards, group)        drop prompts whose rewards are all equal
+    length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
+    ratio_stats(logp, gen_logp, mask)         generator/trainer mismatch, for logging
+
+Test: python -m pytest -q test_all.py -k loss   (CPU; nothing here needs a GPU or torchrun)
+
+Readings chosen and departures from the textbook formulas:
+- rho = exp(logp - gen_logp): the denominator is the log-prob the generator recorded when it
+  sampled the token, not a recompute on the trainer. gen_logp and adv are treated as constants.
+- Every std is the population std (divide by n, correction=0). norm="batch" divides by the std
+  of all A in the batch + 1e-6 (the paper writes no eps; it guards an all-zero batch);
+  norm="prompt" divides by the group's std of r + 1e-6, so an all-equal group gets A = 0.
+- CISPO: sg(clamp(rho, eps_low, eps_high)) * A * logp. For cispo the eps are ABSOLUTE bounds
+  on the ratio, not 1 -/+ eps: eps_high defaults to 4 (the cap eps_max), and there is no lower
+  truncation unless eps_low is given. GRPO, DAPO, GSPO clip to [1 - eps_low, 1 + eps_high]:
+  GRPO 0.2/0.2, DAPO 0.2/0.28, GSPO 3e-3/4e-3. None for an eps means that per-kind default.
+- GSPO: s_i = exp(masked mean over t of (logp - gen_logp)) (GSPO's length-normalized ratio).
+  Each sequence's objective min(s A, clip(s) A) is copied onto its masked tokens and then
+  aggregated like the token-level kinds, so agg="sample" is exactly the GSPO paper's mean over
+  sequences; agg="token" / "prompt" weight sequences by their token counts.
+- Aggregation: "token" = sum over batch tokens / batch token count; "sample" = mean over
+  sequences of each sequence's token mean; "prompt" (ScaleRL, DAPO) = per prompt group, the sum
+  of its token terms / its token count, then mean over groups. A sequence or group with no
+  masked tokens contributes 0 but still counts in the mean (no NaN).
+- Masks: a float mask is read as 0/1 (nonzero = the token counts). Tokens outside the mask are
+  zeroed before exp and before summing, so padding values (even -inf) never give NaN/inf.
+- No KL term (the paper uses none). The length penalty is returned, not applied: the caller
+  adds it to correct answers only.
+"""
+import math
+
+import torch
+
+NORMS = ("batch", "prompt", "none")
+AGGS = ("prompt", "sample", "token")
+EPS_DEFAULTS = {  # kind -> (eps_low, eps_high); absolute ratio bounds for cispo, 1 -/+ eps otherwise
+    "cispo": (None, 4.0),
+    "grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "gspo": (3e-3, 4e-3),
+}
+CISPO_CAP = EPS_DEFAULTS["cispo"][1]
+
+
+def group_index(group):
+    """Arbitrary prompt ids (N,) -> dense ids 0..G-1 (N,) and the number of groups G."""
+    uniq, idx = torch.unique(group, return_inverse=True)
+    return idx, len(uniq)
+
+
+def group_sum(x, idx, n_groups):
+    """Sum the rows of x (N,) that share a dense group id -> (G,)."""
+    return x.new_zeros(n_groups).index_add(0, idx, x)
+
+
+def advantages(rewards, group, norm="batch"):
+    """A_i = r_i - mean of r over i's group, normalized per `norm` (batch | prompt | none)."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; allowed: {', '.join(NORMS)}")
+    idx, n_groups = group_index(group)
+    count = group_sum(torch.ones_like(rewards), idx, n_groups)  # (G,)
+    mean = group_sum(rewards, idx, n_groups) / count  # (G,)
+    adv = rewards - mean[idx]  # (N,)
+    if norm == "batch":  # ScaleRL
+        return adv / (adv.std(correction=0) + 1e-6)
+    if norm == "prompt":  # GRPO
+        std = (group_sum(adv**2, idx, n_groups) / count).sqrt()  # (G,) population std of r
+        return adv / (std[idx] + 1e-6)
+    return adv  # Dr. GRPO
+
+
+def clipped_objective(ratio, adv, eps_low, eps_high):
+    """PPO-style min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A); ratio (N, T) or (N, 1)."""
+    return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+
+
+def aggregate(obj, keep, group, agg):
+    """Average the per-token objective obj (N, T) over the tokens in keep (N, T) per `agg`."""
+    token_sum = torch.where(keep, obj, 0.0).sum(1)  # (N,)
+    token_count = keep.sum(1).to(obj.dtype)  # (N,)
+    if agg == "token":
+        return token_sum.sum() / token_count.sum().clamp(min=1)
+    if agg == "sample":
+        return (token_sum / token_count.clamp(min=1)).mean()
+    idx, n_groups = group_index(group)
+    group_token_sum = group_sum(token_sum, idx, n_groups)  # (G,)
+    group_token_count = group_sum(token_count, idx, n_groups)  # (G,)
+    return (group_token_sum / group_token_count.clamp(min=1)).mean()
+
+
+def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
+                eps_low=None, eps_high=None):
+    """Scalar loss to minimize: -(aggregated per-token objective). See the module docstring."""
+    if kind not in EPS_DEFAULTS:
+        raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(EPS_DEFAULTS)}")
+    if agg not in AGGS:
+        raise ValueError(f"unknown agg {agg!r}; allowed: {', '.join(AGGS)}")
+    default_low, default_high = EPS_DEFAULTS[kind]
+    eps_low = default_low if eps_low is None else eps_low
+    eps_high = default_high if eps_high is None else eps_high
+    keep = mask.bool()  # (N, T)
+    adv = adv.detach()[:, None]  # (N, 1)
+    log_ratio = torch.where(keep, logp - gen_logp.detach(), 0.0)  # (N, T)
+    if kind == "cispo":
+        weight = log_ratio.exp().clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
+        obj = weight * adv * logp  # (N, T)
+    elif kind == "gspo":
+        seq_log_ratio = log_ratio.sum(1) / keep.sum(1).clamp(min=1)  # (N,)
+        seq_ratio = seq_log_ratio.exp()[:, None]  # (N, 1)
+        obj = clipped_objective(seq_ratio, adv, eps_low, eps_high).expand_as(logp)  # (N, T)
+    else:  # grpo, dapo
+        obj = clipped_objective(log_ratio.exp(), adv, eps_low, eps_high)  # (N, T)
+    return -aggregate(obj, keep, group, agg)
+
+
+def zero_variance_keep(rewards, group):
+    """(N,) bool: True for samples whose prompt group has non-identical rewards."""
+    idx, n_groups = group_index(group)
+    lo = rewards.new_zeros(n_groups).scatter_reduce(0, idx, rewards, "amin", include_self=False)
+    hi = rewards.new_zeros(n_groups).scatter_reduce(0, idx, rewards, "amax", include_self=False)
+    return (hi > lo)[idx]
+
+
+def length_penalty(lengths, l_max=14336, l_cache=2048):
+    """clip((l_max - len) / l_cache - 1, -1, 0): 0 up to l_max - l_cache, then linear to -1 at l_max."""
+    return ((l_max - lengths) / l_cache - 1).clamp(-1, 0)
+
+
+@torch.no_grad()
+def ratio_stats(logp, gen_logp, mask):
+    """Generator/trainer mismatch over masked tokens: mean and max |logp - gen_logp|, and the
+    fraction of tokens whose rho exceeds the cispo cap (those get a truncated weight)."""
+    diff = (logp - gen_logp)[mask.bool()]  # (K,) masked tokens only
+    if diff.numel() == 0:
+        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "frac_above_cap": 0.0}
+    return {
+        "abs_diff_mean": diff.abs().mean().item(),
+        "abs_diff_max": diff.abs().max().item(),
+        "frac_above_cap": (diff > math.log(CISPO_CAP)).float().mean().item(),
+    }

@@ -1,0 +1,570 @@
+"""
+test_all.py: every test of the project, fast, on CPU.
+
+    python -m pytest test_all.py
+"""
+
+from pathlib import Path
+import json
+import math
+import os
+import random
+import re
+import statistics
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+from verify import extract_answer, score, score_batch
+import fit
+import verify
+
+# =============================================================================
+# loss.py
+
+# ---------------------------------------------------------------------------------------------
+# loss.py: independent slow references (Python loops over samples and tokens, written straight
+# from SCALERL.md section 2) and fixtures
+
+
+def slow_advantages(rewards, group, norm):
+    r, g = rewards.tolist(), group.tolist()
+    members = {k: [r[j] for j in range(len(r)) if g[j] == k] for k in set(g)}
+    centred = [r[i] - statistics.mean(members[g[i]]) for i in range(len(r))]
+    if norm == "batch":
+        std = statistics.pstdev(centred)
+        out = [a / (std + 1e-6) for a in centred]
+    elif norm == "prompt":
+        out = [centred[i] / (statistics.pstdev(members[g[i]]) + 1e-6) for i in range(len(r))]
+    else:
+        out = centred
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg):
+    """Per-element torch ops so autograd gives the reference gradient; Python floats for sg()."""
+    eps_low, eps_high = {"cispo": (None, 4.0), "grpo": (0.2, 0.2), "dapo": (0.2, 0.28),
+                         "gspo": (3e-3, 4e-3)}[kind]
+    N, T = logp.shape
+    terms = []  # terms[i]: objective terms of sequence i's masked tokens
+    for i in range(N):
+        A = float(adv[i])
+        toks = [t for t in range(T) if mask[i, t]]
+        if kind == "gspo" and toks:
+            s = torch.exp(sum(logp[i, t] - gen_logp[i, t] for t in toks) / len(toks))
+            clipped = min(max(s, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
+            o = min(s * A, clipped * A)
+            terms.append([o for t in toks])
+            continue
+        seq = []
+        for t in toks:
+            rho = torch.exp(logp[i, t] - gen_logp[i, t])
+            if kind == "cispo":
+                seq.append(min(rho.item(), eps_high) * A * logp[i, t])  # float weight: stop-grad
+            else:
+                clipped = min(max(rho, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
+                seq.append(min(rho * A, clipped * A))
+        terms.append(seq)
+    if agg == "token":
+        flat = [o for seq in terms for o in seq]
+        total = sum(flat) / len(flat)
+    elif agg == "sample":
+        total = sum(sum(seq) / len(seq) if seq else 0.0 for seq in terms) / N
+    else:
+        per_prompt = {}
+        for i, seq in enumerate(terms):
+            per_prompt.setdefault(int(group[i]), []).extend(seq)
+        total = sum(sum(o) / len(o) if o else 0.0 for o in per_prompt.values()) / len(per_prompt)
+    return -total
+
+
+def make_batch(seed=0):
+    """10 sequences, 5 prompt groups of uneven size with non-contiguous, unsorted ids, ragged
+    masks (one sequence empty), ratios inside and outside every clip range, garbage padding."""
+    gen = torch.Generator().manual_seed(seed)
+    N, T = 10, 7
+    group = torch.tensor([7, -3, 7, 42, 42, -3, 42, 5, 7, 100])
+    rewards = torch.tensor([1, -1, -1, 1, 1, -1, -1, 1, 1, -1], dtype=torch.float64)
+    lengths = torch.tensor([7, 3, 0, 5, 1, 7, 6, 2, 4, 7])
+    mask = torch.arange(T)[None, :] < lengths[:, None]  # (N, T)
+    logp = -3 * torch.rand(N, T, generator=gen, dtype=torch.float64)
+    noise_scale = torch.tensor([1.0, 1e-3, 0.8, 2e-3, 0.9, 1.2, 1e-3, 0.7, 1.5, 1e-3], dtype=torch.float64)
+    gen_logp = logp + noise_scale[:, None] * torch.randn(N, T, generator=gen, dtype=torch.float64)
+    logp = torch.where(mask, logp, -50.0)  # padding values must not matter
+    return rewards, group, mask, logp, gen_logp
+
+
+def test_loss_batch_covers_all_clip_regimes():
+    rewards, group, mask, logp, gen_logp = make_batch()
+    rho = (logp - gen_logp).exp()[mask]
+    assert (rho > 4).any() and (rho < 0.8).any() and (rho > 1.28).any()
+    assert ((rho > 0.8) & (rho < 1.2)).any()
+    seq = ((logp - gen_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)
+    s = seq.exp()[mask.any(1)]
+    assert ((s > 1 - 3e-3) & (s < 1 + 4e-3)).any() and ((s < 1 - 3e-3) | (s > 1 + 4e-3)).any()
+
+
+@pytest.mark.parametrize("norm", ["batch", "prompt", "none"])
+@pytest.mark.parametrize("agg", ["token", "sample", "prompt"])
+@pytest.mark.parametrize("kind", ["cispo", "grpo", "dapo", "gspo"])
+def test_loss_policy_loss_matches_slow_reference(kind, agg, norm):
+    rewards, group, mask, logp, gen_logp = make_batch()
+    fast_logp = logp.clone().requires_grad_()
+    fast = policy_loss(fast_logp, gen_logp, advantages(rewards, group, norm), mask, group, kind, agg)
+    fast.backward()
+    slow_logp = logp.clone().requires_grad_()
+    slow = slow_policy_loss(slow_logp, gen_logp, slow_advantages(rewards, group, norm), mask, group, kind, agg)
+    slow.backward()
+    assert abs(fast.item() - slow.item()) < 1e-6
+    assert torch.allclose(fast_logp.grad, slow_logp.grad, rtol=0, atol=1e-6)
+    assert fast_logp.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("norm", ["batch", "prompt", "none"])
+def test_loss_advantages_match_statistics(norm):
+    rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0, 0.5], dtype=torch.float64)
+    group = torch.tensor([9, 2, 9, 2, 9, 30, 30, 4])  # uneven, one all-equal group, one singleton
+    got = advantages(rewards, group, norm)
+    assert got.shape == (8,)
+    assert torch.allclose(got, slow_advantages(rewards, group, norm), rtol=0, atol=1e-9)
+    # hand check, group 9 = [1, 1, -1]: mean 1/3, so A_0 = 2/3; population std sqrt(8/9)
+    if norm == "none":
+        assert abs(got[0].item() - 2 / 3) < 1e-12
+    if norm == "prompt":
+        assert abs(got[0].item() - (2 / 3) / (math.sqrt(8 / 9) + 1e-6)) < 1e-12
+
+
+def test_loss_zero_variance_keep():
+    rewards = torch.tensor([1.0, -1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0])
+    group = torch.tensor([5, 5, 9, 9, 9, 2, 2, 11, 5, 7])
+    want = [True, True, False, False, False, False, False, False, True, False]
+    assert zero_variance_keep(rewards, group).tolist() == want
+
+
+def test_loss_length_penalty_points():
+    l_max, l_cache = 14336, 2048
+    lengths = torch.tensor([0, 100, l_max - l_cache, l_max - l_cache // 2, l_max, l_max + 500])
+    want = [0.0, 0.0, 0.0, -0.5, -1.0, -1.0]
+    assert length_penalty(lengths).tolist() == want
+    assert length_penalty(torch.tensor([30, 40, 35]), l_max=40, l_cache=10).tolist() == [0.0, -1.0, -0.5]
+
+
+def test_loss_cispo_gradient_is_stop_gradient_weight():
+    rewards, group, mask, logp, gen_logp = make_batch(seed=1)
+    adv = advantages(rewards, group, "none")
+    x = logp.clone().requires_grad_()
+    policy_loss(x, gen_logp, adv, mask, group, kind="cispo", agg="token").backward()
+    weight = (logp - gen_logp).exp().clamp(max=4.0)  # sg(min(rho, 4)); no d rho / d logp term
+    want = -weight * adv[:, None] * mask / mask.sum()
+    assert torch.allclose(x.grad, want, rtol=1e-12, atol=1e-15)
+
+
+def test_loss_cispo_caps_ratio_at_4_and_optional_floor():
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    gen_logp = torch.tensor([[-4.0, -1.0, 4.0]], dtype=torch.float64)  # rho = e^3, 1, e^-5
+    mask, group, adv = torch.ones(1, 3, dtype=torch.bool), torch.tensor([0]), torch.tensor([1.0])
+    policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="token").backward()
+    assert torch.allclose(logp.grad, -torch.tensor([[4.0, 1.0, math.exp(-5)]], dtype=torch.float64) / 3)
+    logp.grad = None
+    policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="token", eps_low=0.5, eps_high=8.0).backward()
+    assert torch.allclose(logp.grad, -torch.tensor([[8.0, 1.0, 0.5]], dtype=torch.float64) / 3)
+
+
+def test_loss_empty_masks_and_inf_padding_give_no_nan():
+    logp = torch.tensor([[-1.0, -float("inf")], [-float("inf"), -float("inf")]], requires_grad=True)
+    gen_logp = torch.tensor([[-1.5, -float("inf")], [-float("inf"), -float("inf")]])
+    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # float mask; group 8 has no tokens at all
+    group, adv = torch.tensor([3, 8]), torch.tensor([1.0, -1.0])
+    for kind in ["cispo", "grpo", "dapo", "gspo"]:
+        for agg in ["token", "sample", "prompt"]:
+            logp.grad = None
+            loss = policy_loss(logp, gen_logp, adv, mask, group, kind, agg)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (kind, agg)
+            assert logp.grad[mask == 0].abs().sum() == 0
+
+
+def test_loss_ratio_stats():
+    logp = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -9.0, -9.0]])
+    gen_logp = torch.tensor([[-1.5, -3.0, 5.0], [-1.0, 0.0, 0.0]])  # diffs 0.5, 2.0, (pad), -1.0
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    stats = ratio_stats(logp.requires_grad_(), gen_logp, mask)
+    assert stats == pytest.approx({"abs_diff_mean": 3.5 / 3, "abs_diff_max": 2.0, "frac_above_cap": 1 / 3})
+
+
+def test_loss_bad_names_raise():
+    rewards, group, mask, logp, gen_logp = make_batch()
+    adv = advantages(rewards, group)
+    with pytest.raises(ValueError, match="cispo, grpo, dapo, gspo"):
+        policy_loss(logp, gen_logp, adv, mask, group, kind="ppo")
+    with pytest.raises(ValueError, match="prompt, sample, token"):
+        policy_loss(logp, gen_logp, adv, mask, group, agg="seq")
+    with pytest.raises(ValueError, match="batch, prompt, none"):
+        advantages(rewards, group, norm="group")
+
+# =============================================================================
+# verify.py
+
+SHARED = Path(__file__).resolve().parent.parent / "shared" / "data"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def _gsm8k_gold(row):
+    return row["answer"].split("####")[-1].strip()
+
+
+def test_verify_math500_answers_verify_against_themselves():
+    rows = _jsonl(SHARED / "math500.jsonl")
+    boxed = [f"<think>\nwork\n</think>\nSo the answer is $\\boxed{{{r['answer']}}}$." for r in rows]
+    golds = [r["answer"] for r in rows]
+    failed = [g for g, ok in zip(golds, score_batch(boxed, golds)) if not ok]
+    failed_solutions = [r["answer"] for r in rows if not score(r["solution"], r["answer"])]
+    print(f"\nMATH-500: {len(failed)}/500 fail as \\boxed{{answer}}, "
+          f"{len(failed_solutions)}/500 fail from their own solution: {failed + failed_solutions}")
+    assert failed == [] and failed_solutions == []
+
+
+def test_verify_math500_wrong_answers_do_not_verify():
+    golds = [r["answer"] for r in _jsonl(SHARED / "math500.jsonl")]
+    responses, targets = [], []
+    for i, gold in enumerate(golds):
+        for offset in (137, 251):                 # another problem's answer (checked: no
+            other = golds[(i + offset) % 500]     # pair at these offsets is equal but not
+            if other != gold:                     # the same string)
+                responses.append(f"\\boxed{{{other}}}")
+                targets.append(gold)
+        if re.fullmatch(r"-?\d+", gold):           # off by one, sign
+            responses += [f"\\boxed{{{int(gold) + 1}}}", f"\\boxed{{{int(gold) - 1}}}"]
+            targets += [gold, gold]
+    wrongly_true = [(t, r) for t, r, ok in zip(targets, responses, score_batch(responses, targets)) if ok]
+    assert len(responses) > 1200 and wrongly_true == []
+
+
+def test_verify_gsm8k_answers_and_near_misses():
+    golds = [_gsm8k_gold(r) for r in _jsonl(SHARED / "gsm8k_test.jsonl")]
+    for i, gold in enumerate(golds):
+        value = int(gold.replace(",", ""))
+        other = int(golds[i - 1].replace(",", ""))              # another problem's answer
+        for response in (f"<think>\nadd them\n</think>\nShe makes $\\boxed{{{gold}}}$ dollars.",
+                         f"She makes ${value} every day.\n#### {gold}", f"#### {value}"):
+            assert verify.quick_check(extract_answer(response), gold) is True, (gold, response)
+        for wrong in {value + 1, value - 1, -value or 1, other} - {value}:
+            assert verify.quick_check(extract_answer(f"\\boxed{{{wrong}}}"), gold) is False, (gold, wrong)
+    assert score("Janet makes 9 * 2 = $18.\n#### 18", "18")          # the public path too
+
+
+def test_verify_plain_numbers_never_start_a_worker(monkeypatch):
+    def no_worker(*args):
+        raise AssertionError("plain numbers must be decided in-process")
+    monkeypatch.setattr(verify, "_ask_worker", no_worker)
+    pairs = [("\\boxed{72}", "72"), ("#### 1,000", "1000"), ("\\boxed{0.5}", "\\frac{1}{2}"),
+             ("\\boxed{3/4}", "0.75"), ("\\boxed{-\\dfrac{3}{8}}", "-\\frac38"), ("\\boxed{73}", "72")]
+    start = time.perf_counter()
+    verdicts = [score(response, gold) for _ in range(200) for response, gold in pairs]
+    per_call = (time.perf_counter() - start) / len(verdicts)
+    print(f"\nin-process check: {per_call * 1e6:.0f} us per call")
+    assert verdicts[:6] == [True] * 5 + [False] and per_call < 1e-3
+
+
+EQUIVALENT = [  # (gold, answer)
+    # fractions, decimals, prefixes, degrees, percent, units, thousands separators
+    (r"\frac{1}{2}", "1/2"), (r"\frac{1}{2}", r"\dfrac{1}{2}"), (r"\frac{1}{2}", r"\tfrac12"),
+    (r"\frac 34", "0.75"), ("0.5", r"\frac{1}{2}"), ("5", "x = 5"), ("x=5", "5"), ("5", "k=5"),
+    (r"30^\circ", "30"), ("30", r"30^{\circ}"), (r"50\%", "50"), ("50", r"50\%"), (r"15\mbox{ cm}^2", "15"),
+    (r"5.4 \text{ cents}", "5.4"), ("12", "12 inches"),
+    ("1,000", "1000"), ("1000", "1,000"), (r"10,\!080", "10080"), (r"\$32,\!348", "32348"),
+    # sets, lists, plus-minus, intervals, tuples, matrices
+    (r"\{1,2\}", r"\{2,1\}"), ("3, 5, 7", "7,5,3"), ("-2,1", r"\{1, -2\}"),
+    (r"1 \pm \sqrt{19}", r"1-\sqrt{19}, 1+\sqrt{19}"), (r"\{1\pm\sqrt{5},-2\}", r"-2, 1+\sqrt5, 1-\sqrt5"),
+    ("(3,4]", r"\left(3, 4\right]"), (r"x \in [-2,7]", "[-2, 7]"),
+    (r"(-\infty, 2) \cup (3, \infty)", r"(3,\infty)\cup(-\infty,2)"),
+    (r"\left( 3, \frac{\pi}{2} \right)", r"(3, \pi/2)"), ("(6,31,-1)", "(6, 31, -1)"),
+    (r"\begin{pmatrix} 1/5 \\ -18/5 \end{pmatrix}", r"\begin{bmatrix}0.2\\-\frac{18}{5}\end{bmatrix}"),
+    # roots, pi, unsimplified expressions, functions, complex numbers, equations
+    (r"\sqrt{8}", r"2\sqrt{2}"), (r"11\sqrt2", r"\sqrt{242}"), (r"\frac{\sqrt{3}}{3}", r"\frac{1}{\sqrt{3}}"),
+    (r"\pi", r"\frac{2\pi}{2}"), (r"-\frac{\pi}{6}", r"-\pi/6"), (r"18+2\pi", r"2\pi+18"),
+    (r"\frac{20000}{\pi}", r"20000/\pi"), ("x^2+2x+1", "(x+1)^2"), ("(a+5)(b+2)", "ab+2a+5b+10"),
+    ("2k+2", "2(k+1)"), (r"\frac{11+9a}{20}", r"\frac{11}{20}+\frac{9a}{20}"),
+    (r"\cot x", r"\frac{\cos x}{\sin x}"), ("-2 + 7i", "7i - 2"), ("2^{10}", "1024"), (r"\log_2 8", "3"),
+    ("5!", "120"), (r"\binom{5}{2}", "10"), (r"1\frac{4}{5}", r"\frac{9}{5}"), (r"137 \frac{1}{2}", "137.5"),
+    (".0000672", r"6.72\times10^{-5}"), ("y = 2x + 3", "y=3+2x"), ("5x - 7y + 11z + 4 = 0", "-10x+14y-22z-8=0"),
+    # words, multiple choice, base-n
+    (r"\text{(B)}", "B"), (r"\text{east}", "East"), ("204_5", "204_{5}"),
+]
+
+NEAR_MISSES = [  # (gold, answer)
+    ("72", "73"), ("72", "-72"), (r"\frac{1}{2}", r"\frac{1}{3}"), (r"\frac{3}{4}", r"\frac{4}{3}"),
+    ("0.5", "0.51"), ("5", "x = 6"), (r"30^\circ", r"\frac{\pi}{6}"), ("(1,2)", "(2,1)"), ("(15,-29)", "(15,29)"),
+    ("(3,4]", "(3,4)"),
+    ("[1,2)", "[1,2]"), (r"(-\infty, 0]", r"(-\infty, 0)"), (r"\{1,2\}", r"\{1,3\}"), (r"\{1,2\}", r"\{1,2,3\}"),
+    (r"1 \pm \sqrt{19}", r"1+\sqrt{19}"), ("(1,2)", "1,2"), (r"\sqrt{8}", r"3\sqrt{2}"), (r"\pi", "3.14"),
+    (r"12\pi", "12"), ("x^2+2x+1", "(x-1)^2"), ("2k+2", "2k+1"), (r"\frac{x+1}{2}", r"\frac{x}{2}+1"),
+    ("-2 + 7i", "-2 - 7i"), ("3R^2", "3r^2"), ("204_5", "54"), (r"\text{(C)}", "D"), (r"\text{Evelyn}", "Navin"),
+    (r"\text{east}", "e a s t"), ("5x - 7y + 11z + 4 = 0", "5x - 7y + 11z + 5 = 0"),
+    (r"\begin{pmatrix} -1 & 0 \\ 0 & -1 \end{pmatrix}", r"\begin{pmatrix} -1 & 0 \\ 0 & 1 \end{pmatrix}"),
+]
+
+
+def test_verify_equivalent_rewrites():
+    responses = [f"The answer is $\\boxed{{{answer}}}$." for _, answer in EQUIVALENT]
+    verdicts = score_batch(responses, [gold for gold, _ in EQUIVALENT])
+    assert [pair for pair, ok in zip(EQUIVALENT, verdicts) if not ok] == []
+
+
+def test_verify_near_misses_are_false():
+    responses = [f"The answer is $\\boxed{{{answer}}}$." for _, answer in NEAR_MISSES]
+    verdicts = score_batch(responses, [gold for gold, _ in NEAR_MISSES])
+    assert [pair for pair, ok in zip(NEAR_MISSES, verdicts) if ok] == []
+
+
+def test_verify_extraction():
+    cases = {
+        r"<think>maybe \boxed{3}</think> so $\boxed{\frac{1}{2}}$": r"\frac{1}{2}",   # after </think>
+        r"no think block: $\boxed{\frac{\sqrt{3}}{2}}$ done": r"\frac{\sqrt{3}}{2}",  # nested braces
+        r"first \boxed{1}, then \boxed{2}": "2",                                      # last box wins
+        r"\boxed 5 is it": "5", r"\fbox{7}": "7", r"\boxed{\{1,2\}}": r"\{1,2\}",
+        r"so the answer is $\frac{1}{2}$.": r"\frac{1}{2}", "Final Answer: 42": "42", "Answer: 7": "7",
+        "Final Answer: The final answer is $5$. I hope it is correct.": "5",
+        "Janet makes $18 a day.\n#### 18": "18", "<think>\nok\n</think>\n42": "42",
+        "<think>\nthe answer is \\boxed{7}": None,                     # interrupted while thinking
+        r"\boxed{\frac{1}{2}": None, "": None, "a\nlong\nanswer without a box": None,
+    }
+    for response, answer in cases.items():
+        assert extract_answer(response) == answer, response
+    assert extract_answer(None) is None and extract_answer(b"\\boxed{1}") is None
+
+
+def test_verify_interrupted_response_scores_false():
+    assert not score("<think>\nI think it is \\boxed{5}, let me check", "5")
+    assert score("<think>\nI think it is \\boxed{5}\n</think>\n\\boxed{5}", "5")
+
+
+def test_verify_pathological_inputs_return_false_in_time():
+    boxed = [r"9^{9^{9^9}}", r"(10^{9999})^{9999}", "100000!", r"10^{10^{10}}", r"e^{e^{e^{e^{10}}}}",
+             r"\sin(2^{10000})", r"(x+1)^{10000}-(x+1)^{9999}", r"\binom{100000}{50000}",
+             "(" * 5000 + "x" + ")" * 5000, "1" * (1 << 20), "-" * 901 + "5", "\ud800\udfff", "\x00\x01",
+             r"\frac{1}{0}", "0^{-1}", "x^x^x^x", r"\frac{}{}",
+             r"\begin{pmatrix}\end{pmatrix}", r"\left( \right]", ")("]
+    inputs = [f"\\boxed{{{b}}}" for b in boxed] + ["\\boxed{" + "{" * 100_000, "x" * (1 << 20)]
+    for response in inputs:
+        start = time.perf_counter()
+        verdict = score(response, "5", timeout=2.0)
+        assert verdict is False and time.perf_counter() - start < 3.0, response[:40]
+    for response, gold in ((None, "5"), (5, "5"), ("\\boxed{5}", None), ("\\boxed{5}", "")):
+        assert score(response, gold) is False
+    rng = random.Random(0)                                     # random LaTeX soup
+    pieces = [r"\frac", "{", "}", "(", ")", "]", r"\sqrt", "^", "_", "x", "9", ".", ",", r"\pi", r"\pm",
+              r"\{", "=", "-", r"\text{", r"\left(", r"\cup", "!", "|", r"\sin", r"\begin{pmatrix}", "&", r"\\",
+              "%", "\udfff"]
+    soup = ["\\boxed{" + "".join(rng.choices(pieces, k=rng.randint(1, 30))) + "}" for _ in range(300)]
+    start = time.perf_counter()
+    verdicts = score_batch(soup, ["".join(rng.choices(pieces, k=3)) for _ in soup], timeout=2.0)
+    assert all(isinstance(v, bool) for v in verdicts) and time.perf_counter() - start < 20
+
+
+def test_verify_slow_sympy_is_cut_off_and_the_worker_replaced():
+    start = time.perf_counter()
+    assert score(r"\boxed{\sqrt{9999!+1}}", "5", timeout=1.0) is False    # sympy factors 35k digits
+    assert time.perf_counter() - start < 2.0
+    assert score(r"\boxed{2\sqrt{2}}", r"\sqrt{8}") is True                 # a fresh worker answers
+
+
+def test_verify_score_works_from_threads():
+    results = {}
+    pairs = [(r"\boxed{2\sqrt{2}}", r"\sqrt{8}"), (r"\boxed{(2,1)}", "(1,2)"), (r"\boxed{72}", "72")]
+    threads = [threading.Thread(target=lambda i=i: results.update({i: score(*pairs[i % 3])}))
+               for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == {i: [True, False, True][i % 3] for i in range(6)}
+
+
+def test_verify_score_batch_equals_score_item_by_item():
+    rows = _jsonl(FIXTURES / "verify_pairs.jsonl")[1:][::7][:200]
+    responses, golds = [r["response"] for r in rows], [r["gold"] for r in rows]
+    batch = score_batch(responses, golds, workers=2)
+    assert batch == [score(response, gold) for response, gold in zip(responses, golds)]
+    assert len(batch) == 200 and 0 < sum(batch) < len(batch)
+
+
+def test_verify_agrees_with_math_verify():
+    """fixtures/verify_pairs.jsonl: 1548 (gold, response) pairs from MATH-500 answers (rewrites,
+    sympy.latex forms, near misses, another problem's answer), 50 hand-written pairs and GSM8K
+    test answers, with HF math-verify 0.9.0's verdict as `reference`
+    (verify(parse('$\\boxed{' + gold + '}$'), parse(response))) and a `note` where that verdict
+    is wrong. math-verify was installed only to build the file; the building script is not
+    kept. A disagreement counts as agreement only when the row's note explains it."""
+    rows = _jsonl(FIXTURES / "verify_pairs.jsonl")[1:]
+    verdicts = score_batch([r["response"] for r in rows], [r["gold"] for r in rows])
+    disagreements = [(r, v) for r, v in zip(rows, verdicts) if v != r["reference"]]
+    unexplained = [r for r, _ in disagreements if not r.get("note")]
+    print(f"\nagreement with math-verify: {1 - len(disagreements) / len(rows):.4f} raw, "
+          f"{1 - len(unexplained) / len(rows):.4f} counting noted cases ({len(rows)} pairs)")
+    for r, v in disagreements:
+        print(f"  ours {v}, math-verify {r['reference']}: gold {r['gold']!r}, response {r['response'][-60:]!r}"
+              f"{' | note: ' + r['note'] if r.get('note') else ''}")
+    assert 1 - len(unexplained) / len(rows) >= 0.99
+
+# =============================================================================
+# fit.py
+
+# Published ScaleRL fits (SCALERL.md section 1): C_mid (GB200 GPU-hours), B, A
+PUBLISHED = {
+    "8B batch 768": (2542, 1.92, 0.610),
+    "8 generations": (2542, 2.44, 0.585),
+    "MoE 17Bx16": (4242, 1.65, 0.710),
+    "batch 2048": (10909, 1.70, 0.645),
+}
+R0 = 0.38
+
+
+def fit_curve(C_mid, B, A, seed=0, noise=0.003, n=61, span=4.0):
+    """Eval points of a published curve: C from 0 to span * C_mid (N,), R with seeded noise."""
+    C = np.linspace(0.0, span * C_mid, n)
+    R = fit.sigmoid(C, A, B, C_mid, R0) + np.random.default_rng(seed).normal(0, noise, n)
+    R[0] = R0
+    return C, R
+
+
+def write_run(run_dir, C, R, lines=None):
+    """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s)."""
+    os.makedirs(run_dir, exist_ok=True)
+    recs = [{"kind": "config", "loss": "cispo", "batch": 8}]
+    for step, (c, r) in enumerate(zip(C, R)):
+        recs.append({"kind": "train", "step": step, "compute_s": c, "flops": c * 1e9,
+                     "reward": 2 * r - 1, "pass_rate": r})
+        recs.append({"kind": "eval", "step": step, "compute_s": c, "flops": c * 1e9,
+                     "pass_rate": r, "pass_rate/math": r, "n": 800})
+    text = lines if lines is not None else [json.dumps(x) for x in recs]
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(text) + "\n")
+
+
+def test_fit_recovers_published_curves_and_extrapolates_from_half():
+    for k, (C_mid, B, A) in enumerate(PUBLISHED.values()):
+        C, R = fit_curve(C_mid, B, A, seed=k)
+        f = fit.fit_sigmoid(C, R)
+        assert abs(f["A"] - A) < 0.01, (A, f)
+        assert f["R0"] == R0 and abs(f["B"] - B) < 0.25 and abs(np.log(f["C_mid"] / C_mid)) < 0.1
+        half = C <= C[-1] / 2
+        h = fit.fit_sigmoid(C[half], R[half])
+        pred = fit.sigmoid(C[-1], h["A"], h["B"], h["C_mid"], h["R0"])
+        assert abs(pred - fit.sigmoid(C[-1], A, B, C_mid, R0)) < 0.02, (A, h)
+
+
+def test_fit_noiseless_curve_is_exact():
+    C_mid, B, A = PUBLISHED["8B batch 768"]
+    C, R = fit_curve(C_mid, B, A, noise=0.0)
+    f = fit.fit_sigmoid(C, R)
+    np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
+
+
+def test_fit_units_do_not_matter():
+    C, R = fit_curve(*PUBLISHED["MoE 17Bx16"], seed=3)
+    base = fit.fit_sigmoid(C, R)
+    for scale in (1e3, 1e15):                       # GPU-hours -> "seconds", -> "FLOPs"
+        f = fit.fit_sigmoid(C * scale, R)
+        assert abs(f["A"] - base["A"]) < 1e-3 and abs(f["B"] - base["B"]) < 1e-2
+        assert abs(f["C_mid"] / (base["C_mid"] * scale) - 1) < 1e-2
+
+
+def test_fit_power_law_overpredicts_sigmoid_data():
+    # What is true on sigmoid data (checked on every published row): fitted on the first half,
+    # the power law's ceiling A lands far above the sigmoid's (often on the 1.0 cap) and its
+    # SSE is >10x worse; with the early transient dropped (fit_from = 1.5k GPU-hours, as the
+    # paper) it over-predicts the final pass rate, by more than the sigmoid misses it (where
+    # 1.5k is a small part of the rise, batch 2048 with C_mid 10.9k, it shrinks to ~0.001).
+    for k, name in enumerate(["8B batch 768", "8 generations"]):
+        C_mid, B, A = PUBLISHED[name]
+        C, R = fit_curve(C_mid, B, A, seed=k)
+        half = C <= C[-1] / 2
+        sig, pow_ = fit.fit_sigmoid(C[half], R[half]), fit.fit_power_law(C[half], R[half])
+        assert pow_["sse"] > 10 * sig["sse"] and pow_["A"] > sig["A"] + 0.2
+        sig = fit.fit_sigmoid(C[half], R[half], fit_from=1500)
+        pow_ = fit.fit_power_law(C[half], R[half], fit_from=1500)
+        true_end = fit.sigmoid(C[-1], A, B, C_mid, R0)
+        err_sig = fit.sigmoid(C[-1], sig["A"], sig["B"], sig["C_mid"], sig["R0"]) - true_end
+        err_pow = fit.power_law(C[-1], pow_["A"], pow_["B"], pow_["D"]) - true_end
+        assert err_pow > 0.01 and err_pow > abs(err_sig), (name, err_pow, err_sig)
+
+
+def test_fit_linear_view_has_slope_B():
+    C, R = fit_curve(*PUBLISHED["batch 2048"], seed=1)
+    f = fit.fit_sigmoid(C, R)
+    Cs = np.geomspace(C[1], C[-1], 30)
+    logF = fit.linear_view(fit.sigmoid(Cs, f["A"], f["B"], f["C_mid"], f["R0"]),
+                           f["A"], f["B"], f["C_mid"], f["R0"])
+    slope, intercept = np.polyfit(np.log(Cs), logF, 1)
+    assert abs(slope - f["B"]) < 1e-6 and abs(intercept) < 1e-4
+    above_A = fit.linear_view(np.array([f["A"] + 0.01]), f["A"], f["B"], f["C_mid"], f["R0"])
+    assert np.isnan(above_A[0])
+
+
+def test_fit_compare_noise_and_different():
+    C, Ra = fit_curve(3000, 1.6, 0.600, seed=1)
+    _, Rb = fit_curve(3000, 2.0, 0.610, seed=2)
+    _, Rc = fit_curve(3000, 1.6, 0.650, seed=3)
+    fa, fb, fc = (fit.fit_sigmoid(C, R) for R in (Ra, Rb, Rc))
+    v = fit.compare(fa, fb, (C, Ra), (C, Rb))
+    assert v["branch"] == "noise" and v["better"] == "b"
+    assert abs(v["A_shared"] - (fa["A"] + fb["A"]) / 2) < 1e-12 and v["B_b"] > v["B_a"]
+    v = fit.compare(fa, fc, (C, Ra), (C, Rc))
+    assert v["branch"] == "different" and v["better"] == "b" and abs(v["dA"] - 0.05) < 0.015
+
+
+def test_fit_bootstrap_and_predict_final():
+    C, R = fit_curve(*PUBLISHED["8 generations"], seed=4)
+    spread = fit.bootstrap_A(C, R, n=8, seed=0)
+    assert 0 < spread["std"] < 0.01 and spread["lo"] <= spread["mean"] <= spread["hi"]
+    assert abs(spread["mean"] - 0.585) < 0.01
+    assert fit.predict_final(C[:4], R[:4], C[-1]) is None       # R0 + 3 points: too few
+    p = fit.predict_final(C[:31], R[:31], C[-1])
+    assert abs(p["R_end"] - fit.sigmoid(C[-1], 0.585, 2.44, 2542, R0)) < 0.02
+
+
+def test_fit_cli_table_and_pngs(tmp_path, capsys):
+    C = np.linspace(0, 1200, 25)                        # CPU-seconds
+    write_run(tmp_path / "cispo", C, fit.sigmoid(C, 0.60, 1.8, 300, 0.30))
+    write_run(tmp_path / "grpo", C, fit.sigmoid(C, 0.61, 1.4, 400, 0.30))
+    png = tmp_path / "out" / "curve.png"
+    os.makedirs(png.parent)
+    fit.main([str(tmp_path / "cispo"), str(tmp_path / "grpo"), "--fit_until", "600",
+              "--extrapolate_to", "5000", "--png", str(png)])
+    out = capsys.readouterr().out
+    assert "cispo" in out and "grpo" in out and "C_mid" in out and "R power" in out
+    assert "0.600" in out and "A within noise" in out and "a is more efficient" in out
+    for p in (png, tmp_path / "out" / "curve_linear.png"):
+        data = p.read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    fit.main([str(tmp_path / "cispo"), "--compute", "flops", "--metric", "pass_rate/math"])
+    assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
+
+
+def test_fit_errors(tmp_path):
+    write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
+    with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):
+        fit.main([str(tmp_path / "short"), "--png", str(tmp_path / "x.png")])
+    good = json.dumps({"kind": "eval", "step": 0, "compute_s": 0.0, "pass_rate": 0.2})
+    lines = [good, good.replace("0.0", "1.0"), '{"kind": "eval",']
+    write_run(tmp_path / "bad", [], [], lines=lines)
+    with pytest.raises(ValueError, match=r"bad.metrics\.jsonl, line 3"):
+        fit.load_run(tmp_path / "bad")
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        fit.load_run(tmp_path / "missing")
+    C, R = fit_curve(3000, 1.6, 0.6)
+    with pytest.raises(ValueError, match="NaN"):
+        fit.fit_sigmoid(C, np.where(C > 5000, np.nan, R))
+    with pytest.raises(ValueError, match="strictly increase"):
+        fit.fit_sigmoid(C[::-1], R)
+    with pytest.raises(ValueError, match="no point at C = 0"):
+        fit.fit_sigmoid(C[1:], R[1:])

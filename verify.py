@@ -1,0 +1,644 @@
+"""
+verify.py: the reward checker. Does a response's final answer equal the gold answer?
+
+Implements the reward of SCALERL.md section 2: "+1 for a verified-correct final answer, -1
+otherwise", checked by "a symbolic checker (sympy) on the final answer" (section 5). This
+file returns the bool; the caller maps it to +1 / -1.
+
+Readings chosen here:
+- The final answer is the last \\boxed{...} (also \\fbox{...} and `\\boxed 5`) after the
+  last </think>; without a think block the whole text is searched. A <think> that never
+  closes means the response was cut off before it answered: no answer, score False.
+- Without a box: the rest of the line after the last "####", "Final Answer:", "Answer:" or
+  "the answer is"; else the text itself when it is one short line (`</think> 42`).
+- Equal means one of: the same string after normalization (\\dfrac -> \\frac, \\left/\\right,
+  spacing, $, units in \\text{}, degrees ^\\circ, percent signs, thousands separators "1,000",
+  a leading "x =" or "x \\in", a trailing period); the same plain number, exactly (0.5 = 1/2
+  = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value, exact for
+  rationals and to 1e-9 relative otherwise (expressions in variables are compared at three
+  rational points; i is the imaginary unit, e is Euler's number). So 50\\% counts as 50 (not
+  0.5) and 30^\\circ as 30 (not \\pi/6). A word of 2+ letters (east, \\text{Evelyn}) is compared
+  as a word, case-insensitively, not as a product of variables.
+- Shapes: "(a, b)" and "[a, b)" are ordered tuples/intervals whose brackets must match;
+  "\\{a, b\\}", a bare list "a, b" and "a \\pm b" are unordered sets; \\cup joins intervals in
+  any order; matrices compare entry by entry; an equation "lhs = rhs" equals a nonzero
+  multiple of itself; base-n numbers like 204_5 match only as strings.
+- The LaTeX reader is the small parser below (no antlr, no latex2sympy). It follows TeX for
+  macro arguments (\\frac34 = 3/4, \\sqrt2) but reads exponent digits whole (2^10 = 1024).
+
+Never raises and never hangs on any string. Plain numbers and string matches are decided in
+the calling process in microseconds. Everything else goes to a persistent worker process (a
+fresh interpreter running this file, as multiprocessing's 'spawn' would start, never a fork
+of a caller that may hold torch threads) that must answer within `timeout` seconds or it is
+killed and replaced and the answer counts False. No signals, so it works from any thread.
+Workers start on first need (~1 s), stay for later calls, and exit when the caller does
+(their stdin closes). Answers sympy could choke on count False before sympy sees them: over
+1000 characters, nesting over 50 deep, exponents or factorials over 10^4, powers over ~10^5
+digits. Unix only (select.poll, resource).
+
+Usage:
+    from verify import score, score_batch
+    score("<think>...</think> The area is $\\boxed{\\frac{1}{2}}$.", "0.5")    # True
+    score_batch(responses, golds, workers=8)                                  # list of bools
+    python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'         # prints True
+"""
+import contextlib
+import json
+import os
+import re
+import resource
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+from itertools import accumulate
+
+import sympy
+
+TIMEOUT = 5.0              # seconds a sympy check may take before the answer counts False
+MAX_ANSWER_CHARS = 1000    # longer final answers count False
+MAX_DEPTH = 50             # deeper bracket nesting counts False
+MAX_EXPONENT = 10_000      # larger |exponents| and factorial arguments count False
+MAX_POWER_BITS = 330_000   # number powers above ~10^5 digits count False
+WORKER_START_TIMEOUT = 120.0      # seconds for a worker to import sympy and say "ready"
+WORKER_MEMORY = 4 << 30           # address-space limit of a worker process, bytes
+
+# -----------------------------------------------------------------------------
+# Finding the final answer
+
+_BOX = re.compile(r"\\(?:boxed|fbox)")
+_ANSWER_KEY = re.compile(r"####|final answer\s*(?:is)?\s*:?|the answer is\s*:?|\banswer\s*:", re.IGNORECASE)
+
+
+def extract_answer(response):
+    """The final answer of a response as a string, or None when it gave none."""
+    if not isinstance(response, str):
+        return None
+    if "</think>" in response:
+        response = response.rsplit("</think>", 1)[1]
+    elif "<think>" in response:
+        return None                      # cut off while thinking: it never answered
+    if _BOX.search(response):
+        return last_boxed(response)
+    keys = list(_ANSWER_KEY.finditer(response))
+    if keys:
+        line = response[keys[-1].end():].split("\n", 1)[0]
+        return _strip_answer(re.split(r"\.\s", line, maxsplit=1)[0])
+    text = response.strip()
+    if text and "\n" not in text and len(text) <= 100:
+        return _strip_answer(text)
+    return None
+
+
+def last_boxed(text):
+    """The argument of the last \\boxed{} (or \\fbox{}) in text, or None (also used by data.py)."""
+    boxes = [m.end() for m in _BOX.finditer(text)]
+    return _box_content(text, boxes[-1]) if boxes else None
+
+
+def _box_content(text, start):
+    """The argument of the \\boxed ending at `start`: a {...} group or one token."""
+    rest = text[start:start + MAX_ANSWER_CHARS + 10].lstrip()
+    if not rest.startswith("{"):
+        token = re.match(r"[^\s$]+", rest)                    # \boxed 5
+        return token.group(0) if token else None
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            return rest[1:i].strip() or None
+    return None                          # never closed (or too long to check)
+
+
+def _strip_answer(text):
+    """Drop the math delimiters and the full stop around an answer written inline."""
+    text = text.strip().rstrip(".").strip()
+    for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if text.startswith(left) and text.endswith(right) and len(text) > len(left) + len(right):
+            text = text[len(left):-len(right)]
+    return text.strip() or None
+
+# -----------------------------------------------------------------------------
+# String normalization and plain numbers (the fast in-process path)
+
+_REPLACE = [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\dbinom", "\\binom"),
+            ("\\tbinom", "\\binom"), ("\\displaystyle", ""), ("\\$", ""), ("$", ""),
+            ("\\%", ""), ("%", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\circ", ""),
+            ("\\degree", ""), ("°", ""), ("\\lbrace", "\\{"), ("\\rbrace", "\\}"),
+            ("\\leq", "\\le"), ("\\geq", "\\ge"), ("−", "-"), ("π", "\\pi"), ("∞", "\\infty")]
+_SIZING = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])")
+_SPACING = re.compile(r"(?<!\\)\\[,;:! ]|~|\\q?quad(?![a-zA-Z])")
+_TEXT = re.compile(r"\\(text\w*|mbox|math\w+|operatorname)\s*\{([^{}]*)\}(\^\{?\d\}?)?")
+_UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +[a-zA-Z]{2,}(?: +[a-zA-Z]+)*")   # "18 dollars"
+_VAR_PREFIX = re.compile(r"(?:[a-zA-Z](?:_\w)?|\\[a-z]+)(?:=|\\in(?![a-zA-Z]))")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_DECIMAL = re.compile(r"-?(?:\d+\.?\d*|\.\d+|\d+/\d+)")             # 12, -3.5, .25, 3/4
+_PM = re.compile(r"\\(?:pm|mp)(?![a-zA-Z])")
+_FRACTION = re.compile(r"(-?)(\d+)?\\frac\{(\d+)\}\{(\d+)\}")        # \frac{3}{4}, 1\frac{4}{5}
+
+
+def normalize(answer):
+    """A canonical string form of an answer: equal strings mean equal answers."""
+    s = answer.strip()
+    for old, new in _REPLACE:
+        s = s.replace(old, new)
+    s = _SPACING.sub(" ", _SIZING.sub("", s))
+    s = _drop_text(s)
+    s = re.sub(r"\s+", " ", s).strip().removesuffix(".")
+    m = _UNIT_WORDS.fullmatch(s)
+    s = m.group(1) if m else s
+    s = re.sub(r"(?<![a-zA-Z]) | (?![a-zA-Z])", "", s)         # keep only "\cot x"-like spaces
+    s = re.sub(r"\\(frac|sqrt) ?([0-9a-zA-Z])", r"\\\1{\2}", s)    # \frac34 -> \frac{3}4
+    s = re.sub(r"\\frac(\{[^{}]*\}) ?([0-9a-zA-Z])", r"\\frac\1{\2}", s)   # -> \frac{3}{4}
+    s = re.sub(r"_\{(\w)\}", r"_\1", s)                        # 4210_{5} -> 4210_5
+    m = _VAR_PREFIX.match(s)
+    if m and "=" not in s[m.end():]:
+        s = s[m.end():]                                        # x=5 -> 5, x\in[1,2] -> [1,2]
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    choice = re.fullmatch(r"\(([A-E])\)", s)                   # multiple choice (B) -> B
+    return choice.group(1) if choice else s
+
+
+def _drop_text(s):
+    """\\text{Evelyn} -> Evelyn, 5\\text{ cm}^2 -> 5, 1 \\text{and} 2 -> 1,2, \\mathbf{v} -> v."""
+    whole = _TEXT.fullmatch(s.strip())
+    if whole and not whole.group(3):
+        return whole.group(2).strip()
+
+    def replace(m):
+        command, inner, power = m.groups()
+        if command in ("text", "mbox", "textrm", "textnormal") and re.fullmatch(r"[a-zA-Z .]*", inner):
+            return "," if inner.strip() in ("and", "or") else ""   # a unit or a filler word
+        return inner + (power or "")
+    return _TEXT.sub(replace, s)
+
+
+def as_number(s):
+    """The exact value of a plain number (12, -3.5, .25, 3/4, \\frac{3}{4}, 1\\frac{4}{5}) or None."""
+    m = _FRACTION.fullmatch(s)
+    with contextlib.suppress(ZeroDivisionError):
+        if _DECIMAL.fullmatch(s):
+            return Fraction(s)
+        if m:
+            sign, whole, numerator, denominator = m.groups()
+            value = int(whole or 0) + Fraction(int(numerator), int(denominator))
+            return -value if sign else value
+    return None
+
+
+def quick_check(answer, gold):
+    """True or False when strings or plain numbers decide it, None when sympy must."""
+    if len(answer) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return False
+    a, b = normalize(answer), normalize(gold)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    if (len(a) > 1 and a.isalpha()) or (len(b) > 1 and b.isalpha()):
+        return a.lower() == b.lower()          # words (east, Evelyn) are not products e*a*s*t
+    x, y = as_number(a), as_number(b)
+    if x is not None and y is not None:
+        return x == y
+    return None
+
+# -----------------------------------------------------------------------------
+# The full check: answer shapes, then values with sympy (runs in a worker process)
+
+
+def equivalent(answer, gold):
+    """Whether two answers are equal, sympy included; False for what it cannot read.
+    Can be slow on purpose-built inputs: score() runs it in a worker under a time limit."""
+    quick = quick_check(answer, gold)
+    if quick is not None:
+        return quick
+    a, b = normalize(answer), normalize(gold)
+    if max(_depths(a) + _depths(b)) > MAX_DEPTH:
+        return False
+    try:
+        return _same(_shape(a), _shape(b))
+    except Exception:          # unreadable LaTeX, undefined values, RecursionError, ...
+        return False
+
+
+def _depths(s):
+    """The bracket depth after each character of s: (a)(b) -> 1 1 0 1 1 0."""
+    return list(accumulate((ch in "([{") - (ch in ")]}") for ch in s))
+
+
+def _shape(s):
+    """The outer shape of a normalized answer: ('seq', brackets, items), ('set', items),
+    ('eq', lhs, rhs) or ('value', s). Matrices are a 'matrix' seq of 'row' seqs."""
+    m = re.fullmatch(r"\\begin\{[pbvB]?matrix\}(.*)\\end\{[pbvB]?matrix\}", s)
+    if m:
+        rows = [row.split("&") for row in m.group(1).split("\\\\") if row]
+        return ("seq", "matrix", [("seq", "row", [("value", c) for c in row]) for row in rows])
+    unions = _split_top(s, "\\cup")
+    if len(unions) > 1:
+        return ("set", [_shape(part) for part in unions])
+    if s.startswith("\\{") and s.endswith("\\}"):
+        return ("set", [_shape(x) for item in _split_top(s[2:-2], ",") for x in _expand_pm(item)])
+    if s[:1] in ("(", "[") and s[-1:] in (")", "]") and 0 not in _depths(s)[:-1]:
+        items = _split_top(s[1:-1], ",")
+        if len(items) > 1:
+            return ("seq", s[0] + s[-1], [_shape(item) for item in items])
+    items = [x for item in _split_top(s, ",") for x in _expand_pm(item)]
+    if len(items) > 1:
+        return ("set", [_shape(item) for item in items])
+    sides = _split_top(s, "=")
+    if len(sides) == 2:
+        return ("eq", sides[0], sides[1])
+    return ("value", s)
+
+
+def _split_top(s, sep):
+    """Split s at the occurrences of sep that are outside all brackets."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        if s[i] in "([{":
+            depth += 1
+        elif s[i] in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            start = i = i + len(sep)
+            continue
+        i += 1
+    return parts + [s[start:]]
+
+
+def _expand_pm(s):
+    """1\\pm\\sqrt{5} -> [1+\\sqrt{5}, 1-\\sqrt{5}], for up to three \\pm (or \\mp)."""
+    signs = list(_PM.finditer(s))
+    if not signs or len(signs) > 3:
+        return [s]
+    m = signs[0]
+    head, tail = s[:m.start()], s[m.end():]
+    return _expand_pm(head + "+" + tail) + _expand_pm(head + "-" + tail)
+
+
+def _same(x, y):
+    """Compare two shapes from _shape()."""
+    if x[0] != y[0]:
+        return False
+    if x[0] == "value":
+        return _same_value(x[1], y[1])
+    if x[0] == "eq":
+        return _same_equation(x, y)
+    if x[0] == "seq":
+        return x[1] == y[1] and len(x[2]) == len(y[2]) and all(map(_same, x[2], y[2]))
+    unmatched = list(y[1])                         # sets: pair every item with an equal one
+    if len(x[1]) != len(unmatched):
+        return False
+    for item in x[1]:
+        match = next((j for j, other in enumerate(unmatched) if _same(item, other)), None)
+        if match is None:
+            return False
+        unmatched.pop(match)
+    return True
+
+
+def _same_value(a, b):
+    """Two normalized scalars: same string or same sympy value."""
+    if a == b:
+        return True
+    u, v = to_sympy(a), to_sympy(b)
+    if u == v:
+        return True
+    if (u.is_Rational and v.is_Rational) or any(e.has(*_INFINITE) for e in (u, v)):
+        return False
+    symbols = sorted(u.free_symbols | v.free_symbols, key=str)
+    return all(map(_close, _values(u, symbols), _values(v, symbols)))
+
+
+def _same_equation(x, y):
+    """lhs1 = rhs1 and lhs2 = rhs2 are the same when lhs - rhs are nonzero multiples."""
+    d1 = to_sympy(x[1]) - to_sympy(x[2])
+    d2 = to_sympy(y[1]) - to_sympy(y[2])
+    symbols = sorted(d1.free_symbols | d2.free_symbols, key=str)
+    pairs = list(zip(_values(d1, symbols), _values(d2, symbols)))
+    if any(q == 0 for _, q in pairs) or pairs[0][0] == 0:
+        return False
+    return all(_close(p / q, pairs[0][0] / pairs[0][1]) for p, q in pairs)
+
+
+def _values(expr, symbols):
+    """expr at three fixed rational points (one if it has no symbols), as 30-digit numbers."""
+    values = []
+    for point in range(3 if symbols else 1):
+        subs = {s: sympy.Rational(100 + 37 * (3 * k + point), 97) for k, s in enumerate(symbols)}
+        value = expr.subs(subs).evalf(30)
+        if not (value.is_number and value.is_finite):
+            raise ValueError(f"{expr} is not a finite number at {subs}")
+        values.append(value)
+    return values
+
+
+def _close(u, v):
+    """Equal to 1e-9 relative (sympy floats: no overflow at 10^400)."""
+    return bool(abs(u - v) <= 1e-9 * max(abs(u), abs(v)) + 1e-25)
+
+# -----------------------------------------------------------------------------
+# A small LaTeX-to-sympy reader: recursive descent over a token stack
+
+
+_TOKEN = re.compile(r"\\[a-zA-Z]+|\\.|[a-zA-Z]_(?:\{\w*\}|\w)|\d|\S")   # x_{12} is one token
+_INFINITE = (sympy.oo, -sympy.oo, sympy.zoo, sympy.nan)
+_CONSTANTS = {"\\pi": sympy.pi, "\\infty": sympy.oo}
+_FUNCTIONS = {"\\sin": sympy.sin, "\\cos": sympy.cos, "\\tan": sympy.tan, "\\cot": sympy.cot,
+              "\\sec": sympy.sec, "\\csc": sympy.csc, "\\arcsin": sympy.asin,
+              "\\arccos": sympy.acos, "\\arctan": sympy.atan, "\\sinh": sympy.sinh,
+              "\\cosh": sympy.cosh, "\\tanh": sympy.tanh, "\\exp": sympy.exp,
+              "\\ln": sympy.log, "\\log": sympy.log}
+_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa "
+             "lambda mu nu xi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta "
+             "Theta Lambda Xi Sigma Phi Psi Omega".split())
+_CLOSER = {"(": ")", "[": "]", "{": "}"}
+
+
+def to_sympy(s):
+    """The sympy value of a normalized LaTeX scalar; raises ValueError when unreadable."""
+    number = as_number(s)
+    if number is not None:
+        return sympy.Rational(number.numerator, number.denominator)
+    tokens = _TOKEN.findall(s)[::-1]            # a stack: tokens.pop() is the next token
+    value = _sum(tokens)
+    if tokens:
+        raise ValueError(f"unexpected {tokens[-1]!r} in {s!r}")
+    return value
+
+
+def _peek(tokens):
+    return tokens[-1] if tokens else None
+
+
+def _expect(tokens, token):
+    if _peek(tokens) != token:
+        raise ValueError(f"expected {token!r}")
+    tokens.pop()
+
+
+def _sum(tokens):
+    value = _product(tokens)
+    while _peek(tokens) in ("+", "-"):
+        sign = tokens.pop()
+        term = _product(tokens)
+        value = value + term if sign == "+" else value - term
+    return value
+
+
+def _product(tokens):
+    value = _signed(tokens)
+    while tokens:
+        if tokens[-1] in ("*", "\\cdot", "\\times"):
+            tokens.pop()
+            value = value * _signed(tokens)
+        elif tokens[-1] in ("/", "\\div"):
+            tokens.pop()
+            value = value / _signed(tokens)
+        elif _starts_atom(tokens[-1]):                   # implicit product: 2\sqrt{2}, 3x
+            value = value * _power(tokens)
+        else:
+            break
+    return value
+
+
+def _signed(tokens):
+    if _peek(tokens) in ("+", "-"):
+        sign = tokens.pop()
+        value = _signed(tokens)
+        return -value if sign == "-" else value
+    return _power(tokens)
+
+
+def _power(tokens):
+    value = _atom(tokens)
+    while _peek(tokens) == "!":
+        tokens.pop()
+        if not (value.is_Integer and 0 <= value <= MAX_EXPONENT):
+            raise ValueError("factorial of a non-integer or of a huge number")
+        value = sympy.factorial(value)
+    if _peek(tokens) == "^":
+        tokens.pop()
+        value = _checked_pow(value, _exponent(tokens))
+    return value
+
+
+def _exponent(tokens):
+    """What follows ^: a {...} group, a whole number (2^10), or one symbol; maybe negated."""
+    if _peek(tokens) == "-":
+        tokens.pop()
+        return -_exponent(tokens)
+    return _atom(tokens)
+
+
+def _checked_pow(base, exponent):
+    """base ** exponent, refusing ones too big to compute, like 9^{9^{9^9}}."""
+    if exponent.is_Number:
+        if abs(exponent) > MAX_EXPONENT:
+            raise ValueError("exponent too large")
+        if base.is_Rational and base not in (0, 1, -1):
+            bits = max(abs(base.p).bit_length(), base.q.bit_length())
+            if abs(exponent) * bits > MAX_POWER_BITS:
+                raise ValueError("power too large")
+    return base ** exponent
+
+
+def _arg(tokens):
+    """A TeX macro argument: a {...} group or a single token (\\frac34 = 3/4, \\sqrt2)."""
+    t = _peek(tokens)
+    if t is not None and t.isdigit():
+        return sympy.Integer(tokens.pop())
+    return _atom(tokens)
+
+
+def _is_symbol(t):
+    return (t[0].isalpha() and (len(t) == 1 or t[1] == "_")) or t[1:] in _GREEK
+
+
+def _starts_atom(t):
+    return (t.isdigit() or t in ("(", "{", ".", "\\frac", "\\sqrt", "\\binom")
+            or t in _FUNCTIONS or t in _CONSTANTS or _is_symbol(t))
+
+
+def _atom(tokens):
+    if not tokens:
+        raise ValueError("missing operand")
+    t = tokens.pop()
+    if t.isdigit() or t == ".":
+        while tokens and (tokens[-1].isdigit() or (tokens[-1] == "." and "." not in t)):
+            t += tokens.pop()
+        number = Fraction(t)
+        return sympy.Rational(number.numerator, number.denominator)
+    if t in _CLOSER:
+        value = _sum(tokens)
+        _expect(tokens, _CLOSER[t])
+        return value
+    if t == "|":
+        value = _sum(tokens)
+        _expect(tokens, "|")
+        return sympy.Abs(value)
+    if t == "\\frac":
+        return _arg(tokens) / _arg(tokens)
+    if t == "\\binom":
+        n, k = _arg(tokens), _arg(tokens)
+        if n.is_Number and abs(n) > MAX_EXPONENT:
+            raise ValueError("binomial of a huge number")
+        return sympy.binomial(n, k)
+    if t == "\\sqrt":
+        index = sympy.Integer(2)
+        if _peek(tokens) == "[":
+            tokens.pop()
+            index = _sum(tokens)
+            _expect(tokens, "]")
+        return sympy.root(_arg(tokens), index)
+    if t in _FUNCTIONS:
+        return _function(t, tokens)
+    if t in _CONSTANTS:
+        return _CONSTANTS[t]
+    if _is_symbol(t):                  # a variable (x, \\theta, a_1, x_{12}), or i or e
+        name = t.lstrip("\\").replace("{", "").replace("}", "")
+        return {"i": sympy.I, "e": sympy.E}.get(name, sympy.Symbol(name))
+    raise ValueError(f"cannot read {t!r}")
+
+
+def _function(name, tokens):
+    """\\sin x, \\sin(2x), \\sin^2 x, \\log_2 8, \\ln x."""
+    power = base = None
+    if _peek(tokens) == "^":
+        tokens.pop()
+        power = _exponent(tokens)
+    if name == "\\log" and _peek(tokens) == "_":
+        tokens.pop()
+        base = _arg(tokens)
+    argument = _power(tokens)
+    value = sympy.log(argument, base) if base is not None else _FUNCTIONS[name](argument)
+    return value if power is None else _checked_pow(value, power)
+
+
+# -----------------------------------------------------------------------------
+# Worker processes: sympy runs there, under a wall-clock limit, never in the caller
+
+_idle_workers = []             # started worker processes that nobody is using
+_workers_lock = threading.Lock()
+
+
+def _start_worker():
+    """Start `python verify.py --worker` and wait until it has imported sympy."""
+    worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, bufsize=0, start_new_session=True)
+    if _read_line(worker, WORKER_START_TIMEOUT) != b"ready":
+        worker.kill()
+        worker.wait()
+        raise RuntimeError("verify.py: the sympy worker process did not start")
+    return worker
+
+
+def _read_line(worker, timeout):
+    """The worker's next output line, or None if it takes over `timeout` s or dies."""
+    deadline = time.monotonic() + timeout
+    poller = select.poll()                 # not select.select: it fails on fds over 1023
+    poller.register(worker.stdout, select.POLLIN)
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            return None
+        chunk = os.read(worker.stdout.fileno(), 64)
+        if not chunk:
+            return None
+        data += chunk
+    return data.strip()
+
+
+def _ask_worker(answer, gold, timeout):
+    """equivalent(answer, gold) in an idle worker process; False after `timeout` seconds."""
+    with _workers_lock:
+        live = [w for w in _idle_workers if w.poll() is None]
+        worker = live.pop() if live else None
+        _idle_workers[:] = live
+    worker = worker or _start_worker()
+    try:
+        worker.stdin.write(json.dumps([answer, gold]).encode() + b"\n")
+        reply = _read_line(worker, timeout)
+    except OSError:
+        reply = None
+    if reply is None:                           # too slow, or it crashed: replace it
+        worker.kill()
+        worker.wait()
+        return False
+    with _workers_lock:
+        _idle_workers.append(worker)
+    return reply == b"1"
+
+
+def _forget_workers_after_fork():
+    """A forked child must not talk to its parent's workers; it starts its own."""
+    global _workers_lock
+    _workers_lock = threading.Lock()
+    _idle_workers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
+
+
+def _serve():
+    """The worker's loop: read [answer, gold] JSON lines, answer each with a 1 or 0 line."""
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, resource.RLIM_INFINITY))
+    equivalent("\\frac{x}{2}", "x/2")          # warm sympy up before the first timed call
+    print("ready", flush=True)
+    for line in sys.stdin:
+        try:
+            same = equivalent(*json.loads(line))
+        except Exception:
+            same = False
+        print(int(same), flush=True)
+
+# -----------------------------------------------------------------------------
+# Public API
+
+
+def _try_quick(response, gold):
+    """(answer, verdict), the verdict None when only the sympy worker can decide."""
+    try:
+        answer = extract_answer(response)
+        if answer is None or not isinstance(gold, str):
+            return answer, False
+        return answer, quick_check(answer, gold)
+    except Exception:
+        return None, False
+
+
+def score(response, gold, timeout=TIMEOUT):
+    """True when the final answer of `response` equals `gold`. Thread-safe, never raises
+    on any input, returns within about `timeout` seconds."""
+    answer, verdict = _try_quick(response, gold)
+    return verdict if verdict is not None else _ask_worker(answer, gold, timeout)
+
+
+def score_batch(responses, golds, workers=2, timeout=TIMEOUT):
+    """[score(r, g) for r, g in zip(responses, golds)], the sympy cases spread over
+    `workers` worker processes, each case still limited to `timeout` seconds."""
+    if len(responses) != len(golds):
+        raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+    checked = [_try_quick(response, gold) for response, gold in zip(responses, golds)]
+    results = [verdict for _, verdict in checked]
+    pending = [i for i, verdict in enumerate(results) if verdict is None]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        slow = pool.map(lambda i: _ask_worker(checked[i][0], golds[i], timeout), pending)
+        for i, verdict in zip(pending, slow):
+            results[i] = verdict
+    return results
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        _serve()
+    else:
+        print(score(sys.argv[1], sys.argv[2]))
