@@ -17,7 +17,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+import data
+import generate as gen
+import train
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from verify import extract_answer, score, score_batch
 import fit
@@ -568,3 +573,287 @@ def test_fit_errors(tmp_path):
         fit.fit_sigmoid(C[::-1], R)
     with pytest.raises(ValueError, match="no point at C = 0"):
         fit.fit_sigmoid(C[1:], R[1:])
+
+# =============================================================================
+# generate.py: the KV-cache sampler against uncached decoding (a full forward every step)
+
+
+
+def tiny_model(kind="llama", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**common)),
+                "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+                "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common))}[kind]
+    return cls(cfg).to(dtype).eval()
+
+
+def tiny_prompts(n=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 9, (n,), generator=g)]
+
+
+GEN = dict(eos_id=0, think_end=[1], interrupt_ids=[5, 6, 7], think_budget=12, answer_budget=5)
+
+
+def uncached_next(model, seq):
+    """The slow path: a full forward over the whole sequence, float32 log-softmax of the last position."""
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_generate_greedy_cached_equals_uncached(kind):
+    model, prompts = tiny_model(kind), tiny_prompts(6)
+    out = gen.generate(model, prompts, slots=2, temperature=0, **GEN)  # slots < prompts: slots get refilled
+    n_checked = 0
+    for p, s in zip(prompts, out):
+        seq = list(p)
+        for tok, lp, m in zip(s.tokens, s.logps, s.mask):
+            if m:
+                ref = uncached_next(model, seq)
+                assert tok == int(ref.argmax()), f"{kind}: cached token differs at position {len(seq)}"
+                assert abs(lp - ref[tok].item()) < 1e-4
+                n_checked += 1
+            seq.append(tok)
+    assert n_checked > 30
+
+
+def test_generate_budgets_and_interruption():
+    model, prompts = tiny_model(), tiny_prompts(8)
+    B, A, phrase = 18, 4, [5, 6, 7]
+    out = gen.generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=phrase, think_budget=B,
+                       answer_budget=A, slots=3, temperature=1.0, seed=3)
+    for key, s in enumerate(out):  # no EOS and no </think> can be sampled: every sample is interrupted
+        cut = gen.cut_point(3, key, B)
+        assert B - B // 6 <= cut <= B
+        assert s.tokens[cut:cut + 3] == phrase and s.mask[cut:cut + 3] == [0, 0, 0]
+        assert all(s.mask[:cut]) and all(s.mask[cut + 3:])
+        assert len(s.tokens) == cut + len(phrase) + A and s.finish == "truncated"
+    plain = gen.generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=phrase, think_budget=B,
+                         answer_budget=A, interrupt=False, slots=3, temperature=1.0)
+    assert all(len(s.tokens) == B + A and all(s.mask) and s.finish == "truncated" for s in plain)
+
+
+def test_generate_eos_and_think_end_finish_reasons():
+    model, prompts = tiny_model(), tiny_prompts(30, seed=4)
+    out = gen.generate(model, prompts, eos_id=3, think_end=[2], interrupt_ids=[5, 6, 7], think_budget=10,
+                       answer_budget=3, slots=4, temperature=1.5, seed=1)
+    for s in out:
+        if s.finish == "eos":
+            assert s.tokens[-1] == 3 and all(s.mask)
+        if 2 in s.tokens and 0 not in s.mask:  # thought ended by itself: at most answer_budget tokens after it
+            assert len(s.tokens) - (s.tokens.index(2) + 1) <= 3
+    assert {s.finish for s in out} >= {"eos", "truncated"}
+
+
+def test_generate_continuous_batching_equals_decoding_alone():
+    model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(7)
+    batched = gen.generate(model, prompts, slots=3, temperature=1.0, seed=11, **GEN)
+    for key, p in enumerate(prompts):
+        alone = gen.generate(model, [p], slots=1, temperature=1.0, seed=11, keys=[key], **GEN)[0]
+        assert alone.tokens == batched[key].tokens and alone.finish == batched[key].finish
+        assert np.allclose(alone.logps, batched[key].logps, atol=1e-9)
+
+
+def test_sampler_draws_from_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(20000, 1)
+    tokens, logps = gen.sample(logits, 0.8, seed=5, keys=torch.arange(20000), positions=torch.zeros(20000, dtype=torch.long))
+    probs = (logits[0] / 0.8).softmax(-1)
+    freq = torch.bincount(tokens, minlength=5).float() / 20000
+    assert (freq - probs).abs().max() < 0.015  # ~4 standard errors
+    assert torch.allclose(logps, probs.log()[tokens], atol=1e-6)
+
+
+def test_generate_in_flight_weight_update_keeps_cache_and_stamps_versions():
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    prompts = tiny_prompts(1)
+    calls = {"n": 0}
+
+    def on_step():  # after 4 decode steps, copy new weights in place (what pipeline.py does)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), other.parameters()):
+                    p.copy_(q)
+            return 1
+        return 0 if calls["n"] < 5 else 1
+
+    old = gen.generate(tiny_model(seed=0), prompts, temperature=0, **GEN)[0]
+    s = gen.generate(model, prompts, temperature=0, on_step=on_step, **GEN)[0]
+    assert s.versions[:4] == [0] * 4 and set(s.versions[4:]) == {1}
+    assert s.tokens[:4] == old.tokens[:4] and s.logps[4] != pytest.approx(old.logps[4])
+    # the token after the update comes from the new weights on the old weights' cache:
+    # not what either model alone computes from scratch
+    fresh_new = uncached_next(other, prompts[0] + s.tokens[:4])
+    assert abs(fresh_new[s.tokens[4]].item() - s.logps[4]) > 1e-6
+
+
+def test_sequence_logprobs_chunks_equal_full_logsoftmax_values_and_grads():
+    model = tiny_model(dtype=torch.float64)
+    ids = torch.tensor(tiny_prompts(3, seed=7)[0][:5] * 3).view(3, 5)
+    attn = torch.ones_like(ids)
+    lp = gen.sequence_logprobs(model, ids, attn, fp32_head=False, chunk=2)
+    lp.sum().backward()
+    g_chunk = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+    ref = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref.sum().backward()
+    assert torch.allclose(lp, ref, atol=1e-10)
+    assert torch.allclose(g_chunk, model.model.embed_tokens.weight.grad, atol=1e-10)
+
+
+def test_generate_rejects_unsupported_architecture():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
+    with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
+        gen.generate(gpt2, [[1, 2]], **GEN)
+
+# =============================================================================
+# data.py
+
+
+def test_data_loads_the_shared_files_as_published():
+    gsm_train, gsm_test = data.load_problems(SHARED / "gsm8k_train.jsonl"), data.load_problems(SHARED / "gsm8k_test.jsonl")
+    math500 = data.load_problems(SHARED / "math500.jsonl")
+    assert (len(gsm_train), len(gsm_test), len(math500)) == (7473, 1319, 500)
+    assert gsm_train[0]["answer"] == "72" and gsm_train[0]["prompt"].startswith("Natalia sold clips")
+    rows = _jsonl(SHARED / "math500.jsonl")
+    assert [p["answer"] for p in math500] == [r["answer"] for r in rows]
+    assert all(isinstance(p["prompt"], str) and isinstance(p["answer"], str) for p in gsm_train + math500)
+
+
+def test_data_layouts_and_clear_errors(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"problem": "p1", "solution": "so \\\\boxed{\\\\frac{1}{2}}."}\n\n'
+                 '{"prompt": "p2", "answer": 72}\n{"question": "p3", "answer": "work\\n#### 1,000"}\n'
+                 '{"problem": "p4", "answer": 0.5}\n')
+    assert data.load_problems(f) == [{"prompt": "p1", "answer": "\\frac{1}{2}"}, {"prompt": "p2", "answer": "72"},
+                                     {"prompt": "p3", "answer": "1,000"}, {"prompt": "p4", "answer": "0.5"}]
+    cases = {'{"problem": "p"}\n': ":1: missing field 'answer'",
+             '{"answer": "1"}\n': ":1: missing field 'prompt'",
+             '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
+             '{"problem": "p", "answer": "1"}\n{broken\n': ":2: invalid JSON",
+             '': ": no problems"}
+    for i, (text, msg) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError) as e:
+            data.load_problems(bad)
+        assert f"bad{i}.jsonl{msg}" in str(e.value)  # file:line: field
+
+
+def test_format_prompt_plain_and_chat_template(toy_dir):
+    tok = AutoTokenizer.from_pretrained(toy_dir)
+    plain = data.format_prompt(tok, "What is 2+2?")
+    assert plain == f"{data.INSTRUCTION}\nProblem: What is 2+2?\nSolution: "
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    chat = data.format_prompt(tok, "What is 2+2?")
+    assert chat.startswith("<|user|>") and chat.endswith("<|assistant|>") and "What is 2+2?" in chat
+
+
+def test_split_is_seeded_and_disjoint():
+    probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
+    tr, va = data.split_problems(probs, 20, seed=3)
+    assert (tr, va) == data.split_problems(probs, 20, seed=3) and va != data.split_problems(probs, 20, seed=4)[1]
+    assert len(va) == 20 and len(tr) == 80 and not {p["prompt"] for p in tr} & {p["prompt"] for p in va}
+
+
+def test_curriculum_epochs_no_positive_resampling_and_resume():
+    c = data.Curriculum(10, seed=1)
+    first = c.next_batch(10)
+    assert sorted(first) == list(range(10))
+    for i in first:
+        c.record(i, 1.0 if i < 3 else 0.5)  # prompts 0, 1, 2 reach pass rate >= 0.9
+    second = c.next_batch(7)
+    assert sorted(second) == list(range(3, 10)) and c.epoch == 1
+    state = json.loads(json.dumps(c.state_dict()))  # survives a JSON round trip
+    c2 = data.Curriculum(10, seed=1)
+    c2.load_state_dict(state)
+    assert [c.next_batch(4) for _ in range(5)] == [c2.next_batch(4) for _ in range(5)]
+    assert c2.history[0] == [1.0] and c2.retired == {0, 1, 2}
+    off = data.Curriculum(4, seed=0, npr=False)
+    for i in off.next_batch(4):
+        off.record(i, 1.0)
+    assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
+
+
+def test_toy_task_answers_are_right():
+    for p in data.toy_problems(300, seed=9):
+        expr = p["prompt"].removeprefix("Compute ").removesuffix(".")
+        assert str(eval(expr)) == p["answer"] and 0 <= int(p["answer"]) <= 40  # an independent evaluator
+        trace = data.toy_trace(p, random.Random(0))
+        assert re.fullmatch(r"<think>.*</think> The answer is \\boxed\{-?\d+\}\.", trace)
+
+# =============================================================================
+# the embedded toy model (a quick build: few warm-up steps) and train.py end to end
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("toy") / "model")
+    return data.build_toy_model(out, sft_steps=30, log=lambda *a: None)
+
+
+def test_toy_model_loads_like_any_hf_model(toy_dir):
+    tok, model = AutoTokenizer.from_pretrained(toy_dir), AutoModelForCausalLM.from_pretrained(toy_dir)
+    assert model.config.model_type == "llama" and 0.2e6 < sum(p.numel() for p in model.parameters()) < 1.5e6
+    text = data.format_prompt(tok, "Compute 17+3-2.") + "<think>17+3=20,20-2=18.</think> The answer is \\boxed{18}."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text  # lossless round trip, so verify.py sees exactly what was sampled
+    assert "18" in tok.convert_ids_to_tokens(ids) and "</think>" in tok.convert_ids_to_tokens(ids)
+    phrase = tok(gen.INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
+    assert tok.decode(phrase) == gen.INTERRUPT_PHRASE
+
+
+def run_train(toy_dir, out, *flags):
+    args = train.get_args(["--model", toy_dir, "--out", str(out), "--prompts", "4", "--samples", "4", "--steps", "2",
+                           "--eval_every", "2", "--val_size", "8", "--eval_samples", "1", "--save_every", "0",
+                           *flags])
+    train.main(args)
+    return [json.loads(ln) for ln in open(out / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("flags", [[], ["--loss", "dapo"], ["--loss", "gspo"], ["--loss", "grpo"],
+                                   ["--agg", "sample", "--adv_norm", "prompt"], ["--agg", "token", "--adv_norm", "none"],
+                                   ["--no-fp32_head", "--no-zero_var_filter", "--no-no_positive_resampling"],
+                                   ["--length_control", "penalty"], ["--length_control", "none"],
+                                   ["--micro_prompts", "1"]])
+def test_train_runs_every_loss_and_ablation(toy_dir, tmp_path, flags):
+    lines = run_train(toy_dir, tmp_path, *flags)
+    assert lines[0]["kind"] == "config"
+    assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
+    for m in lines[1:]:
+        assert 0 <= m["pass_rate"] <= 1 and m["compute_s"] >= 0 and math.isfinite(m.get("loss", 0.0))
+    assert lines[-2]["flops"] > lines[-3]["flops"] > 0
+
+
+def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
+    model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
+    prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []
+    for i, p in enumerate(prompts):
+        n = 3 + i % 4
+        samples.append(gen.Sample(i, list(range(12, 12 + n)), [-1.0 - 0.1 * j for j in range(n)],
+                                  [1] * (n - 1) + [0], [0] * n, "eos"))
+    ids, attn, mask, gen_logp = train.collate(prompts, samples, 0, "cpu")
+    assert mask[0, 2:2 + 3].tolist() == [1, 1, 0] and gen_logp[0, 2].item() == -1.0  # aligned with targets
+    group, adv = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([1.0, -1.0, 0.5, -1.0, 1.0, -0.5])
+    grads = []
+    for agg in ("prompt", "sample", "token"):
+        for micro in ("0", "1"):
+            model.zero_grad()
+            args = train.get_args(["--agg", agg, "--micro_prompts", micro])
+            train.train_batch(model, (ids, attn, mask, gen_logp.double(), adv.double(), group), args, 3)
+            grads.append(model.model.embed_tokens.weight.grad.clone())
+        assert (grads[-2] - grads[-1]).abs().max() < 1e-12, (agg, (grads[-2] - grads[-1]).abs().max())
+
+
+def test_train_resume_continues_exactly(toy_dir, tmp_path):
+    full = run_train(toy_dir, tmp_path / "full", "--steps", "4", "--eval_every", "4")
+    run_train(toy_dir, tmp_path / "cut", "--steps", "2", "--eval_every", "4")  # saves ckpt-000002 at its end
+    resumed = run_train(toy_dir, tmp_path / "cut", "--steps", "4", "--eval_every", "4", "--resume")
+    assert [m["step"] for m in resumed if m["kind"] == "train"] == [1, 2, 3, 4]
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in ("compute_s", "dt_ms", "tok_s")}
+                        for m in ms if m["kind"] == "train"]
+    assert strip(resumed) == strip(full)

@@ -1,0 +1,286 @@
+"""
+data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.md sections 2 and 5).
+
+- load_problems(path): jsonl in the layouts users have -> [{"prompt": str, "answer": str}, ...]
+    problem + answer   (Polaris, DeepScaleR, MATH-500)
+    question + answer  (GSM8K: the answer is what follows the last "####")
+    problem + solution (MATH: the answer is the solution's last \\boxed{})
+    prompt + answer
+- format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
+  otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
+- split_problems: the seeded held-out validation split.
+- Curriculum: epochs over the training prompts, the per-prompt pass-rate history and
+  No-Positive-Resampling (a prompt whose pass rate reaches 0.9 is never sampled again).
+- The embedded default: a synthetic multi-step arithmetic task with graded difficulty (1 to 4
+  operations) and a tiny base model for it (a ~0.35M-parameter Llama decoder with a byte-level BPE
+  tokenizer trained on the task; smaller than 1M so that building it fits in a minute on 2 cores), cold-started by a short supervised warm-up on traces in the exact
+  `<think>...</think> The answer is \\boxed{..}.` format. In the warm-up traces an intermediate step is
+  wrong 10% of the time and the boxed answer is wrong 60% of the time, so the base model knows the
+  arithmetic (its greedy answer is right ~70% of the time) but samples the right final answer only
+  ~20% of the time: RL has room to climb.
+  It is built deterministically (fixed seeds) on first use in well under a minute and cached under
+  .cache/; from then on it is an ordinary Hugging Face folder loaded with from_pretrained.
+
+    python data.py                          # build the toy base model and print a few toy problems
+    python data.py ../shared/data/gsm8k_test.jsonl   # load a file, print counts and one example
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+from verify import last_boxed
+
+TOY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "toy-base-v1")
+INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
+
+# -----------------------------------------------------------------------------
+# loading real data
+
+
+def _answer_of(rec, where):
+    """The gold answer of one record, as a string; `where` is 'file:line' for error messages."""
+    if "answer" in rec and rec["answer"] is not None:
+        ans = rec["answer"]
+        if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
+            raise ValueError(f"{where}: field 'answer' must be a string or a number, got {type(ans).__name__}")
+        ans = str(ans)
+        if "question" in rec and "####" in ans:  # GSM8K: worked solution, then '#### 72'
+            ans = ans.rsplit("####", 1)[1]
+        return ans.strip()
+    if isinstance(rec.get("solution"), str):
+        boxed = last_boxed(rec["solution"])
+        if boxed is None:
+            raise ValueError(f"{where}: field 'solution' has no \\boxed{{}} answer")
+        return boxed.strip()
+    raise ValueError(f"{where}: missing field 'answer' (or 'solution' with a \\boxed{{}} answer)")
+
+
+def load_problems(path):
+    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str}. Blank lines are skipped."""
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
+            if key is None:
+                raise ValueError(f"{where}: missing field 'prompt' (or 'problem' / 'question')")
+            if not isinstance(rec[key], str) or not rec[key].strip():
+                raise ValueError(f"{where}: field '{key}' must be a non-empty string")
+            problems.append({"prompt": rec[key], "answer": _answer_of(rec, where)})
+    if not problems:
+        raise ValueError(f"{path}: no problems in file")
+    return problems
+
+
+def format_prompt(tokenizer, problem):
+    """The text the generator continues: chat template if the tokenizer has one, else a plain template."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": f"{INSTRUCTION}\n\n{problem}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{INSTRUCTION}\nProblem: {problem}\nSolution: "
+
+
+def split_problems(problems, val_size, seed=0):
+    """Seeded held-out split -> (train, val); the same seed always holds out the same problems."""
+    if not 0 < val_size < len(problems):
+        raise ValueError(f"val_size must be between 1 and {len(problems) - 1}, got {val_size}")
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    val = [problems[i] for i in sorted(order[:val_size])]
+    train = [problems[i] for i in sorted(order[val_size:])]
+    return train, val
+
+# -----------------------------------------------------------------------------
+# the curriculum
+
+
+class Curriculum:
+    """Serves prompt indices epoch by epoch in a seeded order and keeps each prompt's pass-rate history.
+
+    No-Positive-Resampling (SCALERL.md section 2): once a prompt's measured pass rate is >= threshold
+    it is retired and never sampled again (it is already being served at most once per epoch, so
+    retiring it at once is the same as excluding it from later epochs).
+    """
+
+    def __init__(self, n, seed=0, npr=True, threshold=0.9):
+        self.n, self.seed, self.npr, self.threshold = n, seed, npr, threshold
+        self.epoch, self.pos = 0, 0
+        self.history = {}  # prompt index -> list of pass rates, one per time it was sampled
+        self.retired = set()
+        self.order = self._shuffled()
+
+    def _shuffled(self):
+        order = [i for i in range(self.n) if i not in self.retired]
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def next_batch(self, k):
+        """The next k prompt indices; crosses epoch boundaries. Raises StopIteration when all are retired."""
+        batch = []
+        while len(batch) < k:
+            if self.pos >= len(self.order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = self._shuffled()
+                if not self.order:
+                    raise StopIteration("every training prompt is retired (pass rate >= "
+                                        f"{self.threshold}): nothing left to train on")
+            take = self.order[self.pos:self.pos + k - len(batch)]
+            batch += take
+            self.pos += len(take)
+        return batch
+
+    def record(self, idx, pass_rate):
+        self.history.setdefault(idx, []).append(pass_rate)
+        if self.npr and pass_rate >= self.threshold:
+            self.retired.add(idx)
+
+    def state_dict(self):
+        return {"n": self.n, "seed": self.seed, "npr": self.npr, "threshold": self.threshold,
+                "epoch": self.epoch, "pos": self.pos, "order": list(self.order),
+                "history": {str(k): v for k, v in self.history.items()}, "retired": sorted(self.retired)}
+
+    def load_state_dict(self, state):
+        if state["n"] != self.n:
+            raise ValueError(f"curriculum state is for {state['n']} prompts, this dataset has {self.n}")
+        self.seed, self.npr, self.threshold = state["seed"], state["npr"], state["threshold"]
+        self.epoch, self.pos, self.order = state["epoch"], state["pos"], list(state["order"])
+        self.history = {int(k): list(v) for k, v in state["history"].items()}
+        self.retired = set(state["retired"])
+
+# -----------------------------------------------------------------------------
+# the embedded default: a synthetic arithmetic task
+
+
+def toy_problem(rng):
+    """One problem: a start number and 1-4 operations (+ or - 1, 2 or 3), totals kept in 0..40."""
+    n_ops = rng.randint(1, 4)  # graded difficulty: more operations, more steps to get right
+    total = rng.randint(1, 20)
+    text, steps = str(total), []
+    for _ in range(n_ops):
+        d = rng.randint(1, 3)
+        op = "-" if total - d >= 0 and (total + d > 40 or rng.random() < 0.5) else "+"
+        new = total - d if op == "-" else total + d
+        steps.append((total, op, d, new))
+        text += f"{op}{d}"
+        total = new
+    return {"prompt": f"Compute {text}.", "answer": str(total), "steps": steps}
+
+
+def toy_problems(n, seed):
+    rng = random.Random(seed)
+    return [toy_problem(rng) for _ in range(n)]
+
+
+def toy_trace(problem, rng):
+    """A warm-up completion: correct-looking reasoning with some wrong steps and often a wrong answer."""
+    shown, total = [], None
+    for a, op, d, _ in problem["steps"]:
+        a = a if total is None else total
+        total = a + d if op == "+" else a - d
+        if rng.random() < 0.1:  # a slip in the arithmetic, carried forward
+            total += rng.choice([-2, -1, 1, 2])
+        shown.append(f"{a}{op}{d}={total}")
+    think = ",".join(shown) + "."
+    if rng.random() < 0.2:  # sometimes it checks its work, which makes the trace much longer
+        think += " Check:" + ",".join(shown) + "."
+    answer = total
+    if rng.random() < 0.6:  # the boxed answer is often wrong: an intermediate result or a near miss
+        answer = rng.choice([problem["steps"][0][0], total + 1, total - 1, total + rng.choice([-10, 10])])
+    return f"<think>{think}</think> The answer is \\boxed{{{answer}}}."
+
+
+def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=800, log=print):
+    """Train the toy tokenizer and cold-start the ~0.35M-parameter Llama base model; save in HF layout."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from generate import INTERRUPT_PHRASE
+
+    t0 = time.time()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    problems = toy_problems(20000, seed + 1)
+    texts = [format_prompt(None, p["prompt"]) + toy_trace(p, rng) for p in problems]
+    # byte-level BPE trained on the task's own text; numbers are words of their own, so each
+    # number that occurs becomes a single token and arithmetic is a lookup, not digit-by-digit
+    tok = Tokenizer(models.BPE())
+    words = pre_tokenizers.Split(Regex(r" ?\d+| ?[A-Za-z]+|\s+|[^\sA-Za-z\d]"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([words, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<think>", "</think>"], show_progress=False)
+    tok.train_from_iterator(texts + [INTERRUPT_PHRASE] * 50, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    _warm_up(model, tokenizer, problems, texts, sft_steps, log)
+    model.save_pretrained(out_dir + ".tmp")
+    tokenizer.save_pretrained(out_dir + ".tmp")
+    os.replace(out_dir + ".tmp", out_dir)  # atomic: a half-built folder is never picked up
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"built toy base model ({n_params / 1e6:.2f}M params, vocab {len(tokenizer)}) "
+        f"in {time.time() - t0:.0f}s -> {out_dir}")
+    return out_dir
+
+
+def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
+    """Supervised cold start: next-token loss on the completion part of each trace."""
+    import torch
+    import torch.nn.functional as F
+
+    enc = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    n_prompt = [len(tokenizer(format_prompt(None, p["prompt"]))["input_ids"]) for p in problems]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(enc), (batch,), generator=g).tolist()
+        T = max(len(enc[i]) for i in idx)
+        ids = torch.full((batch, T), tokenizer.pad_token_id)
+        labels = torch.full((batch, T), -100)
+        for r, i in enumerate(idx):
+            ids[r, :len(enc[i])] = torch.tensor(enc[i])
+            labels[r, n_prompt[i]:len(enc[i])] = ids[r, n_prompt[i]:len(enc[i])]
+        logits = model(input_ids=ids).logits[:, :-1]  # right padding: causal attention never sees it
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for group in opt.param_groups:  # 30 warm-up steps, then linear decay to 10%
+            group["lr"] = lr * min(1.0, (step + 1) / 30) * (1 - 0.9 * step / steps)
+        opt.step()
+        if step % 200 == 0 or step == steps - 1:
+            log(f"  warm-up step {step}/{steps} | loss {loss.item():.3f}")
+    model.eval()
+
+
+def toy_model_dir(log=print):
+    """The cached toy base model folder, built on first use."""
+    if not os.path.exists(os.path.join(TOY_DIR, "config.json")):
+        log(f"building the embedded toy base model (first use) -> {TOY_DIR}")
+        build_toy_model(TOY_DIR, log=log)
+    return TOY_DIR
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        probs = load_problems(sys.argv[1])
+        print(f"{len(probs)} problems; first: {probs[0]}")
+    else:
+        print(toy_model_dir())
+        for p in toy_problems(3, 0):
+            print(p["prompt"], "->", p["answer"])
