@@ -12,16 +12,19 @@ data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.m
 - Curriculum: epochs over the training prompts, the per-prompt pass-rate history and
   No-Positive-Resampling (a prompt whose pass rate reaches 0.9 is never sampled again).
 - The embedded default: a synthetic multi-step arithmetic task with graded difficulty (1 to 4
-  operations) and a tiny base model for it (a ~0.35M-parameter Llama decoder with a byte-level BPE
-  tokenizer trained on the task; smaller than 1M so that building it fits in a minute on 2 cores), cold-started by a short supervised warm-up on traces in the exact
-  `<think>...</think> The answer is \\boxed{..}.` format. In the warm-up traces an intermediate step is
-  wrong 10% of the time and the boxed answer is wrong 60% of the time, so the base model knows the
-  arithmetic (its greedy answer is right ~70% of the time) but samples the right final answer only
-  ~20% of the time: RL has room to climb.
-  It is built deterministically (fixed seeds) on first use in well under a minute and cached under
-  .cache/; from then on it is an ordinary Hugging Face folder loaded with from_pretrained.
+  operations) and a tiny base model for it: a 0.34M-parameter Llama decoder with a byte-level BPE
+  tokenizer trained on the task, in which each number is one token. It is cold-started by a short supervised warm-up on traces in the exact
+  `<think>...</think> The answer is \\boxed{..}.` format. In the warm-up traces an arithmetic step
+  slips 3% of the time and the boxed answer is wrong 70% of the time (a near miss or an intermediate
+  number), so the base model knows the arithmetic (its greedy answer is right ~60% of the time) but
+  samples a right final answer only ~28% of the time: RL has room to climb. One trace in five
+  re-checks its work, which makes it long enough to be interrupted: RL also learns to stop rambling.
+  It ships in toy_model/ (1.4 MB: its warm-up needs about 3 minutes on 2 cores, too long to run on
+  first use) and `python data.py --build` remakes it from fixed seeds. It is an ordinary Hugging Face
+  folder loaded with from_pretrained: no toy-only code path.
 
-    python data.py                          # build the toy base model and print a few toy problems
+    python data.py                          # print the toy model's folder and a few toy problems
+    python data.py --build                  # remake the shipped toy model (about 3 minutes on 2 cores)
     python data.py ../shared/data/gsm8k_test.jsonl   # load a file, print counts and one example
 """
 
@@ -33,7 +36,8 @@ import time
 
 from verify import last_boxed
 
-TOY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "toy-base-v1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
 
 # -----------------------------------------------------------------------------
@@ -163,13 +167,13 @@ class Curriculum:
 
 
 def toy_problem(rng):
-    """One problem: a start number and 1-4 operations (+ or - 1, 2 or 3), totals kept in 0..40."""
+    """One problem: a start number (1-12) and 1-4 operations (+ or - 1, 2 or 3), totals kept in 0..20."""
     n_ops = rng.randint(1, 4)  # graded difficulty: more operations, more steps to get right
-    total = rng.randint(1, 20)
+    total = rng.randint(1, 12)
     text, steps = str(total), []
     for _ in range(n_ops):
         d = rng.randint(1, 3)
-        op = "-" if total - d >= 0 and (total + d > 40 or rng.random() < 0.5) else "+"
+        op = "-" if total - d >= 0 and (total + d > 20 or rng.random() < 0.5) else "+"
         new = total - d if op == "-" else total + d
         steps.append((total, op, d, new))
         text += f"{op}{d}"
@@ -188,20 +192,20 @@ def toy_trace(problem, rng):
     for a, op, d, _ in problem["steps"]:
         a = a if total is None else total
         total = a + d if op == "+" else a - d
-        if rng.random() < 0.1:  # a slip in the arithmetic, carried forward
+        if rng.random() < 0.03:  # a slip in the arithmetic, carried forward
             total += rng.choice([-2, -1, 1, 2])
         shown.append(f"{a}{op}{d}={total}")
     think = ",".join(shown) + "."
     if rng.random() < 0.2:  # sometimes it checks its work, which makes the trace much longer
         think += " Check:" + ",".join(shown) + "."
     answer = total
-    if rng.random() < 0.6:  # the boxed answer is often wrong: an intermediate result or a near miss
+    if rng.random() < 0.7:  # the boxed answer is often wrong: an intermediate result or a near miss
         answer = rng.choice([problem["steps"][0][0], total + 1, total - 1, total + rng.choice([-10, 10])])
     return f"<think>{think}</think> The answer is \\boxed{{{answer}}}."
 
 
-def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=800, log=print):
-    """Train the toy tokenizer and cold-start the ~0.35M-parameter Llama base model; save in HF layout."""
+def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=3200, log=print):
+    """Train the toy tokenizer and cold-start the 0.34M-parameter Llama base model; save in HF layout."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -223,6 +227,8 @@ def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=800, log=print):
                                   special_tokens=["<|endoftext|>", "<think>", "</think>"], show_progress=False)
     tok.train_from_iterator(texts + [INTERRUPT_PHRASE] * 50, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    # a Llama config: transformers loads its tokenizer from tokenizer.json as is (a Qwen2 folder would
+    # get Qwen2Tokenizer, which replaces the pre-tokenizer with Qwen2's digit-by-digit one)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
@@ -263,21 +269,26 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
         for group in opt.param_groups:  # 30 warm-up steps, then linear decay to 10%
             group["lr"] = lr * min(1.0, (step + 1) / 30) * (1 - 0.9 * step / steps)
         opt.step()
-        if step % 200 == 0 or step == steps - 1:
+        if step % 400 == 0 or step == steps - 1:
             log(f"  warm-up step {step}/{steps} | loss {loss.item():.3f}")
     model.eval()
 
 
 def toy_model_dir(log=print):
-    """The cached toy base model folder, built on first use."""
-    if not os.path.exists(os.path.join(TOY_DIR, "config.json")):
-        log(f"building the embedded toy base model (first use) -> {TOY_DIR}")
-        build_toy_model(TOY_DIR, log=log)
-    return TOY_DIR
+    """The toy base model folder: the shipped one, or (if it was deleted) one built on first use."""
+    if os.path.exists(os.path.join(TOY_DIR, "config.json")):
+        return TOY_DIR
+    cache = os.path.join(HERE, ".cache", "toy_model")
+    if not os.path.exists(os.path.join(cache, "config.json")):
+        log(f"{TOY_DIR} is missing: building the toy base model (about 3 minutes on 2 cores) -> {cache}")
+        build_toy_model(cache, log=log)
+    return cache
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if sys.argv[1:2] == ["--build"]:  # remake the shipped toy model (deterministic: fixed seeds)
+        build_toy_model(sys.argv[2] if len(sys.argv) > 2 else TOY_DIR)
+    elif len(sys.argv) > 1:
         probs = load_problems(sys.argv[1])
         print(f"{len(probs)} problems; first: {probs[0]}")
     else:

@@ -82,14 +82,14 @@ def get_args(argv=None):
                    help="never resample a prompt once its pass rate reaches 0.9")
     g = ap.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=2e-3, help="paper: 5e-7 for an 8B model")
+    g.add_argument("--lr", type=float, default=3e-4, help="paper: 5e-7 for an 8B model")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (paper: 100)")
     g.add_argument("--weight_decay", type=float, default=0.01)
     g.add_argument("--adam_eps", type=float, default=1e-15, help="a larger eps silently damps tiny gradients")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0 = off")
     g.add_argument("--micro_prompts", type=int, default=0, help="prompts per forward/backward; 0 = the whole batch")
     g = ap.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument("--eval_every", type=int, default=15, help="steps between held-out evals (paper: 100)")
+    g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
     g.add_argument("--save_every", type=int, default=50, help="steps between checkpoints; 0 = only at the end")
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept")
@@ -288,6 +288,12 @@ def main(args):
         print(f"eval step {step} | held-out pass rate {e['pass_rate']:.3f} (mean@{args.eval_samples}, "
               f"n={e['n']}) | trunc {e['trunc']:.3f}{fit_txt}")
 
+    def save():
+        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
+                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "args": vars(args)}
+        print(f"saved {save_checkpoint(args.out, step, model, tokenizer, state, args.keep)}")
+
     if step == 0:
         run_eval()
     while step < args.steps:
@@ -353,10 +359,10 @@ def main(args):
         if step % args.eval_every == 0 or step == args.steps:
             run_eval()
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                     "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
-                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "args": vars(args)}
-            print(f"saved {save_checkpoint(args.out, step, model, tokenizer, state, args.keep)}")
+            save()
+    if step % args.eval_every and step != args.steps:  # stopped early: every prompt retired
+        run_eval()
+        save()
 
 
 if __name__ == "__main__":
