@@ -555,6 +555,22 @@ def test_fit_cli_table_and_pngs(tmp_path, capsys):
     assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
 
 
+def test_fit_study_report_fits_every_variant_and_pools_seeds(tmp_path, capsys):
+    C = np.linspace(0, 100, 21)
+    for k, name in enumerate(fit.STUDY):  # A falls by 0.05 per variant: only scalerl vs itself is noise
+        for seed in range(2):
+            write_run(tmp_path / f"{name}-s{seed}", C, fit.sigmoid(C, 0.9 - 0.05 * k + 0.004 * seed, 2.0, 30, 0.3))
+    fit.study_report(str(tmp_path), 2, "compute_s", str(tmp_path / "study.png"))
+    out = capsys.readouterr().out.splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in out[1:1 + len(fit.STUDY)]}
+    assert set(rows) == set(fit.STUDY)
+    assert float(rows["scalerl"][1]) == pytest.approx(0.902, abs=0.005)  # the mean of the two seeds' A
+    assert float(rows["scalerl"][2]) == pytest.approx(0.002, abs=0.002)  # their spread
+    assert float(rows["loss_dapo"][1]) == pytest.approx(0.852, abs=0.005)
+    assert "A differs by 0.050" in " ".join(rows["loss_dapo"]) and "a has the higher ceiling" in " ".join(rows["loss_dapo"])
+    assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_fit_errors(tmp_path):
     write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
     with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):
