@@ -151,8 +151,9 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
 
     k = int(fix_A)                                              # drop A from the parameters
     lo, hi = [R0, B_RANGE[0], -np.inf][k:], [1.0, B_RANGE[1], np.inf][k:]
+    p0 = np.clip([A, B, math.log(C_mid)][k:], lo, hi)          # grid ends may sit a rounding error outside
     try:
-        p, _ = curve_fit(model, C, R, p0=[A, B, math.log(C_mid)][k:], bounds=(lo, hi))
+        p, _ = curve_fit(model, C, R, p0=p0, bounds=(lo, hi))
     except RuntimeError:
         return A, B, C_mid
     return (A if fix_A else float(p[0])), float(p[-2]), math.exp(p[-1])

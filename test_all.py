@@ -571,6 +571,15 @@ def test_fit_study_report_fits_every_variant_and_pools_seeds(tmp_path, capsys):
     assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_fit_steep_rise_fits_with_ceiling_at_one():
+    # a live fit from train.py that once failed: the grid's best A sat a rounding error above 1.0
+    C = np.array([0.0, 4.07, 7.23, 9.64, 13.8, 17.38, 20.31, 23.77])
+    R = np.array([0.25, 0.52, 0.561, 0.638, 0.673, 0.754, 0.791, 0.838])
+    f = fit.fit_sigmoid(C, R)
+    assert R.max() - 0.02 <= f["A"] <= 1.0 and f["sse"] < 0.01
+    assert fit.predict_final(C, R, 100.0)["R_end"] <= 1.0
+
+
 def test_fit_errors(tmp_path):
     write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
     with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):

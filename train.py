@@ -203,7 +203,7 @@ def truncate_metrics(path, step):
     if not os.path.exists(path):
         return
     with open(path) as f:
-        lines = [ln for ln in f if json.loads(ln).get("step", -1) <= step or json.loads(ln)["kind"] == "config"]
+        lines = [ln for ln in f if json.loads(ln).get("step", -1) <= step]  # the config line has no step
     with open(path, "w") as f:
         f.writelines(lines)
 
