@@ -279,7 +279,12 @@ def main(args):
         history = [json.loads(ln) for ln in open(metrics_path)]
         evals = [h for h in history if h.get("kind") == "eval"] + [m]
         C_end = compute_s / max(step, 1) * args.steps
-        pred = predict_final(np.array([h["compute_s"] for h in evals]), np.array([h["pass_rate"] for h in evals]), C_end)
+        try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
+            pred = predict_final(np.array([h["compute_s"] for h in evals]),
+                                 np.array([h["pass_rate"] for h in evals]), C_end)
+        except ValueError as e:
+            pred = None
+            print(f"eval step {step}: no live fit ({e})")
         if pred:
             m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"], predicted_final=pred["R_end"])
         log_metrics(m)
