@@ -854,6 +854,16 @@ def test_train_runs_every_loss_and_ablation(toy_dir, tmp_path, flags):
     assert lines[-2]["flops"] > lines[-3]["flops"] > 0
 
 
+def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypatch, capsys):
+    def failing_fit(C, R, C_end, R0=None):
+        assert len(C) == len(R) and C_end >= 0
+        raise ValueError("cannot fit")
+    monkeypatch.setattr(train, "predict_final", failing_fit)
+    lines = run_train(toy_dir, tmp_path)
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
+    assert "no live fit (cannot fit)" in capsys.readouterr().out
+
+
 def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
     prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []

@@ -199,13 +199,16 @@ def latest_checkpoint(out):
 
 
 def truncate_metrics(path, step):
-    """On resume: drop metrics lines written after the checkpoint, so no step appears twice."""
+    """On resume: drop metrics lines written after the checkpoint, so no step appears twice.
+    -> the records kept."""
     if not os.path.exists(path):
-        return
+        return []
     with open(path) as f:
-        lines = [ln for ln in f if json.loads(ln).get("step", -1) <= step]  # the config line has no step
+        records = [json.loads(ln) for ln in f]
+    records = [r for r in records if r.get("step", -1) <= step]  # the config line has no step
     with open(path, "w") as f:
-        f.writelines(lines)
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return records
 
 # -----------------------------------------------------------------------------
 # data
@@ -254,6 +257,7 @@ def main(args):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     step, compute_s, flops = 0, 0.0, 0.0
+    evals = []  # (compute_s, held-out pass rate) of every eval so far, for the live fit
     if ckpt:
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
         opt.load_state_dict(state["optimizer"])
@@ -261,7 +265,7 @@ def main(args):
         curriculum.load_state_dict(state["curriculum"])
         step, compute_s, flops = state["step"], state["compute_s"], state["flops"]
         torch.set_rng_state(state["torch_rng"])
-        truncate_metrics(metrics_path, step)
+        evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(metrics_path, step) if r["kind"] == "eval"]
         print(f"resumed from {ckpt} at step {step}")
     else:
         with open(metrics_path, "w") as f:
@@ -274,24 +278,22 @@ def main(args):
             f.write(json.dumps(m) + "\n")
 
     def run_eval():
-        e = evaluate(model, tokenizer, val_ids, val_golds, args)
-        m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **e}
-        history = [json.loads(ln) for ln in open(metrics_path)]
-        evals = [h for h in history if h.get("kind") == "eval"] + [m]
-        C_end = compute_s / max(step, 1) * args.steps
+        result = evaluate(model, tokenizer, val_ids, val_golds, args)
+        m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
+        evals.append((compute_s, result["pass_rate"]))
+        C, R = np.array(evals).T
         try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
-            pred = predict_final(np.array([h["compute_s"] for h in evals]),
-                                 np.array([h["pass_rate"] for h in evals]), C_end)
-        except ValueError as e:
+            pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
+        except ValueError as err:
             pred = None
-            print(f"eval step {step}: no live fit ({e})")
+            print(f"eval step {step}: no live fit ({err})")
         if pred:
             m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"], predicted_final=pred["R_end"])
         log_metrics(m)
         fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} -> predicted "
                    f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
-        print(f"eval step {step} | held-out pass rate {e['pass_rate']:.3f} (mean@{args.eval_samples}, "
-              f"n={e['n']}) | trunc {e['trunc']:.3f}{fit_txt}")
+        print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
+              f"n={result['n']}) | trunc {result['trunc']:.3f}{fit_txt}")
 
     def save():
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -317,8 +319,8 @@ def main(args):
         t_gen = time.time() - t0
         rewards = rewards_of(samples, correct, args)
         group = torch.tensor([i for i in idx for _ in range(args.samples)])
-        for i in idx:
-            curriculum.record(i, float(np.mean([c for c, g in zip(correct, group.tolist()) if g == i])))
+        for j, i in enumerate(idx):  # samples come in blocks of G per prompt
+            curriculum.record(i, float(np.mean(correct[j * args.samples:(j + 1) * args.samples])))
 
         # ---- batch: zero-variance filtering, advantages
         keep = zero_variance_keep(rewards, group) if args.zero_var_filter else torch.ones(len(rewards), dtype=torch.bool)
