@@ -29,7 +29,6 @@ import glob
 import json
 import math
 import os
-import random
 import shutil
 import time
 
@@ -298,7 +297,7 @@ def main(args):
     def save():
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
-                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "args": vars(args)}
+                 "torch_rng": torch.get_rng_state(), "args": vars(args)}
         print(f"saved {save_checkpoint(args.out, step, model, tokenizer, state, args.keep)}")
 
     if step == 0:
