@@ -171,25 +171,44 @@ def cut_point(seed, key, think_budget):
 @torch.no_grad()
 def generate(model, prompts, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget,
              interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, keys=None,
-             on_step=None, version=0):
+             on_step=None, version=0, feed=None, on_sample=None, max_prompt_len=None):
     """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
 
     think_end: the token ids of "</think>" (one id for most reasoning tokenizers, several for others).
     Without interruption (interrupt=False) a sample is simply cut at think_budget + answer_budget tokens.
     keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws.
     on_step: called between decode steps; returns the policy version now in the model's weights.
+    Streaming (pipeline.py's generators): feed(n_free) is called whenever every given prompt has a
+    slot and n_free slots are idle; it returns more (prompt ids, key) pairs, or [] for none now.
+    on_sample(sample) is called as each sample finishes. generate returns once nothing is running
+    and feed has nothing. max_prompt_len sizes the cache when prompts arrive later (default: the
+    longest given prompt); a fed prompt longer than that is an error.
     """
     check_supported(model)
     device = next(model.parameters()).device
+    prompts = list(prompts)
     keys = list(range(len(prompts))) if keys is None else list(keys)
     max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
-    slots = min(slots, len(prompts))
-    cache = new_cache(model, slots, max(len(p) for p in prompts) + max_new)
+    if feed is None:
+        slots = min(slots, len(prompts))
+    max_prompt_len = max_prompt_len or max(len(p) for p in prompts)
+    cache = new_cache(model, slots, max_prompt_len + max_new)
     weight = head_weight(model, fp32_head).detach()
     pending = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
     state = [None] * slots  # per slot: dict of the sample in progress, or None when free
     results = [None] * len(prompts)
-    while pending or any(state):
+    while True:
+        n_free = sum(st is None for st in state)
+        if feed is not None and not pending and n_free:
+            for p, key in feed(n_free):
+                if len(p) > max_prompt_len:
+                    raise ValueError(f"fed prompt of {len(p)} tokens > max_prompt_len {max_prompt_len}")
+                pending.insert(0, len(prompts))
+                prompts.append(p)
+                keys.append(key)
+                results.append(None)
+        if not pending and not any(state):
+            break
         if on_step is not None:
             new_version = on_step()
             if new_version != version:  # in-flight update: weights changed, the cache stays
@@ -213,6 +232,8 @@ def generate(model, prompts, *, eos_id, think_end, interrupt_ids, think_budget, 
                 st = state[s]
                 results[st["i"]] = Sample(st["i"], st["tokens"], st["logps"], st["mask"], st["versions"], done)
                 state[s] = None
+                if on_sample is not None:
+                    on_sample(results[st["i"]])
     return results
 
 

@@ -30,13 +30,16 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
+import traceback
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
+import pipeline
 from fit import predict_final
 from generate import INTERRUPT_PHRASE, check_supported, generate, sequence_logprobs
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
@@ -87,6 +90,14 @@ def get_args(argv=None):
     g.add_argument("--adam_eps", type=float, default=1e-15, help="a larger eps silently damps tiny gradients")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0 = off")
     g.add_argument("--micro_prompts", type=int, default=0, help="prompts per forward/backward; 0 = the whole batch")
+    g = ap.add_argument_group("ranks (pipeline.py; under torchrun only)")
+    g.add_argument("--mode", default="pipeline", choices=["pipeline", "ppo_offpolicy", "sync"],
+                   help="pipeline = PipelineRL-k (ScaleRL); ppo_offpolicy = PPO-off-policy-k; sync = k of 1")
+    g.add_argument("--max_lag", type=int, default=8, help="k: no token trained on is more than k versions old")
+    g.add_argument("--gen_ranks", type=int, default=0, help="generator ranks; 0 = world - max(1, world // 4)")
+    g.add_argument("--timeout", type=float, default=1800, help="seconds any cross-rank wait may last")
+    g.add_argument("--heartbeat_timeout", type=float, default=60, help="seconds of silence before a rank is declared dead")
+    g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
@@ -94,7 +105,8 @@ def get_args(argv=None):
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     args = ap.parse_args(argv)
-    for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots"):
+    for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots",
+                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
     return args
@@ -153,13 +165,14 @@ def collate(prompt_ids, samples, pad_id, device):
     return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device)
 
 
-def train_batch(model, batch, args, n_groups):
+def train_batch(model, batch, args, n_groups, total=None):
     """Forward/backward over micro-batches of whole prompt groups; gradients add up to the full-batch
-    loss's (each micro-batch's loss is weighted by its share of groups, sequences or tokens)."""
+    loss's (each micro-batch's loss is weighted by its share of groups, sequences or tokens; `total`:
+    the whole batch's count when this is one trainer's part of it)."""
     ids, attn, mask, gen_logp, adv, group = batch
     per = args.micro_prompts or n_groups
     uniq = group.unique()
-    total = {"prompt": len(uniq), "sample": len(group), "token": mask.sum().item()}[args.agg]
+    total = total or {"prompt": len(uniq), "sample": len(group), "token": mask.sum().item()}[args.agg]
     loss_sum, stats = 0.0, []
     for a in range(0, len(uniq), per):
         rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
@@ -228,20 +241,43 @@ def load_data(args):
 
 
 def log_line(m, steps):
-    return (f"step {m['step']}/{steps} | reward {m['reward']:+.3f} | pass@1 {m['pass_rate']:.3f} | "
-            f"len {m['len']:.1f} | trunc {m['trunc']:.3f} | lag {m['lag']:.1f} | kept {m['kept_prompts']}/{m['prompts']} | "
-            f"loss {m['loss']:+.4f} | dt {m['dt_ms']:.0f} ms | tok/s {m['tok_s']:.0f}")
+    line = (f"step {m['step']}/{steps} | reward {m['reward']:+.3f} | pass@1 {m['pass_rate']:.3f} | "
+            f"len {m['len']:.1f} | trunc {m['trunc']:.3f} | lag {m['lag']:.1f}/{m['lag_max']:.0f} | "
+            f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | dt {m['dt_ms']:.0f} ms | "
+            f"tok/s {m['tok_s']:.0f}")
+    if "gen_busy" in m:
+        line += f" | busy gen {m['gen_busy']:.2f} train {m['train_busy']:.2f} | sync {m['sync_ms']:.0f} ms"
+    return line
+
+
+def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
+    """One process: sample G completions for the next prompts here, verify, record pass rates.
+    -> groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them."""
+    idx = curriculum.next_batch(args.prompts)
+    prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
+    golds = [train[i]["answer"] for i in idx for _ in range(args.samples)]
+    keys = [(step * args.prompts + j // args.samples) * 1000 + j % args.samples for j in range(len(prompt_ids))]
+    model.eval()
+    samples, _, correct = rollout(model, tokenizer, prompt_ids, golds, args, keys, version=step)
+    groups = []
+    for j, i in enumerate(idx):  # samples come in blocks of G per prompt
+        block = slice(j * args.samples, (j + 1) * args.samples)
+        curriculum.record(i, float(np.mean(correct[block])))
+        groups.append({"index": i, "prompt": train_ids[i], "samples": samples[block], "correct": correct[block]})
+    return groups
 
 
 def main(args):
-    # ---- setup: device, model, data, optimizer
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+    # ---- setup: ranks, device, model, data, optimizer
+    ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
+    rank0 = ctx is None or ctx["rank"] == 0
+    device = torch.device(ctx["device"] if ctx else "cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     torch.manual_seed(args.seed)
     os.makedirs(args.out, exist_ok=True)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     ckpt = latest_checkpoint(args.out) if args.resume else None
-    if args.resume and ckpt is None:
+    if args.resume and ckpt is None and rank0:
         print(f"--resume: no checkpoint in {args.out}, starting from scratch")
     model_dir = ckpt or args.model or toy_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -252,31 +288,49 @@ def main(args):
     train_ids = [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"] for p in train]
     val_ids = [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"] for p in val]
     val_golds = [p["answer"] for p in val]
-    curriculum = Curriculum(len(train), args.seed, npr=args.no_positive_resampling)
+    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False) if ckpt else {}
+    step, compute_s, flops = state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0)
+    world = ctx["world"] if ctx else 1
+    if ctx:  # rollouts travel as packed tensors of this many tokens per sample
+        ctx["samples"] = args.samples
+        ctx["length"] = (max(len(p) for p in train_ids) + args.think_budget + args.answer_budget +
+                         len(tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]))
+        if rank0:
+            ctx["store"].set("version", str(step))
+            ctx["store"].set("stop", "0")
+        torch.distributed.barrier(group=ctx["rollouts"])
+        if ctx["role"] == "generator":
+            path = os.path.join(args.out, f"curriculum-rank{ctx['rank']}.pt")
+            pipeline.run_generator(ctx, args, model, tokenizer, train, train_ids, step, path)
+            pipeline.finish(ctx)
+            return
+    curriculum = Curriculum(len(train), args.seed, npr=args.no_positive_resampling)  # one process only
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
-    step, compute_s, flops = 0, 0.0, 0.0
     evals = []  # (compute_s, held-out pass rate) of every eval so far, for the live fit
     if ckpt:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         curriculum.load_state_dict(state["curriculum"])
-        step, compute_s, flops = state["step"], state["compute_s"], state["flops"]
         torch.set_rng_state(state["torch_rng"])
-        evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(metrics_path, step) if r["kind"] == "eval"]
-        print(f"resumed from {ckpt} at step {step}")
-    else:
+        if rank0:
+            evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(metrics_path, step) if r["kind"] == "eval"]
+            print(f"resumed from {ckpt} at step {step}")
+    elif rank0:
         with open(metrics_path, "w") as f:
-            f.write(json.dumps({"kind": "config", **vars(args), "n_params": n_params}) + "\n")
-    print(f"model {model_dir} ({n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | "
-          f"{len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
+            f.write(json.dumps({"kind": "config", **vars(args), "n_params": n_params, "world": world}) + "\n")
+    if rank0:
+        roles = (f"{ctx['n_trainers']} trainer + {ctx['n_gens']} generator ranks, {args.mode}, max lag {ctx['k']}"
+                 if ctx else "one process, synchronous")
+        print(f"model {model_dir} ({n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | {roles} | "
+              f"{len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
 
     def log_metrics(m):
         with open(metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
 
     def run_eval():
+        model.eval()
         result = evaluate(model, tokenizer, val_ids, val_golds, args)
         m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
         evals.append((compute_s, result["pass_rate"]))
@@ -292,48 +346,63 @@ def main(args):
         fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} -> predicted "
                    f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
         print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
-              f"n={result['n']}) | trunc {result['trunc']:.3f}{fit_txt}")
+              f"n={result['n']}) | trunc {result['trunc']:.3f}{fit_txt}", flush=True)
 
     def save():
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
                  "torch_rng": torch.get_rng_state(), "args": vars(args)}
-        print(f"saved {save_checkpoint(args.out, step, model, tokenizer, state, args.keep)}")
+        print(f"saved {save_checkpoint(args.out, step, model, tokenizer, state, args.keep)}", flush=True)
 
-    if step == 0:
+    if step == 0 and rank0:
         run_eval()
+    need = args.prompts // (ctx["n_trainers"] if ctx else 1)  # prompt groups per step on this trainer
     while step < args.steps:
-        # ---- rollouts: G samples per prompt with the current weights (sync: version = step, lag 0)
+        # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
         t0 = time.time()
-        try:
-            idx = curriculum.next_batch(args.prompts)
-        except StopIteration as e:
-            print(f"stopping at step {step}: {e}")
-            break
-        prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
-        golds = [train[i]["answer"] for i in idx for _ in range(args.samples)]
-        keys = [(step * args.prompts + j // args.samples) * 1000 + j % args.samples for j in range(len(prompt_ids))]
-        model.eval()
-        samples, texts, correct = rollout(model, tokenizer, prompt_ids, golds, args, keys, version=step)
+        if ctx is None:
+            try:
+                groups = local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args)
+            except StopIteration as e:
+                print(f"stopping at step {step}: {e}")
+                break
+            rstats = {"dropped_stale": 0, "wait_s": 0.0, "gen_tokens": sum(
+                len(g["prompt"]) + len(s.tokens) for g in groups for s in g["samples"])}
+        else:
+            groups, rstats = pipeline.receive_groups(ctx, need, step, ctx["length"], args.samples)
         t_gen = time.time() - t0
+        short, _ = pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})
+        if short["short"]:
+            print(f"stopping at step {step}: the generators ran out of prompts (every prompt retired)")
+            break
+        prompt_ids = [g["prompt"] for g in groups for _ in g["samples"]]
+        samples = [s for g in groups for s in g["samples"]]
+        correct = [c for g in groups for c in g["correct"]]
         rewards = rewards_of(samples, correct, args)
-        group = torch.tensor([i for i in idx for _ in range(args.samples)])
-        for j, i in enumerate(idx):  # samples come in blocks of G per prompt
-            curriculum.record(i, float(np.mean(correct[j * args.samples:(j + 1) * args.samples])))
+        group = torch.tensor([j for j, g in enumerate(groups) for _ in g["samples"]])
 
-        # ---- batch: zero-variance filtering, advantages
+        # ---- batch: zero-variance filtering, advantages (batch std over every trainer's part)
         keep = zero_variance_keep(rewards, group) if args.zero_var_filter else torch.ones(len(rewards), dtype=torch.bool)
         rows = keep.nonzero().squeeze(1).tolist()
-        loss_value, mismatch, grad_norm = 0.0, {}, 0.0
-        if rows:
-            ids, attn, mask, gen_logp = collate([prompt_ids[r] for r in rows], [samples[r] for r in rows],
-                                                tokenizer.pad_token_id or 0, device)
-            adv = advantages(rewards[rows], group[rows], args.adv_norm).to(device)
-
-            # ---- train: loss, backward, clip, AdamW step
+        adv = advantages(rewards[rows], group[rows], args.adv_norm if ctx is None else
+                         {"batch": "none"}.get(args.adv_norm, args.adv_norm))
+        mask_tokens = sum(sum(samples[r].mask) for r in rows)
+        sums, _ = pipeline.all_reduce_stats(ctx, {"prompt": len(set(group[rows].tolist())), "sample": len(rows),
+                                                  "token": mask_tokens, "a": adv.sum().item(), "a2": (adv ** 2).sum().item()})
+        if ctx and args.adv_norm == "batch" and sums["sample"]:
+            mean = sums["a"] / sums["sample"]
+            adv = adv / (math.sqrt(max(sums["a2"] / sums["sample"] - mean ** 2, 0.0)) + 1e-6)
+        loss_value, mismatch, grad_norm, t_train = 0.0, {}, 0.0, time.time()
+        if sums["sample"]:
+            # ---- train: loss, backward, (all-reduce), clip, AdamW step
             model.train()
-            loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, adv, group[rows].to(device)), args,
-                                               len(set(group[rows].tolist())))
+            if rows:
+                ids, attn, mask, gen_logp = collate([prompt_ids[r] for r in rows], [samples[r] for r in rows],
+                                                    tokenizer.pad_token_id or 0, device)
+                loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, adv.to(device), group[rows].to(device)),
+                                                   args, len(set(group[rows].tolist())), total=sums[args.agg])
+            if ctx:
+                pipeline.all_reduce_grads(ctx, model)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
             if math.isfinite(grad_norm):
                 opt.step()
@@ -341,35 +410,60 @@ def main(args):
             else:
                 print(f"step {step}: non-finite gradient norm, optimizer step skipped")
             opt.zero_grad(set_to_none=True)
+        t_train = time.time() - t_train
+        lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
         step += 1
+        sync_s, sync_bytes = pipeline.publish_weights(ctx, model, step, step == args.steps, args.bucket_mb) if ctx else (0.0, 0)
 
-        # ---- accounting and logging
+        # ---- accounting and logging (sums over every trainer's part of the batch)
         dt = time.time() - t0
-        compute_s += dt * 1  # one device in this process
-        gen_tokens = sum(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))
-        flops += 2 * n_params * gen_tokens + 6 * n_params * sum(len(prompt_ids[r]) + len(samples[r].tokens) for r in rows)
+        compute_s += dt * world  # every device, busy or not
+        sums, maxes = pipeline.all_reduce_stats(ctx, {
+            "groups": len(groups), "kept": len(set(group[rows].tolist())), "n": len(samples),
+            "reward": rewards.sum().item(), "correct": sum(correct), "len": sum(len(s.tokens) for s in samples),
+            "trunc": sum(s.finish != "eos" for s in samples), "interrupted": sum(s.finish == "interrupted" for s in samples),
+            "lag": sum(lags), "lag_n": len(lags), "stale": rstats["dropped_stale"], "gen_tokens": rstats["gen_tokens"],
+            "train_tokens": sum(len(prompt_ids[r]) + len(samples[r].tokens) for r in rows), "loss": loss_value},
+            {"lag_max": max(lags, default=0)})
+        flops += 2 * n_params * sums["gen_tokens"] + 6 * n_params * sums["train_tokens"]
+        if not rank0:
+            continue
         m = {"kind": "train", "step": step, "compute_s": compute_s, "flops": flops,
-             "reward": rewards.mean().item(), "pass_rate": float(np.mean(correct)),
-             "len": float(np.mean([len(s.tokens) for s in samples])),
-             "trunc": float(np.mean([s.finish != "eos" for s in samples])),
-             "interrupted": float(np.mean([s.finish == "interrupted" for s in samples])),
-             "lag": 0.0, "prompts": len(idx), "kept_prompts": len(set(group[rows].tolist())),
-             "dropped_zero_var": len(idx) - len(set(group[rows].tolist())), "retired": len(curriculum.retired),
-             "epoch": curriculum.epoch, "loss": loss_value, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
-             "dt_ms": dt * 1000, "tok_s": sum(len(s.tokens) for s in samples) / t_gen,
+             "reward": sums["reward"] / sums["n"], "pass_rate": sums["correct"] / sums["n"], "len": sums["len"] / sums["n"],
+             "trunc": sums["trunc"] / sums["n"], "interrupted": sums["interrupted"] / sums["n"],
+             "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
+             "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
+             "dropped_stale": int(sums["stale"]), "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+             "dt_ms": dt * 1000, "tok_s": sums["len"] / t_gen if ctx is None else sums["train_tokens"] / dt,
              **{f"mismatch_{k}": v for k, v in mismatch.items()}}
+        if ctx is None:
+            m.update(retired=len(curriculum.retired), epoch=curriculum.epoch)
+        else:
+            m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
         log_metrics(m)
-        print(log_line(m, args.steps))
+        print(log_line(m, args.steps), flush=True)
 
-        # ---- eval and checkpoint
+        # ---- eval and checkpoint (rank 0; not counted as compute)
         if step % args.eval_every == 0 or step == args.steps:
             run_eval()
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             save()
-    if step % args.eval_every and step != args.steps:  # stopped early: every prompt retired
+    if rank0 and step % args.eval_every and step != args.steps:  # stopped early: every prompt retired
         run_eval()
         save()
+    if ctx:
+        pipeline.drain(ctx)
+        pipeline.finish(ctx)
 
 
 if __name__ == "__main__":
-    main(get_args())
+    args = get_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        try:
+            main(args)
+        except BaseException:  # one rank failing: print why, and exit without waiting on the others
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    else:
+        main(args)

@@ -1,0 +1,493 @@
+"""
+pipeline.py: generator ranks and trainer ranks under torch.distributed (SCALERL.md section 4).
+
+`torchrun --nproc_per_node W train.py` starts W ranks; train.py calls setup() here, which splits them:
+ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T..W-1 are generators
+(--gen_ranks, default W - max(1, W // 4): 1 of 2, 3 of 4, 6 of 8; the paper used 64 of 80).
+
+    generators  --(whole groups: ids, gen log-probs, masks, versions, correctness; gloo p2p)-->  trainers
+    trainer 0   --(all weights, flat buckets, broadcast after every optimizer step)---------->  generators
+    trainers    <-(gradients all-reduced: data parallel, every trainer holds the full model)->  trainers
+
+Three modes (--mode), one mechanism:
+- pipeline (PipelineRL-k, ScaleRL's choice): generators never stop. Between two decode steps a generator
+  picks up new weights (the KV cache of its running sequences stays) and stamps every token with the
+  version that produced it. A trainer at version v never trains on a token older than v - k
+  (k = --max_lag): such groups are dropped and counted, and generators stop admitting new prompts
+  while they have more than ~k/2 optimizer batches outstanding, so drops are rare.
+- ppo_offpolicy (PPO-off-policy-k): generators produce k batches with frozen weights, wait while the
+  trainers take k steps on them, then receive the new weights. Lag is 0..k-1.
+- sync: ppo_offpolicy with k = 1 (generate one batch, train one step).
+
+Control plane and data plane. Small state (weight version, counters of groups sent and received,
+heartbeats, each rank's status) lives in the torch.distributed TCP store. Tensors go through
+torch.distributed: rollouts by gloo isend/irecv (CPU tensors; a receiver posts a recv only once the
+store says a message is waiting, so no receive can wait on a message that was never sent), weights and
+gradients over the main backend (nccl on CUDA, one GPU per rank via LOCAL_RANK; gloo on CPU).
+
+Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for; a
+heartbeat thread in every rank bumps a counter in the store and watches the others': a rank that is
+dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds (default 60)
+and every other rank exits with status 1. A finished run drains the rollouts in flight and exits cleanly.
+
+Readings chosen:
+- "Lag" of a token = the trainer's policy version when it trains on it minus the version that sampled it.
+- Data-parallel trainers all-reduce (sum) their gradients, each having scaled its loss by its share
+  of the global batch (prompt groups, samples or tokens, per --agg): the gradient is exactly the
+  single-trainer full-batch gradient. The batch-normalized advantage uses the std of the whole
+  batch (all trainers). Hand-written instead of DDP's wrapper, which needs every forward to go
+  through it; here the loss runs the decoder and the float32 head separately (generate.py).
+- Curriculum: each generator owns the prompts i with i % n_generators == its index and runs
+  No-Positive-Resampling on them; its state is saved next to the trainer's checkpoints.
+- Compute (compute_s) = training wall-clock x world size: every device is counted, busy or not.
+
+    torchrun --nproc_per_node 2 train.py                          # 1 generator + 1 trainer, CPU, gloo
+    torchrun --nproc_per_node 4 train.py --gen_ranks 2            # 2 generators + 2 data-parallel trainers
+    torchrun --nproc_per_node 2 train.py --mode ppo_offpolicy     # PPO-off-policy-8 (k = --max_lag)
+    torchrun --nproc_per_node 8 train.py --model DIR --data ... --dtype bfloat16   # one 8-GPU node, nccl
+"""
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from data import Curriculum
+from generate import INTERRUPT_PHRASE, Sample, generate
+from verify import score_batch
+
+FINISH = ("eos", "interrupted", "truncated")
+HEADER = 6  # per packed row: generator rank, prompt index, prompt length, completion length, correct, finish
+
+
+class Stopped(Exception):
+    """Raised inside a generator when the trainers have finished."""
+
+
+def default_gen_ranks(world):
+    return world - max(1, world // 4)
+
+# -----------------------------------------------------------------------------
+# set-up: roles, process groups, the store, heartbeats
+
+
+def setup(args):
+    """Join the process group started by torchrun -> ctx (a dict), or None for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    n_gens = args.gen_ranks if args.gen_ranks > 0 else default_gen_ranks(world)
+    n_trainers = world - n_gens
+    if not 1 <= n_gens < world:  # checked before any rank waits on another
+        sys.exit(f"--gen_ranks {n_gens} with {world} ranks: need at least one generator and one trainer")
+    if args.prompts % n_trainers:
+        sys.exit(f"--prompts {args.prompts} must be a multiple of the {n_trainers} trainer ranks")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(local)
+    else:  # ranks on one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
+    ctx = {"rank": rank, "world": world, "n_trainers": n_trainers, "n_gens": n_gens,
+           "role": "trainer" if rank < n_trainers else "generator", "device": f"cuda:{local}" if cuda else "cpu",
+           "timeout": args.timeout, "mode": args.mode, "k": 1 if args.mode == "sync" else args.max_lag,
+           "store": dist.distributed_c10d._get_default_store(), "status": "starting",
+           # every rank creates every group, in the same order
+           "weights": dist.new_group([0] + gens, timeout=timeout),
+           "trainers": dist.new_group(trainers, timeout=timeout),
+           "rollouts": dist.new_group(backend="gloo", timeout=timeout) if cuda else None}
+    threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True).start()
+    return ctx
+
+
+def role_of(ctx, r):
+    return f"rank {r} ({'trainer' if r < ctx['n_trainers'] else 'generator'})"
+
+
+def set_status(ctx, text):
+    ctx["status"] = text
+    ctx["store"].set(f"status/{ctx['rank']}", text)
+
+
+def get_int(ctx, key):
+    return int(ctx["store"].add(key, 0))  # add 0: reads a counter, and a missing counter reads 0
+
+
+def _heartbeat(ctx, limit):
+    """Bump this rank's counter every second; exit the process if another rank's stops moving."""
+    store, me, world = ctx["store"], ctx["rank"], ctx["world"]
+    last = {r: (-1, time.time()) for r in range(world) if r != me}
+    try:
+        while True:
+            store.add(f"heartbeat/{me}", 1)
+            if int(store.add("finished", 0)):
+                return  # a clean shutdown is under way: ranks leave at their own pace
+            for r, (count, since) in last.items():
+                now = int(store.add(f"heartbeat/{r}", 0))
+                if now != count:
+                    last[r] = (now, time.time())
+                elif time.time() - since > limit:
+                    status = store.get(f"status/{r}").decode() if store.check([f"status/{r}"]) else "?"
+                    _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; its last "
+                         f"status: {status}); {role_of(ctx, me)} was {ctx['status']}")
+            time.sleep(1.0)
+    except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
+        _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
+             f"{role_of(ctx, me)} was {ctx['status']}")
+
+
+def _die(message):
+    print(f"ERROR: {message}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def wait_until(ctx, ready, what):
+    """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was awaited."""
+    set_status(ctx, f"waiting for {what}")
+    t0, pause = time.time(), 0.0005
+    while not ready():
+        if time.time() - t0 > ctx["timeout"]:
+            raise TimeoutError(f"{role_of(ctx, ctx['rank'])} waited {ctx['timeout']} s for {what} (--timeout)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    return time.time() - t0
+
+
+def finish(ctx):
+    """Clean shutdown, called by every rank at its end."""
+    set_status(ctx, "finished")
+    ctx["store"].add("finished", 1)
+    dist.barrier(group=ctx["rollouts"])
+    dist.destroy_process_group()
+
+# -----------------------------------------------------------------------------
+# data plane: packed groups, weight broadcast, gradient all-reduce
+
+
+def pack_group(gen_rank, prompt_index, prompt, samples, correct, length):
+    """One prompt's G samples -> float32 (G, HEADER + 4 * length): header | prompt+completion ids |
+    gen log-probs | mask | versions (the last three aligned with the completion). Ids and versions
+    are exact in float32 below 2**24."""
+    rows = torch.zeros(len(samples), HEADER + 4 * length)
+    for row, s, c in zip(rows, samples, correct):
+        n, P = len(s.tokens), len(prompt)
+        if P + n > length or max(prompt + s.tokens) >= 2 ** 24:
+            raise ValueError(f"cannot pack: {P}+{n} tokens > {length} or a token id >= 2**24")
+        row[:HEADER] = torch.tensor([gen_rank, prompt_index, P, n, float(c), FINISH.index(s.finish)])
+        body = row[HEADER:].view(4, length)
+        body[0, :P + n] = torch.tensor(prompt + s.tokens, dtype=torch.float)
+        body[1, :n], body[2, :n], body[3, :n] = (torch.tensor(x, dtype=torch.float) for x in (s.logps, s.mask, s.versions))
+    return rows
+
+
+def unpack_group(rows):
+    """Inverse of pack_group -> dict(gen_rank, index, prompt, samples, correct)."""
+    length = (rows.size(1) - HEADER) // 4
+    gen_rank, index, P = (int(x) for x in rows[0, :3].tolist())
+    samples, correct = [], []
+    for row in rows:
+        n, c, f = int(row[3]), bool(row[4]), int(row[5])
+        body = row[HEADER:].view(4, length)
+        prompt = [int(x) for x in body[0, :P].tolist()]
+        samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()], body[1, :n].tolist(),
+                              [int(x) for x in body[2, :n].tolist()], [int(x) for x in body[3, :n].tolist()], FINISH[f]))
+        correct.append(c)
+    return {"gen_rank": gen_rank, "index": index, "prompt": prompt, "samples": samples, "correct": correct}
+
+
+def weight_buckets(model, bucket_mb):
+    """Parameters (tied ones once) in consecutive same-dtype buckets of at most bucket_mb."""
+    buckets, size = [], 0
+    for _, p in model.named_parameters():
+        if not buckets or buckets[-1][-1].dtype != p.dtype or size + p.nbytes > bucket_mb * 2 ** 20:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.nbytes
+    return buckets
+
+
+@torch.no_grad()
+def broadcast_weights(ctx, model, bucket_mb):
+    """Trainer 0 sends, every generator receives (and copies into its model) -> bytes moved."""
+    nbytes = 0
+    for params in weight_buckets(model, bucket_mb):
+        if ctx["rank"] == 0:
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+        else:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        dist.broadcast(flat, src=0, group=ctx["weights"])
+        if ctx["rank"] != 0:
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        nbytes += flat.nbytes
+    return nbytes
+
+
+def all_reduce_grads(ctx, model):
+    """Sum the trainers' gradients (each already scaled by its share of the global batch)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=ctx["trainers"])
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
+def all_reduce_stats(ctx, sums, maxes=None):
+    """Sum (and max) small dicts of numbers over the trainer ranks."""
+    if ctx is None:
+        return sums, maxes or {}
+    device = ctx["device"]
+    v = torch.tensor([float(x) for x in sums.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(v, group=ctx["trainers"])
+    sums = dict(zip(sums, v.tolist()))
+    if maxes:
+        m = torch.tensor([float(x) for x in maxes.values()], dtype=torch.float64, device=device)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ctx["trainers"])
+        maxes = dict(zip(maxes, m.tolist()))
+    return sums, maxes or {}
+
+# -----------------------------------------------------------------------------
+# the trainer's side
+
+
+def receive_groups(ctx, need, step, length, samples_per_prompt):
+    """Receive `need` groups no token of which is more than k versions older than `step`.
+    -> (groups, stats): stale groups are dropped and counted; fewer groups when generators ran out."""
+    rank, k = ctx["rank"], ctx["k"]
+    got, stats = [], {"dropped_stale": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
+    while len(got) < need:
+        ctx.setdefault("received", 0)
+        stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx["received"]
+                                      or get_int(ctx, "exhausted") > 0, f"rollouts for step {step + 1}")
+        if get_int(ctx, f"sent/{rank}") <= ctx["received"]:
+            break  # a generator has no prompts left
+        rows = torch.empty(samples_per_prompt, HEADER + 4 * length)
+        dist.irecv(rows, src=None, group=ctx["rollouts"], tag=1).wait(timedelta(seconds=ctx["timeout"]))
+        ctx["received"] += 1
+        group = unpack_group(rows)
+        ctx["store"].add(f"received_from/{group['gen_rank']}", 1)
+        ctx["store"].add(f"received_from/{group['gen_rank']}/{rank}", 1)
+        stats["received"] += 1
+        stats["gen_tokens"] += sum(len(group["prompt"]) + len(s.tokens) for s in group["samples"])
+        oldest = min((v for s in group["samples"] for v, m in zip(s.versions, s.mask) if m), default=step)
+        if step - oldest > k:
+            stats["dropped_stale"] += 1
+            continue
+        got.append(group)
+    set_status(ctx, f"training step {step + 1}")
+    return got, stats
+
+
+def publish_weights(ctx, model, step, last, bucket_mb):
+    """Trainer 0 after each optimizer step: announce version `step`, broadcast -> (seconds, bytes).
+    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast."""
+    if ctx["rank"] != 0 or last or step % (1 if ctx["mode"] == "pipeline" else ctx["k"]):
+        return 0.0, 0
+    t0 = time.time()
+    ctx["store"].set("version", str(step))
+    set_status(ctx, f"broadcasting weights version {step}")
+    nbytes = broadcast_weights(ctx, model, bucket_mb)
+    return time.time() - t0, nbytes
+
+
+def generator_stats(ctx):
+    """Each generator's latest published counters (busy seconds, tokens, ...)."""
+    store, out = ctx["store"], []
+    for r in range(ctx["n_trainers"], ctx["world"]):
+        out.append(json.loads(store.get(f"genstats/{r}")) if store.check([f"genstats/{r}"]) else {})
+    return out
+
+
+def busy_metrics(ctx, dt, wait_s, train_s, sync_s, sync_bytes):
+    """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed, tokens/s."""
+    now = generator_stats(ctx)
+    before = ctx.get("genstats_before") or [{}] * len(now)
+    ctx["genstats_before"] = now
+    d = [{key: s.get(key, 0.0) - b.get(key, 0.0) for key in ("wall", "idle", "sync", "tokens")}
+         for s, b in zip(now, before)]
+    busy = [(x["wall"] - x["idle"] - x["sync"]) / x["wall"] for x in d if x["wall"] > 0]
+    return {"gen_busy": sum(busy) / len(busy) if busy else 0.0, "train_busy": train_s / dt,
+            "wait_ms": wait_s * 1000, "sync_ms": sync_s * 1000, "sync_MBps": sync_bytes / 1e6 / sync_s if sync_s else 0.0,
+            "gen_tok_s": sum(x["tokens"] / x["wall"] for x in d if x["wall"] > 0),
+            "retired": sum(s.get("retired", 0) for s in now), "epoch": max((s.get("epoch", 0) for s in now), default=0)}
+
+
+def drain(ctx):
+    """After the last step: stop the generators, take every group still in flight, so they exit cleanly."""
+    if ctx["rank"] == 0:
+        ctx["store"].set("stop", "1")
+    wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx["n_gens"], "the generators to stop")
+    length = ctx.get("length", 0)
+    while get_int(ctx, f"sent/{ctx['rank']}") > ctx.get("received", 0):
+        rows = torch.empty(ctx["samples"], HEADER + 4 * length)
+        dist.irecv(rows, src=None, group=ctx["rollouts"], tag=1).wait(timedelta(seconds=ctx["timeout"]))
+        ctx["received"] = ctx.get("received", 0) + 1
+
+# -----------------------------------------------------------------------------
+# the generator's side
+
+
+def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version, curriculum_path):
+    """A generator rank's whole life: sample groups, verify them, send them, take new weights."""
+    me, G, T, k = ctx["rank"], args.samples, ctx["n_trainers"], ctx["k"]
+    g = me - T  # this generator's index
+    mine = list(range(g, len(problems), ctx["n_gens"]))
+    curriculum = Curriculum(len(mine), args.seed + 1 + g, npr=args.no_positive_resampling)
+    if args.resume and os.path.exists(curriculum_path):
+        curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
+    length = ctx["length"]
+    max_prompt = max(len(p) for p in prompt_ids)
+    st = {"version": start_version, "open": {}, "owner": [], "sends": [], "sent": 0, "admitted": 0,
+          "t0": time.time(), "idle": 0.0, "sync": 0.0, "tokens": 0, "last_poll": 0.0, "last_stats": 0.0,
+          "plan": [], "pruned": [0] * T, "idle_since": None}
+    think_end = tokenizer("</think>", add_special_tokens=False)["input_ids"]
+    interrupt_ids = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
+
+    def publish(force=False):
+        now = time.time()
+        if force or now - st["last_stats"] > 0.1:
+            st["last_stats"] = now
+            idle = st["idle"] + (now - st["idle_since"] if st["idle_since"] else 0.0)  # a wait under way counts
+            ctx["store"].set(f"genstats/{me}", json.dumps({
+                "wall": now - st["t0"], "idle": idle, "sync": st["sync"], "tokens": st["tokens"],
+                "retired": len(curriculum.retired), "epoch": curriculum.epoch}))
+
+    def poll(apply=True):
+        """Stop? New weights? (at most every 10 ms) -> the version in the model."""
+        if time.time() - st["last_poll"] < 0.01:
+            return st["version"]
+        st["last_poll"] = time.time()
+        if ctx["store"].get("stop") == b"1":
+            raise Stopped
+        version = int(ctx["store"].get("version"))
+        if apply and version > st["version"]:  # trainer 0 is in the broadcast of `version`, waiting for us
+            t0 = time.time()
+            set_status(ctx, f"receiving weights version {version}")
+            broadcast_weights(ctx, model, args.bucket_mb)
+            st["version"] = version
+            st["sync"] += time.time() - t0
+            set_status(ctx, "generating")
+        publish()
+        return st["version"]
+
+    def admit(n_groups):
+        items = []
+        for _ in range(n_groups):
+            try:
+                (c,) = curriculum.next_batch(1)
+            except StopIteration as err:
+                print(f"{role_of(ctx, me)}: {err}", flush=True)
+                ctx["store"].add("exhausted", 1)
+                break
+            gid = st["admitted"]
+            st["admitted"] += 1
+            st["open"][gid] = {"c": c, "samples": [None] * G}
+            key = (((start_version << 8) + g) << 24) + gid
+            for j in range(G):
+                st["owner"].append((gid, j))
+                items.append((prompt_ids[mine[c]], key * 1024 + j))
+        return items
+
+    def on_sample(s):
+        gid, j = st["owner"][s.key]
+        group = st["open"][gid]
+        group["samples"][j] = s
+        st["tokens"] += len(s.tokens)
+        if all(group["samples"]):
+            del st["open"][gid]
+            send(group)
+
+    def send(group):
+        samples, i = group["samples"], mine[group["c"]]
+        texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
+                 for s in samples]
+        correct = score_batch(texts, [problems[i]["answer"]] * G)
+        curriculum.record(group["c"], sum(correct) / G)
+        dst = st["plan"].pop(0) if st["plan"] else (g + st["sent"]) % T
+        rows = pack_group(me, i, prompt_ids[i], samples, correct, length)
+        st["sends"].append((dst, dist.isend(rows, dst=dst, group=ctx["rollouts"], tag=1), rows))
+        st["sent"] += 1
+        ctx["store"].add(f"sent/{dst}", 1)
+        if len(st["sends"]) > 2 * cap:  # forget sends already received (each trainer receives ours in order)
+            done = {t: get_int(ctx, f"received_from/{me}/{t}") for t in range(T)}
+            for t in range(T):
+                mine_to_t = [x for x in st["sends"] if x[0] == t]
+                for x in mine_to_t[:done[t] - st["pruned"][t]]:
+                    x[1].wait()
+                    st["sends"].remove(x)
+                    st["pruned"][t] += 1
+
+    def outstanding():  # groups admitted and not yet received by a trainer
+        return st["admitted"] - get_int(ctx, f"received_from/{me}")
+
+    cap = max(math.ceil(args.slots / G), math.ceil(args.prompts * max(1, k // 2) / ctx["n_gens"]))
+
+    def feed(n_free):
+        poll()
+        n = min(math.ceil(n_free / G), cap - outstanding())
+        return admit(n) if n > 0 else []
+
+    sampler = dict(eos_id=tokenizer.eos_token_id, think_end=think_end, interrupt_ids=interrupt_ids,
+                   think_budget=args.think_budget, answer_budget=args.answer_budget,
+                   interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
+                   fp32_head=args.fp32_head, seed=args.seed, on_sample=on_sample)
+    set_status(ctx, "generating")
+    try:
+        while True:
+            st["owner"] = []  # generate's prompt index -> (group, sample), for this call
+            if ctx["mode"] == "pipeline":  # never stop: admit while under the cap, take weights in flight
+                generate(model, [], feed=feed, on_step=poll, version=st["version"], max_prompt_len=max_prompt, **sampler)
+                st["idle_since"] = time.time()
+                set_status(ctx, f"waiting for trainers to take rollouts (outstanding {outstanding()} >= cap {cap})")
+                while outstanding() >= cap or get_int(ctx, "exhausted"):
+                    poll()
+                    time.sleep(0.002)
+                st["idle"] += time.time() - st["idle_since"]
+                st["idle_since"] = None
+            else:  # ppo_offpolicy / sync: the batches for the steps up to the next multiple of k, frozen
+                v = st["version"]
+                total = (k - v % k) * args.prompts
+                js = range(g, total, ctx["n_gens"])
+                st["plan"] = [(j % args.prompts) % T for j in js]
+                items = admit(len(js))
+                if items:
+                    generate(model, [p for p, _ in items], keys=[key for _, key in items], version=v,
+                             on_step=lambda: poll(apply=False), **sampler)
+                st["idle_since"] = time.time()
+                set_status(ctx, f"waiting for weights version {v + k - v % k} (frozen for {k} steps)")
+                while st["version"] < v + k - v % k:
+                    poll()
+                    time.sleep(0.002)
+                    if time.time() - st["idle_since"] > ctx["timeout"]:
+                        raise TimeoutError(f"{role_of(ctx, me)} waited {ctx['timeout']} s for new weights")
+                st["idle"] += time.time() - st["idle_since"]
+                st["idle_since"] = None
+            if args.save_every and st["version"] % args.save_every == 0:
+                _save_curriculum(curriculum, curriculum_path)
+    except Stopped:
+        pass
+    _save_curriculum(curriculum, curriculum_path)
+    publish(force=True)
+    ctx["store"].add("generators_done", 1)
+    set_status(ctx, "waiting for trainers to take the last rollouts")
+    for _, work, _ in st["sends"]:
+        work.wait(timedelta(seconds=ctx["timeout"]))
+
+
+def _save_curriculum(curriculum, path):
+    torch.save(curriculum.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
