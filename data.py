@@ -1,11 +1,16 @@
 """
 data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.md sections 2 and 5).
 
-- load_problems(path): jsonl in the layouts users have -> [{"prompt": str, "answer": str}, ...]
+- load_problems(path): jsonl in the layouts users have -> [{"prompt": str, "answer": str,
+  "domain": "math"}, ...]
     problem + answer   (Polaris, DeepScaleR, MATH-500)
     question + answer  (GSM8K: the answer is what follows the last "####")
     problem + solution (MATH: the answer is the solution's last \\boxed{})
     prompt + answer
+    prompt + tests     (code: {"inputs": [...], "outputs": [...]} stdin/stdout pairs as in
+                        TACO/APPS/DeepCoder, or asserts as in MBPP) -> {"prompt", "tests",
+                        "domain": "code"}, scored by verify.score_code; fixtures/code_toy.jsonl
+                        has 20 tiny ones. An explicit "domain" ("math" or "code") is honoured.
 - format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
   otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
 - split_problems: the seeded held-out validation split.
@@ -62,8 +67,39 @@ def _answer_of(rec, where):
     raise ValueError(f"{where}: missing field 'answer' (or 'solution' with a \\boxed{{}} answer)")
 
 
+def _tests_of(rec, where):
+    """The tests of a code record, checked: {"inputs": [str], "outputs": [str]} or asserts (a list
+    of strings or one string), the layouts score_code in verify.py runs."""
+    tests = rec["tests"]
+    if isinstance(tests, dict):
+        inputs, outputs = tests.get("inputs"), tests.get("outputs")
+        if not (isinstance(inputs, list) and isinstance(outputs, list) and inputs
+                and len(inputs) == len(outputs) and all(isinstance(x, str) for x in inputs + outputs)):
+            raise ValueError(f"{where}: field 'tests' must have 'inputs' and 'outputs': "
+                             "equally long non-empty lists of strings")
+        return tests
+    asserts = tests if isinstance(tests, list) else [tests]
+    if not asserts or not all(isinstance(x, str) and x.strip() for x in asserts):
+        raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of assert "
+                         "strings or one string of asserts")
+    return tests
+
+
+def _problem_of(rec, where, key):
+    """One loaded problem: a math problem (gold answer) or a code problem (tests)."""
+    domain = rec.get("domain", "code" if "tests" in rec else "math")
+    if domain not in ("math", "code"):
+        raise ValueError(f"{where}: field 'domain' must be 'math' or 'code', got {domain!r}")
+    if domain == "code":
+        if "tests" not in rec:
+            raise ValueError(f"{where}: missing field 'tests' (a code problem)")
+        return {"prompt": rec[key], "tests": _tests_of(rec, where), "domain": "code"}
+    return {"prompt": rec[key], "answer": _answer_of(rec, where), "domain": "math"}
+
+
 def load_problems(path):
-    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str}. Blank lines are skipped."""
+    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"}
+    or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped."""
     problems = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -81,7 +117,7 @@ def load_problems(path):
                 raise ValueError(f"{where}: missing field 'prompt' (or 'problem' / 'question')")
             if not isinstance(rec[key], str) or not rec[key].strip():
                 raise ValueError(f"{where}: field '{key}' must be a non-empty string")
-            problems.append({"prompt": rec[key], "answer": _answer_of(rec, where)})
+            problems.append(_problem_of(rec, where, key))
     if not problems:
         raise ValueError(f"{path}: no problems in file")
     return problems

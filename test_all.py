@@ -22,9 +22,10 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 import data
 import generate as gen
+from generate import INTERRUPT_PHRASE
 import train
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
-from verify import extract_answer, score, score_batch
+from verify import extract_answer, extract_code, score, score_batch, score_code, score_code_batch
 import fit
 import verify
 
@@ -753,8 +754,10 @@ def test_data_layouts_and_clear_errors(tmp_path):
     f.write_text('{"problem": "p1", "solution": "so \\\\boxed{\\\\frac{1}{2}}."}\n\n'
                  '{"prompt": "p2", "answer": 72}\n{"question": "p3", "answer": "work\\n#### 1,000"}\n'
                  '{"problem": "p4", "answer": 0.5}\n')
-    assert data.load_problems(f) == [{"prompt": "p1", "answer": "\\frac{1}{2}"}, {"prompt": "p2", "answer": "72"},
-                                     {"prompt": "p3", "answer": "1,000"}, {"prompt": "p4", "answer": "0.5"}]
+    assert data.load_problems(f) == [{"prompt": "p1", "answer": "\\frac{1}{2}", "domain": "math"},
+                                     {"prompt": "p2", "answer": "72", "domain": "math"},
+                                     {"prompt": "p3", "answer": "1,000", "domain": "math"},
+                                     {"prompt": "p4", "answer": "0.5", "domain": "math"}]
     cases = {'{"problem": "p"}\n': ":1: missing field 'answer'",
              '{"answer": "1"}\n': ":1: missing field 'prompt'",
              '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
@@ -892,3 +895,348 @@ def test_train_resume_continues_exactly(toy_dir, tmp_path):
     strip = lambda ms: [{k: v for k, v in m.items() if k not in ("compute_s", "dt_ms", "tok_s")}
                         for m in ms if m["kind"] == "train"]
     assert strip(resumed) == strip(full)
+
+# =============================================================================
+# verify.py at reference strength: code sandbox, extraction cases, fuzz; data.py code problems
+
+SUM = {"inputs": ["1 2\n", "-5 5\n", "100 23"], "outputs": ["3\n", "0", "123\n"]}
+
+
+def fenced(code, tag="python"):
+    return f"<think>\nplan\n</think>\nHere it is:\n```{tag}\n{code}\n```\n"
+
+
+def nproc_binds():
+    """RLIMIT_NPROC binds every user except root; root drops to nobody when it can."""
+    return os.geteuid() != 0 or verify._sandbox_uid() is not None
+
+
+def live_in_group(pgid):
+    """Processes of process group pgid that are not zombies (pid 1 may reap orphans late)."""
+    live = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(pid)
+    return live
+
+
+def shared_dir(tmp_path):
+    """A folder the sandboxed program may write into (it may run as nobody)."""
+    os.chmod(tmp_path, 0o777)
+    return tmp_path
+
+# -----------------------------------------------------------------------------
+# code: extraction and the two test layouts
+
+
+def test_code_extract_last_python_block():
+    cases = {
+        "```python\nprint(1)\n```\ntext\n```python\nprint(2)\n```": "print(2)",          # last wins
+        "```\nprint(3)\n```": "print(3)", "```py\nx = 1\n```": "x = 1",
+        "```python\nprint(1)\n```\n```cpp\nint main() {}\n```": "print(1)",              # not Python
+        "<think>```python\nprint(1)\n```</think>\n```python\nprint(2)\n```": "print(2)",  # after think
+        "<think>```python\nprint(1)\n```</think> no code": None,
+        "<think>\n```python\nprint(1)\n```\nstill thinking": None,                      # interrupted
+        "```python\nprint(1)\n": None, "no code": None, "```python\n\n```": None,
+    }
+    for response, code in cases.items():
+        assert extract_code(response) == code, response
+    assert extract_code(None) is None
+
+
+def test_code_stdin_stdout_right_wrong_and_whitespace():
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    spaced = fenced("a, b = map(int, input().split())\nprint('  ', a + b, '   ')\nprint()\nprint()")
+    off_by_one = fenced("a, b = map(int, input().split())\nprint(a + b + 1)")
+    crash_after = fenced("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(3)")
+    wrong_on_last = fenced("a, b = map(int, input().split())\nprint(a + b if a < 100 else 0)")
+    lines = {"inputs": ["2\n"], "outputs": ["1 2\n3  4"]}
+    assert score_code(right, SUM) is True and score_code(spaced, SUM) is True
+    assert score_code(off_by_one, SUM) is False and score_code(crash_after, SUM) is False
+    assert score_code(wrong_on_last, SUM) is False
+    assert score_code(fenced("print('1  2 ')\nprint('3 4')"), lines) is True
+    assert score_code(fenced("print('1 2 3 4')"), lines) is False                 # lines matter
+    assert score_code("a, b = map(int, input().split())\nprint(a + b)", SUM) is False   # no block
+
+
+def test_code_asserts_list_and_string():
+    add = fenced("def add(a, b):\n    print('debug output is fine')\n    return a + b")
+    assert score_code(add, ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]) is True
+    assert score_code(add, "assert add(1, 2) == 3\nassert add(2, 2) == 4") is True
+    assert score_code(add, ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]) is False
+    for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "exit()",
+                  "def add(a, b):\n    raise SystemExit(0)"):
+        assert score_code(fenced(cheat), ["assert add(1, 2) == 3"]) is False, cheat
+    humaneval = "def check(candidate):\n    assert candidate(2, 3) == 5\n\ncheck(add)"
+    assert score_code(add, humaneval) is True
+    assert score_code(fenced("def add(a, b):\n    return a - b"), humaneval) is False
+
+
+def test_code_malformed_tests_score_false():
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    for tests in ({"inputs": [], "outputs": []}, {"inputs": ["1 2"], "outputs": ["3", "4"]},
+                  {"inputs": [["1", "2"]], "outputs": [["3"]]}, {"inputs": "1 2", "outputs": "3"},
+                  {"outputs": ["3"]}, [], "", "print('no assert here')", None, 5, [1, 2]):
+        assert score_code(right, tests) is False, tests
+    assert score_code(None, SUM) is False and score_code(b"```python\nprint(3)\n```", SUM) is False
+
+# -----------------------------------------------------------------------------
+# code: the sandbox
+
+
+def test_code_infinite_loop_is_killed_on_time():
+    for program in ("while True:\n    pass", "import time\ntime.sleep(60)", "input()"):
+        start = time.perf_counter()
+        assert score_code(fenced(program), {"inputs": [""], "outputs": ["x"]}, timeout=2.0) is False
+        assert time.perf_counter() - start < 10.0, program       # 2 s + start-up, generous for CI
+    start = time.perf_counter()
+    assert score_code(fenced("while True:\n    pass"), ["assert True"], timeout=1.0) is False
+    assert 1.0 <= time.perf_counter() - start < 8.0
+
+
+def test_code_memory_limit():
+    alloc = "x = bytearray({})\nprint(len(x))"
+    assert score_code(fenced(alloc.format(100 << 20)), {"inputs": [""], "outputs": [str(100 << 20)]})
+    start = time.perf_counter()
+    assert score_code(fenced(alloc.format(10 << 30)), {"inputs": [""], "outputs": [str(10 << 30)]}) is False
+    grow = "x = []\nwhile True:\n    x.append(bytearray(50 << 20))"      # 50 MB at a time, forever
+    assert score_code(fenced(grow), ["assert True"]) is False
+    assert time.perf_counter() - start < 15.0
+    assert score_code(fenced(alloc.format(600 << 20)), ["assert x"], memory=256 << 20) is False
+
+
+def test_code_output_flood_is_cut():
+    start = time.perf_counter()
+    flood = fenced("while True:\n    print('x' * 100000)")
+    assert score_code(flood, {"inputs": [""], "outputs": ["x"]}) is False
+    assert score_code(flood, ["assert True"]) is False
+    assert time.perf_counter() - start < 15.0
+    assert score_code(fenced("print('y' * 1000000)"), {"inputs": [""], "outputs": ["y" * 1000000]})
+
+
+def test_code_naive_fork_bomb_fails_at_once_and_the_parent_is_fine():
+    for bomb in ("import os\nwhile True:\n    os.fork()", "import os\nwhile True:\n    os.system('true')",
+                 "import subprocess\nsubprocess.Popen(['sleep', '100'])",
+                 "import multiprocessing\nmultiprocessing.Process(target=print).start()"):
+        start = time.perf_counter()
+        assert score_code(fenced(bomb), ["assert True"], timeout=5.0) is False, bomb
+        assert time.perf_counter() - start < 5.0, bomb              # removed: fails, no timeout
+    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
+
+
+@pytest.mark.skipif(not nproc_binds(), reason="root that cannot drop to nobody (interpreter under a "
+                    "0700 home): RLIMIT_NPROC does not bind root")
+def test_code_nproc_limits_threads_and_processes():
+    threads = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
+               "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+               "        n += 1\nexcept RuntimeError:\n    pass\n")
+    margin = verify.CODE_NPROC_MARGIN
+    assert score_code(fenced(threads), [f"assert 5 < n < {2 * margin}"], memory=16 << 30) is True
+    assert score_code(fenced(threads), ["assert n == 200"], memory=16 << 30) is False
+
+
+@pytest.mark.skipif(not nproc_binds(), reason="root that cannot drop to nobody: a fork bomb past the "
+                    "removed functions would not be contained, so it is not run")
+def test_code_fork_bomb_past_the_guard_is_contained(tmp_path):
+    folder = shared_dir(tmp_path)
+    bomb = (f"import os, sys\nopen({str(folder / 'pgid')!r}, 'w').write(str(os.getpgrp()))\n"
+            "del sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
+            "fork = ctypes.CDLL(None).fork\nwhile True:\n    fork()")
+    start = time.perf_counter()
+    assert score_code(fenced(bomb), ["assert True"], timeout=3.0) is False
+    assert time.perf_counter() - start < 15.0
+    pgid = int((folder / "pgid").read_text())
+    deadline = time.monotonic() + 10
+    while live_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_in_group(pgid) == []
+    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
+
+
+def test_code_environment_is_empty_and_home_is_the_temp_dir(tmp_path):
+    os.environ["SECRET_TOKEN"] = "hunter2"
+    try:
+        folder = shared_dir(tmp_path)
+        probe = (f"import os, sys\nopen({str(folder / 'seen')!r}, 'w').write(repr("
+                 "[dict(os.environ), os.getcwd(), sys.flags.isolated]))")
+        assert score_code(fenced(probe), ["assert True"]) is True
+        env, cwd, isolated = eval((folder / "seen").read_text())
+        assert "SECRET_TOKEN" not in env and set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}
+        assert env["HOME"] == cwd and os.path.basename(cwd).startswith("verify-code-") and isolated == 1
+        assert not os.path.exists(cwd)                                # removed afterwards
+    finally:
+        del os.environ["SECRET_TOKEN"]
+
+
+def test_code_temp_dir_is_removed_even_when_locked(tmp_path):
+    folder = shared_dir(tmp_path)
+    messy = (f"import os\nopen({str(folder / 'cwd')!r}, 'w').write(os.getcwd())\n"
+             "os.makedirs('a/b/c')\nopen('a/b/c/f.txt', 'w').write('x')\n"
+             "os.symlink('/', 'a/root')\nos.chmod('a/b', 0)\nos.chmod('a', 0o500)")
+    assert score_code(fenced(messy), ["assert True"]) is True
+    cwd = (folder / "cwd").read_text()
+    assert cwd and not os.path.exists(cwd) and os.path.exists("/")
+
+
+def test_code_files_outside_are_capped_and_guarded_as_nobody(tmp_path):
+    folder = shared_dir(tmp_path)
+    big = f"f = open({str(folder / 'big')!r}, 'wb')\nf.write(b'x' * (64 << 20))\nf.close()"
+    assert score_code(fenced(big), ["assert True"]) is False                     # RLIMIT_FSIZE
+    assert (folder / "big").stat().st_size <= verify.CODE_MAX_OUTPUT
+    if verify._sandbox_uid() is None:
+        return                          # same user as the caller: it may write where it may (documented)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    sneaky = f"open({str(private / 'x')!r}, 'w').write('x')"
+    assert score_code(fenced(sneaky), ["assert True"]) is False and not (private / "x").exists()
+
+
+def test_code_batch_equals_one_by_one_and_uses_workers():
+    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")]
+    responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:5]]
+    tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:6]]         # another's tests
+    expected = [True] * len(rows) + [False] * 5
+    assert [score_code(r, t) for r, t in zip(responses, tests)] == expected
+    slow = [fenced("import time\ntime.sleep(1)\nprint(3)")] * 4
+    start = time.perf_counter()
+    assert score_code_batch(slow, [{"inputs": [""], "outputs": ["3"]}] * 4, workers=4) == [True] * 4
+    assert time.perf_counter() - start < 3.5                                 # 4 x 1 s in parallel
+    assert score_code_batch(responses, tests, workers=2) == expected
+    with pytest.raises(ValueError, match="2 responses but 1 tests"):
+        score_code_batch(["a", "b"], [SUM])
+
+# -----------------------------------------------------------------------------
+# math: the extraction cases of the issue
+
+
+def test_verify_extraction_cases_of_the_issue():
+    cases = {
+        "<think>\nit is \\boxed{3}\n</think>\nSo $\\boxed{4}$.": "4",                    # after </think>
+        "\\boxed{\\frac{\\sqrt{3}}{2}} and \\boxed{\\left\\{1,\\{2\\}\\right\\}}": "\\left\\{1,\\{2\\}\\right\\}",
+        "so \\boxed 5.": "5", "\\fbox{6}": "6", "\\boxed{1}, \\fbox{2}, \\boxed{3}": "3",
+        "Final Answer: 42": "42", "**Final Answer:** 12": "12", "**Final Answer**: $12$": "12",
+        "Final Answer:\n\\frac{1}{2}": "\\frac{1}{2}", "**Answer:** 7": "7",
+        "Natalia sold 48 + 24 = 72 clips.\n#### 72": "72", "#### 1,234": "1,234",
+    }
+    for response, answer in cases.items():
+        assert extract_answer(response) == answer, response
+    assert score("**Final Answer:** 12", "12") and score("#### 72", "72") and score("\\boxed 5", "5")
+
+
+def test_verify_interrupted_response_never_answered():
+    thinking = "<think>\nLet me add: 3 + 4 = 7, so \\boxed{7}. Let me check again"
+    for response in (thinking + INTERRUPT_PHRASE, thinking + INTERRUPT_PHRASE + "\n\n",
+                     thinking + INTERRUPT_PHRASE + " The final answer is", thinking):
+        assert extract_answer(response) is None and score(response, "7") is False, response[-40:]
+    assert score(thinking + INTERRUPT_PHRASE + " The answer is \\boxed{7}.", "7") is True
+
+# -----------------------------------------------------------------------------
+# math: fuzz
+
+
+NASTY = [r"9^{9^{9^9}}", "100000!", r"(10^{9999})^{9999}", r"10^{10^{10}}", r"e^{e^{e^{e^{10}}}}",
+         r"\binom{100000}{50000}", r"(x+1)^{10000}-(x+1)^{9999}", r"\frac{1}{0}", "0^{-1}", "x^x^x^x",
+         r"\sqrt[0]{2}", r"\log_0 1", r"\sin(2^{10000})", r"\sqrt{-1}^{\sqrt{-1}}", r"\infty-\infty"]
+PIECES = [r"\frac", "{", "}", "(", ")", "[", "]", r"\sqrt", "^", "_", "x", "y", "9", "99", ".", ",", r"\pi",
+          r"\pm", r"\{", r"\}", "=", "-", "+", "*", "/", r"\text{", r"\left(", r"\right)", r"\cup", "!", "|",
+          r"\sin", r"\log", r"\begin{pmatrix}", r"\end{pmatrix}", "&", r"\\", "%", "i", "e", r"\infty",
+          r"\boxed{", r"\fbox", "</think>", "<think>", "####", "Final Answer:", "\ufffd", "\udfff", "\x00"]
+
+
+def fuzz_cases(rng):
+    """10,000 (response, gold) pairs: most decided in-process, about 1,700 go to the sympy workers."""
+    cases = []
+    for _ in range(9000):                                   # quick path: numbers, junk, huge text
+        kind = rng.random()
+        if kind < 0.5:
+            cases.append((f"\\boxed{{{rng.randint(-10**6, 10**6)}}}", str(rng.randint(-10**6, 10**6))))
+        elif kind < 0.8:
+            junk = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))).decode("utf-8", errors="replace")
+            cases.append((junk, rng.choice(["5", junk, r"\frac12"])))
+        elif kind < 0.98:
+            cases.append((f"#### {rng.random() * 10**rng.randint(0, 30)}", f"{rng.randint(0, 99)}/{rng.randint(1, 99)}"))
+        else:
+            big = rng.choice(["{", "(", "\\boxed{", "9", "x^", "\ufffd"]) * rng.randint(1 << 18, 1 << 20)
+            cases.append(rng.choice([(big, "5"), ("\\boxed{5}", big), (big, big)]))
+    for i in range(700):                                    # sympy path: soup, nesting, huge values
+        soup = "".join(rng.choices(PIECES, k=rng.randint(1, 40)))
+        deep = "(" * rng.randint(20, 80) + "x+1" + ")" * rng.randint(20, 80)
+        answer = rng.choice([soup, deep, NASTY[i % len(NASTY)], "x" * rng.randint(990, 1010)])
+        cases.append((f"<think>{soup}</think> \\boxed{{{answer}}}", rng.choice([soup, "x+1", NASTY[i % len(NASTY)]])))
+    for _ in range(300):                                    # nasty golds and non-strings
+        cases.append((rng.choice(["\\boxed{5}", "#### 7", None, 5, b"\\boxed{1}"]),
+                      rng.choice(NASTY + [None, 7, "", "\udfff" * 2000])))
+    rng.shuffle(cases)
+    return cases
+
+
+def test_verify_fuzz_10k_adversarial_strings_never_raise_or_hang():
+    cases = fuzz_cases(random.Random(0))
+    timeout, exceptions, verdicts = 2.0, 0, []
+    start = time.perf_counter()
+    for chunk in range(0, 9800, 980):                      # most through score_batch, chunk by chunk
+        part = cases[chunk:chunk + 980]
+        batch_start = time.perf_counter()
+        try:
+            verdicts += score_batch([r for r, _ in part], [g for _, g in part], workers=2, timeout=timeout)
+        except Exception:
+            exceptions += 1
+        assert time.perf_counter() - batch_start < 30.0
+    max_call = 0.0
+    for response, gold in cases[9800:]:                   # the rest one by one through score()
+        call_start = time.perf_counter()
+        try:
+            verdicts.append(score(response, gold, timeout=timeout))
+        except Exception:
+            exceptions += 1
+        max_call = max(max_call, time.perf_counter() - call_start)
+    total = time.perf_counter() - start
+    print(f"\nfuzz: {len(cases)} cases, {exceptions} exceptions, max score() call {max_call:.2f} s, "
+          f"{total:.1f} s in all, {sum(verdicts)} True")
+    assert len(cases) == 10_000 and exceptions == 0 and len(verdicts) == 10_000
+    assert all(isinstance(v, bool) for v in verdicts)
+    assert max_call < timeout + 2.0 and total < 60.0
+
+# -----------------------------------------------------------------------------
+# data.py: code problems
+
+
+def test_data_code_problems_and_domains(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}},
+            {"problem": "add", "tests": ["assert add(1, 2) == 3"]},
+            {"question": "add", "tests": "assert add(1, 2) == 3", "domain": "code"},
+            {"problem": "p", "answer": 5},
+            {"problem": "q", "answer": "7", "domain": "math"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert data.load_problems(f) == [
+        {"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}, "domain": "code"},
+        {"prompt": "add", "tests": ["assert add(1, 2) == 3"], "domain": "code"},
+        {"prompt": "add", "tests": "assert add(1, 2) == 3", "domain": "code"},
+        {"prompt": "p", "answer": "5", "domain": "math"}, {"prompt": "q", "answer": "7", "domain": "math"}]
+    cases = {'{"prompt": "p", "tests": {"inputs": ["1"], "outputs": []}}\n': ":1: field 'tests' must have",
+             '{"prompt": "p", "tests": {"inputs": [1], "outputs": [2]}}\n': ":1: field 'tests' must have",
+             '{"prompt": "p", "answer": "1"}\n{"prompt": "p", "tests": []}\n': ":2: field 'tests' must be",
+             '{"prompt": "p", "tests": [5]}\n': ":1: field 'tests' must be",
+             '{"prompt": "p", "answer": "1", "domain": "code"}\n': ":1: missing field 'tests'",
+             '{"prompt": "p", "answer": "1", "domain": "chess"}\n': ":1: field 'domain' must be"}
+    for i, (text, msg) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError) as e:
+            data.load_problems(bad)
+        assert f"bad{i}.jsonl{msg}" in str(e.value)
+
+
+def test_data_code_toy_fixture_loads_and_its_solutions_pass():
+    problems = data.load_problems(FIXTURES / "code_toy.jsonl")
+    solutions = [json.loads(line)["solution"] for line in open(FIXTURES / "code_toy.jsonl")]
+    assert len(problems) == 20 and {p["domain"] for p in problems} == {"code"}
+    assert sum(isinstance(p["tests"], dict) for p in problems) >= 10
+    assert score_code_batch(solutions, [p["tests"] for p in problems]) == [True] * 20
+    wrong = [s.replace("print(", "print(1, ").replace("return ", "return 1 + ") for s in solutions]
+    assert score_code_batch(wrong, [p["tests"] for p in problems]) == [False] * 20

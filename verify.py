@@ -36,20 +36,54 @@ Workers start on first need (~1 s), stay for later calls, and exit when the call
 1000 characters, nesting over 50 deep, exponents or factorials over 10^4, powers over ~10^5
 digits. Unix only (select.poll, resource).
 
+Code (score_code): the last fenced Python block after </think> (```python, ```py or a bare
+```) runs against the tests: stdin/stdout pairs {"inputs": [...], "outputs": [...]} (TACO, APPS,
+DeepCoder; one run per pair; outputs equal line by line after collapsing whitespace and dropping
+blank ends; exit code 0) or asserts (MBPP/HumanEval: a list of statements or one string, run
+after the program; a random token printed after the last assert must come out, so exiting early
+fails; HumanEval's `def check(candidate)` needs its call, e.g. "check(add)", in the string).
+Each run is a fresh `python -I` (no user site, PYTHON* variables or caller state) in a new
+session, limits:
+  - wall clock `timeout` s, then SIGKILL to its whole process group; RLIMIT_CPU timeout+1 s;
+  - RLIMIT_AS `memory` (1 GiB), RLIMIT_FSIZE and the stdout read back 16 MiB, no core files;
+  - RLIMIT_NPROC = the tasks its user runs now + 32, so a fork bomb stops at 32 processes
+    (threads count too); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess,
+    multiprocessing are removed first, so a naive fork bomb fails at once;
+  - env is only PATH, HOME = TMPDIR = a fresh 0700 temp dir (its cwd, removed afterwards);
+    stdin and stdout are unlinked temp files, stderr is dropped;
+  - as root it runs as `nobody` (uid 65534) when that user can start the interpreter.
+Not prevented (no namespaces, seccomp or cgroups without root): the program can read and write
+whatever its user can outside the temp dir (files under 16 MiB each), use the network, and
+read the caller's initial environment in /proc/PPID/environ when it runs as the same user; the
+removed functions come back with some effort (`del sys.modules["ctypes"]`), and then a
+process that calls setsid() escapes the group kill (RLIMIT_CPU still ends it if it computes).
+When root cannot drop to `nobody` (an interpreter under a 0700 /root) RLIMIT_NPROC does not
+bind root: only the removed functions stop a fork bomb. An answer-hacking program (an object
+whose __eq__ is always True) is not caught. Run untrusted code in a container or VM.
+
 Usage:
-    from verify import score, score_batch
+    from verify import score, score_batch, score_code, score_code_batch
     score("<think>...</think> The area is $\\boxed{\\frac{1}{2}}$.", "0.5")    # True
     score_batch(responses, golds, workers=8)                                  # list of bools
     python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'         # prints True
+    python verify.py --bench        # verifications/s on a batch of 768 (see BENCH_VERIFY.txt)
+    score_code("```python\\nprint(sum(map(int, input().split())))\\n```",
+               {"inputs": ["1 2"], "outputs": ["3"]})                            # True
+    score_code(response, ["assert add(1, 2) == 3"])                            # MBPP-style asserts
 """
 import contextlib
+import functools
 import json
+import math
 import os
 import re
 import resource
 import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -70,7 +104,8 @@ WORKER_MEMORY = 4 << 30           # address-space limit of a worker process, byt
 # Finding the final answer
 
 _BOX = re.compile(r"\\(?:boxed|fbox)")
-_ANSWER_KEY = re.compile(r"####|final answer\s*(?:is)?\s*:?|the answer is\s*:?|\banswer\s*:", re.IGNORECASE)
+_ANSWER_KEY = re.compile(r"####|final answer(?:\s*is)?[\s*:]*|the answer is[\s*:]*|\banswer\**\s*:[\s*]*",
+                         re.IGNORECASE)                          # [\s*:]*: also **Final Answer:** 12
 
 
 def extract_answer(response):
@@ -104,7 +139,7 @@ def _box_content(text, start):
     rest = text[start:start + MAX_ANSWER_CHARS + 10].lstrip()
     if not rest.startswith("{"):
         token = re.match(r"[^\s$]+", rest)                    # \boxed 5
-        return token.group(0) if token else None
+        return (token.group(0).rstrip(".,;") or None) if token else None    # \boxed 5. -> 5
     depth = 0
     for i, ch in enumerate(rest):
         depth += (ch == "{") - (ch == "}")
@@ -637,8 +672,211 @@ def score_batch(responses, golds, workers=2, timeout=TIMEOUT):
     return results
 
 
+# -----------------------------------------------------------------------------
+# Code: run the response's last Python block against the tests, in a sandboxed subprocess
+
+CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per stdin case, one for asserts)
+CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
+CODE_MAX_OUTPUT = 16 << 20 # stdout bytes read back, and RLIMIT_FSIZE: any file it writes
+CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to its user's count
+SANDBOX_UID = 65534        # 'nobody': runs drop to it when the caller is root and it can run Python
+
+# Runs in the child, before the program: lower the limits, remove the process-making and
+# process-killing functions (a naive fork bomb fails at once, also as root), run the program.
+_PRELUDE = """
+import json, os, posix, resource, runpy, sys
+for name, value in json.loads(sys.argv[1]).items():
+    resource.setrlimit(getattr(resource, name), (value, value))
+for name in ("fork", "forkpty", "system", "popen", "kill", "killpg", "setsid", "setpgid",
+             "posix_spawn", "posix_spawnp", "spawnv", "spawnve", "spawnvp", "spawnvpe"):
+    for module in (os, posix):
+        if hasattr(module, name):
+            setattr(module, name, None)
+for name in ("ctypes", "_ctypes", "_posixsubprocess", "subprocess", "multiprocessing"):
+    sys.modules[name] = None
+sys.argv = ["solution.py"]
+runpy.run_path("solution.py", run_name="__main__")
+"""
+
+
+def extract_code(response):
+    """The last fenced Python block (```python, ```py or a bare ```) after the last </think>,
+    or None. A <think> that never closes means the response never answered."""
+    if not isinstance(response, str):
+        return None
+    if "</think>" in response:
+        response = response.rsplit("</think>", 1)[1]
+    elif "<think>" in response:
+        return None
+    blocks, tag, lines = [], None, None
+    for line in response.split("\n"):
+        fence = line.strip().startswith("```")
+        if lines is None and fence:
+            tag, lines = line.strip()[3:].strip().lower(), []
+        elif fence:
+            if tag in ("", "python", "python3", "py"):
+                blocks.append("\n".join(lines))
+            lines = None
+        elif lines is not None:
+            lines.append(line)
+    return blocks[-1] if blocks and blocks[-1].strip() else None
+
+
+def _output_lines(text):
+    """Output compared line by line with whitespace runs collapsed and blank ends dropped."""
+    return [" ".join(line.split()) for line in text.strip().splitlines()]
+
+
+def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY):
+    """True when the last Python block of `response` passes every test. `tests` is
+    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed)
+    or asserts: a list of statements or one string, run after the program. Never raises."""
+    try:
+        program = extract_code(response)
+        if program is None:
+            return False
+        if isinstance(tests, dict):
+            inputs, outputs = tests["inputs"], tests["outputs"]
+            cases = list(zip(inputs, outputs, strict=True)) if isinstance(inputs, list) else []
+            if not cases or not all(isinstance(x, str) for case in cases for x in case):
+                return False
+            return _run_cases(program, cases, timeout, memory)
+        asserts = "\n".join(tests) if isinstance(tests, list) else tests
+        if not isinstance(asserts, str) or "assert" not in asserts:
+            return False
+        nonce = os.urandom(8).hex()                 # printed only if the asserts ran to the end
+        source = f"{program}\n\n{asserts}\nprint({nonce!r})\n"
+        return _run_cases(source, [("", nonce)], timeout, memory, last_line_only=True)
+    except Exception:                               # malformed tests, unreadable text, ...
+        return False
+
+
+def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, memory=CODE_MEMORY):
+    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time."""
+    if len(responses) != len(tests_list):
+        raise ValueError(f"{len(responses)} responses but {len(tests_list)} tests")
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda rt: score_code(*rt, timeout=timeout, memory=memory),
+                             zip(responses, tests_list)))
+
+
+def _run_cases(source, cases, timeout, memory, last_line_only=False):
+    """Write source to a fresh temp dir, run it once per (stdin, expected stdout), stop at the
+    first failure, remove the dir. last_line_only: only the last line of stdout must match."""
+    uid = _sandbox_uid()
+    folder = tempfile.mkdtemp(prefix="verify-code-")
+    try:
+        with open(os.path.join(folder, "solution.py"), "w", encoding="utf-8", errors="replace") as f:
+            f.write(source)
+        if uid is not None:
+            os.chown(folder, uid, uid)
+        for stdin, expected in cases:
+            code, out = _run_sandboxed(folder, stdin, uid, timeout, memory)
+            lines = _output_lines(out)
+            if code != 0 or (lines[-1:] if last_line_only else lines) != _output_lines(expected):
+                return False
+        return True
+    finally:
+        _remove_tree(folder)
+
+
+def _run_sandboxed(folder, stdin, uid, timeout, memory):
+    """(exit code, stdout) of `python -I solution.py` in `folder`, under the limits; the exit
+    code is None when it ran out of time or wrote more than CODE_MAX_OUTPUT."""
+    limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_CORE": 0,
+              "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64,
+              "RLIMIT_NPROC": _tasks_of(os.getuid() if uid is None else uid) + CODE_NPROC_MARGIN}
+    env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
+    user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as stdout_file:
+        stdin_file.write(stdin.encode("utf-8", errors="replace"))
+        stdin_file.seek(0)
+        child = subprocess.Popen([sys.executable, "-I", "-c", _PRELUDE, json.dumps(limits)],
+                                 cwd=folder, env=env, stdin=stdin_file, stdout=stdout_file,
+                                 stderr=subprocess.DEVNULL, start_new_session=True, **user)
+        finished = _wait_without_reaping(child.pid, timeout)
+        with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
+            os.killpg(child.pid, signal.SIGKILL)       # group id still names only its group
+        child.wait()
+        stdout_file.seek(0)
+        out = stdout_file.read(CODE_MAX_OUTPUT + 1)
+    if not finished or len(out) > CODE_MAX_OUTPUT:
+        return None, ""
+    return child.returncode, out.decode("utf-8", errors="replace")
+
+
+def _wait_without_reaping(pid, timeout):
+    """Whether the child exited within `timeout` s; it stays a zombie so its pid is not reused."""
+    deadline, delay = time.monotonic() + timeout, 0.001
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 0.02)
+    return True
+
+
+def _tasks_of(uid):
+    """How many tasks (processes and threads) uid runs now: what RLIMIT_NPROC counts."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            with open(f"/proc/{pid}/status") as f:
+                status = f.read()
+            if int(re.search(r"^Uid:\s+(\d+)", status, re.M).group(1)) == uid:
+                total += int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
+    return total
+
+
+@functools.cache
+def _sandbox_uid():
+    """SANDBOX_UID when this process is root and that user can start the interpreter, else None
+    (programs then run as the caller's own user)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        probe = subprocess.run([sys.executable, "-I", "-c", "pass"], cwd="/", env={}, timeout=60,
+                               user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return SANDBOX_UID if probe.returncode == 0 else None
+
+
+def _remove_tree(folder):
+    """rmtree that first makes every directory the program left writable again (not links)."""
+    with contextlib.suppress(OSError):
+        os.chmod(folder, 0o700)
+        for root, dirs, _ in os.walk(folder):
+            for d in dirs:
+                path = os.path.join(root, d)
+                if not os.path.islink(path):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def bench(n=768, workers=2):
+    """Verifications per second on an optimizer batch: n (gold, response) pairs cycled from
+    fixtures/verify_pairs.jsonl (MATH-500 answers, rewrites, near misses, GSM8K), scored by
+    score_batch twice: cold (workers start inside the timing) and warm."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "verify_pairs.jsonl")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f][1:]              # line 1 is a comment
+    rows = [rows[i % len(rows)] for i in range(n)]
+    responses, golds = [r["response"] for r in rows], [r["gold"] for r in rows]
+    to_sympy_workers = sum(_try_quick(r, g)[1] is None for r, g in zip(responses, golds))
+    for run in ("cold", "warm"):
+        start = time.perf_counter()
+        score_batch(responses, golds, workers=workers)
+        seconds = time.perf_counter() - start
+        print(f"{run}: {n} verifications in {seconds:.2f} s = {n / seconds:.0f} verifications/s "
+              f"(workers={workers}, {to_sympy_workers} of {n} went to the sympy workers)")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
         _serve()
+    elif sys.argv[1:] == ["--bench"]:
+        bench()
     else:
         print(score(sys.argv[1], sys.argv[2]))
