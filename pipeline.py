@@ -66,6 +66,9 @@ FINISH = ("eos", "interrupted", "truncated")
 HEADER = 6  # per packed row: generator rank, prompt index, prompt length, completion length, correct, finish
 
 
+_CURRENT = {}  # this process's ctx, for report_failure
+
+
 class Stopped(Exception):
     """Raised inside a generator when the trainers have finished."""
 
@@ -106,6 +109,7 @@ def setup(args):
            "trainers": dist.new_group(trainers, timeout=timeout),
            "rollouts": dist.new_group(backend="gloo", timeout=timeout) if cuda else None}
     threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True).start()
+    _CURRENT["ctx"] = ctx
     return ctx
 
 
@@ -143,6 +147,26 @@ def _heartbeat(ctx, limit):
     except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
         _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
              f"{role_of(ctx, me)} was {ctx['status']}")
+
+
+def report_failure(err):
+    """Called as a rank fails: name what it was doing and which ranks stopped answering (those whose
+    heartbeat does not move for 3 s), so a gloo 'connection reset' says who is gone."""
+    ctx = _CURRENT.get("ctx")
+    if ctx is None:
+        return
+    store, me = ctx["store"], ctx["rank"]
+    try:
+        before = {r: int(store.add(f"heartbeat/{r}", 0)) for r in range(ctx["world"]) if r != me}
+        time.sleep(3.0)
+        gone = [f"{role_of(ctx, r)}, last status: "
+                f"{store.get(f'status/{r}').decode() if store.check([f'status/{r}']) else '?'}"
+                for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
+    except Exception:
+        gone = ["the rendezvous store (rank 0 or the launcher)"]
+    print(f"ERROR: {role_of(ctx, me)} failed while {ctx['status']}: {type(err).__name__}: "
+          f"{str(err).splitlines()[0] if str(err) else ''}; not responding: {'; '.join(gone) or 'none'}",
+          file=sys.stderr, flush=True)
 
 
 def _die(message):
@@ -350,6 +374,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     if args.resume and os.path.exists(curriculum_path):
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
     length = ctx["length"]
+    slow = float(args.slow.split("=")[1]) if args.slow.startswith("generator=") and me == ctx["world"] - 1 else 0.0
     max_prompt = max(len(p) for p in prompt_ids)
     st = {"version": start_version, "open": {}, "owner": [], "sends": [], "sent": 0, "admitted": 0,
           "t0": time.time(), "idle": 0.0, "sync": 0.0, "tokens": 0, "last_poll": 0.0, "last_stats": 0.0,
@@ -368,6 +393,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
 
     def poll(apply=True):
         """Stop? New weights? (at most every 10 ms) -> the version in the model."""
+        if slow:
+            time.sleep(slow)
         if time.time() - st["last_poll"] < 0.01:
             return st["version"]
         st["last_poll"] = time.time()
@@ -434,7 +461,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     def outstanding():  # groups admitted and not yet received by a trainer
         return st["admitted"] - get_int(ctx, f"received_from/{me}")
 
-    cap = max(math.ceil(args.slots / G), math.ceil(args.prompts * max(1, k // 2) / ctx["n_gens"]))
+    cap = math.ceil(args.prompts * max(1, k // 2) / ctx["n_gens"])  # ~k/2 batches in flight, all generators
 
     def feed(n_free):
         poll()

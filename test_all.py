@@ -1240,3 +1240,196 @@ def test_data_code_toy_fixture_loads_and_its_solutions_pass():
     assert score_code_batch(solutions, [p["tests"] for p in problems]) == [True] * 20
     wrong = [s.replace("print(", "print(1, ").replace("return ", "return 1 + ") for s in solutions]
     assert score_code_batch(wrong, [p["tests"] for p in problems]) == [False] * 20
+
+# =============================================================================
+# pipeline.py: generator and trainer ranks (gloo, spawned processes)
+
+import signal
+import socket
+import subprocess
+import sys
+import types
+
+import pipeline
+
+ROOT = Path(__file__).resolve().parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pipeline_pack_unpack_round_trip():
+    s = [gen.Sample(0, [5, 7, 0], [-0.5, -1.25, -2.0], [1, 1, 0], [3, 4, 4], "eos"),
+         gen.Sample(1, [150000, 9], [-0.375, 0.0], [1, 0], [4, 4], "truncated")]
+    rows = pipeline.pack_group(3, 17, [1, 2, 3], s, [True, False], length=8)
+    assert rows.shape == (2, pipeline.HEADER + 4 * 8) and rows.dtype == torch.float32
+    g = pipeline.unpack_group(rows)
+    assert (g["gen_rank"], g["index"], g["prompt"], g["correct"]) == (3, 17, [1, 2, 3], [True, False])
+    for a, b in zip(s, g["samples"]):
+        assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
+    with pytest.raises(ValueError, match="cannot pack"):
+        pipeline.pack_group(0, 0, [1] * 7, s, [True, True], length=8)
+
+
+def test_generate_streaming_feed_equals_one_batch():
+    model, prompts = tiny_model(), tiny_prompts(7)
+    keys = [100 + i for i in range(7)]
+    whole = gen.generate(model, prompts, keys=keys, slots=3, **GEN)
+    queue, got = list(zip(prompts, keys)), []
+
+    def feed(n_free):  # hand out at most 2 prompts at a time, as a generator rank does
+        out = queue[:min(n_free, 2)]
+        del queue[:len(out)]
+        return out
+    gen.generate(model, [], feed=feed, on_sample=got.append, slots=3, max_prompt_len=max(map(len, prompts)), **GEN)
+    got = sorted(got, key=lambda s: s.key)  # streamed samples arrive in finishing order
+    assert [(s.key, s.tokens, s.finish) for s in got] == [(s.key, s.tokens, s.finish) for s in whole]
+    for a, b in zip(got, whole):  # same keys -> same draws, whatever the batching (log-probs up to rounding)
+        assert np.allclose(a.logps, b.logps, atol=1e-5)
+
+
+def test_generate_in_flight_update_uses_old_cache_and_new_weights():
+    """Weights swapped mid-sequence: later tokens carry the new version, and their log-probs are those of
+    the new weights reading a KV cache the old weights wrote (checked against transformers' own cache)."""
+    model_a, model_b, prompt = tiny_model(seed=0), tiny_model(seed=1), tiny_prompts(1)[0]
+    switch = 6
+    calls = []
+
+    def on_step():  # called before each decode step; step `switch` runs with the new weights
+        calls.append(1)
+        if len(calls) == switch + 1:
+            model.load_state_dict(model_b.state_dict())
+        return 1 if len(calls) > switch else 0
+    model = tiny_model(seed=0)
+    cfg = dict(GEN, eos_id=999, interrupt=False)
+    (s,) = gen.generate(model, [prompt], on_step=on_step, **cfg)
+    (plain,) = gen.generate(model_a, [prompt], **cfg)
+    assert s.versions == [0] * switch + [1] * (len(s.tokens) - switch)
+    assert s.tokens[:switch] == plain.tokens[:switch] and s.logps[:switch] == plain.logps[:switch]
+    with torch.no_grad():  # reference: A encodes prompt + tokens[:switch-1], B continues with A's cache
+        seq = torch.tensor([prompt + s.tokens])
+        cut = len(prompt) + switch - 1
+        cache = model_a(seq[:, :cut], use_cache=True).past_key_values
+        ref = model_b(seq[:, cut:-1], past_key_values=cache).logits[0].float().log_softmax(-1)
+        ref = ref.gather(-1, seq[0, cut + 1:, None]).squeeze(-1)
+        pure_b = model_b(seq[:, :-1]).logits[0, cut:].float().log_softmax(-1).gather(-1, seq[0, cut + 1:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(s.logps[switch:]), ref, atol=1e-5)
+    assert (torch.tensor(s.logps[switch:]) - pure_b).abs().max() > 1e-3  # the old cache really matters
+
+
+def _broadcast_rank(rank, world, port, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    args = types.SimpleNamespace(gen_ranks=world - 1, prompts=1, device="cpu", timeout=60, mode="pipeline",
+                                 max_lag=8, heartbeat_timeout=30)
+    ctx = pipeline.setup(args)
+    model = tiny_model(seed=rank)  # every rank starts from different weights
+    for bucket_mb in (0, 256):  # one bucket per parameter; everything in one bucket
+        if rank == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+        pipeline.broadcast_weights(ctx, model, bucket_mb)
+        torch.save(model.state_dict(), os.path.join(out, f"rank{rank}-{bucket_mb}.pt"))
+    pipeline.finish(ctx)
+
+
+def test_pipeline_broadcast_makes_generators_bit_identical(tmp_path):
+    torch.multiprocessing.spawn(_broadcast_rank, args=(3, free_port(), str(tmp_path)), nprocs=3)
+    for bucket_mb in (0, 256):
+        sent = torch.load(tmp_path / f"rank0-{bucket_mb}.pt")
+        assert not torch.equal(sent["lm_head.weight"], tiny_model(seed=0).state_dict()["lm_head.weight"])
+        for r in (1, 2):
+            got = torch.load(tmp_path / f"rank{r}-{bucket_mb}.pt")
+            assert all(torch.equal(sent[k], got[k]) for k in sent)
+
+
+PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_samples", "1", "--eval_every", "100",
+              "--save_every", "0", "--heartbeat_timeout", "20",
+              "--timeout", "120"]
+
+
+def launch(world, out, *flags, torchrun=False):
+    """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> Popen list."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "--out", str(out), *PIPE_FLAGS, *flags]
+    if torchrun:
+        return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                                  "--master_port", str(free_port()), *cmd[1:]],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)]
+    port = free_port()
+    env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    return [subprocess.Popen(cmd, env=env(r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            for r in range(world)]
+
+
+def finish_all(procs, timeout=240):
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def train_records(out):
+    return [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def test_pipeline_torchrun_two_ranks_trains_and_exits_cleanly(tmp_path):
+    (p,) = launch(2, tmp_path, "--steps", "4", torchrun=True)
+    (rc,), (out,) = finish_all([p])
+    assert rc == 0, out
+    recs = train_records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(r["lag_max"] <= 8 and 0 <= r["gen_busy"] <= 1 and 0 <= r["train_busy"] <= 1 for r in recs)
+    assert recs[-1]["sync_MBps"] > 0 or recs[-2]["sync_MBps"] > 0  # weights moved after the steps
+    assert (tmp_path / "ckpt-000004" / "model.safetensors").exists()
+    assert "1 trainer + 1 generator ranks, pipeline" in out
+
+
+def test_pipeline_lag_bound_holds_under_a_slow_trainer(tmp_path):
+    procs = launch(2, tmp_path, "--steps", "6", "--max_lag", "2", "--slow", "trainer=0.6")
+    rcs, outs = finish_all(procs)
+    assert rcs == [0, 0], outs
+    lags = [r["lag_max"] for r in train_records(tmp_path)]
+    assert len(lags) == 6 and max(lags) <= 2
+    assert max(lags) >= 1  # the generator really ran ahead of the slow trainer
+
+
+def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
+    """A straggler generator (the last one) decodes slowly while the other keeps the trainer busy: its
+    groups grow older than k versions and are dropped, never trained on."""
+    procs = launch(3, tmp_path, "--steps", "12", "--max_lag", "1", "--gen_ranks", "2", "--slow", "generator=0.02")
+    rcs, outs = finish_all(procs)
+    assert rcs == [0, 0, 0], outs
+    recs = train_records(tmp_path)
+    assert len(recs) == 12 and max(r["lag_max"] for r in recs) <= 1
+    assert sum(r["dropped_stale"] for r in recs) > 0
+
+
+def test_pipeline_ppo_offpolicy_freezes_generator_weights_for_k_steps(tmp_path):
+    procs = launch(3, tmp_path, "--steps", "6", "--mode", "ppo_offpolicy", "--max_lag", "3", "--gen_ranks", "2")
+    rcs, outs = finish_all(procs)
+    assert rcs == [0, 0, 0], outs
+    recs = train_records(tmp_path)
+    # every token of steps 1..3 was sampled by version 0, of steps 4..6 by version 3
+    assert [(r["lag"], r["lag_max"]) for r in recs] == [(0, 0), (1, 1), (2, 2), (0, 0), (1, 1), (2, 2)]
+    assert [r["sync_MBps"] > 0 for r in recs] == [False, False, True, False, False, False]
+
+
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
+def test_pipeline_a_dead_or_stalled_rank_stops_the_others(tmp_path, victim, sig):
+    procs = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "6")
+    t0 = time.time()
+    while not (tmp_path / "metrics.jsonl").exists() or not train_records(tmp_path):
+        assert time.time() - t0 < 120, "the run never started"
+        time.sleep(0.5)
+    os.kill(procs[victim].pid, sig)
+    t_kill = time.time()
+    other = procs[1 - victim]
+    out = other.communicate(timeout=120)[0]
+    assert other.returncode != 0 and time.time() - t_kill < 60
+    name = "rank 1 (generator)" if victim == 1 else "rank 0"
+    assert name in out and "ERROR" in out, out
+    procs[victim].kill()
+    procs[victim].wait()

@@ -29,6 +29,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -98,6 +99,7 @@ def get_args(argv=None):
     g.add_argument("--timeout", type=float, default=1800, help="seconds any cross-rank wait may last")
     g.add_argument("--heartbeat_timeout", type=float, default=60, help="seconds of silence before a rank is declared dead")
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
+    g.add_argument("--slow", default="", help="testing: 'trainer=S' / 'generator=S': the last rank of that role sleeps S s per optimizer / decode step")
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
@@ -109,6 +111,8 @@ def get_args(argv=None):
                  "max_lag", "timeout", "heartbeat_timeout", "bucket_mb"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
+        ap.error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
     return args
 
 # -----------------------------------------------------------------------------
@@ -410,6 +414,8 @@ def main(args):
             else:
                 print(f"step {step}: non-finite gradient norm, optimizer step skipped")
             opt.zero_grad(set_to_none=True)
+        if args.slow.startswith("trainer=") and (ctx is None or ctx["rank"] == ctx["n_trainers"] - 1):
+            time.sleep(float(args.slow.split("=")[1]))
         t_train = time.time() - t_train
         lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
         step += 1
@@ -461,8 +467,9 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         try:
             main(args)
-        except BaseException:  # one rank failing: print why, and exit without waiting on the others
+        except BaseException as err:  # one rank failing: print why, and exit without waiting on the others
             traceback.print_exc()
+            pipeline.report_failure(err)
             sys.stderr.flush()
             os._exit(1)
     else:
