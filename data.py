@@ -44,6 +44,7 @@ from verify import last_boxed
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
+CODE_INSTRUCTION = "Think inside <think> </think>, then answer with a Python program in a ```python block."
 
 # -----------------------------------------------------------------------------
 # loading real data
@@ -123,12 +124,13 @@ def load_problems(path):
     return problems
 
 
-def format_prompt(tokenizer, problem):
+def format_prompt(tokenizer, problem, domain="math"):
     """The text the generator continues: chat template if the tokenizer has one, else a plain template."""
+    instruction = CODE_INSTRUCTION if domain == "code" else INSTRUCTION
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{INSTRUCTION}\n\n{problem}"}]
+        messages = [{"role": "user", "content": f"{instruction}\n\n{problem}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{INSTRUCTION}\nProblem: {problem}\nSolution: "
+    return f"{instruction}\nProblem: {problem}\nSolution: "
 
 
 def split_problems(problems, val_size, seed=0):

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from data import Curriculum
 from generate import INTERRUPT_PHRASE, Sample, generate
-from verify import score_batch
+from verify import score_problems
 
 FINISH = ("eos", "interrupted", "truncated")
 HEADER = 6  # per packed row: generator rank, prompt index, prompt length, completion length, correct, finish
@@ -442,7 +442,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
         samples, i = group["samples"], mine[group["c"]]
         texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
                  for s in samples]
-        correct = score_batch(texts, [problems[i]["answer"]] * G)
+        correct = score_problems(texts, [problems[i]] * G)
         curriculum.record(group["c"], sum(correct) / G)
         dst = st["plan"].pop(0) if st["plan"] else (g + st["sent"]) % T
         rows = pack_group(me, i, prompt_ids[i], samples, correct, length)

@@ -1433,3 +1433,21 @@ def test_pipeline_a_dead_or_stalled_rank_stops_the_others(tmp_path, victim, sig)
     assert name in out and "ERROR" in out, out
     procs[victim].kill()
     procs[victim].wait()
+
+
+def test_score_problems_routes_math_and_code():
+    problems = [{"answer": "4", "domain": "math"}, {"tests": SUM, "domain": "code"}, {"answer": "5"},
+                {"tests": SUM, "domain": "code"}]
+    responses = ["</think> \\boxed{4}", fenced("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}",
+                 fenced("print(3)")]
+    assert verify.score_problems(responses, problems) == [True, True, False, False]
+
+
+def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path):
+    recs = run_train(toy_dir, tmp_path, "--data", f"toy,{FIXTURES / 'code_toy.jsonl'}", "--val_size", "30",
+                     "--steps", "1", "--eval_every", "1", "--prompts", "8")
+    ev = [r for r in recs if r.get("kind") == "eval"]
+    assert all({"pass_rate/math", "pass_rate/code"} <= set(r) for r in ev)
+    assert all(0 <= r["pass_rate/code"] <= 1 for r in ev)
+    tr = [r for r in recs if r.get("kind") == "train"]
+    assert tr and "pass_rate/math" in tr[0]

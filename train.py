@@ -44,7 +44,7 @@ import pipeline
 from fit import predict_final
 from generate import INTERRUPT_PHRASE, check_supported, generate, sequence_logprobs
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
-from verify import score_batch
+from verify import score_problems
 
 # -----------------------------------------------------------------------------
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
@@ -54,7 +54,8 @@ def get_args(argv=None):
     ap = argparse.ArgumentParser(description="ScaleRL training loop", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = ap.add_argument_group("model and data")
     g.add_argument("--model", default="", help="HF model folder (Llama/Qwen2/Qwen3); empty = the embedded toy model")
-    g.add_argument("--data", default="", help="training jsonl, or several comma-separated; empty = the embedded toy task")
+    g.add_argument("--data", default="", help="training jsonl, or several comma-separated (math and code mix); "
+                   "'toy' or empty = the embedded toy task")
     g.add_argument("--val_data", default="", help="held-out jsonl; empty = hold out --val_size problems of --data")
     g.add_argument("--val_size", type=int, default=200, help="held-out problems (paper: 1000)")
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
@@ -119,8 +120,9 @@ def get_args(argv=None):
 # rollouts: sample, decode, verify
 
 
-def rollout(model, tokenizer, prompt_ids, golds, args, keys, version=0):
-    """Sample one completion per prompt (keys: noise keys) and score it -> (samples, texts, correct)."""
+def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
+    """Sample one completion per prompt (keys: noise keys) and score it against its problem's answer or
+    tests -> (samples, texts, correct)."""
     samples = generate(model, prompt_ids, eos_id=tokenizer.eos_token_id,
                        think_end=tokenizer("</think>", add_special_tokens=False)["input_ids"],
                        interrupt_ids=tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"],
@@ -130,16 +132,26 @@ def rollout(model, tokenizer, prompt_ids, golds, args, keys, version=0):
                        version=version)
     texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
              for s in samples]
-    return samples, texts, score_batch(texts, golds)
+    return samples, texts, score_problems(texts, problems)
 
 
-def evaluate(model, tokenizer, val_ids, val_golds, args):
-    """Held-out mean@k pass rate; the same noise keys at every eval (less variance between evals)."""
+def domain_rates(problems, correct):
+    """{"pass_rate/math": .., "pass_rate/code": ..} when problems mix domains (the paper fits one curve per
+    domain), else {}."""
+    domains = sorted({p.get("domain", "math") for p in problems})
+    if len(domains) < 2:
+        return {}
+    return {f"pass_rate/{d}": float(np.mean([c for p, c in zip(problems, correct) if p.get("domain", "math") == d]))
+            for d in domains}
+
+
+def evaluate(model, tokenizer, val_ids, val, args):
+    """Held-out mean@k pass rate (and per domain); the same noise keys at every eval (less variance)."""
     k = args.eval_samples
     keys = [10**12 + i for i in range(len(val_ids) * k)]
-    samples, _, correct = rollout(model, tokenizer, val_ids * k, val_golds * k, args, keys)
+    samples, _, correct = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
     return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish != "eos" for s in samples])),
-            "n": len(correct)}
+            "n": len(correct), **domain_rates(val * k, correct)}
 
 
 def rewards_of(samples, correct, args):
@@ -231,14 +243,17 @@ def truncate_metrics(path, step):
 
 
 def load_data(args):
-    """-> (train problems, held-out problems); the toy task when --data is empty."""
-    if args.data:
-        problems = [p for path in args.data.split(",") for p in load_problems(path)]
-    else:  # the embedded task: 3000 distinct generated problems
-        seen = {}
-        for p in toy_problems(4000, args.seed + 12345):
-            seen.setdefault(p["prompt"], p)
-        problems = list(seen.values())[:3000]
+    """-> (train problems, held-out problems). --data: jsonl files, comma-separated; "toy" (or an empty
+    --data) is the embedded task: the distinct problems among 4000 generated ones (about 2200)."""
+    problems = []
+    for path in (args.data or "toy").split(","):
+        if path == "toy":
+            seen = {}
+            for p in toy_problems(4000, args.seed + 12345):
+                seen.setdefault(p["prompt"], dict(p, domain="math"))
+            problems += list(seen.values())
+        else:
+            problems += load_problems(path)
     if args.val_data:
         return problems, load_problems(args.val_data)
     return split_problems(problems, args.val_size, args.seed)
@@ -259,10 +274,10 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
     -> groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them."""
     idx = curriculum.next_batch(args.prompts)
     prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
-    golds = [train[i]["answer"] for i in idx for _ in range(args.samples)]
+    problems = [train[i] for i in idx for _ in range(args.samples)]
     keys = [(step * args.prompts + j // args.samples) * 1000 + j % args.samples for j in range(len(prompt_ids))]
     model.eval()
-    samples, _, correct = rollout(model, tokenizer, prompt_ids, golds, args, keys, version=step)
+    samples, _, correct = rollout(model, tokenizer, prompt_ids, problems, args, keys, version=step)
     groups = []
     for j, i in enumerate(idx):  # samples come in blocks of G per prompt
         block = slice(j * args.samples, (j + 1) * args.samples)
@@ -289,9 +304,9 @@ def main(args):
     check_supported(model)
     n_params = sum(p.numel() for p in model.parameters())
     train, val = load_data(args)
-    train_ids = [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"] for p in train]
-    val_ids = [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"] for p in val]
-    val_golds = [p["answer"] for p in val]
+    train_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in train]
+    val_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in val]
+    domains = sorted({p.get("domain", "math") for p in train})
     state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False) if ckpt else {}
     step, compute_s, flops = state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0)
     world = ctx["world"] if ctx else 1
@@ -335,7 +350,7 @@ def main(args):
 
     def run_eval():
         model.eval()
-        result = evaluate(model, tokenizer, val_ids, val_golds, args)
+        result = evaluate(model, tokenizer, val_ids, val, args)
         m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
         evals.append((compute_s, result["pass_rate"]))
         C, R = np.array(evals).T
@@ -349,8 +364,9 @@ def main(args):
         log_metrics(m)
         fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} -> predicted "
                    f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
+        per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
         print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
-              f"n={result['n']}) | trunc {result['trunc']:.3f}{fit_txt}", flush=True)
+              f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f}{fit_txt}", flush=True)
 
     def save():
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -429,7 +445,9 @@ def main(args):
             "reward": rewards.sum().item(), "correct": sum(correct), "len": sum(len(s.tokens) for s in samples),
             "trunc": sum(s.finish != "eos" for s in samples), "interrupted": sum(s.finish == "interrupted" for s in samples),
             "lag": sum(lags), "lag_n": len(lags), "stale": rstats["dropped_stale"], "gen_tokens": rstats["gen_tokens"],
-            "train_tokens": sum(len(prompt_ids[r]) + len(samples[r].tokens) for r in rows), "loss": loss_value},
+            "train_tokens": sum(len(prompt_ids[r]) + len(samples[r].tokens) for r in rows), "loss": loss_value,
+            **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups if train[g["index"]].get("domain", "math") == d
+                                 for c in g["correct"]) for d in domains for key in ("correct", "n")}},
             {"lag_max": max(lags, default=0)})
         flops += 2 * n_params * sums["gen_tokens"] + 6 * n_params * sums["train_tokens"]
         if not rank0:
@@ -442,6 +460,8 @@ def main(args):
              "dropped_stale": int(sums["stale"]), "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
              "dt_ms": dt * 1000, "tok_s": sums["len"] / t_gen if ctx is None else sums["train_tokens"] / dt,
              **{f"mismatch_{k}": v for k, v in mismatch.items()}}
+        if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
+            m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
         if ctx is None:
             m.update(retired=len(curriculum.retired), epoch=curriculum.epoch)
         else:

@@ -760,6 +760,19 @@ def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, mem
                              zip(responses, tests_list)))
 
 
+def score_problems(responses, problems, workers=2):
+    """Rewards for a batch mixing domains: problems are data.py's dicts, a math problem is judged
+    on its "answer" (score_batch), a code problem on its "tests" (score_code_batch)."""
+    results = [False] * len(responses)
+    for domain, judge, field in (("math", score_batch, "answer"), ("code", score_code_batch, "tests")):
+        idx = [i for i, p in enumerate(problems) if p.get("domain", "math") == domain]
+        if idx:
+            verdicts = judge([responses[i] for i in idx], [problems[i][field] for i in idx], workers=workers)
+            for i, v in zip(idx, verdicts):
+                results[i] = v
+    return results
+
+
 def _run_cases(source, cases, timeout, memory, last_line_only=False):
     """Write source to a fresh temp dir, run it once per (stdin, expected stdout), stop at the
     first failure, remove the dir. last_line_only: only the last line of stdout must match."""
