@@ -1451,3 +1451,38 @@ def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path
     assert all(0 <= r["pass_rate/code"] <= 1 for r in ev)
     tr = [r for r in recs if r.get("kind") == "train"]
     assert tr and "pass_rate/math" in tr[0]
+
+
+def test_train_skips_a_nan_step_and_stops_after_too_many(toy_dir, tmp_path):
+    recs = run_train(toy_dir, tmp_path / "one", "--steps", "3", "--nan_at", "2", "--eval_every", "3", "--no-zero_var_filter")
+    tr = [r for r in recs if r.get("kind") == "train"]
+    assert [r["skipped_bad"] for r in tr] == [False, True, False]
+    assert tr[1]["lr"] == tr[0]["lr"]  # the scheduler did not step either
+    with pytest.raises(SystemExit, match="3 consecutive steps with a non-finite"):
+        run_train(toy_dir, tmp_path / "many", "--steps", "5", "--nan_at", "2,3,4", "--max_bad_steps", "3", "--no-zero_var_filter")
+
+
+def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path):
+    for argv, msg in [(["--loss", "ppo"], "invalid choice"), (["--think_budget", "-4"], "must be positive"),
+                      (["--model", str(tmp_path)], "no config.json"), (["--slow", "fast"], "--slow must look like")]:
+        with pytest.raises(SystemExit):
+            train.get_args(argv)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"model_type": "llama"}')
+    bad_arch = tmp_path / "gpt2"
+    bad_arch.mkdir()
+    (bad_arch / "config.json").write_text('{"model_type": "gpt2"}')
+    (bad_arch / "model.safetensors").write_bytes(b"")
+    errors = []
+    for path in (empty, bad_arch):
+        train.check_model_dir(str(path), errors.append)
+    assert "no weights" in errors[0] and "'gpt2' is not supported" in errors[-1]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.geteuid() != 0:  # root writes anywhere: the check cannot fail there
+        with pytest.raises(SystemExit, match="not writable"):
+            train.check_out_dir(str(locked / "run"))
+    with pytest.raises(SystemExit, match="not writable"):
+        train.check_out_dir(str(tmp_path / "file.txt" / "run")) if (tmp_path / "file.txt").write_text("x") else None

@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
 import pipeline
 from fit import predict_final
-from generate import INTERRUPT_PHRASE, check_supported, generate, sequence_logprobs
+from generate import INTERRUPT_PHRASE, SUPPORTED, check_supported, generate, sequence_logprobs
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from verify import score_problems
 
@@ -100,6 +100,9 @@ def get_args(argv=None):
     g.add_argument("--timeout", type=float, default=1800, help="seconds any cross-rank wait may last")
     g.add_argument("--heartbeat_timeout", type=float, default=60, help="seconds of silence before a rank is declared dead")
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
+    g.add_argument("--max_bad_steps", type=int, default=3, help="consecutive steps with a NaN/inf loss or gradient "
+                   "(each skipped) before the run stops")
+    g.add_argument("--nan_at", default="", help="testing: comma-separated steps whose gradients are made NaN")
     g.add_argument("--slow", default="", help="testing: 'trainer=S' / 'generator=S': the last rank of that role sleeps S s per optimizer / decode step")
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
@@ -114,7 +117,37 @@ def get_args(argv=None):
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
         ap.error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
+    check_model_dir(args.model, ap.error)
     return args
+
+
+def check_model_dir(path, error):
+    """A model folder the sampler can run, checked before any process group waits on another."""
+    if not path:
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        error(f"--model {path}: no config.json there (a Hugging Face model folder is expected)")
+    if not glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin")):
+        error(f"--model {path}: no weights (*.safetensors or *.bin) in the folder")
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in SUPPORTED:
+        error(f"--model {path}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
+
+
+def check_out_dir(out, need_mb=100):
+    """Fail before any compute if --out cannot be written or its disk is (nearly) full."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("x")
+        os.remove(probe)
+    except OSError as err:
+        sys.exit(f"error: --out {out} is not writable: {err}")
+    free_mb = shutil.disk_usage(out).free / 2 ** 20
+    if free_mb < need_mb:
+        sys.exit(f"error: --out {out}: only {free_mb:.0f} MB free on its disk (checkpoints need more)")
 
 # -----------------------------------------------------------------------------
 # rollouts: sample, decode, verify
@@ -287,13 +320,13 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
 
 
 def main(args):
-    # ---- setup: ranks, device, model, data, optimizer
+    # ---- setup: output folder, ranks, device, model, data, optimizer
+    check_out_dir(args.out)
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
     rank0 = ctx is None or ctx["rank"] == 0
     device = torch.device(ctx["device"] if ctx else "cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     torch.manual_seed(args.seed)
-    os.makedirs(args.out, exist_ok=True)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     ckpt = latest_checkpoint(args.out) if args.resume else None
     if args.resume and ckpt is None and rank0:
@@ -377,6 +410,7 @@ def main(args):
     if step == 0 and rank0:
         run_eval()
     need = args.prompts // (ctx["n_trainers"] if ctx else 1)  # prompt groups per step on this trainer
+    bad_steps = 0
     while step < args.steps:
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
         t0 = time.time()
@@ -423,12 +457,22 @@ def main(args):
                                                    args, len(set(group[rows].tolist())), total=sums[args.agg])
             if ctx:
                 pipeline.all_reduce_grads(ctx, model)
+            if str(step + 1) in args.nan_at.split(","):
+                for p in model.parameters():
+                    p.grad.fill_(float("nan"))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
-            if math.isfinite(grad_norm):
+            if math.isfinite(grad_norm) and math.isfinite(loss_value):  # grads are all-reduced: all trainers agree
                 opt.step()
                 sched.step()
-            else:
-                print(f"step {step}: non-finite gradient norm, optimizer step skipped")
+                bad_steps = 0
+            else:  # a NaN/inf loss or gradient: skip the update (the weights sent next are the last good ones)
+                bad_steps += 1
+                if rank0:
+                    print(f"step {step + 1}: loss {loss_value} / gradient norm {grad_norm}: not finite, optimizer step "
+                          f"skipped ({bad_steps} in a row, --max_bad_steps {args.max_bad_steps})", flush=True)
+                if bad_steps >= args.max_bad_steps:
+                    raise SystemExit(f"error: {bad_steps} consecutive steps with a non-finite loss or gradient (up to step "
+                                       f"{step + 1}); stopping. The last checkpoint holds the last good weights.")
             opt.zero_grad(set_to_none=True)
         if args.slow.startswith("trainer=") and (ctx is None or ctx["rank"] == ctx["n_trainers"] - 1):
             time.sleep(float(args.slow.split("=")[1]))
@@ -457,7 +501,7 @@ def main(args):
              "trunc": sums["trunc"] / sums["n"], "interrupted": sums["interrupted"] / sums["n"],
              "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
              "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
-             "dropped_stale": int(sums["stale"]), "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+             "dropped_stale": int(sums["stale"]), "skipped_bad": bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
              "dt_ms": dt * 1000, "tok_s": sums["len"] / t_gen if ctx is None else sums["train_tokens"] / dt,
              **{f"mismatch_{k}": v for k, v in mismatch.items()}}
         if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
