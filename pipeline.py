@@ -408,6 +408,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             st["version"] = version
             st["sync"] += time.time() - t0
             set_status(ctx, "generating")
+            if args.save_every and version % args.save_every == 0:  # next to trainer 0's checkpoint
+                _save_curriculum(curriculum, curriculum_path)
         publish()
         return st["version"]
 
@@ -503,8 +505,6 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
                         raise TimeoutError(f"{role_of(ctx, me)} waited {ctx['timeout']} s for new weights")
                 st["idle"] += time.time() - st["idle_since"]
                 st["idle_since"] = None
-            if args.save_every and st["version"] % args.save_every == 0:
-                _save_curriculum(curriculum, curriculum_path)
     except Stopped:
         pass
     _save_curriculum(curriculum, curriculum_path)

@@ -892,9 +892,38 @@ def test_train_resume_continues_exactly(toy_dir, tmp_path):
     run_train(toy_dir, tmp_path / "cut", "--steps", "2", "--eval_every", "4")  # saves ckpt-000002 at its end
     resumed = run_train(toy_dir, tmp_path / "cut", "--steps", "4", "--eval_every", "4", "--resume")
     assert [m["step"] for m in resumed if m["kind"] == "train"] == [1, 2, 3, 4]
-    strip = lambda ms: [{k: v for k, v in m.items() if k not in ("compute_s", "dt_ms", "tok_s")}
-                        for m in ms if m["kind"] == "train"]
-    assert strip(resumed) == strip(full)
+    assert strip_timing(resumed) == strip_timing(full)
+
+
+def strip_timing(records):
+    """Train records without the fields that measure time (they differ between any two runs)."""
+    timing = ("compute_s", "dt_ms", "tok_s", "gen_busy", "train_busy", "sync_ms")
+    return [{k: v for k, v in m.items() if k not in timing} for m in records if m["kind"] == "train"]
+
+
+def wait_for_train_records(out, n, procs, timeout=180):
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists() or len(train_records(out)) < n:
+        assert time.time() - t0 < timeout and all(p.poll() is None for p in procs), "the run stopped or stalled"
+        time.sleep(0.2)
+
+
+def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path):
+    flags = ["--model", toy_dir, "--steps", "6", "--save_every", "2", "--eval_every", "3"]
+    full = subprocess.run([sys.executable, str(ROOT / "train.py"), "--out", str(tmp_path / "full"), *PIPE_FLAGS, *flags],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert full.returncode == 0, full.stdout + full.stderr
+    cut = tmp_path / "cut"
+    (p,) = launch(1, cut, *flags)
+    wait_for_train_records(cut, 3, [p])  # past the step-2 checkpoint, at an arbitrary point of step 4+
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    (p,) = launch(1, cut, *flags, "--resume")
+    (rc,), (out,) = finish_all([p])
+    assert rc == 0 and "resumed from" in out, out
+    records = [json.loads(ln) for ln in open(cut / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
 
 # =============================================================================
 # verify.py at reference strength: code sandbox, extraction cases, fuzz; data.py code problems
@@ -1486,3 +1515,20 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path):
             train.check_out_dir(str(locked / "run"))
     with pytest.raises(SystemExit, match="not writable"):
         train.check_out_dir(str(tmp_path / "file.txt" / "run")) if (tmp_path / "file.txt").write_text("x") else None
+
+
+def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
+    flags = ["--steps", "6", "--save_every", "2", "--max_lag", "2"]
+    procs = launch(2, tmp_path, *flags)
+    wait_for_train_records(tmp_path, 3, procs)
+    procs[0].send_signal(signal.SIGKILL)  # the trainer dies; the generator notices and exits
+    rcs, _ = finish_all(procs)
+    assert rcs[0] != 0 and rcs[1] != 0
+    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.pt").exists()
+    procs = launch(2, tmp_path, *flags, "--resume")
+    rcs, outs = finish_all(procs)
+    assert rcs == [0, 0], outs
+    recs = train_records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert all(r["lag_max"] <= 2 for r in recs)  # the bound holds right after resume too
+    assert "resumed from" in outs[0]

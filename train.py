@@ -506,8 +506,9 @@ def main(args):
              **{f"mismatch_{k}": v for k, v in mismatch.items()}}
         if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
             m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
-        if ctx is None:
-            m.update(retired=len(curriculum.retired), epoch=curriculum.epoch)
+        if ctx is None:  # one device alternates: busy generating, then busy training
+            m.update(retired=len(curriculum.retired), epoch=curriculum.epoch, gen_busy=t_gen / dt,
+                     train_busy=t_train / dt, sync_ms=0.0)
         else:
             m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
         log_metrics(m)
