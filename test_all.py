@@ -7,12 +7,18 @@ test_all.py: every test of the project, fast, on CPU.
 from pathlib import Path
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -20,9 +26,11 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+import bench
 import data
 import generate as gen
 from generate import INTERRUPT_PHRASE
+import pipeline
 import train
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from verify import extract_answer, extract_code, score, score_batch, score_code, score_code_batch
@@ -1273,14 +1281,6 @@ def test_data_code_toy_fixture_loads_and_its_solutions_pass():
 # =============================================================================
 # pipeline.py: generator and trainer ranks (gloo, spawned processes)
 
-import signal
-import socket
-import subprocess
-import sys
-import types
-
-import pipeline
-
 ROOT = Path(__file__).resolve().parent
 
 
@@ -1532,3 +1532,19 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert all(r["lag_max"] <= 2 for r in recs)  # the bound holds right after resume too
     assert "resumed from" in outs[0]
+
+# =============================================================================
+# bench.py: the memory figure measures what it claims
+
+
+def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equal():
+    vocab, seqs, length, chunk = 32000, 1, 1024, 32
+    logits_bytes = seqs * (length - 1) * vocab * 4  # the naive path's (N, T-1, V) float32 logits: 131 MB
+    common = (vocab, seqs, length, chunk, "cpu", torch.float32)
+    with multiprocessing.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:  # one fresh process each:
+        naive, chunked = pool.starmap(bench.memory_worker, [("naive", *common), ("chunked", *common)])  # own peak RSS
+    assert naive["peak_bytes"] > 2 * logits_bytes  # logits and their log-softmax both live at once
+    assert chunked["peak_bytes"] < naive["peak_bytes"] / 5
+    assert np.allclose(chunked["logp"], naive["logp"], atol=1e-5)  # same weights (same seed) in both processes
+    assert np.allclose(chunked["grad"], naive["grad"], atol=1e-5)
+    assert np.abs(np.array(naive["grad"])).max() > 0  # the backward really ran

@@ -1,0 +1,468 @@
+"""
+bench.py: throughput, memory and numerics figures of the generator and the trainer (SCALERL.md
+section 4: the generator/trainer split; section 2: the FP32 LM head).
+
+Figures, one printed line per measurement (--json adds one machine-readable dict as the last line):
+1. sampler: tokens/s of generate.generate (continuous batching, slots = batch) against transformers'
+   model.generate on the same model, batch, prompt and output lengths, sampling settings and dtype;
+   measured side by side, alternating, best of --repeats runs of each;
+2. trainer: tokens/s of sequence_logprobs + policy_loss forward+backward on random token batches; and
+   the peak memory of the chunked log-probs against the naive path (full (N, T, V) float32 logits,
+   log_softmax, gather), each in a fresh process, at a large vocab; plus the paper-scale arithmetic;
+3. broadcast: time and MB/s of one flat float32 buffer the size of a model's weights, rank 0 -> rank 1
+   (two spawned processes; gloo on CPU, nccl on CUDA with 2 GPUs);
+4. agreement: generator log-probs (recorded while sampling) against the trainer's recompute
+   (sequence_logprobs), mean and max |diff| over sampled tokens, fp32_head on and off, float32 and bf16;
+5. roofline (arithmetic, not measured): decode tokens/s bound of the 0.5B-class config in bf16 on H100;
+6. pipeline (not in the default set: about 6 minutes on 2 cores): train.py on the embedded default in one
+   process, then 1 generator + 1 trainer rank in --mode sync, ppo_offpolicy and pipeline: training
+   wall-clock to a held-out pass rate, generator and trainer busy fractions.
+
+Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
+max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
+batch x new tokens over the whole call, prefill included. Our sampler runs with fp32_head=False in
+figure 1, like model.generate (head in the model dtype, softmax in float32). CPU peak memory is the
+process's peak RSS (VmHWM, reset after set-up) minus its RSS before the step; CUDA's is
+max_memory_allocated minus memory_allocated before the step. The CPU worker sets glibc's mmap
+threshold to 64 KB first, so that freed tensors leave the RSS (otherwise blocks under 32 MB may stay).
+
+    python bench.py                                      # CPU: about 70 s on 2 idle cores
+    python bench.py --json                               # the same, plus a JSON dict as the last line
+    python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16   # one GPU
+    python bench.py --figures 3 --device cuda            # nccl broadcast (needs 2 GPUs)
+    python bench.py --figures 6                          # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
+"""
+
+import argparse
+import copy
+import ctypes
+import json
+import multiprocessing
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from data import toy_model_dir
+from generate import check_supported, generate, sequence_logprobs
+from loss import policy_loss
+
+# -----------------------------------------------------------------------------
+# flags: defaults are the CPU run (under 5 minutes on 2 cores)
+
+
+def get_args(argv=None):
+    ap = argparse.ArgumentParser(description="ScaleRL benchmarks", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights dtype")
+    ap.add_argument("--size", default="small", choices=list(SIZES), help="the random-weight Qwen2 config (besides the toy)")
+    ap.add_argument("--figures", default="1,2,3,4,5", help="comma-separated figure numbers to run")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the best is reported")
+    ap.add_argument("--batch", type=int, default=64, help="figure 1: prompts sampled at once (= slots)")
+    ap.add_argument("--prompt_len", type=int, default=16, help="figure 1: prompt tokens")
+    ap.add_argument("--new_tokens", type=int, default=32, help="figure 1: tokens sampled per prompt")
+    ap.add_argument("--train_seqs", type=int, default=8, help="figure 2: sequences per forward+backward")
+    ap.add_argument("--train_len", type=int, default=128, help="figure 2: tokens per sequence")
+    ap.add_argument("--mem_vocab", type=int, default=151936, help="figure 2 memory: vocab (Qwen2's)")
+    ap.add_argument("--mem_seqs", type=int, default=1, help="figure 2 memory: sequences")
+    ap.add_argument("--mem_len", type=int, default=1024, help="figure 2 memory: tokens per sequence")
+    ap.add_argument("--chunk", type=int, default=128, help="sequence_logprobs chunk (its default)")
+    ap.add_argument("--bcast_mb", type=int, default=500, help="figure 3: size of the extra broadcast buffer, MB")
+    ap.add_argument("--agree_seqs", type=int, default=8, help="figure 4: samples per setting")
+    ap.add_argument("--target", type=float, default=0.9, help="figure 6: held-out pass rate to reach")
+    ap.add_argument("--pipeline_steps", type=int, default=100, help="figure 6: optimizer steps per run")
+    ap.add_argument("--json", action="store_true", help="print every figure as one JSON dict, last line")
+    return ap.parse_args(argv)
+
+# -----------------------------------------------------------------------------
+# models: the embedded toy, and random-weight Qwen2 configs (no download)
+
+
+SIZES = {
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),  # Qwen2-0.5B's shape
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def qwen2_model(config, device, dtype, seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(max_position_embeddings=32768, **config)
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def bench_models(args):
+    """[(name, model)]: the toy and the --size Qwen2 config, both checked by the sampler."""
+    device, dtype = args.device, DTYPES[args.dtype]
+    toy = AutoModelForCausalLM.from_pretrained(toy_model_dir()).to(device=device, dtype=dtype).eval()
+    models = [("toy", toy), (f"qwen2-{args.size}", qwen2_model(SIZES[args.size], device, dtype))]
+    for _, m in models:
+        check_supported(m)
+    return models
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def random_ids(n, length, vocab, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n, length), generator=g).to(device)  # (n, length); 0 is often eos/pad
+
+# -----------------------------------------------------------------------------
+# figure 1: our sampler against transformers' model.generate
+
+
+def time_ours(model, prompts, new_tokens):
+    """Seconds for generate.generate to sample exactly new_tokens per prompt, all prompts in one batch."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    out = generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=new_tokens,
+                   answer_budget=0, interrupt=False, slots=len(prompts), temperature=1.0, fp32_head=False)
+    sync(model.device)
+    assert all(len(s.tokens) == new_tokens for s in out)
+    return time.perf_counter() - t0
+
+
+def time_hf(model, ids, new_tokens):
+    """Seconds for model.generate on the same batch: plain sampling, no top-k / top-p, forced length."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                         top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    sync(model.device)
+    assert out.shape == (ids.size(0), ids.size(1) + new_tokens)
+    return time.perf_counter() - t0
+
+
+def bench_sampler(name, model, args):
+    ids = random_ids(args.batch, args.prompt_len, model.config.vocab_size, 0, args.device)  # (B, P)
+    prompts = ids.tolist()
+    time_ours(model, prompts[:2], 2)  # warm-up both paths (first-call costs)
+    time_hf(model, ids[:2], 2)
+    ours, hf = [], []
+    for _ in range(args.repeats):  # alternate, so both see the same machine load
+        ours.append(time_ours(model, prompts, args.new_tokens))
+        hf.append(time_hf(model, ids, args.new_tokens))
+    tokens = args.batch * args.new_tokens
+    r = {"model": name, "params": n_params(model), "batch": args.batch, "prompt_len": args.prompt_len,
+         "new_tokens": args.new_tokens, "ours_tok_s": tokens / min(ours), "hf_tok_s": tokens / min(hf),
+         "ours_s": ours, "hf_s": hf}
+    r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
+    print(f"1 sampler   | {name} ({r['params'] / 1e6:.2f}M, {args.dtype}) | batch {args.batch} x ({args.prompt_len} + "
+          f"{args.new_tokens}) | ours {r['ours_tok_s']:.0f} tok/s | model.generate {r['hf_tok_s']:.0f} tok/s | "
+          f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating)")
+    return r
+
+# -----------------------------------------------------------------------------
+# figure 2: the trainer's loss forward+backward, chunked against naive log-probs
+
+
+def naive_logprobs(model, ids, attention_mask):
+    """The textbook path: every position's logits at once, (N, T, V) float32, then log_softmax and gather."""
+    logits = model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1].float()  # (N, T-1, V)
+    return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, T-1)
+
+
+def loss_step(model, ids, path, chunk):
+    """One on-policy CISPO forward+backward on ids (N, T) -> the trainer log-probs (N, T-1), detached."""
+    attn = torch.ones_like(ids)
+    if path == "naive":
+        logp = naive_logprobs(model, ids, attn)
+    else:
+        logp = sequence_logprobs(model, ids, attn, fp32_head=True, chunk=chunk)
+    N = ids.size(0)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(ids.device)  # (N,)
+    group = torch.arange(N, device=ids.device) // 2  # two samples per prompt
+    loss = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), group)
+    loss.backward()
+    return logp.detach()
+
+
+def bench_trainer_speed(name, model, args):
+    ids = random_ids(args.train_seqs, args.train_len, model.config.vocab_size, 2, args.device)  # (N, T)
+    model.train()
+    times = []
+    for _ in range(args.repeats + 1):  # the first run warms up
+        sync(args.device)
+        t0 = time.perf_counter()
+        loss_step(model, ids, "chunked", args.chunk)
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    model.eval()
+    r = {"model": name, "seqs": args.train_seqs, "len": args.train_len, "tok_s": ids.numel() / min(times[1:])}
+    print(f"2 trainer   | {name} ({args.dtype}) | {args.train_seqs} x {args.train_len} tokens | "
+          f"forward+backward {r['tok_s']:.0f} tok/s (best of {args.repeats})")
+    return r
+
+
+def memory_now(device):
+    """Bytes in use now, and a reset of the peak counter: CUDA allocator, or process RSS (Linux)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    try:  # glibc: from now on blocks >= 64 KB are mmapped and unmapped on free, so RSS follows the live tensors
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: freed blocks may stay in the heap and count as used
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass  # not allowed here: the peak then also counts the set-up
+    return _proc_status("VmRSS")
+
+
+def memory_peak(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _proc_status("VmHWM")
+
+
+def _proc_status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def memory_worker(path, vocab, seqs, length, chunk, device, dtype):
+    """Run in a fresh process: one loss forward+backward -> peak extra bytes, seconds, log-probs, a grad."""
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True)
+    model = qwen2_model(config, device, dtype).train()
+    ids = random_ids(seqs, length, vocab, 3, device)  # (N, T)
+    before = memory_now(device)
+    t0 = time.perf_counter()
+    logp = loss_step(model, ids, path, chunk)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return {"peak_bytes": memory_peak(device) - before, "seconds": seconds, "logp": logp.float().cpu().tolist(),
+            "grad": model.model.norm.weight.grad.float().cpu().tolist()}
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new spawned interpreter: its memory peak is its own."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def bench_trainer_memory(args):
+    common = (args.mem_vocab, args.mem_seqs, args.mem_len, args.chunk, args.device, DTYPES[args.dtype])
+    naive = in_fresh_process(memory_worker, "naive", *common)
+    chunked = in_fresh_process(memory_worker, "chunked", *common)
+    diff = max(abs(a - b) for ra, rb in zip(naive["logp"], chunked["logp"]) for a, b in zip(ra, rb))
+    tokens = args.mem_seqs * (args.mem_len - 1)
+    r = {"vocab": args.mem_vocab, "seqs": args.mem_seqs, "len": args.mem_len, "chunk": args.chunk,
+         "logits_fp32_gb": tokens * args.mem_vocab * 4 / 1e9,
+         "naive_peak_gb": naive["peak_bytes"] / 1e9, "chunked_peak_gb": chunked["peak_bytes"] / 1e9,
+         "naive_tok_s": tokens / naive["seconds"], "chunked_tok_s": tokens / chunked["seconds"],
+         "max_abs_logp_diff": diff}
+    r["peak_ratio"] = r["naive_peak_gb"] / r["chunked_peak_gb"]
+    print(f"2 memory    | vocab {args.mem_vocab}, hidden 64, {args.mem_seqs} x {args.mem_len} tokens "
+          f"(naive fp32 logits {r['logits_fp32_gb']:.2f} GB) | peak naive {r['naive_peak_gb']:.2f} GB | "
+          f"chunked ({args.chunk}) {r['chunked_peak_gb']:.2f} GB | naive/chunked {r['peak_ratio']:.1f}x | "
+          f"tok/s naive {r['naive_tok_s']:.0f} chunked {r['chunked_tok_s']:.0f} | max |logp diff| {diff:.1e}")
+    return r
+
+
+def paper_scale_logits(vocab=151936, seqs=768, length=4096, chunk=128):
+    """Arithmetic: the float32 logits of a paper-size batch (768 x 4k tokens) at once, against one chunk."""
+    r = {"vocab": vocab, "seqs": seqs, "len": length, "chunk": chunk,
+         "naive_gb": seqs * length * vocab * 4 / 1e9, "naive_per_seq_gb": length * vocab * 4 / 1e9,
+         "chunk_per_seq_gb": chunk * vocab * 4 / 1e9}
+    print(f"2 arithmetic| vocab {vocab}, {seqs} x {length} tokens: naive fp32 logits {r['naive_gb']:.0f} GB "
+          f"({r['naive_per_seq_gb']:.2f} GB per sequence) | one chunk of {chunk}: {r['chunk_per_seq_gb'] * 1e3:.0f} MB "
+          f"per sequence in the micro-batch (x{length // chunk} less), not measured")
+    return r
+
+# -----------------------------------------------------------------------------
+# figure 3: weight broadcast between two processes
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broadcast_worker(rank, port, sizes, repeats, backend, queue):
+    """Rank 0 broadcasts a flat float32 buffer of each size; every repeat's time is the slower rank's."""
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    for name, numel in sizes:
+        buf = torch.ones(numel, dtype=torch.float32, device=device)
+        dist.broadcast(buf, 0)  # warm-up: connection set-up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            sync(device)
+            t0 = time.perf_counter()
+            dist.broadcast(buf, 0)
+            sync(device)
+            dt = torch.tensor([time.perf_counter() - t0], device=device)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times.append(dt.item())
+        results[name] = times
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def bench_broadcast(args, models):
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print("3 broadcast | skipped: nccl needs 2 GPUs, this machine has fewer")
+        return {"skipped": "fewer than 2 GPUs"}
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    sizes = [(f"{name} weights", n_params(m)) for name, m in models] + [(f"{args.bcast_mb} MB buffer", args.bcast_mb * 10**6 // 4)]
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    torch.multiprocessing.spawn(broadcast_worker, args=(free_port(), sizes, args.repeats, backend, queue), nprocs=2)
+    times = queue.get()
+    out = []
+    for name, numel in sizes:
+        mb, best = numel * 4 / 1e6, min(times[name])
+        out.append({"buffer": name, "mb": mb, "seconds": best, "mb_s": mb / best, "backend": backend})
+        print(f"3 broadcast | {name}, {mb:.1f} MB float32 | {backend}, 2 processes | "
+              f"{best * 1e3:.1f} ms | {mb / best:.0f} MB/s (best of {args.repeats})")
+    return out
+
+# -----------------------------------------------------------------------------
+# figure 4: generator against trainer log-probs of the same sampled tokens
+
+
+@torch.no_grad()
+def logprob_agreement(model, seqs, prompt_len, new_tokens, fp32_head):
+    """Sample with generate(), recompute with sequence_logprobs -> (mean |diff|, max |diff|) over sampled tokens."""
+    ids = random_ids(seqs, prompt_len, model.config.vocab_size, 4, model.device)  # (N, P)
+    out = generate(model, ids.tolist(), eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=new_tokens,
+                   answer_budget=0, interrupt=False, slots=seqs, temperature=1.0, fp32_head=fp32_head)
+    full = torch.cat([ids, torch.tensor([s.tokens for s in out], device=ids.device)], 1)  # (N, P + C)
+    trainer = sequence_logprobs(model, full, torch.ones_like(full), fp32_head=fp32_head)[:, prompt_len - 1:]  # (N, C)
+    gen_logp = torch.tensor([s.logps for s in out], device=ids.device)  # (N, C): every token sampled (mask 1)
+    diff = (trainer.float() - gen_logp).abs()
+    return diff.mean().item(), diff.max().item()
+
+
+def bench_agreement(name, model, args):
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        m = model if dtype == args.dtype else copy.deepcopy(model).to(DTYPES[dtype])
+        for fp32_head in (True, False):
+            mean, mx = logprob_agreement(m, args.agree_seqs, args.prompt_len, args.new_tokens, fp32_head)
+            out.append({"model": name, "dtype": dtype, "fp32_head": fp32_head, "mean_abs": mean, "max_abs": mx})
+            print(f"4 agreement | {name} {dtype} fp32_head={fp32_head} | {args.agree_seqs} x {args.new_tokens} "
+                  f"sampled tokens | generator vs trainer log-prob |diff| mean {mean:.2e} max {mx:.2e}")
+    return out
+
+# -----------------------------------------------------------------------------
+# pipeline busy fractions (filled in with pipeline.py)
+
+
+PIPELINE_RUNS = (("one process", 1, []), ("sync", 2, ["--mode", "sync"]),
+                 ("ppo_offpolicy-8", 2, ["--mode", "ppo_offpolicy"]), ("pipeline-8", 2, ["--mode", "pipeline"]))
+
+
+def bench_pipeline(args):
+    """train.py on the embedded default, one process and then 2 ranks (1 generator + 1 trainer) in each mode:
+    training wall-clock (evals excluded) until the held-out pass rate first reaches --target, and the
+    generator's and trainer's busy fractions (step-time weighted means over the run)."""
+    import subprocess
+    import sys
+    import tempfile
+    rows, root = [], os.path.dirname(os.path.abspath(__file__))
+    for name, world, flags in PIPELINE_RUNS:
+        out = tempfile.mkdtemp(prefix="bench-pipeline-")
+        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        "--nproc_per_node", str(world), "--master_port", str(free_port())]
+        cmd = launcher + [os.path.join(root, "train.py"), "--out", out, "--steps", str(args.pipeline_steps),
+                          "--save_every", "0", *flags]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        train = [r for r in records if r.get("kind") == "train"]
+        hit = next((r for r in records if r.get("kind") == "eval" and r["pass_rate"] >= args.target), None)
+        weights = [r["dt_ms"] for r in train]
+        busy = {key: sum(r[key] * w for r, w in zip(train, weights)) / sum(weights) for key in ("gen_busy", "train_busy")}
+        final = [r for r in records if r.get("kind") == "eval"][-1]
+        row = {"run": name, "ranks": world, "to_target_s": hit["compute_s"] / world if hit else None,
+               "target_step": hit["step"] if hit else None, "final_pass_rate": final["pass_rate"],
+               "train_s": train[-1]["compute_s"] / world, "wall_s": time.perf_counter() - t0,
+               "lag_mean": sum(r["lag"] for r in train) / len(train), **busy}
+        rows.append(row)
+        reached = f"{row['to_target_s']:.1f} s (step {row['target_step']})" if hit else "not reached"
+        print(f"pipeline | {name:16s} | ranks {world} | to pass rate {args.target}: {reached} | final {row['final_pass_rate']:.3f} "
+              f"| training {row['train_s']:.1f} s | busy gen {row['gen_busy']:.2f} train {row['train_busy']:.2f} | "
+              f"lag {row['lag_mean']:.2f} | whole run {row['wall_s']:.0f} s", flush=True)
+    return rows
+
+# -----------------------------------------------------------------------------
+# figure 5: roofline arithmetic of decoding (not measured)
+
+
+def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_head=True, bytes_per_weight=2):
+    """Upper bound on decode tokens/s when every step reads all weights and the whole KV cache from HBM."""
+    c = config
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    embed = c["vocab_size"] * c["hidden_size"]
+    per_layer = (c["hidden_size"] * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+                 + 3 * c["hidden_size"] * c["intermediate_size"])
+    body = c["num_hidden_layers"] * per_layer  # norms and biases ignored
+    head_bytes = embed * (4 if fp32_head else bytes_per_weight)  # the LM head is read every step; the embedding is a gather
+    weight_bytes = body * bytes_per_weight + head_bytes
+    kv_bytes = batch * context * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * bytes_per_weight
+    steps = hbm_bytes_s / (weight_bytes + kv_bytes)
+    r = {"batch": batch, "context": context, "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
+         "steps_s": steps, "tok_s": steps * batch, "fp32_head": fp32_head}
+    print(f"5 roofline  | 0.5B-class bf16, H100 {hbm_bytes_s / 1e12:.2f} TB/s, batch {batch}, context {context} | "
+          f"weights {r['weight_gb']:.2f} GB (fp32 head {fp32_head}) + KV {r['kv_gb']:.2f} GB per step | "
+          f"<= {steps:.0f} steps/s = {r['tok_s']:.0f} tok/s | arithmetic, not measured")
+    return r
+
+# -----------------------------------------------------------------------------
+
+
+def main(args):
+    t_start = time.perf_counter()
+    figures = {int(f) for f in args.figures.split(",")}
+    print(f"torch {torch.__version__} | device {args.device} | dtype {args.dtype} | threads {torch.get_num_threads()} | "
+          f"1-min load average before the run {os.getloadavg()[0]:.2f}")
+    models = bench_models(args)
+    results = {"args": vars(args), "torch": torch.__version__}
+    if 1 in figures:
+        results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
+    if 2 in figures:
+        results["trainer"] = [bench_trainer_speed(name, m, args) for name, m in models]
+        results["memory"] = bench_trainer_memory(args)
+        results["paper_logits"] = paper_scale_logits(chunk=args.chunk)
+    if 3 in figures:
+        results["broadcast"] = bench_broadcast(args, models)
+    if 4 in figures:
+        results["agreement"] = [r for name, m in models for r in bench_agreement(name, m, args)]
+    if 5 in figures:
+        results["roofline"] = [decode_roofline(SIZES["0.5b"], context=ctx, fp32_head=h)
+                               for ctx, h in ((1024, False), (1024, True), (8192, True))]
+    if 6 in figures:
+        results["pipeline"] = bench_pipeline(args)
+    results["seconds"] = time.perf_counter() - t_start
+    print(f"total {results['seconds']:.0f} s")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(get_args())
