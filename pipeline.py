@@ -481,10 +481,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             if ctx["mode"] == "pipeline":  # never stop: admit while under the cap, take weights in flight
                 generate(model, [], feed=feed, on_step=poll, version=st["version"], max_prompt_len=max_prompt, **sampler)
                 st["idle_since"] = time.time()
-                set_status(ctx, f"waiting for trainers to take rollouts (outstanding {outstanding()} >= cap {cap})")
-                while outstanding() >= cap or get_int(ctx, "exhausted"):
-                    poll()
-                    time.sleep(0.002)
+                wait_until(ctx, lambda: poll() is not None and outstanding() < cap and not get_int(ctx, "exhausted"),
+                           f"trainers to take rollouts ({cap} groups outstanding)")
                 st["idle"] += time.time() - st["idle_since"]
                 st["idle_since"] = None
             else:  # ppo_offpolicy / sync: the batches for the steps up to the next multiple of k, frozen
