@@ -37,6 +37,8 @@ Readings chosen:
   single-trainer full-batch gradient. The batch-normalized advantage uses the std of the whole
   batch (all trainers). Hand-written instead of DDP's wrapper, which needs every forward to go
   through it; here the loss runs the decoder and the float32 head separately (generate.py).
+  Not here: sharded trainers (FSDP2 fully_shard) for models whose weights and optimizer state do not fit
+  one trainer device; every trainer holds the whole model.
 - Curriculum: each generator owns the prompts i with i % n_generators == its index and runs
   No-Positive-Resampling on them; its state is saved next to the trainer's checkpoints.
 - Compute (compute_s) = training wall-clock x world size: every device is counted, busy or not.
