@@ -100,13 +100,19 @@ def _problem_of(rec, where, key):
 
 def load_problems(path):
     """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"}
-    or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped."""
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before in
+    the file is skipped too (counted, one summary line on stderr). Anything else wrong: ValueError naming
+    file:line and the field."""
+    problems, first_line, duplicates = [], {}, 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -118,9 +124,16 @@ def load_problems(path):
                 raise ValueError(f"{where}: missing field 'prompt' (or 'problem' / 'question')")
             if not isinstance(rec[key], str) or not rec[key].strip():
                 raise ValueError(f"{where}: field '{key}' must be a non-empty string")
-            problems.append(_problem_of(rec, where, key))
+            problem = _problem_of(rec, where, key)
+            if problem["prompt"] in first_line:
+                duplicates += 1
+                continue
+            first_line[problem["prompt"]] = lineno
+            problems.append(problem)
     if not problems:
         raise ValueError(f"{path}: no problems in file")
+    if duplicates:
+        print(f"{path}: skipped {duplicates} duplicate prompt(s); each is kept at its first line", file=sys.stderr)
     return problems
 
 

@@ -1246,14 +1246,14 @@ def test_data_code_problems_and_domains(tmp_path):
     f = tmp_path / "mixed.jsonl"
     rows = [{"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}},
             {"problem": "add", "tests": ["assert add(1, 2) == 3"]},
-            {"question": "add", "tests": "assert add(1, 2) == 3", "domain": "code"},
+            {"question": "add two", "tests": "assert add(1, 2) == 3", "domain": "code"},
             {"problem": "p", "answer": 5},
             {"problem": "q", "answer": "7", "domain": "math"}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert data.load_problems(f) == [
         {"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}, "domain": "code"},
         {"prompt": "add", "tests": ["assert add(1, 2) == 3"], "domain": "code"},
-        {"prompt": "add", "tests": "assert add(1, 2) == 3", "domain": "code"},
+        {"prompt": "add two", "tests": "assert add(1, 2) == 3", "domain": "code"},
         {"prompt": "p", "answer": "5", "domain": "math"}, {"prompt": "q", "answer": "7", "domain": "math"}]
     cases = {'{"prompt": "p", "tests": {"inputs": ["1"], "outputs": []}}\n': ":1: field 'tests' must have",
              '{"prompt": "p", "tests": {"inputs": [1], "outputs": [2]}}\n': ":1: field 'tests' must have",
@@ -1548,3 +1548,16 @@ def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equ
     assert np.allclose(chunked["logp"], naive["logp"], atol=1e-5)  # same weights (same seed) in both processes
     assert np.allclose(chunked["grad"], naive["grad"], atol=1e-5)
     assert np.abs(np.array(naive["grad"])).max() > 0  # the backward really ran
+
+
+def test_data_non_utf8_duplicates_and_a_clean_exit_from_train(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        data.load_problems(bad)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "a", "answer": "3"}\n')
+    assert [p["answer"] for p in data.load_problems(dup)] == ["1", "2"]
+    assert "skipped 1 duplicate" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"error: .*bad.jsonl:2: not UTF-8"):
+        train.load_data(train.get_args(["--data", str(bad)]))

@@ -279,16 +279,19 @@ def load_data(args):
     """-> (train problems, held-out problems). --data: jsonl files, comma-separated; "toy" (or an empty
     --data) is the embedded task: the distinct problems among 4000 generated ones (about 2200)."""
     problems = []
-    for path in (args.data or "toy").split(","):
-        if path == "toy":
-            seen = {}
-            for p in toy_problems(4000, args.seed + 12345):
-                seen.setdefault(p["prompt"], dict(p, domain="math"))
-            problems += list(seen.values())
-        else:
-            problems += load_problems(path)
-    if args.val_data:
-        return problems, load_problems(args.val_data)
+    try:  # a bad record: one line naming file:line and the field, not a traceback
+        for path in (args.data or "toy").split(","):
+            if path == "toy":
+                seen = {}
+                for p in toy_problems(4000, args.seed + 12345):
+                    seen.setdefault(p["prompt"], dict(p, domain="math"))
+                problems += list(seen.values())
+            else:
+                problems += load_problems(path)
+        if args.val_data:
+            return problems, load_problems(args.val_data)
+    except (OSError, ValueError) as err:
+        sys.exit(f"error: {err}")
     return split_problems(problems, args.val_size, args.seed)
 
 
@@ -322,6 +325,7 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
 def main(args):
     # ---- setup: output folder, ranks, device, model, data, optimizer
     check_out_dir(args.out)
+    train, val = load_data(args)
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
     rank0 = ctx is None or ctx["rank"] == 0
     device = torch.device(ctx["device"] if ctx else "cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -336,7 +340,6 @@ def main(args):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
     check_supported(model)
     n_params = sum(p.numel() for p in model.parameters())
-    train, val = load_data(args)
     train_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in train]
     val_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in val]
     domains = sorted({p.get("domain", "math") for p in train})
