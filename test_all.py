@@ -1561,3 +1561,32 @@ def test_data_non_utf8_duplicates_and_a_clean_exit_from_train(tmp_path, capsys):
     assert "skipped 1 duplicate" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"error: .*bad.jsonl:2: not UTF-8"):
         train.load_data(train.get_args(["--data", str(bad)]))
+
+
+def worker_pids(launcher_pid):
+    """RANK -> pid of the processes torchrun started (its children, read from /proc)."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher_pid and rank:
+            pids[int(rank[0])] = int(pid)
+    return pids
+
+
+def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process(tmp_path):
+    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "6", torchrun=True)
+    wait_for_train_records(tmp_path, 2, [p])
+    workers = worker_pids(p.pid)
+    assert sorted(workers) == [0, 1]
+    os.kill(workers[0], signal.SIGSTOP)  # the trainer freezes; torchrun's agent (the store) stays up
+    t0 = time.time()
+    out = p.communicate(timeout=150)[0]
+    assert p.returncode != 0 and time.time() - t0 < 120
+    assert "rank 0 (trainer) sent no heartbeat" in out, out[-3000:]
+    for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
