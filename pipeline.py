@@ -37,14 +37,19 @@ Readings chosen:
   single-trainer full-batch gradient. The batch-normalized advantage uses the std of the whole
   batch (all trainers). Hand-written instead of DDP's wrapper, which needs every forward to go
   through it; here the loss runs the decoder and the float32 head separately (generate.py).
-  Not here: sharded trainers (FSDP2 fully_shard) for models whose weights and optimizer state do not fit
-  one trainer device; every trainer holds the whole model.
+- --fsdp shards the trainers' model and AdamW state over the trainer ranks with FSDP2 (fully_shard: each
+  decoder layer one unit, embedding + norm + head one unit, around a LogProbs module whose forward is the
+  loss's). Gradients are reduce-scattered as sums, like the replicas' all-reduce, so the steps are the
+  same (tested). Every trainer gathers the full weights for each broadcast, eval and checkpoint; rank 0
+  keeps one unsharded copy to evaluate and save. Not supported with it: --resume (the optimizer shards
+  are not saved).
 - Curriculum: each generator owns the prompts i with i % n_generators == its index and runs
   No-Positive-Resampling on them; its state is saved next to the trainer's checkpoints.
 - Compute (compute_s) = training wall-clock x world size: every device is counted, busy or not.
 
     torchrun --nproc_per_node 2 train.py                          # 1 generator + 1 trainer, CPU, gloo
     torchrun --nproc_per_node 4 train.py --gen_ranks 2            # 2 generators + 2 data-parallel trainers
+    torchrun --nproc_per_node 4 train.py --gen_ranks 2 --fsdp     # the same, model sharded over the 2 trainers
     torchrun --nproc_per_node 2 train.py --mode ppo_offpolicy     # PPO-off-policy-8 (k = --max_lag)
     torchrun --nproc_per_node 8 train.py --model DIR --data ... --dtype bfloat16   # one 8-GPU node, nccl
 """
@@ -60,8 +65,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
 from data import Curriculum
-from generate import INTERRUPT_PHRASE, Sample, generate
+from generate import INTERRUPT_PHRASE, Sample, generate, sequence_logprobs
 from verify import score_problems
 
 FINISH = ("eos", "interrupted", "truncated")
@@ -104,7 +113,7 @@ def setup(args):
     trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
     ctx = {"rank": rank, "world": world, "n_trainers": n_trainers, "n_gens": n_gens,
            "role": "trainer" if rank < n_trainers else "generator", "device": f"cuda:{local}" if cuda else "cpu",
-           "timeout": args.timeout, "mode": args.mode, "k": 1 if args.mode == "sync" else args.max_lag,
+           "timeout": args.timeout, "mode": args.mode, "fsdp": getattr(args, "fsdp", False), "k": 1 if args.mode == "sync" else args.max_lag,
            "store": dist.distributed_c10d._get_default_store(), "status": "starting",
            # every rank creates every group, in the same order
            "weights": dist.new_group([0] + gens, timeout=timeout),
@@ -230,23 +239,31 @@ def unpack_group(rows):
     return {"gen_rank": gen_rank, "index": index, "prompt": prompt, "samples": samples, "correct": correct}
 
 
-def weight_buckets(model, bucket_mb):
-    """Parameters (tied ones once) in consecutive same-dtype buckets of at most bucket_mb."""
+def weight_buckets(tensors, bucket_mb):
+    """The model's tensors (tied ones once, named_parameters order) in consecutive same-dtype buckets of at
+    most bucket_mb."""
     buckets, size = [], 0
-    for _, p in model.named_parameters():
-        if not buckets or buckets[-1][-1].dtype != p.dtype or size + p.nbytes > bucket_mb * 2 ** 20:
+    for t in tensors:
+        if not buckets or buckets[-1][-1].dtype != t.dtype or size + t.nbytes > bucket_mb * 2 ** 20:
             buckets.append([])
             size = 0
-        buckets[-1].append(p)
-        size += p.nbytes
+        buckets[-1].append(t)
+        size += t.nbytes
     return buckets
 
 
+def full_weights(model):
+    """Every parameter whole: sharded (FSDP2) ones are all-gathered, a collective over the trainers."""
+    return [p.full_tensor() if isinstance(p, DTensor) else p for _, p in model.named_parameters()]
+
+
 @torch.no_grad()
-def broadcast_weights(ctx, model, bucket_mb):
-    """Trainer 0 sends, every generator receives (and copies into its model) -> bytes moved."""
+def broadcast_weights(ctx, model, bucket_mb, tensors=None):
+    """Trainer 0 sends `tensors` (default: its parameters), every generator receives them into its model
+    -> bytes moved."""
     nbytes = 0
-    for params in weight_buckets(model, bucket_mb):
+    ours = tensors if tensors is not None else [p for _, p in model.named_parameters()]
+    for params in weight_buckets(ours, bucket_mb):
         if ctx["rank"] == 0:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
         else:
@@ -319,15 +336,48 @@ def receive_groups(ctx, need, step, length, samples_per_prompt):
 
 
 def publish_weights(ctx, model, step, last, bucket_mb):
-    """Trainer 0 after each optimizer step: announce version `step`, broadcast -> (seconds, bytes).
-    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast."""
-    if ctx["rank"] != 0 or last or step % (1 if ctx["mode"] == "pipeline" else ctx["k"]):
+    """After each optimizer step: announce version `step`, trainer 0 broadcasts -> (seconds, bytes).
+    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Sharded trainers all
+    take part in gathering the full weights first."""
+    if last or step % (1 if ctx["mode"] == "pipeline" else ctx["k"]) or (ctx["rank"] != 0 and not ctx["fsdp"]):
         return 0.0, 0
     t0 = time.time()
+    set_status(ctx, f"gathering and broadcasting weights version {step}")
+    tensors = full_weights(model) if ctx["fsdp"] else None
+    if ctx["rank"] != 0:
+        return 0.0, 0
     ctx["store"].set("version", str(step))
-    set_status(ctx, f"broadcasting weights version {step}")
-    nbytes = broadcast_weights(ctx, model, bucket_mb)
+    nbytes = broadcast_weights(ctx, model, bucket_mb, tensors)
     return time.time() - t0, nbytes
+
+
+class LogProbs(torch.nn.Module):
+    """The trainer's forward (decoder, then the float32 head in chunks: generate.sequence_logprobs) as one
+    module, so that FSDP2's hooks around its forward gather the embedding, final norm and head (a call to
+    model.model alone would find them sharded)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attention_mask, fp32_head, temperature):
+        return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature)
+
+
+def shard_trainer(ctx, model):
+    """--fsdp: shard the model over the trainer ranks with FSDP2 (each decoder layer one unit, the rest one
+    unit) -> the LogProbs module to call for the loss. Gradients are summed across trainers, not averaged:
+    each trainer's loss is already weighted by its share of the global batch."""
+    mesh = DeviceMesh.from_group(ctx["trainers"], "cuda" if ctx["device"].startswith("cuda") else "cpu")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    wrapped = LogProbs(model)
+    fully_shard(wrapped, mesh=mesh)
+    for m in wrapped.modules():
+        if isinstance(m, FSDPModule):  # per unit: the setting is not inherited
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return wrapped
 
 
 def generator_stats(ctx):

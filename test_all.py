@@ -1590,3 +1590,22 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
     assert "rank 0 (trainer) sent no heartbeat" in out, out[-3000:]
     for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+
+
+def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers(tmp_path):
+    """Two trainers with the model sharded (FSDP2) take the same steps as two full replicas."""
+    flags = ["--steps", "3", "--gen_ranks", "1", "--mode", "sync", "--save_every", "3"]
+    runs = {}
+    for name, extra in (("dp", []), ("fsdp", ["--fsdp"])):
+        rcs, outs = finish_all(launch(3, tmp_path / name, *flags, *extra))
+        assert rcs == [0, 0, 0], outs
+        runs[name] = (train_records(tmp_path / name), outs[0])
+    held = re.search(r"FSDP2: trainer 0 holds (\d+) of (\d+) parameters", runs["fsdp"][1])
+    assert held and int(held[1]) <= int(held[2]) // 2 + 1000  # half the weights (+ padding of odd dims)
+    for a, b in zip(runs["dp"][0], runs["fsdp"][0]):
+        assert (a["step"], a["reward"], a["kept_prompts"]) == (b["step"], b["reward"], b["kept_prompts"])
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    dp, fs = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "ckpt-000003") for n in ("dp", "fsdp"))
+    for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder

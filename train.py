@@ -25,6 +25,7 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 """
 
 import argparse
+import copy
 import glob
 import json
 import math
@@ -34,9 +35,11 @@ import shutil
 import sys
 import time
 import traceback
+from functools import partial
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
@@ -100,6 +103,8 @@ def get_args(argv=None):
     g.add_argument("--timeout", type=float, default=1800, help="seconds any cross-rank wait may last")
     g.add_argument("--heartbeat_timeout", type=float, default=60, help="seconds of silence before a rank is declared dead")
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
+    g.add_argument("--fsdp", action="store_true", help="shard the trainers' model and optimizer state over the trainer "
+                   "ranks (FSDP2); rank 0 keeps one unsharded copy to evaluate and save")
     g.add_argument("--max_bad_steps", type=int, default=3, help="consecutive steps with a NaN/inf loss or gradient "
                    "(each skipped) before the run stops")
     g.add_argument("--nan_at", default="", help="testing: comma-separated steps whose gradients are made NaN")
@@ -117,6 +122,8 @@ def get_args(argv=None):
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
         ap.error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
+    if args.fsdp and args.resume:
+        ap.error("--resume with --fsdp: resuming sharded optimizer state is not implemented")
     check_model_dir(args.model, ap.error)
     return args
 
@@ -214,7 +221,7 @@ def collate(prompt_ids, samples, pad_id, device):
     return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device)
 
 
-def train_batch(model, batch, args, n_groups, total=None):
+def train_batch(model, batch, args, n_groups, total=None, forward=None):
     """Forward/backward over micro-batches of whole prompt groups; gradients add up to the full-batch
     loss's (each micro-batch's loss is weighted by its share of groups, sequences or tokens; `total`:
     the whole batch's count when this is one trainer's part of it)."""
@@ -225,7 +232,7 @@ def train_batch(model, batch, args, n_groups, total=None):
     loss_sum, stats = 0.0, []
     for a in range(0, len(uniq), per):
         rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
-        logp = sequence_logprobs(model, ids[rows], attn[rows], args.fp32_head, args.temperature)
+        logp = (forward or partial(sequence_logprobs, model))(ids[rows], attn[rows], args.fp32_head, args.temperature)
         loss = policy_loss(logp, gen_logp[rows], adv[rows], mask[rows], group[rows], kind=args.loss,
                            agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high)
         share = {"prompt": len(uniq[a:a + per]), "sample": len(rows), "token": mask[rows].sum().item()}[args.agg]
@@ -360,6 +367,13 @@ def main(args):
             pipeline.finish(ctx)
             return
     curriculum = Curriculum(len(train), args.seed, npr=args.no_positive_resampling)  # one process only
+    forward, full_model = None, model  # --fsdp: the sharded loss forward, and rank 0's unsharded copy
+    if ctx and args.fsdp:
+        full_model = copy.deepcopy(model) if rank0 else None
+        forward = pipeline.shard_trainer(ctx, model)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        if rank0:
+            print(f"FSDP2: trainer 0 holds {local} of {n_params} parameters (and their AdamW state)", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     evals = []  # (compute_s, held-out pass rate) of every eval so far, for the live fit
@@ -385,8 +399,8 @@ def main(args):
             f.write(json.dumps(m) + "\n")
 
     def run_eval():
-        model.eval()
-        result = evaluate(model, tokenizer, val_ids, val, args)
+        full_model.eval()
+        result = evaluate(full_model, tokenizer, val_ids, val, args)
         m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
         evals.append((compute_s, result["pass_rate"]))
         C, R = np.array(evals).T
@@ -405,10 +419,10 @@ def main(args):
               f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f}{fit_txt}", flush=True)
 
     def save():
-        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        state = {"optimizer": None if forward is not None else opt.state_dict(), "scheduler": sched.state_dict(),
                  "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
                  "torch_rng": torch.get_rng_state(), "args": vars(args)}
-        print(f"saved {save_checkpoint(args.out, step, model, tokenizer, state, args.keep)}", flush=True)
+        print(f"saved {save_checkpoint(args.out, step, full_model, tokenizer, state, args.keep)}", flush=True)
 
     if step == 0 and rank0:
         run_eval()
@@ -453,17 +467,26 @@ def main(args):
         if sums["sample"]:
             # ---- train: loss, backward, (all-reduce), clip, AdamW step
             model.train()
+            n_local = len(set(group[rows].tolist()))
+            per = args.micro_prompts or max(n_local, 1)
+            n_micro = math.ceil(n_local / per)
+            if forward is not None:  # FSDP2: every trainer runs as many forward/backward passes (collectives)
+                n_micro = int(pipeline.all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
             if rows:
                 ids, attn, mask, gen_logp = collate([prompt_ids[r] for r in rows], [samples[r] for r in rows],
                                                     tokenizer.pad_token_id or 0, device)
                 loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, adv.to(device), group[rows].to(device)),
-                                                   args, len(set(group[rows].tolist())), total=sums[args.agg])
-            if ctx:
+                                                   args, n_local, total=sums[args.agg], forward=forward)
+            for _ in range(math.ceil(n_local / per), n_micro):  # FSDP2 only: passes that add nothing
+                ids = torch.full((1, 2), tokenizer.pad_token_id or 0, device=device)
+                (forward(ids, torch.ones_like(ids), args.fp32_head, args.temperature).sum() * 0).backward()
+            if ctx and forward is None:
                 pipeline.all_reduce_grads(ctx, model)
             if str(step + 1) in args.nan_at.split(","):
                 for p in model.parameters():
                     p.grad.fill_(float("nan"))
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+            grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
             if math.isfinite(grad_norm) and math.isfinite(loss_value):  # grads are all-reduced: all trainers agree
                 opt.step()
                 sched.step()
@@ -497,6 +520,14 @@ def main(args):
                                  for c in g["correct"]) for d in domains for key in ("correct", "n")}},
             {"lag_max": max(lags, default=0)})
         flops += 2 * n_params * sums["gen_tokens"] + 6 * n_params * sums["train_tokens"]
+        evaluate_now = step % args.eval_every == 0 or step == args.steps
+        save_now = (args.save_every and step % args.save_every == 0) or step == args.steps
+        if forward is not None and (evaluate_now or save_now):  # gather the shards into rank 0's copy
+            with torch.no_grad():
+                gathered = pipeline.full_weights(model)
+                if rank0:
+                    for p, full in zip(full_model.parameters(), gathered):
+                        p.copy_(full)
         if not rank0:
             continue
         m = {"kind": "train", "step": step, "compute_s": compute_s, "flops": flops,
@@ -518,9 +549,9 @@ def main(args):
         print(log_line(m, args.steps), flush=True)
 
         # ---- eval and checkpoint (rank 0; not counted as compute)
-        if step % args.eval_every == 0 or step == args.steps:
+        if evaluate_now:
             run_eval()
-        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+        if save_now:
             save()
     if rank0 and step % args.eval_every and step != args.steps:  # stopped early: every prompt retired
         run_eval()
