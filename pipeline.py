@@ -114,7 +114,7 @@ def setup(args):
     ctx = {"rank": rank, "world": world, "n_trainers": n_trainers, "n_gens": n_gens,
            "role": "trainer" if rank < n_trainers else "generator", "device": f"cuda:{local}" if cuda else "cpu",
            "timeout": args.timeout, "mode": args.mode, "fsdp": getattr(args, "fsdp", False), "k": 1 if args.mode == "sync" else args.max_lag,
-           "store": dist.distributed_c10d._get_default_store(), "status": "starting",
+           "store": dist.distributed_c10d._get_default_store(), "status": "starting", "received": 0,
            # every rank creates every group, in the same order
            "weights": dist.new_group([0] + gens, timeout=timeout),
            "trainers": dist.new_group(trainers, timeout=timeout),
@@ -122,6 +122,13 @@ def setup(args):
     threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True).start()
     _CURRENT["ctx"] = ctx
     return ctx
+
+
+def slow_seconds(args, ctx, role):
+    """--slow ROLE=S (a test hook): S for the last rank of ROLE (the one process counts as a trainer), else 0."""
+    last = {"trainer": ctx["n_trainers"] - 1, "generator": ctx["world"] - 1}[role] if ctx else 0
+    hit = args.slow.startswith(f"{role}=") and (ctx is None or ctx["rank"] == last)
+    return float(args.slow.split("=")[1]) if hit else 0.0
 
 
 def role_of(ctx, r):
@@ -307,21 +314,25 @@ def all_reduce_stats(ctx, sums, maxes=None):
 # the trainer's side
 
 
-def receive_groups(ctx, need, step, length, samples_per_prompt):
+def _receive_one(ctx):
+    """The next packed group sent to this trainer (the store said one is waiting) -> rows."""
+    rows = torch.empty(ctx["samples"], HEADER + 4 * ctx["length"])
+    dist.irecv(rows, src=None, group=ctx["rollouts"], tag=1).wait(timedelta(seconds=ctx["timeout"]))
+    ctx["received"] += 1
+    return rows
+
+
+def receive_groups(ctx, need, step):
     """Receive `need` groups no token of which is more than k versions older than `step`.
     -> (groups, stats): stale groups are dropped and counted; fewer groups when generators ran out."""
     rank, k = ctx["rank"], ctx["k"]
     got, stats = [], {"dropped_stale": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
     while len(got) < need:
-        ctx.setdefault("received", 0)
         stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx["received"]
                                       or get_int(ctx, "exhausted") > 0, f"rollouts for step {step + 1}")
         if get_int(ctx, f"sent/{rank}") <= ctx["received"]:
             break  # a generator has no prompts left
-        rows = torch.empty(samples_per_prompt, HEADER + 4 * length)
-        dist.irecv(rows, src=None, group=ctx["rollouts"], tag=1).wait(timedelta(seconds=ctx["timeout"]))
-        ctx["received"] += 1
-        group = unpack_group(rows)
+        group = unpack_group(_receive_one(ctx))
         ctx["store"].add(f"received_from/{group['gen_rank']}", 1)
         ctx["store"].add(f"received_from/{group['gen_rank']}/{rank}", 1)
         stats["received"] += 1
@@ -407,11 +418,8 @@ def drain(ctx):
     if ctx["rank"] == 0:
         ctx["store"].set("stop", "1")
     wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx["n_gens"], "the generators to stop")
-    length = ctx.get("length", 0)
-    while get_int(ctx, f"sent/{ctx['rank']}") > ctx.get("received", 0):
-        rows = torch.empty(ctx["samples"], HEADER + 4 * length)
-        dist.irecv(rows, src=None, group=ctx["rollouts"], tag=1).wait(timedelta(seconds=ctx["timeout"]))
-        ctx["received"] = ctx.get("received", 0) + 1
+    while get_int(ctx, f"sent/{ctx['rank']}") > ctx["received"]:
+        _receive_one(ctx)
 
 # -----------------------------------------------------------------------------
 # the generator's side
@@ -426,7 +434,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     if args.resume and os.path.exists(curriculum_path):
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
     length = ctx["length"]
-    slow = float(args.slow.split("=")[1]) if args.slow.startswith("generator=") and me == ctx["world"] - 1 else 0.0
+    slow = slow_seconds(args, ctx, "generator")
     max_prompt = max(len(p) for p in prompt_ids)
     st = {"version": start_version, "open": {}, "owner": [], "sends": [], "sent": 0, "admitted": 0,
           "t0": time.time(), "idle": 0.0, "sync": 0.0, "tokens": 0, "last_poll": 0.0, "last_stats": 0.0,

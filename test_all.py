@@ -12,7 +12,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -771,6 +770,11 @@ def test_data_layouts_and_clear_errors(tmp_path):
              '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
              '{"problem": "p", "answer": "1"}\n{broken\n': ":2: invalid JSON",
              '': ": no problems"}
+    assert_load_errors(tmp_path, cases)
+
+
+def assert_load_errors(tmp_path, cases):
+    """Each jsonl text in cases makes load_problems raise an error containing 'file' + the expected ':line: ...'."""
     for i, (text, msg) in enumerate(cases.items()):
         bad = tmp_path / f"bad{i}.jsonl"
         bad.write_text(text)
@@ -1261,12 +1265,7 @@ def test_data_code_problems_and_domains(tmp_path):
              '{"prompt": "p", "tests": [5]}\n': ":1: field 'tests' must be",
              '{"prompt": "p", "answer": "1", "domain": "code"}\n': ":1: missing field 'tests'",
              '{"prompt": "p", "answer": "1", "domain": "chess"}\n': ":1: field 'domain' must be"}
-    for i, (text, msg) in enumerate(cases.items()):
-        bad = tmp_path / f"bad{i}.jsonl"
-        bad.write_text(text)
-        with pytest.raises(ValueError) as e:
-            data.load_problems(bad)
-        assert f"bad{i}.jsonl{msg}" in str(e.value)
+    assert_load_errors(tmp_path, cases)
 
 
 def test_data_code_toy_fixture_loads_and_its_solutions_pass():
@@ -1282,12 +1281,6 @@ def test_data_code_toy_fixture_loads_and_its_solutions_pass():
 # pipeline.py: generator and trainer ranks (gloo, spawned processes)
 
 ROOT = Path(__file__).resolve().parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_pipeline_pack_unpack_round_trip():
@@ -1367,7 +1360,7 @@ def _broadcast_rank(rank, world, port, out):
 
 
 def test_pipeline_broadcast_makes_generators_bit_identical(tmp_path):
-    torch.multiprocessing.spawn(_broadcast_rank, args=(3, free_port(), str(tmp_path)), nprocs=3)
+    torch.multiprocessing.spawn(_broadcast_rank, args=(3, bench.free_port(), str(tmp_path)), nprocs=3)
     for bucket_mb in (0, 256):
         sent = torch.load(tmp_path / f"rank0-{bucket_mb}.pt")
         assert not torch.equal(sent["lm_head.weight"], tiny_model(seed=0).state_dict()["lm_head.weight"])
@@ -1386,9 +1379,9 @@ def launch(world, out, *flags, torchrun=False):
     cmd = [sys.executable, str(ROOT / "train.py"), "--out", str(out), *PIPE_FLAGS, *flags]
     if torchrun:
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                                  "--master_port", str(free_port()), *cmd[1:]],
+                                  "--master_port", str(bench.free_port()), *cmd[1:]],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)]
-    port = free_port()
+    port = bench.free_port()
     env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     return [subprocess.Popen(cmd, env=env(r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)

@@ -440,7 +440,7 @@ def main(args):
             rstats = {"dropped_stale": 0, "wait_s": 0.0, "gen_tokens": sum(
                 len(g["prompt"]) + len(s.tokens) for g in groups for s in g["samples"])}
         else:
-            groups, rstats = pipeline.receive_groups(ctx, need, step, ctx["length"], args.samples)
+            groups, rstats = pipeline.receive_groups(ctx, need, step)
         t_gen = time.time() - t0
         short, _ = pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})
         if short["short"]:
@@ -500,8 +500,7 @@ def main(args):
                     raise SystemExit(f"error: {bad_steps} consecutive steps with a non-finite loss or gradient (up to step "
                                        f"{step + 1}); stopping. The last checkpoint holds the last good weights.")
             opt.zero_grad(set_to_none=True)
-        if args.slow.startswith("trainer=") and (ctx is None or ctx["rank"] == ctx["n_trainers"] - 1):
-            time.sleep(float(args.slow.split("=")[1]))
+        time.sleep(pipeline.slow_seconds(args, ctx, "trainer"))
         t_train = time.time() - t_train
         lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
         step += 1
