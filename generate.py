@@ -80,8 +80,10 @@ def new_cache(model, slots, max_len):
             for _ in range(cfg.num_hidden_layers)]
 
 
-def _attention(attn, x, cos, sin, cache, rows, start):
-    """x (R, T, d) new tokens of cache rows `rows` starting at positions `start` (R,); writes their k, v."""
+def _attention(attn, x, cos, sin, cache, start, rows):
+    """x (R, T, d): new tokens at positions start (R,) + 0..T-1; their k, v are written into the cache.
+    rows None: a decode step of cache rows 0..R-1, attending to their cached keys (read as a view of the
+    cache, never copied); rows (R,): a prefill of those rows from position 0, attending to the new keys."""
     R, T, _ = x.shape
     shape = (R, T, -1, attn.head_dim)
     q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
@@ -90,30 +92,36 @@ def _attention(attn, x, cos, sin, cache, rows, start):
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (R, H, T, D)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (R, T, H, D)
     k_cache, v_cache = cache
+    idx = torch.arange(R, device=x.device) if rows is None else rows
     if flash_attn_with_kvcache is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=start.int(),
-                                      cache_batch_idx=rows.int(), softmax_scale=attn.scaling, causal=True)
+                                      cache_batch_idx=idx.int(), softmax_scale=attn.scaling, causal=True)
         return attn.o_proj(out.reshape(R, T, -1))
     pos = start[:, None] + torch.arange(T, device=x.device)  # (R, T) absolute positions
-    k_cache[rows[:, None], pos] = k
-    v_cache[rows[:, None], pos] = v
-    n_keys = int(pos.max()) + 1
-    keys, values = k_cache[rows, :n_keys].transpose(1, 2), v_cache[rows, :n_keys].transpose(1, 2)  # (R, Hkv, S, D)
-    mask = torch.arange(n_keys, device=x.device) <= pos[:, :, None]  # (R, T, S): causal, per-row length
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
-                                         scale=attn.scaling, enable_gqa=True)  # (R, H, T, D)
+    k_cache[idx[:, None], pos] = k
+    v_cache[idx[:, None], pos] = v
+    if rows is not None:  # prefill: causal over the new keys; right padding comes after every real token
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=attn.scaling, enable_gqa=True)
+    else:
+        n_keys = int(pos.max()) + 1
+        keys, values = k_cache[:R, :n_keys].transpose(1, 2), v_cache[:R, :n_keys].transpose(1, 2)  # (R, Hkv, S, D)
+        mask = torch.arange(n_keys, device=x.device) <= pos[:, :, None]  # (R, T, S): causal, per-row length
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                             scale=attn.scaling, enable_gqa=True)  # (R, H, T, D)
     return attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
 
 
 @torch.no_grad()
-def forward(model, ids, rows, start, cache):
-    """Run new tokens ids (R, T) of cache rows `rows` (R,) from positions `start` (R,) -> hidden (R, T, d)."""
+def forward(model, ids, start, cache, rows=None):
+    """Run new tokens ids (R, T) from positions start (R,) -> hidden (R, T, d). rows None: cache rows
+    0..R-1 continue (a decode step); rows (R,): a prefill of those cache rows, start all 0."""
     inner = model.model
     x = inner.embed_tokens(ids)
     position_ids = start[:, None] + torch.arange(ids.size(1), device=ids.device)
     cos, sin = inner.rotary_emb(x, position_ids)
     for layer, layer_cache in zip(inner.layers, cache):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, layer_cache, rows, start)
+        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, layer_cache, start, rows)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return inner.norm(x)
 
@@ -213,13 +221,13 @@ def generate(model, prompts, *, eos_id, think_end, interrupt_ids, think_budget, 
             new_version = on_step()
             if new_version != version:  # in-flight update: weights changed, the cache stays
                 version, weight = new_version, head_weight(model, fp32_head).detach()
-        logits = torch.zeros(slots, weight.size(0), device=device, dtype=torch.promote_types(weight.dtype, torch.float32))
+        logits = torch.empty(slots, weight.size(0), device=device, dtype=torch.promote_types(weight.dtype, torch.float32))
         running = [s for s in range(slots) if state[s] is not None]
-        if running:  # decode one token for every running slot (free slots are never read)
-            rows = torch.tensor(running, device=device)
-            last = torch.tensor([state[s]["tokens"][-1] for s in running], device=device)
-            start = torch.tensor([state[s]["pos"] for s in running], device=device)
-            logits[rows] = logits_of(forward(model, last[:, None], rows, start, cache)[:, -1], weight)
+        if running:  # one decode step over slots 0..hi-1: free ones among them decode a dummy token at 0
+            hi = running[-1] + 1  # (their cache is rewritten when a prompt is admitted, their logits unused)
+            last = torch.tensor([state[s]["tokens"][-1] if state[s] else 0 for s in range(hi)], device=device)
+            start = torch.tensor([state[s]["pos"] if state[s] else 0 for s in range(hi)], device=device)
+            logits[:hi] = logits_of(forward(model, last[:, None], start, cache)[:, -1], weight)
         admitted = _admit(model, prompts, pending, state, cache, logits, weight, keys, seed, think_budget)
         active = running + admitted
         key_t = torch.tensor([keys[state[s]["i"]] for s in active], device=device)
@@ -248,10 +256,10 @@ def _admit(model, prompts, pending, state, cache, logits, weight, keys, seed, th
     ids = torch.zeros(len(free), max(lens), dtype=torch.long, device=device)
     for r, i in enumerate(idx):
         ids[r, :lens[r]] = torch.tensor(prompts[i], device=device)
-    rows = torch.tensor(free, device=device)
-    hidden = forward(model, ids, rows, torch.zeros_like(rows), cache)  # right padding: never attended
+    start = torch.zeros(len(free), dtype=torch.long, device=device)
+    hidden = forward(model, ids, start, cache, rows=torch.tensor(free, device=device))  # right padding: never attended
     last = hidden[torch.arange(len(free), device=device), torch.tensor(lens, device=device) - 1]
-    logits[rows] = logits_of(last, weight)
+    logits[free] = logits_of(last, weight)
     for s, i, n in zip(free, idx, lens):
         state[s] = {"i": i, "pos": n, "tokens": [], "logps": [], "mask": [], "versions": [], "forced": [],
                     "thinking": True, "answer_start": None, "interrupted": False,
