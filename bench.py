@@ -44,9 +44,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from data import toy_model_dir
+from data import format_prompt, toy_model_dir, toy_problems
 from generate import check_supported, generate, sequence_logprobs
 from loss import policy_loss
 
@@ -64,6 +64,8 @@ def get_args(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="figure 1: prompts sampled at once (= slots)")
     ap.add_argument("--prompt_len", type=int, default=16, help="figure 1: prompt tokens")
     ap.add_argument("--new_tokens", type=int, default=32, help="figure 1: tokens sampled per prompt")
+    ap.add_argument("--task_prompts", type=int, default=256, help="figure 1b: toy-task prompts (continuous batching)")
+    ap.add_argument("--task_new_tokens", type=int, default=64, help="figure 1b: max tokens per sample (eos ends one)")
     ap.add_argument("--train_seqs", type=int, default=8, help="figure 2: sequences per forward+backward")
     ap.add_argument("--train_len", type=int, default=128, help="figure 2: tokens per sequence")
     ap.add_argument("--mem_vocab", type=int, default=151936, help="figure 2 memory: vocab (Qwen2's)")
@@ -74,6 +76,10 @@ def get_args(argv=None):
     ap.add_argument("--agree_seqs", type=int, default=8, help="figure 4: samples per setting")
     ap.add_argument("--target", type=float, default=0.9, help="figure 6: held-out pass rate to reach")
     ap.add_argument("--pipeline_steps", type=int, default=100, help="figure 6: optimizer steps per run")
+    ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES), help="figure 7: the Qwen2 config trained")
+    ap.add_argument("--fsdp_steps", type=int, default=2, help="figure 7: optimizer steps per run")
+    ap.add_argument("--fsdp_seqs", type=int, default=4, help="figure 7: sequences per step")
+    ap.add_argument("--fsdp_len", type=int, default=64, help="figure 7: tokens per sequence")
     ap.add_argument("--json", action="store_true", help="print every figure as one JSON dict, last line")
     return ap.parse_args(argv)
 
@@ -84,6 +90,8 @@ def get_args(argv=None):
 SIZES = {
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                   intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False),
+    "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                   intermediate_size=4096, vocab_size=32000, tie_word_embeddings=False),  # decoder layers dominate
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),  # Qwen2-0.5B's shape
 }
@@ -164,6 +172,64 @@ def bench_sampler(name, model, args):
           f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating)")
     return r
 
+def task_prompts(tokenizer, n):
+    """n toy-task prompts as token ids (data.toy_problems, formatted as in training)."""
+    return [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"] for p in toy_problems(n, 0)]
+
+
+def time_ours_task(model, prompts, eos_id, max_new, slots):
+    """(seconds, tokens): every prompt through generate.generate's `slots` rows, each sample ending at
+    eos or max_new tokens; a finished row is refilled with the next prompt (continuous batching)."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    out = generate(model, prompts, eos_id=eos_id, think_end=[-2], interrupt_ids=[], think_budget=max_new,
+                   answer_budget=0, interrupt=False, slots=slots, temperature=1.0, fp32_head=False)
+    sync(model.device)
+    return time.perf_counter() - t0, sum(len(s.tokens) for s in out)
+
+
+def time_hf_task(model, prompts, eos_id, max_new, batch):
+    """(seconds, tokens): the same prompts through model.generate, `batch` at a time (left-padded, as
+    model.generate needs); tokens counted up to and including each row's first eos, as ours."""
+    batches = []  # padding is done before the clock starts (ours gets token ids too)
+    for a in range(0, len(prompts), batch):
+        part = prompts[a:a + batch]
+        width = max(map(len, part))
+        ids = torch.tensor([[eos_id] * (width - len(p)) + p for p in part], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=model.device)
+        batches.append((ids, mask))
+    sync(model.device)
+    t0, tokens = time.perf_counter(), 0
+    for ids, mask in batches:
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=eos_id)
+        for row in out[:, ids.size(1):].tolist():
+            tokens += row.index(eos_id) + 1 if eos_id in row else len(row)
+    sync(model.device)
+    return time.perf_counter() - t0, tokens
+
+
+def bench_sampler_task(model, args):
+    """Figure 1b: the toy task's own completions, whose lengths vary: our continuous batching against
+    model.generate's fixed batches (each runs until its longest row ends)."""
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+    prompts, eos_id = task_prompts(tokenizer, args.task_prompts), tokenizer.eos_token_id
+    time_ours_task(model, prompts[:2], eos_id, 2, 2)  # warm-up both paths
+    time_hf_task(model, prompts[:2], eos_id, 2, 2)
+    ours, hf = [], []
+    for _ in range(args.repeats):  # alternate, so both see the same machine load
+        ours.append(time_ours_task(model, prompts, eos_id, args.task_new_tokens, args.batch))
+        hf.append(time_hf_task(model, prompts, eos_id, args.task_new_tokens, args.batch))
+    r = {"model": "toy", "prompts": len(prompts), "batch": args.batch, "max_new_tokens": args.task_new_tokens,
+         "ours_tok_s": max(n / s for s, n in ours), "hf_tok_s": max(n / s for s, n in hf),
+         "ours": ours, "hf": hf, "mean_len": sum(n for _, n in ours + hf) / len(ours + hf) / len(prompts)}
+    r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
+    print(f"1 sampler   | toy task, lengths vary (mean {r['mean_len']:.1f} of max {args.task_new_tokens}) | "
+          f"{len(prompts)} prompts, batch {args.batch} | ours (continuous batching) {r['ours_tok_s']:.0f} tok/s | "
+          f"model.generate ({-(-len(prompts) // args.batch)} batches) {r['hf_tok_s']:.0f} tok/s | "
+          f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating)")
+    return r
+
 # -----------------------------------------------------------------------------
 # figure 2: the trainer's loss forward+backward, chunked against naive log-probs
 
@@ -181,12 +247,18 @@ def loss_step(model, ids, path, chunk):
         logp = naive_logprobs(model, ids, attn)
     else:
         logp = sequence_logprobs(model, ids, attn, fp32_head=True, chunk=chunk)
-    N = ids.size(0)
-    adv = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(ids.device)  # (N,)
-    group = torch.arange(N, device=ids.device) // 2  # two samples per prompt
+    cispo_backward(logp)
+    return logp.detach()
+
+
+def cispo_backward(logp):
+    """The on-policy CISPO loss of log-probs (N, T-1) with random advantages, two samples per prompt; backward."""
+    N = logp.size(0)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(logp.device)  # (N,)
+    group = torch.arange(N, device=logp.device) // 2
     loss = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), group)
     loss.backward()
-    return logp.detach()
+    return loss.item()
 
 
 def bench_trainer_speed(name, model, args):
@@ -434,6 +506,78 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
     return r
 
 # -----------------------------------------------------------------------------
+# figure 7: FSDP2 trainers under a memory cap
+
+
+def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
+    """One trainer rank: a random-weight Qwen2 model, AdamW, --fsdp_steps CISPO steps on random tokens.
+    world 1: unsharded; world > 1: FSDP2 over the ranks (pipeline.shard_trainer, as train.py --fsdp).
+    cap_bytes: RLIMIT_DATA = the process's data size before the model is built + cap_bytes (0: no cap)."""
+    import resource
+    import pipeline
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+    rss0 = memory_now("cpu")
+    if cap_bytes:
+        limit = _proc_status("VmData") + cap_bytes
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    result = {"rank": rank, "world": world, "cap_bytes": cap_bytes, "losses": []}
+    try:
+        model = qwen2_model(config, "cpu", torch.float32).train()
+        result["params"] = n_params(model)
+        forward = pipeline.LogProbs(model)
+        if world > 1:
+            forward = pipeline.shard_trainer({"trainers": dist.group.WORLD, "device": "cpu"}, model)
+        result["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for step in range(args.fsdp_steps):
+            ids = random_ids(args.fsdp_seqs, args.fsdp_len, config["vocab_size"], 10 * step + rank, "cpu")
+            result["losses"].append(cispo_backward(forward(ids, torch.ones_like(ids), True, 1.0)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result["ok"] = True
+    except RuntimeError as err:  # the allocator's "can't allocate memory" under the cap
+        result["ok"], result["error"] = False, str(err).splitlines()[0][:160]
+    result["peak_bytes"] = memory_peak("cpu") - rss0
+    queue.put(result)
+    if world > 1 and result["ok"]:
+        dist.destroy_process_group()
+
+
+def run_fsdp(world, config, cap_bytes, args):
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    torch.multiprocessing.spawn(fsdp_worker, args=(world, free_port(), config, cap_bytes, args, queue), nprocs=world,
+                                join=True)
+    return sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
+
+
+def bench_fsdp(args):
+    """Uncapped, the peak memory of one unsharded trainer and of each of 2 FSDP2 trainers; then both again
+    with every process capped halfway between the two peaks: the unsharded trainer cannot allocate, the
+    sharded ones train."""
+    config = SIZES[args.fsdp_size]
+    free = {}
+    for world in (1, 2):
+        free[world] = run_fsdp(world, config, 0, args)
+    peak1, peak2 = free[1][0]["peak_bytes"], max(r["peak_bytes"] for r in free[2])
+    cap = (peak1 + peak2) // 2
+    out = {"config": args.fsdp_size, "params": free[1][0]["params"], "cap_bytes": cap, "runs": []}
+    for capped in (0, cap):
+        for world in (1, 2):
+            rows = free[world] if not capped else run_fsdp(world, config, cap, args)
+            for r in rows:
+                out["runs"].append(r)
+                who = "unsharded" if world == 1 else f"FSDP2 rank {r['rank']} of {world}"
+                limit = f"{capped / 1e9:.2f} GB" if capped else "none"
+                what = "losses " + ", ".join(f"{x:.4f}" for x in r["losses"]) if r["ok"] else f"FAILED: {r['error']}"
+                print(f"7 fsdp      | qwen2-{args.fsdp_size} ({out['params'] / 1e6:.1f}M) | {who} holds "
+                      f"{r.get('local_params', 0) / 1e6:.1f}M params | cap {limit} | peak {r['peak_bytes'] / 1e9:.2f} GB | {what}")
+    return out
+
+# -----------------------------------------------------------------------------
 
 
 def main(args):
@@ -445,6 +589,7 @@ def main(args):
     results = {"args": vars(args), "torch": torch.__version__}
     if 1 in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
+        results["sampler_task"] = bench_sampler_task(models[0][1], args)
     if 2 in figures:
         results["trainer"] = [bench_trainer_speed(name, m, args) for name, m in models]
         results["memory"] = bench_trainer_memory(args)
@@ -458,6 +603,8 @@ def main(args):
                                for ctx, h in ((1024, False), (1024, True), (8192, True))]
     if 6 in figures:
         results["pipeline"] = bench_pipeline(args)
+    if 7 in figures:
+        results["fsdp"] = bench_fsdp(args)
     results["seconds"] = time.perf_counter() - t_start
     print(f"total {results['seconds']:.0f} s")
     if args.json:
