@@ -5,7 +5,9 @@ section 4: the generator/trainer split; section 2: the FP32 LM head).
 Figures, one printed line per measurement (--json adds one machine-readable dict as the last line):
 1. sampler: tokens/s of generate.generate (continuous batching, slots = batch) against transformers'
    model.generate on the same model, batch, prompt and output lengths, sampling settings and dtype;
-   measured side by side, alternating, best of --repeats runs of each;
+   measured side by side, alternating, best of --repeats runs of each; then the toy task's own
+   completions (lengths vary, each ends at eos): --task_prompts prompts through our --batch slots
+   (continuous batching) against model.generate in fixed batches of --batch;
 2. trainer: tokens/s of sequence_logprobs + policy_loss forward+backward on random token batches; and
    the peak memory of the chunked log-probs against the naive path (full (N, T, V) float32 logits,
    log_softmax, gather), each in a fresh process, at a large vocab; plus the paper-scale arithmetic;
@@ -16,11 +18,15 @@ Figures, one printed line per measurement (--json adds one machine-readable dict
 5. roofline (arithmetic, not measured): decode tokens/s bound of the 0.5B-class config in bf16 on H100;
 6. pipeline (not in the default set: about 6 minutes on 2 cores): train.py on the embedded default in one
    process, then 1 generator + 1 trainer rank in --mode sync, ppo_offpolicy and pipeline: training
-   wall-clock to a held-out pass rate, generator and trainer busy fractions.
+   wall-clock to a held-out pass rate, generator and trainer busy fractions;
+7. FSDP2 under a memory cap (not in the default set: about 2 minutes on 2 cores): a random-weight Qwen2 model
+   trained by one unsharded trainer and by 2 FSDP2 trainers (pipeline.shard_trainer), first uncapped
+   (peak memory of each), then with every process capped (RLIMIT_DATA) halfway between the two peaks.
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
-batch x new tokens over the whole call, prefill included. Our sampler runs with fp32_head=False in
+batch x new tokens over the whole call, prefill included (in the task figure: the tokens up to and
+including each sample's eos, padding not counted, on both sides). Our sampler runs with fp32_head=False in
 figure 1, like model.generate (head in the model dtype, softmax in float32). CPU peak memory is the
 process's peak RSS (VmHWM, reset after set-up) minus its RSS before the step; CUDA's is
 max_memory_allocated minus memory_allocated before the step. The CPU worker sets glibc's mmap
@@ -31,6 +37,9 @@ threshold to 64 KB first, so that freed tensors leave the RSS (otherwise blocks 
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16   # one GPU
     python bench.py --figures 3 --device cuda            # nccl broadcast (needs 2 GPUs)
     python bench.py --figures 6                          # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
+    python bench.py --figures 7                          # FSDP2: a model that only trains sharded under a cap
+    python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --no_flash   # the same without flash-attn
+    python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16   # a model folder for train.py --model
 """
 
 import argparse
@@ -47,6 +56,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from data import format_prompt, toy_model_dir, toy_problems
+import generate as sampler_module
 from generate import check_supported, generate, sequence_logprobs
 from loss import policy_loss
 
@@ -80,6 +90,11 @@ def get_args(argv=None):
     ap.add_argument("--fsdp_steps", type=int, default=2, help="figure 7: optimizer steps per run")
     ap.add_argument("--fsdp_seqs", type=int, default=4, help="figure 7: sequences per step")
     ap.add_argument("--fsdp_len", type=int, default=64, help="figure 7: tokens per sequence")
+    ap.add_argument("--no_flash", action="store_true",
+                    help="our sampler uses torch's sdpa even where flash-attn is installed (CUDA, bf16/fp16)")
+    ap.add_argument("--write_model", default="", metavar="DIR",
+                    help="save the random-weight --size config (--dtype) with the toy tokenizer to DIR, for "
+                         "train.py --model DIR (a real architecture on the toy task), and exit")
     ap.add_argument("--json", action="store_true", help="print every figure as one JSON dict, last line")
     return ap.parse_args(argv)
 
@@ -580,13 +595,30 @@ def bench_fsdp(args):
 # -----------------------------------------------------------------------------
 
 
+def write_model(args):
+    """A random-weight Qwen2 model folder with the embedded toy tokenizer: train.py --model can load it."""
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+    model = qwen2_model(dict(SIZES[args.size], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id), "cpu", DTYPES[args.dtype])
+    model.save_pretrained(args.write_model)
+    tokenizer.save_pretrained(args.write_model)
+    print(f"wrote qwen2-{args.size} ({n_params(model) / 1e6:.1f}M params, random weights, {args.dtype}) with the toy "
+          f"tokenizer to {args.write_model}")
+
+
 def main(args):
+    if args.write_model:
+        return write_model(args)
     t_start = time.perf_counter()
     figures = {int(f) for f in args.figures.split(",")}
+    if args.no_flash:
+        sampler_module.flash_attn_with_kvcache = None
+    flash = sampler_module.flash_attn_with_kvcache is not None and args.device == "cuda" and args.dtype != "float32"
+    attention = "flash-attn" if flash else "sdpa"
     print(f"torch {torch.__version__} | device {args.device} | dtype {args.dtype} | threads {torch.get_num_threads()} | "
-          f"1-min load average before the run {os.getloadavg()[0]:.2f}")
+          f"sampler attention {attention} | 1-min load average before the run {os.getloadavg()[0]:.2f}")
     models = bench_models(args)
-    results = {"args": vars(args), "torch": torch.__version__}
+    results = {"args": vars(args), "torch": torch.__version__, "attention": attention}
     if 1 in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
         results["sampler_task"] = bench_sampler_task(models[0][1], args)

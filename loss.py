@@ -69,7 +69,7 @@ def advantages(rewards, group, norm="batch"):
     mean = group_sum(rewards, idx, n_groups) / count  # (G,)
     adv = rewards - mean[idx]  # (N,)
     if norm == "batch":  # ScaleRL
-        return adv / (adv.std(correction=0) + 1e-6)
+        return adv / (adv.std(correction=0) + 1e-6) if adv.numel() else adv
     if norm == "prompt":  # GRPO
         std = (group_sum(adv**2, idx, n_groups) / count).sqrt()  # (G,) population std of r
         return adv / (std[idx] + 1e-6)
