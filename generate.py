@@ -6,7 +6,10 @@ The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mi
 preallocated KV cache: the model's own modules do the norms, projections, rotary embedding and MLP;
 this file owns the cache, the attention call and the batching. What it adds over `model.generate`:
 - continuous batching: `slots` rows decode together; a finished row's slot is refilled at once with
-  the next prompt (its prompt is prefilled into that slot's cache), so the batch stays full;
+  the next prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler`
+  is the sampler as a Python generator that the caller drives step by step, sending new prompts and
+  taking finished samples (pipeline.py's generator ranks stream through it); `generate` runs one list
+  of prompts through it;
 - per-token records: the generator's log-prob of each sampled token under the sampling distribution
   (float32 LM head), a loss mask (0 on forced tokens), the policy version that produced each token,
   and the finish reason ("eos", "interrupted", "truncated");
@@ -14,9 +17,9 @@ this file owns the cache, the attention call and the batching. What it adds over
   budget; if it is still thinking there, INTERRUPT_PHRASE (ending in </think>) is forced in token by
   token (mask 0), then the answer budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens
   (cut at 10k-12k); the toy defaults in train.py are 48 + 16;
-- in-flight weight updates: `on_step()` is called between decode steps; it may copy new weights into
-  the model in place and return the new policy version. The KV cache is kept (entries computed by the
-  old weights stay), which is exactly PipelineRL's behaviour (section 4);
+- in-flight weight updates: between two steps the caller may copy new weights into the model in place
+  and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
+  which is exactly PipelineRL's behaviour (section 4);
 - sampling noise is a counter-based hash of (seed, sample key, position, token id): a sample's result
   does not depend on which slot or batch it was decoded in (Gumbel-max sampling, exact for softmax).
 
@@ -32,6 +35,7 @@ plain log_softmax(logits).
 
 import argparse
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +54,7 @@ INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final
 
 @dataclass
 class Sample:
-    key: int            # which prompt (its index in the prompts list given to generate)
+    key: int            # its noise key (generate: by default its prompt's index)
     tokens: list        # completion token ids, sampled and forced
     logps: list         # generator log-prob of each token (0.0 for forced tokens)
     mask: list          # 1 = sampled by the policy, 0 = forced (excluded from the loss)
@@ -177,50 +181,41 @@ def cut_point(seed, key, think_budget):
 
 
 @torch.no_grad()
-def generate(model, prompts, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget,
-             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, keys=None,
-             on_step=None, version=0, feed=None, on_sample=None, max_prompt_len=None):
-    """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
+def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
+            interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0):
+    """The continuous-batching sampler as a Python generator, driven by the caller one step at a time:
 
-    think_end: the token ids of "</think>" (one id for most reasoning tokenizers, several for others).
-    Without interruption (interrupt=False) a sample is simply cut at think_budget + answer_budget tokens.
-    keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws.
-    on_step: called between decode steps; returns the policy version now in the model's weights.
-    Streaming (pipeline.py's generators): feed(n_free) is called whenever every given prompt has a
-    slot and n_free slots are idle; it returns more (prompt ids, key) pairs, or [] for none now.
-    on_sample(sample) is called as each sample finishes. generate returns once nothing is running
-    and feed has nothing. max_prompt_len sizes the cache when prompts arrive later (default: the
-    longest given prompt); a fed prompt longer than that is an error.
+        steps = sampler(model, ...)
+        finished, n_free = next(steps)                  # nothing has run yet: ([], slots)
+        finished, n_free = steps.send((new, version))   # one step
+
+    new: prompts to queue, [(prompt ids, noise key, tag)]; version: the policy version now in the
+    model's weights (the caller may copy new weights in between two steps; the cache stays). A step
+    prefills queued prompts into free slots, samples one token in every running slot, and yields the
+    samples that finished, [(tag, Sample)], and how many slots are free for more prompts. With nothing
+    running or queued it yields ([], slots) at once. Without interruption (interrupt=False) a sample is
+    simply cut at think_budget + answer_budget tokens. think_end: the token ids of "</think>".
+    max_prompt_len sizes the cache; a longer prompt is an error.
     """
     check_supported(model)
     device = next(model.parameters()).device
-    prompts = list(prompts)
-    keys = list(range(len(prompts))) if keys is None else list(keys)
     max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
-    if feed is None:
-        slots = min(slots, len(prompts))
-    max_prompt_len = max_prompt_len or max(len(p) for p in prompts)
     cache = new_cache(model, slots, max_prompt_len + max_new)
     weight = head_weight(model, fp32_head).detach()
-    pending = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
+    pending = deque()  # (prompt ids, key, tag) waiting for a slot
     state = [None] * slots  # per slot: dict of the sample in progress, or None when free
-    results = [None] * len(prompts)
+    finished = []
     while True:
-        n_free = sum(st is None for st in state)
-        if feed is not None and not pending and n_free:
-            for p, key in feed(n_free):
-                if len(p) > max_prompt_len:
-                    raise ValueError(f"fed prompt of {len(p)} tokens > max_prompt_len {max_prompt_len}")
-                pending.insert(0, len(prompts))
-                prompts.append(p)
-                keys.append(key)
-                results.append(None)
+        new, new_version = yield finished, sum(st is None for st in state) - len(pending)
+        finished = []
+        for p, key, tag in new:
+            if len(p) > max_prompt_len:
+                raise ValueError(f"prompt of {len(p)} tokens > max_prompt_len {max_prompt_len}")
+            pending.append((p, key, tag))
+        if new_version != version:  # in-flight update: weights changed, the cache stays
+            version, weight = new_version, head_weight(model, fp32_head).detach()
         if not pending and not any(state):
-            break
-        if on_step is not None:
-            new_version = on_step()
-            if new_version != version:  # in-flight update: weights changed, the cache stays
-                version, weight = new_version, head_weight(model, fp32_head).detach()
+            continue
         logits = torch.empty(slots, weight.size(0), device=device, dtype=torch.promote_types(weight.dtype, torch.float32))
         running = [s for s in range(slots) if state[s] is not None]
         if running:  # one decode step over slots 0..hi-1: free ones among them decode a dummy token at 0
@@ -228,42 +223,56 @@ def generate(model, prompts, *, eos_id, think_end, interrupt_ids, think_budget, 
             last = torch.tensor([state[s]["tokens"][-1] if state[s] else 0 for s in range(hi)], device=device)
             start = torch.tensor([state[s]["pos"] if state[s] else 0 for s in range(hi)], device=device)
             logits[:hi] = logits_of(forward(model, last[:, None], start, cache)[:, -1], weight)
-        admitted = _admit(model, prompts, pending, state, cache, logits, weight, keys, seed, think_budget)
+        admitted = _admit(model, pending, state, cache, logits, weight, seed, think_budget)
         active = running + admitted
-        key_t = torch.tensor([keys[state[s]["i"]] for s in active], device=device)
+        key_t = torch.tensor([state[s]["key"] for s in active], device=device)
         pos_t = torch.tensor([len(state[s]["tokens"]) for s in active], device=device)
         tokens, logps = sample(logits[active], temperature, seed, key_t, pos_t)
         for s, tok, lp in zip(active, tokens.tolist(), logps.tolist()):
             done = _append(state[s], tok, lp, version, eos_id, think_end, interrupt_ids,
                            think_budget, answer_budget, interrupt)
             if done:
-                st = state[s]
-                results[st["i"]] = Sample(st["i"], st["tokens"], st["logps"], st["mask"], st["versions"], done)
-                state[s] = None
-                if on_sample is not None:
-                    on_sample(results[st["i"]])
+                st, state[s] = state[s], None
+                finished.append((st["tag"], Sample(st["key"], st["tokens"], st["logps"], st["mask"], st["versions"], done)))
+
+
+def generate(model, prompts, *, keys=None, slots=64, version=0, **settings):
+    """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
+    keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws, whatever the
+    batching. settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
+    keys = range(len(prompts)) if keys is None else keys
+    results = [None] * len(prompts)
+    steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max(map(len, prompts), default=1),
+                    version=version, **settings)
+    next(steps)
+    new, left = list(zip(prompts, keys, range(len(prompts)))), len(prompts)
+    while left:
+        finished, _ = steps.send((new, version))
+        new, left = [], left - len(finished)
+        for i, s in finished:
+            results[i] = s
     return results
 
 
-def _admit(model, prompts, pending, state, cache, logits, weight, keys, seed, think_budget):
-    """Prefill the next prompts into free slots; their next-token logits go into `logits`."""
+def _admit(model, pending, state, cache, logits, weight, seed, think_budget):
+    """Prefill the next queued prompts into free slots; their next-token logits go into `logits`."""
     free = [s for s in range(len(state)) if state[s] is None][:len(pending)]
     if not free:
         return []
     device = logits.device
-    idx = [pending.pop() for _ in free]
-    lens = [len(prompts[i]) for i in idx]
+    items = [pending.popleft() for _ in free]
+    lens = [len(p) for p, _, _ in items]
     ids = torch.zeros(len(free), max(lens), dtype=torch.long, device=device)
-    for r, i in enumerate(idx):
-        ids[r, :lens[r]] = torch.tensor(prompts[i], device=device)
+    for r, (p, _, _) in enumerate(items):
+        ids[r, :lens[r]] = torch.tensor(p, device=device)
     start = torch.zeros(len(free), dtype=torch.long, device=device)
     hidden = forward(model, ids, start, cache, rows=torch.tensor(free, device=device))  # right padding: never attended
     last = hidden[torch.arange(len(free), device=device), torch.tensor(lens, device=device) - 1]
     logits[free] = logits_of(last, weight)
-    for s, i, n in zip(free, idx, lens):
-        state[s] = {"i": i, "pos": n, "tokens": [], "logps": [], "mask": [], "versions": [], "forced": [],
-                    "thinking": True, "answer_start": None, "interrupted": False,
-                    "cut": cut_point(seed, keys[i], think_budget)}
+    for s, (p, key, tag), n in zip(free, items, lens):
+        state[s] = {"key": key, "tag": tag, "pos": n, "tokens": [], "logps": [], "mask": [], "versions": [],
+                    "forced": [], "thinking": True, "answer_start": None, "interrupted": False,
+                    "cut": cut_point(seed, key, think_budget)}
     return free
 
 

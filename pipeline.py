@@ -70,7 +70,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from data import Curriculum
-from generate import INTERRUPT_PHRASE, Sample, generate, sequence_logprobs
+from generate import INTERRUPT_PHRASE, Sample, sampler, sequence_logprobs
 from verify import score_problems
 
 FINISH = ("eos", "interrupted", "truncated")
@@ -436,7 +436,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     length = ctx["length"]
     slow = slow_seconds(args, ctx, "generator")
     max_prompt = max(len(p) for p in prompt_ids)
-    st = {"version": start_version, "open": {}, "owner": [], "sends": [], "sent": 0, "admitted": 0,
+    st = {"version": start_version, "open": {}, "sends": [], "sent": 0, "admitted": 0,
           "t0": time.time(), "idle": 0.0, "sync": 0.0, "tokens": 0, "last_poll": 0.0, "last_stats": 0.0,
           "plan": [], "pruned": [0] * T, "idle_since": None}
     think_end = tokenizer("</think>", add_special_tokens=False)["input_ids"]
@@ -486,19 +486,20 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             st["admitted"] += 1
             st["open"][gid] = {"c": c, "samples": [None] * G}
             key = (((start_version << 8) + g) << 24) + gid
-            for j in range(G):
-                st["owner"].append((gid, j))
-                items.append((prompt_ids[mine[c]], key * 1024 + j))
+            items += [(prompt_ids[mine[c]], key * 1024 + j, (gid, j)) for j in range(G)]
         return items
 
-    def on_sample(s):
-        gid, j = st["owner"][s.key]
-        group = st["open"][gid]
-        group["samples"][j] = s
-        st["tokens"] += len(s.tokens)
-        if all(group["samples"]):
-            del st["open"][gid]
-            send(group)
+    def step(items, version):
+        """One sampler step -> free slots; the groups it completes are verified and sent."""
+        finished, n_free = steps.send((items, version))
+        for (gid, j), s in finished:
+            group = st["open"][gid]
+            group["samples"][j] = s
+            st["tokens"] += len(s.tokens)
+            if all(group["samples"]):
+                del st["open"][gid]
+                send(group)
+        return n_free
 
     def send(group):
         samples, i = group["samples"], mine[group["c"]]
@@ -525,22 +526,22 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
 
     cap = math.ceil(args.prompts * max(1, k // 2) / ctx["n_gens"])  # ~k/2 batches in flight, all generators
 
-    def feed(n_free):
-        poll()
-        n = min(math.ceil(n_free / G), cap - outstanding())
-        return admit(n) if n > 0 else []
-
-    sampler = dict(eos_id=tokenizer.eos_token_id, think_end=think_end, interrupt_ids=interrupt_ids,
-                   think_budget=args.think_budget, answer_budget=args.answer_budget,
-                   interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
-                   fp32_head=args.fp32_head, seed=args.seed, on_sample=on_sample)
+    steps = sampler(model, eos_id=tokenizer.eos_token_id, think_end=think_end, interrupt_ids=interrupt_ids,
+                    think_budget=args.think_budget, answer_budget=args.answer_budget, max_prompt_len=max_prompt,
+                    interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
+                    fp32_head=args.fp32_head, seed=args.seed, version=st["version"])
+    _, n_free = next(steps)
     set_status(ctx, "generating")
     try:
         while True:
-            st["owner"] = []  # generate's prompt index -> (group, sample), for this call
             if ctx["mode"] == "pipeline":  # never stop: admit while under the cap, take weights in flight
-                generate(model, [], feed=feed, on_step=poll, version=st["version"], max_prompt_len=max_prompt, **sampler)
-                st["idle_since"] = time.time()
+                version = poll()
+                n = min(math.ceil(n_free / G), cap - outstanding()) if n_free > 0 else 0
+                items = admit(n) if n > 0 else []
+                if items or n_free < args.slots:
+                    n_free = step(items, version)
+                    continue
+                st["idle_since"] = time.time()  # nothing running and nothing to admit: the trainers are behind
                 wait_until(ctx, lambda: poll() is not None and outstanding() < cap and not get_int(ctx, "exhausted"),
                            f"trainers to take rollouts ({cap} groups outstanding)")
                 st["idle"] += time.time() - st["idle_since"]
@@ -550,10 +551,10 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
                 total = (k - v % k) * args.prompts
                 js = range(g, total, ctx["n_gens"])
                 st["plan"] = [(j % args.prompts) % T for j in js]
-                items = admit(len(js))
-                if items:
-                    generate(model, [p for p, _ in items], keys=[key for _, key in items], version=v,
-                             on_step=lambda: poll(apply=False), **sampler)
+                n_free = step(admit(len(js)), v)
+                while n_free < args.slots:  # until every sample of these batches is done
+                    poll(apply=False)
+                    n_free = step([], v)
                 st["idle_since"] = time.time()
                 set_status(ctx, f"waiting for weights version {v + k - v % k} (frozen for {k} steps)")
                 while st["version"] < v + k - v % k:

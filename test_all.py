@@ -699,22 +699,30 @@ def test_sampler_draws_from_the_softmax():
     assert torch.allclose(logps, probs.log()[tokens], atol=1e-6)
 
 
+def sample_with_switch(model, prompt, switch, load, **cfg):
+    """Drive gen.sampler through one prompt; before step `switch` (step 0 prefills and samples the first
+    token) load() copies new weights into the model in place and version 1 is sent (what pipeline.py does)."""
+    steps = gen.sampler(model, max_prompt_len=len(prompt), slots=1, **cfg)
+    next(steps)
+    new, version = [(prompt, 0, "only")], 0
+    for n in range(1000):
+        if n == switch:
+            with torch.no_grad():
+                load()
+            version = 1
+        finished, _ = steps.send((new, version))
+        new = []
+        if finished:
+            return finished[0][1]
+    raise AssertionError("the sample never finished")
+
+
 def test_generate_in_flight_weight_update_keeps_cache_and_stamps_versions():
     model, other = tiny_model(seed=0), tiny_model(seed=1)
     prompts = tiny_prompts(1)
-    calls = {"n": 0}
-
-    def on_step():  # after 4 decode steps, copy new weights in place (what pipeline.py does)
-        calls["n"] += 1
-        if calls["n"] == 5:
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), other.parameters()):
-                    p.copy_(q)
-            return 1
-        return 0 if calls["n"] < 5 else 1
-
     old = gen.generate(tiny_model(seed=0), prompts, temperature=0, **GEN)[0]
-    s = gen.generate(model, prompts, temperature=0, on_step=on_step, **GEN)[0]
+    s = sample_with_switch(model, prompts[0], 4, lambda: [p.copy_(q) for p, q in zip(model.parameters(), other.parameters())],
+                           temperature=0, **GEN)
     assert s.versions[:4] == [0] * 4 and set(s.versions[4:]) == {1}
     assert s.tokens[:4] == old.tokens[:4] and s.logps[4] != pytest.approx(old.logps[4])
     # the token after the update comes from the new weights on the old weights' cache:
@@ -1296,21 +1304,26 @@ def test_pipeline_pack_unpack_round_trip():
         pipeline.pack_group(0, 0, [1] * 7, s, [True, True], length=8)
 
 
-def test_generate_streaming_feed_equals_one_batch():
+def test_generate_streaming_sampler_equals_one_batch():
     model, prompts = tiny_model(), tiny_prompts(7)
     keys = [100 + i for i in range(7)]
     whole = gen.generate(model, prompts, keys=keys, slots=3, **GEN)
-    queue, got = list(zip(prompts, keys)), []
-
-    def feed(n_free):  # hand out at most 2 prompts at a time, as a generator rank does
-        out = queue[:min(n_free, 2)]
-        del queue[:len(out)]
-        return out
-    gen.generate(model, [], feed=feed, on_sample=got.append, slots=3, max_prompt_len=max(map(len, prompts)), **GEN)
-    got = sorted(got, key=lambda s: s.key)  # streamed samples arrive in finishing order
-    assert [(s.key, s.tokens, s.finish) for s in got] == [(s.key, s.tokens, s.finish) for s in whole]
-    for a, b in zip(got, whole):  # same keys -> same draws, whatever the batching (log-probs up to rounding)
+    queue, got = list(zip(prompts, keys, range(7))), {}
+    steps = gen.sampler(model, slots=3, max_prompt_len=max(map(len, prompts)), **GEN)
+    finished, n_free = next(steps)
+    assert (finished, n_free) == ([], 3)
+    while len(got) < 7:  # at most 2 prompts at a time and only into free slots, as a generator rank does
+        new = queue[:min(max(n_free, 0), 2)]
+        del queue[:len(new)]
+        finished, n_free = steps.send((new, 0))
+        got.update(finished)  # (tag, sample) pairs, in finishing order
+    assert steps.send(([], 0)) == ([], 3)  # idle: no step runs
+    for i, b in enumerate(whole):  # same keys -> same draws, whatever the batching (log-probs up to rounding)
+        a = got[i]
+        assert (a.key, a.tokens, a.finish) == (b.key, b.tokens, b.finish)
         assert np.allclose(a.logps, b.logps, atol=1e-5)
+    with pytest.raises(ValueError, match="prompt of 9 tokens > max_prompt_len 8"):
+        steps.send(([([5] * 9, 0, "long")], 0))
 
 
 def test_generate_in_flight_update_uses_old_cache_and_new_weights():
@@ -1318,16 +1331,9 @@ def test_generate_in_flight_update_uses_old_cache_and_new_weights():
     the new weights reading a KV cache the old weights wrote (checked against transformers' own cache)."""
     model_a, model_b, prompt = tiny_model(seed=0), tiny_model(seed=1), tiny_prompts(1)[0]
     switch = 6
-    calls = []
-
-    def on_step():  # called before each decode step; step `switch` runs with the new weights
-        calls.append(1)
-        if len(calls) == switch + 1:
-            model.load_state_dict(model_b.state_dict())
-        return 1 if len(calls) > switch else 0
     model = tiny_model(seed=0)
     cfg = dict(GEN, eos_id=999, interrupt=False)
-    (s,) = gen.generate(model, [prompt], on_step=on_step, **cfg)
+    s = sample_with_switch(model, prompt, switch, lambda: model.load_state_dict(model_b.state_dict()), **cfg)
     (plain,) = gen.generate(model_a, [prompt], **cfg)
     assert s.versions == [0] * switch + [1] * (len(s.tokens) - switch)
     assert s.tokens[:switch] == plain.tokens[:switch] and s.logps[:switch] == plain.logps[:switch]
