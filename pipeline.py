@@ -41,8 +41,8 @@ Readings chosen:
   decoder layer one unit, embedding + norm + head one unit, around a LogProbs module whose forward is the
   loss's). Gradients are reduce-scattered as sums, like the replicas' all-reduce, so the steps are the
   same (tested). Every trainer gathers the full weights for each broadcast, eval and checkpoint; rank 0
-  keeps one unsharded copy to evaluate and save. Not supported with it: --resume (the optimizer shards
-  are not saved).
+  keeps one unsharded copy to evaluate and save. Checkpoints hold the full optimizer state (gathered to
+  rank 0); on --resume each trainer keeps its shard of it.
 - Curriculum: each generator owns the prompts i with i % n_generators == its index and runs
   No-Positive-Resampling on them; its state is saved next to the trainer's checkpoints.
 - Compute (compute_s) = training wall-clock x world size: every device is counted, busy or not.
@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -389,6 +390,18 @@ def shard_trainer(ctx, model):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return wrapped
+
+
+def full_optimizer_state(model, opt):
+    """--fsdp: the optimizer state of the whole model as one ordinary state dict, on rank 0 (None elsewhere).
+    A collective: every trainer calls it."""
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if dist.get_rank() == 0 else None
+
+
+def load_sharded_optimizer(model, opt, full):
+    """--fsdp on resume: each trainer keeps its own shard of a full optimizer state dict (read by all)."""
+    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
 
 
 def generator_stats(ctx):

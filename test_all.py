@@ -1594,20 +1594,26 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
 
 
-def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers(tmp_path):
-    """Two trainers with the model sharded (FSDP2) take the same steps as two full replicas."""
-    flags = ["--steps", "3", "--gen_ranks", "1", "--mode", "sync", "--save_every", "3"]
+def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
+    """Two trainers with the model sharded (FSDP2) take the same steps as two full replicas, and so do
+    both after --resume (the sharded AdamW state comes back: step 5's update depends on it)."""
+    flags = ["--gen_ranks", "1", "--mode", "sync", "--save_every", "3"]
     runs = {}
     for name, extra in (("dp", []), ("fsdp", ["--fsdp"])):
-        rcs, outs = finish_all(launch(3, tmp_path / name, *flags, *extra))
+        out = tmp_path / name
+        rcs, outs = finish_all(launch(3, out, "--steps", "3", *flags, *extra))
         assert rcs == [0, 0, 0], outs
-        runs[name] = (train_records(tmp_path / name), outs[0])
+        weights = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
+        rcs, resumed = finish_all(launch(3, out, "--steps", "5", "--resume", *flags, *extra))  # from ckpt-000003
+        assert rcs == [0, 0, 0] and "resumed from" in resumed[0], resumed
+        runs[name] = (train_records(out), outs[0], weights)
     held = re.search(r"FSDP2: trainer 0 holds (\d+) of (\d+) parameters", runs["fsdp"][1])
     assert held and int(held[1]) <= int(held[2]) // 2 + 1000  # half the weights (+ padding of odd dims)
+    assert [r["step"] for r in runs["fsdp"][0]] == [1, 2, 3, 4, 5]
     for a, b in zip(runs["dp"][0], runs["fsdp"][0]):
         assert (a["step"], a["reward"], a["kept_prompts"]) == (b["step"], b["reward"], b["kept_prompts"])
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
-    dp, fs = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "ckpt-000003") for n in ("dp", "fsdp"))
+    dp, fs = runs["dp"][2], runs["fsdp"][2]
     for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder

@@ -122,8 +122,6 @@ def get_args(argv=None):
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
         ap.error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
-    if args.fsdp and args.resume:
-        ap.error("--resume with --fsdp: resuming sharded optimizer state is not implemented")
     check_model_dir(args.model, ap.error)
     return args
 
@@ -378,7 +376,10 @@ def main(args):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     evals = []  # (compute_s, held-out pass rate) of every eval so far, for the live fit
     if ckpt:
-        opt.load_state_dict(state["optimizer"])
+        if forward is not None:  # --fsdp: every trainer keeps its shard of the saved full optimizer state
+            pipeline.load_sharded_optimizer(model, opt, state["optimizer"])
+        else:
+            opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         curriculum.load_state_dict(state["curriculum"])
         torch.set_rng_state(state["torch_rng"])
@@ -419,7 +420,7 @@ def main(args):
               f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f}{fit_txt}", flush=True)
 
     def save():
-        state = {"optimizer": None if forward is not None else opt.state_dict(), "scheduler": sched.state_dict(),
+        state = {"optimizer": full_opt if forward is not None else opt.state_dict(), "scheduler": sched.state_dict(),
                  "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
                  "torch_rng": torch.get_rng_state(), "args": vars(args)}
         print(f"saved {save_checkpoint(args.out, step, full_model, tokenizer, state, args.keep)}", flush=True)
@@ -527,6 +528,8 @@ def main(args):
                 if rank0:
                     for p, full in zip(full_model.parameters(), gathered):
                         p.copy_(full)
+            if save_now:  # the full optimizer state too, on rank 0 (every trainer takes part)
+                full_opt = pipeline.full_optimizer_state(model, opt)
         if not rank0:
             continue
         m = {"kind": "train", "step": step, "compute_s": compute_s, "flops": flops,
