@@ -20,8 +20,9 @@ this file owns the cache, the attention call and the batching. What it adds over
 - in-flight weight updates: between two steps the caller may copy new weights into the model in place
   and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
   which is exactly PipelineRL's behaviour (section 4);
-- sampling noise is a counter-based hash of (seed, sample key, position, token id): a sample's result
-  does not depend on which slot or batch it was decoded in (Gumbel-max sampling, exact for softmax).
+- sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token, turned
+  into a draw by the inverse CDF of softmax(logits / temperature), so a sample's result does not depend
+  on which slot or batch it was decoded in; a few passes over the (batch, vocab) logits per step.
 
 Attention uses torch's scaled_dot_product_attention; on CUDA with flash-attn installed, its
 flash_attn_with_kvcache kernel (same cache layout). Supported: model_type in SUPPORTED, full attention.
@@ -153,23 +154,25 @@ def _mix(x):
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-def uniform_noise(seed, keys, positions, vocab):
-    """(B, vocab) uniforms in (0, 1), a deterministic function of (seed, key, position, token id)."""
-    row = _mix(_mix(keys * 1000003 + seed) + positions)  # (B,)
-    x = _mix(row[:, None] + torch.arange(vocab, device=keys.device) * -7046029254386353131)  # (B, V)
-    return (((x >> 40) & ((1 << 24) - 1)).float() + 0.5) / (1 << 24)
+def uniform_noise(seed, keys, positions):
+    """(B,) float64 uniforms in (0, 1), a deterministic function of (seed, key, position)."""
+    x = _mix(_mix(keys * 1000003 + seed) + positions)  # (B,) int64
+    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / (1 << 53)  # the top 53 bits
 
 
 def sample(logits, temperature, seed, keys, positions):
-    """logits (B, V) float32 -> (tokens (B,), log-probs (B,) of the sampling distribution)."""
+    """logits (B, V) float32 -> (tokens (B,), log-probs (B,) of the sampling distribution).
+    An inverse-CDF draw: the first token whose cumulative probability reaches the row's uniform. The CDF
+    is summed in float64 (float32 would shift interval ends by ~sqrt(V) ulps: ~2e-5 at V = 152k)."""
+    logp = (logits / temperature if temperature else logits).log_softmax(-1)
     if temperature == 0:
-        logp = logits.log_softmax(-1)
         tokens = logp.argmax(-1)
     else:
-        logp = (logits / temperature).log_softmax(-1)
-        gumbel = -torch.log(-torch.log(uniform_noise(seed, keys, positions, logits.size(-1))))
-        tokens = (logp + gumbel).argmax(-1)  # Gumbel-max: an exact draw from softmax(logits / T)
+        cdf = logp.double().exp().cumsum(-1)  # (B, V)
+        u = uniform_noise(seed, keys, positions) * cdf[:, -1]  # (B,): scaled to the row's total mass
+        tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1).clamp_max(logits.size(-1) - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
 
 # -----------------------------------------------------------------------------
 # the continuous-batching loop
