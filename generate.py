@@ -22,7 +22,9 @@ this file owns the cache, the attention call and the batching. What it adds over
   which is exactly PipelineRL's behaviour (section 4);
 - sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token, turned
   into a draw by the inverse CDF of softmax(logits / temperature), so a sample's result does not depend
-  on which slot or batch it was decoded in; a few passes over the (batch, vocab) logits per step.
+  on which slot or batch it was decoded in; a few passes over the (batch, vocab) logits per step. Equal
+  logits give equal tokens; logits that differ in the last bits (other kernels, thread counts) change a
+  token when its uniform lies that close to a CDF boundary (odds ~ vocab x the difference per token).
 
 Attention uses torch's scaled_dot_product_attention; on CUDA with flash-attn installed, its
 flash_attn_with_kvcache kernel (same cache layout). Supported: model_type in SUPPORTED, full attention.
