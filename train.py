@@ -425,6 +425,19 @@ def main(args):
                  "torch_rng": torch.get_rng_state(), "args": vars(args)}
         print(f"saved {save_checkpoint(args.out, step, full_model, tokenizer, state, args.keep)}", flush=True)
 
+    full_opt = None  # --fsdp: the optimizer state gathered on rank 0 for the next save()
+
+    def gather_shards(with_optimizer):
+        """--fsdp, every trainer: the shards into rank 0's unsharded copy (and the full optimizer state)."""
+        nonlocal full_opt
+        with torch.no_grad():
+            gathered = pipeline.full_weights(model)
+            if rank0:
+                for p, full in zip(full_model.parameters(), gathered):
+                    p.copy_(full)
+        if with_optimizer:
+            full_opt = pipeline.full_optimizer_state(model, opt)
+
     if step == 0 and rank0:
         run_eval()
     need = args.prompts // (ctx["n_trainers"] if ctx else 1)  # prompt groups per step on this trainer
@@ -522,14 +535,8 @@ def main(args):
         flops += 2 * n_params * sums["gen_tokens"] + 6 * n_params * sums["train_tokens"]
         evaluate_now = step % args.eval_every == 0 or step == args.steps
         save_now = (args.save_every and step % args.save_every == 0) or step == args.steps
-        if forward is not None and (evaluate_now or save_now):  # gather the shards into rank 0's copy
-            with torch.no_grad():
-                gathered = pipeline.full_weights(model)
-                if rank0:
-                    for p, full in zip(full_model.parameters(), gathered):
-                        p.copy_(full)
-            if save_now:  # the full optimizer state too, on rank 0 (every trainer takes part)
-                full_opt = pipeline.full_optimizer_state(model, opt)
+        if forward is not None and (evaluate_now or save_now):
+            gather_shards(save_now)
         if not rank0:
             continue
         m = {"kind": "train", "step": step, "compute_s": compute_s, "flops": flops,
@@ -555,7 +562,10 @@ def main(args):
             run_eval()
         if save_now:
             save()
-    if rank0 and step % args.eval_every and step != args.steps:  # stopped early: every prompt retired
+    stopped_early = step % args.eval_every and step != args.steps  # every prompt retired
+    if forward is not None and stopped_early:
+        gather_shards(True)
+    if rank0 and stopped_early:
         run_eval()
         save()
     if ctx:
