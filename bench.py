@@ -38,7 +38,7 @@ threshold to 64 KB first, so that freed tensors leave the RSS (otherwise blocks 
     python bench.py --figures 3 --device cuda            # nccl broadcast (needs 2 GPUs)
     python bench.py --figures 6                          # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                          # FSDP2: a model that only trains sharded under a cap
-    python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --no_flash   # the same without flash-attn
+    python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head --new_tokens 256 --batch 256
     python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16   # a model folder for train.py --model
 """
 
@@ -56,7 +56,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from data import format_prompt, toy_model_dir, toy_problems
-import generate as sampler_module
 from generate import check_supported, generate, sequence_logprobs
 from loss import policy_loss
 
@@ -90,8 +89,9 @@ def get_args(argv=None):
     ap.add_argument("--fsdp_steps", type=int, default=2, help="figure 7: optimizer steps per run")
     ap.add_argument("--fsdp_seqs", type=int, default=4, help="figure 7: sequences per step")
     ap.add_argument("--fsdp_len", type=int, default=64, help="figure 7: tokens per sequence")
-    ap.add_argument("--no_flash", action="store_true",
-                    help="our sampler uses torch's sdpa even where flash-attn is installed (CUDA, bf16/fp16)")
+    ap.add_argument("--fp32_head", action="store_true",
+                    help="figure 1: our sampler computes the LM head in float32 (train.py's default; model.generate "
+                         "keeps the head in the model dtype)")
     ap.add_argument("--write_model", default="", metavar="DIR",
                     help="save the random-weight --size config (--dtype) with the toy tokenizer to DIR, for "
                          "train.py --model DIR (a real architecture on the toy task), and exit")
@@ -146,12 +146,12 @@ def random_ids(n, length, vocab, seed, device):
 # figure 1: our sampler against transformers' model.generate
 
 
-def time_ours(model, prompts, new_tokens):
+def time_ours(model, prompts, new_tokens, fp32_head=False):
     """Seconds for generate.generate to sample exactly new_tokens per prompt, all prompts in one batch."""
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=new_tokens,
-                   answer_budget=0, interrupt=False, slots=len(prompts), temperature=1.0, fp32_head=False)
+                   answer_budget=0, interrupt=False, slots=len(prompts), temperature=1.0, fp32_head=fp32_head)
     sync(model.device)
     assert all(len(s.tokens) == new_tokens for s in out)
     return time.perf_counter() - t0
@@ -171,21 +171,41 @@ def time_hf(model, ids, new_tokens):
 def bench_sampler(name, model, args):
     ids = random_ids(args.batch, args.prompt_len, model.config.vocab_size, 0, args.device)  # (B, P)
     prompts = ids.tolist()
-    time_ours(model, prompts[:2], 2)  # warm-up both paths (first-call costs)
+    time_ours(model, prompts, args.new_tokens, args.fp32_head)  # warm-up both paths (first-call costs, CUDA graphs)
     time_hf(model, ids[:2], 2)
     ours, hf = [], []
     for _ in range(args.repeats):  # alternate, so both see the same machine load
-        ours.append(time_ours(model, prompts, args.new_tokens))
+        ours.append(time_ours(model, prompts, args.new_tokens, args.fp32_head))
         hf.append(time_hf(model, ids, args.new_tokens))
     tokens = args.batch * args.new_tokens
     r = {"model": name, "params": n_params(model), "batch": args.batch, "prompt_len": args.prompt_len,
-         "new_tokens": args.new_tokens, "ours_tok_s": tokens / min(ours), "hf_tok_s": tokens / min(hf),
-         "ours_s": ours, "hf_s": hf}
+         "new_tokens": args.new_tokens, "fp32_head": args.fp32_head, "ours_tok_s": tokens / min(ours),
+         "hf_tok_s": tokens / min(hf), "ours_s": ours, "hf_s": hf}
     r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
-    print(f"1 sampler   | {name} ({r['params'] / 1e6:.2f}M, {args.dtype}) | batch {args.batch} x ({args.prompt_len} + "
-          f"{args.new_tokens}) | ours {r['ours_tok_s']:.0f} tok/s | model.generate {r['hf_tok_s']:.0f} tok/s | "
-          f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating)")
+    roof = ""
+    if args.device == "cuda":  # the bound if every step read all weights and the mean KV cache at copy speed
+        context = args.prompt_len + args.new_tokens // 2
+        r["roofline_tok_s"] = decode_roofline(model.config.to_dict(), args.batch, context, copy_bandwidth(),
+                                              args.fp32_head, model.dtype.itemsize)["tok_s"]
+        roof = f" | {r['ours_tok_s'] / r['roofline_tok_s']:.1%} of the HBM roofline ({r['roofline_tok_s']:.0f} tok/s)"
+    print(f"1 sampler   | {name} ({r['params'] / 1e6:.2f}M, {args.dtype}, ours fp32_head {args.fp32_head}) | batch "
+          f"{args.batch} x ({args.prompt_len} + {args.new_tokens}) | ours {r['ours_tok_s']:.0f} tok/s | model.generate "
+          f"{r['hf_tok_s']:.0f} tok/s | ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating){roof}")
     return r
+
+
+def copy_bandwidth(gb=1.0):
+    """Measured device-to-device copy bandwidth, bytes/s (bytes read + written), best of 5."""
+    x = torch.empty(int(gb * 2 ** 30), dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        sync("cuda")
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync("cuda")
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() / best
 
 def task_prompts(tokenizer, n):
     """n toy-task prompts as token ids (data.toy_problems, formatted as in training)."""
@@ -501,10 +521,11 @@ def bench_pipeline(args):
 # figure 5: roofline arithmetic of decoding (not measured)
 
 
-def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_head=True, bytes_per_weight=2):
+def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_head=True, bytes_per_weight=2,
+                    quiet=True):
     """Upper bound on decode tokens/s when every step reads all weights and the whole KV cache from HBM."""
     c = config
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     embed = c["vocab_size"] * c["hidden_size"]
     per_layer = (c["hidden_size"] * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
                  + 3 * c["hidden_size"] * c["intermediate_size"])
@@ -515,6 +536,8 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
     steps = hbm_bytes_s / (weight_bytes + kv_bytes)
     r = {"batch": batch, "context": context, "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
          "steps_s": steps, "tok_s": steps * batch, "fp32_head": fp32_head}
+    if quiet:
+        return r
     print(f"5 roofline  | 0.5B-class bf16, H100 {hbm_bytes_s / 1e12:.2f} TB/s, batch {batch}, context {context} | "
           f"weights {r['weight_gb']:.2f} GB (fp32 head {fp32_head}) + KV {r['kv_gb']:.2f} GB per step | "
           f"<= {steps:.0f} steps/s = {r['tok_s']:.0f} tok/s | arithmetic, not measured")
@@ -611,14 +634,11 @@ def main(args):
         return write_model(args)
     t_start = time.perf_counter()
     figures = {int(f) for f in args.figures.split(",")}
-    if args.no_flash:
-        sampler_module.flash_attn_with_kvcache = None
-    flash = sampler_module.flash_attn_with_kvcache is not None and args.device == "cuda" and args.dtype != "float32"
-    attention = "flash-attn" if flash else "sdpa"
-    print(f"torch {torch.__version__} | device {args.device} | dtype {args.dtype} | threads {torch.get_num_threads()} | "
-          f"sampler attention {attention} | 1-min load average before the run {os.getloadavg()[0]:.2f}")
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
+    print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | threads "
+          f"{torch.get_num_threads()} | 1-min load average before the run {os.getloadavg()[0]:.2f}")
     models = bench_models(args)
-    results = {"args": vars(args), "torch": torch.__version__, "attention": attention}
+    results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if 1 in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
         results["sampler_task"] = bench_sampler_task(models[0][1], args)
@@ -631,7 +651,7 @@ def main(args):
     if 4 in figures:
         results["agreement"] = [r for name, m in models for r in bench_agreement(name, m, args)]
     if 5 in figures:
-        results["roofline"] = [decode_roofline(SIZES["0.5b"], context=ctx, fp32_head=h)
+        results["roofline"] = [decode_roofline(SIZES["0.5b"], context=ctx, fp32_head=h, quiet=False)
                                for ctx, h in ((1024, False), (1024, True), (8192, True))]
     if 6 in figures:
         results["pipeline"] = bench_pipeline(args)

@@ -3,13 +3,17 @@ generate.py: the generator's custom KV-cache sampler (SCALERL.md section 3), and
 log-probs of the same tokens with the same float32 LM head (section 2, "FP32 LM head").
 
 The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its own
-preallocated KV cache: the model's own modules do the norms, projections, rotary embedding and MLP;
-this file owns the cache, the attention call and the batching. What it adds over `model.generate`:
-- continuous batching: `slots` rows decode together; a finished row's slot is refilled at once with
-  the next prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler`
-  is the sampler as a Python generator that the caller drives step by step, sending new prompts and
-  taking finished samples (pipeline.py's generator ranks stream through it); `generate` runs one list
-  of prompts through it;
+preallocated KV cache: the model's own weights and modules (projections, MLP, rotary frequencies), the
+norms and rotary embedding in fewer ops (the same arithmetic); this file owns the cache, the attention
+call, the sampling and the batching. What it adds over `model.generate`:
+- continuous batching: `slots` rows decode together; a finished row's slot is refilled with the next
+  prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler` is the
+  sampler as a Python generator that the caller drives, sending new prompts and taking finished
+  samples (pipeline.py's generator ranks stream through it); `generate` runs one list of prompts;
+- a decode step with static shapes (class Decoder): every slot's bookkeeping (position, budgets,
+  interruption point, forced phrase, eos and </think> detection, finish reason) lives in device
+  tensors, so a step needs no per-slot Python and no host sync; on CUDA each step size is captured
+  once as a CUDA graph and replayed. Finished rows are collected every `sync_every` steps;
 - per-token records: the generator's log-prob of each sampled token under the sampling distribution
   (float32 LM head), a loss mask (0 on forced tokens), the policy version that produced each token,
   and the finish reason ("eos", "interrupted", "truncated");
@@ -17,20 +21,21 @@ this file owns the cache, the attention call and the batching. What it adds over
   budget; if it is still thinking there, INTERRUPT_PHRASE (ending in </think>) is forced in token by
   token (mask 0), then the answer budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens
   (cut at 10k-12k); the toy defaults in train.py are 48 + 16;
-- in-flight weight updates: between two steps the caller may copy new weights into the model in place
+- in-flight weight updates: between two sends the caller may copy new weights into the model in place
   and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
   which is exactly PipelineRL's behaviour (section 4);
 - sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token, turned
-  into a draw by the inverse CDF of softmax(logits / temperature), so a sample's result does not depend
-  on which slot or batch it was decoded in; a few passes over the (batch, vocab) logits per step. Equal
-  logits give equal tokens; logits that differ in the last bits (other kernels, thread counts) change a
-  token when its uniform lies that close to a CDF boundary (odds ~ vocab x the difference per token).
+  into a draw by a two-level float64 inverse CDF of softmax(logits / temperature), so a sample's result
+  does not depend on which slot or batch it was decoded in. Equal logits give equal tokens; logits that
+  differ in the last bits (other kernels, batch sizes, thread counts) change a token when its uniform
+  lies that close to a CDF boundary (odds ~ vocab x the difference per token).
 
-Attention uses torch's scaled_dot_product_attention; on CUDA with flash-attn installed, its
-flash_attn_with_kvcache kernel (same cache layout). Supported: model_type in SUPPORTED, full attention.
-Reading chosen: the log-probs are of softmax(logits / temperature), the distribution actually
-sampled; the trainer divides its logits by the same temperature. At temperature 0 (greedy) they are
-plain log_softmax(logits).
+Attention is torch's scaled_dot_product_attention over the first L cache positions, L the smallest
+bucket (64, 128, 256, ...) that holds every running row, so its cost follows the real context, not the
+cache size. flash-attn is not used by the sampler (its kernel cannot be built on our machines to be
+tested). Supported: model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of
+softmax(logits / temperature), the distribution actually sampled; the trainer divides its logits by
+the same temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model DIR --prompt "What is 2+2?" --think_budget 512
@@ -41,18 +46,15 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-try:
-    from flash_attn import flash_attn_with_kvcache
-except ImportError:
-    flash_attn_with_kvcache = None
-
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+FINISH = ("eos", "interrupted", "truncated")  # a slot's finish code c > 0 means FINISH[c - 1]
 
 
 @dataclass
@@ -78,59 +80,72 @@ def check_supported(model):
 
 
 def new_cache(model, slots, max_len):
-    """One (k, v) pair per layer, each (slots, max_len, n_kv_heads, head_dim) (flash-attn's layout)."""
+    """One (k, v) pair per layer, each (slots, n_kv_heads, max_len, head_dim): SDPA's layout, so a decode
+    step reads keys 0..L-1 of every row as a view with contiguous rows."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     p = next(model.parameters())
-    shape = (slots, max_len, cfg.num_key_value_heads, head_dim)
+    shape = (slots, cfg.num_key_value_heads, max_len, head_dim)
     return [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
             for _ in range(cfg.num_hidden_layers)]
 
 
-def _attention(attn, x, cos, sin, cache, start, rows):
-    """x (R, T, d): new tokens at positions start (R,) + 0..T-1; their k, v are written into the cache.
-    rows None: a decode step of cache rows 0..R-1, attending to their cached keys (read as a view of the
-    cache, never copied); rows (R,): a prefill of those rows from position 0, attending to the new keys."""
+def _norm(module, x):
+    """A decoder RMSNorm as the model computes it (float32 statistics, the weight applied in the model's
+    dtype), in 2-4 ops instead of its module's 8: the step's op count is what a decode step costs."""
+    return module.weight * F.rms_norm(x.float(), x.shape[-1:], eps=module.variance_epsilon).to(x.dtype)
+
+
+def _rope(x, cos, sin_signed):
+    """The rotary embedding of x (R, T, H, D): x cos + rotate_half(x) sin, where rotate_half(x) sin equals
+    roll(x, D/2) times sin with its first half negated (sin_signed, made once per forward)."""
+    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, -1), sin_signed)
+
+
+def _attention(attn, x, cos, sin, cache, pos, rows, mask):
+    """x (R, T, d): new tokens at positions pos (R, T); their k, v are written into the cache.
+    rows None: a decode step (T = 1) of cache rows 0..R-1, attending to their first mask.size(-1) keys (a
+    view of the cache) through mask (R, 1, 1, S), 0 or -inf; rows (R,): a prefill of those rows from
+    position 0, attending causally to the new keys alone."""
     R, T, _ = x.shape
     shape = (R, T, -1, attn.head_dim)
     q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (R, H, T, D)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (R, T, H, D)
+        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # (R, T, H, D), (R, T, Hkv, D)
     k_cache, v_cache = cache
     idx = torch.arange(R, device=x.device) if rows is None else rows
-    if flash_attn_with_kvcache is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=start.int(),
-                                      cache_batch_idx=idx.int(), softmax_scale=attn.scaling, causal=True)
-        return attn.o_proj(out.reshape(R, T, -1))
-    pos = start[:, None] + torch.arange(T, device=x.device)  # (R, T) absolute positions
-    k_cache[idx[:, None], pos] = k
-    v_cache[idx[:, None], pos] = v
+    k_cache[idx[:, None], :, pos] = k  # the indexed view is (R, T, Hkv, D)
+    v_cache[idx[:, None], :, pos] = v
     if rows is not None:  # prefill: causal over the new keys; right padding comes after every real token
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=attn.scaling, enable_gqa=True)
-    else:
-        n_keys = int(pos.max()) + 1
-        keys, values = k_cache[:R, :n_keys].transpose(1, 2), v_cache[:R, :n_keys].transpose(1, 2)  # (R, Hkv, S, D)
-        mask = torch.arange(n_keys, device=x.device) <= pos[:, :, None]  # (R, T, S): causal, per-row length
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              scale=attn.scaling, enable_gqa=True)  # (R, H, T, D)
-    return attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+        return attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+    Hkv, S = k_cache.size(1), mask.size(-1)  # decode: the query heads of one kv head are its rows; no repeat
+    out = F.scaled_dot_product_attention(q.view(R, Hkv, -1, attn.head_dim), k_cache[:R, :, :S], v_cache[:R, :, :S],
+                                         attn_mask=mask, scale=attn.scaling)  # (R, Hkv, H/Hkv, D)
+    return attn.o_proj(out.reshape(R, 1, -1))
 
 
 @torch.no_grad()
-def forward(model, ids, start, cache, rows=None):
-    """Run new tokens ids (R, T) from positions start (R,) -> hidden (R, T, d). rows None: cache rows
-    0..R-1 continue (a decode step); rows (R,): a prefill of those cache rows, start all 0."""
+def forward(model, ids, pos, cache, rows=None, n_keys=None):
+    """Run new tokens ids (R, T) at positions pos (R, T) -> hidden (R, T, d). rows None: a decode step of
+    cache rows 0..R-1 (T = 1) over keys 0..n_keys-1; rows (R,): a prefill of those rows, pos 0..T-1.
+    The model's own weights and modules (projections, MLP, rotary frequencies); the norms and the rotary
+    embedding in fewer ops (_norm, _rope), the same arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
-    position_ids = start[:, None] + torch.arange(ids.size(1), device=ids.device)
-    cos, sin = inner.rotary_emb(x, position_ids)
+    cos, sin = inner.rotary_emb(x, pos)  # (R, T, D)
+    half = cos.size(-1) // 2
+    cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]  # over heads
+    mask = None
+    if rows is None:  # (R, 1, 1, S): 0 for each row's keys so far, -inf after
+        mask = torch.zeros(pos.size(0), 1, 1, n_keys, dtype=x.dtype, device=x.device).masked_fill_(
+            torch.arange(n_keys, device=x.device) > pos[:, None, None], float("-inf"))
     for layer, layer_cache in zip(inner.layers, cache):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, layer_cache, start, rows)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return inner.norm(x)
+        x = x + _attention(layer.self_attn, _norm(layer.input_layernorm, x), cos, sin, layer_cache, pos, rows, mask)
+        x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+    return _norm(inner.norm, x)
 
 
 def head_weight(model, fp32_head):
@@ -147,6 +162,9 @@ def logits_of(hidden, weight):
 # sampling: a pure function of (logits, temperature, counter-based noise)
 
 
+GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15, splitmix64's increment, as a signed int64
+
+
 def _mix(x):
     """splitmix64's finalizer on int64 tensors (wrapping arithmetic, logical shifts emulated)."""
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
@@ -156,28 +174,61 @@ def _mix(x):
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
+def noise_stream(seed, keys):
+    """(B,) int64: the hash state of each sample, (seed, key) mixed in turn, each added with splitmix64's
+    increment (the finalizer alone maps 0 to 0, so seed 0 / key 0 / position 0 would be special)."""
+    return _mix(_mix(torch.full_like(keys, seed) + GOLDEN) + keys + GOLDEN)
+
+
+def uniforms(stream, positions):
+    """(B,) float64 uniforms in (0, 1) of noise streams at token positions: the top 53 bits of one more mix."""
+    x = _mix(stream + positions + GOLDEN)  # (B,) int64
+    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / (1 << 53)
+
+
 def uniform_noise(seed, keys, positions):
-    """(B,) float64 uniforms in (0, 1), a deterministic function of (seed, key, position)."""
-    x = _mix(_mix(keys * 1000003 + seed) + positions)  # (B,) int64
-    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / (1 << 53)  # the top 53 bits
+    """(B,) float64 uniforms, a deterministic function of (seed, noise key, position) alone."""
+    return uniforms(noise_stream(seed, keys), positions)
 
 
-def sample(logits, temperature, seed, keys, positions):
-    """logits (B, V) float32 -> (tokens (B,), log-probs (B,) of the sampling distribution).
-    An inverse-CDF draw: the first token whose cumulative probability reaches the row's uniform. The CDF
-    is summed in float64 (float32 would shift interval ends by ~sqrt(V) ulps: ~2e-5 at V = 152k)."""
-    logp = (logits / temperature if temperature else logits).log_softmax(-1)
+def cdf_block(vocab):
+    """The block size of the two-level inverse CDF: the largest divisor of vocab up to 256 (128 at Qwen2's
+    151,936; a prime vocab gives 1, i.e. one flat float64 CDF)."""
+    return max(d for d in range(1, 257) if vocab % d == 0)
+
+
+def sample(logits, temperature, u):
+    """logits (B, V) float32, u (B,) float64 uniforms (uniform_noise) -> (tokens (B,), log-probs (B,) of the
+    sampling distribution). Temperature 0: the argmax, u unused.
+
+    An inverse-CDF draw: the first token whose cumulative probability reaches u x (total mass), u the row's
+    uniform. Two levels, both summed in float64 (a float32 running sum would shift interval ends by
+    ~sqrt(V) ulps: ~2e-5 at V = 152k): the CDF of the blocks' masses picks the block, the CDF inside that
+    block picks the token. The block's own sum may differ from its float64 block mass in the last bit; the
+    leftover is clamped to the block's total, so the token drawn always has nonzero probability. Passes
+    over the (B, V) logits: max, exp, block sums; everything after touches (B, V / block) or (B, block)."""
+    B, V = logits.shape
+    z = logits / temperature if temperature not in (0, 1) else logits
+    m = z.amax(-1, keepdim=True)  # (B, 1)
+    p = (z - m).exp()  # (B, V) float32, unnormalised
     if temperature == 0:
-        tokens = logp.argmax(-1)
+        tokens = z.argmax(-1)
+        total = p.sum(-1, dtype=torch.float64)
     else:
-        cdf = logp.double().exp().cumsum(-1)  # (B, V)
-        u = uniform_noise(seed, keys, positions) * cdf[:, -1]  # (B,): scaled to the row's total mass
-        tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1).clamp_max(logits.size(-1) - 1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
+        block = cdf_block(V)
+        mass = p.view(B, V // block, block).sum(-1, dtype=torch.float64).cumsum(-1)  # (B, nb) float64
+        total = mass[:, -1]
+        u = u * total  # (B,) <= total: a block always reaches it
+        b = torch.searchsorted(mass, u[:, None])  # (B, 1) the first block whose cumulative mass reaches u
+        before = torch.where(b > 0, mass.gather(-1, (b - 1).clamp_min(0)), 0.0)  # (B, 1) mass of earlier blocks
+        inside = p.view(B, -1, block).gather(1, b[:, :, None].expand(B, 1, block))[:, 0].double().cumsum(-1)  # (B, block)
+        j = torch.searchsorted(inside, torch.minimum(u[:, None] - before, inside[:, -1:]))  # (B, 1)
+        tokens = (b * block + j)[:, 0]
+    logp = z.gather(-1, tokens[:, None])[:, 0] - m[:, 0] - total.log().float()
+    return tokens, logp
 
 # -----------------------------------------------------------------------------
-# the continuous-batching loop
+# the decode step: static shapes, every slot's bookkeeping in device tensors
 
 
 def cut_point(seed, key, think_budget):
@@ -185,60 +236,209 @@ def cut_point(seed, key, think_budget):
     return random.Random(f"{seed}-{key}").randint(think_budget - think_budget // 6, think_budget)
 
 
+def bucket_sizes(cap, smallest):
+    """The sizes a captured step comes in: powers of two from `smallest` below cap, then cap."""
+    return [2 ** i for i in range(smallest.bit_length() - 1, cap.bit_length()) if smallest <= 2 ** i < cap] + [cap]
+
+
+def bucket(n, sizes):
+    """The smallest size >= n."""
+    return next(s for s in sizes if s >= n)
+
+
+class Decoder:
+    """The sampler's device side: the KV cache, every slot's state as (slots,) tensors, and the decode step.
+
+    A decode step runs all of rows 0..R-1 over cache keys 0..L-1 (R, L from a few buckets) with no host
+    sync and no per-slot Python: the policy samples one token in every live row, forced-phrase tokens
+    replace the draw where a row is being interrupted, and eos / </think> / budgets update the row's state
+    and its finish code. Rows that are not live compute garbage that is never kept: they write only at
+    their own next cache position and output column, which a live row rewrites before reading. On CUDA
+    each (R, L) step is captured once as a CUDA graph and replayed (graphs=True); elsewhere it runs eagerly.
+    In-flight weight updates copy into the same parameter storage; the float32 head copy is refreshed by
+    new_weights(), so a captured graph reads the new weights."""
+
+    def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids, think_budget,
+                 answer_budget, interrupt, temperature, fp32_head, seed, version, graphs):
+        dev = next(model.parameters()).device
+        self.model, self.slots, self.max_len, self.device = model, slots, max_len, dev
+        self.eos_id, self.think_budget, self.answer_budget = eos_id, think_budget, answer_budget
+        self.interrupt, self.temperature, self.fp32_head, self.seed = interrupt, temperature, fp32_head, seed
+        self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)  # (E,)
+        self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)  # (P,); unused without interrupt
+        self.cache = new_cache(model, slots, max_len)
+        self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a float32 copy of it
+        long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
+        flag = lambda: torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.last, self.pos, self.n, self.stream, self.cut, self.limit, self.finish = (long() for _ in range(7))
+        self.live, self.thinking, self.interrupted, self.off = flag(), flag(), flag(), flag()  # off: all False
+        cols = max_new + 1  # one spare column: rows that are not live write there
+        self.tokens = torch.zeros(slots, cols, dtype=torch.long, device=dev)
+        self.logps = torch.zeros(slots, cols, dtype=torch.promote_types(self.weight.dtype, torch.float32), device=dev)
+        self.mask = torch.zeros(slots, cols, dtype=torch.bool, device=dev)
+        self.versions = torch.zeros(slots, cols, dtype=torch.long, device=dev)
+        self.version = torch.tensor(version, device=dev)  # () the policy version in the weights
+        self.graphs = {} if graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    def new_weights(self, version):
+        """After new weights were copied into the model: the new version, and the head copy refreshed."""
+        self.version.fill_(version)
+        if self.weight is not self.model.lm_head.weight:
+            self.weight.copy_(self.model.lm_head.weight)
+
+    def admit(self, slots, prompts, keys):
+        """Start samples in free slots: prefill each prompt but its last token (which the next decode step
+        feeds), all of them in one forward padded to a multiple of 16 tokens."""
+        dev, n = self.device, len(slots)
+        rows = torch.tensor(slots, device=dev)
+        lens = [len(p) for p in prompts]
+        width = min(-(-(max(lens) - 1) // 16) * 16, self.max_len)
+        if width:
+            ids = torch.zeros(n, width, dtype=torch.long)
+            for r, p in enumerate(prompts):
+                ids[r, :len(p) - 1] = torch.tensor(p[:-1])
+            forward(self.model, ids.to(dev), torch.arange(width, device=dev).expand(n, width), self.cache, rows=rows)
+        cut = [cut_point(self.seed, k, self.think_budget) if self.interrupt else self.max_len for k in keys]
+        state = torch.tensor([[p[-1] for p in prompts], [m - 1 for m in lens], keys, cut], device=dev)  # (4, n)
+        self.last[rows], self.pos[rows], self.stream[rows], self.cut[rows] = state[0], state[1], noise_stream(
+            self.seed, state[2]), state[3]
+        self.n[rows], self.limit[rows], self.finish[rows] = 0, self.think_budget + self.answer_budget, 0
+        self.live[rows], self.thinking[rows], self.interrupted[rows] = True, True, False
+
+    def step(self, R, L):
+        """One decode step of rows 0..R-1 over cache keys 0..L-1: a graph replay on CUDA, else eager."""
+        if self.graphs is None:
+            return self._step(R, L, self.live[:R])
+        graph = self.graphs.get((R, L))
+        if graph is None:
+            stream = torch.cuda.Stream()  # warm up off the capture (lazy inits), with every row masked off
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(R, L, self.off[:R])
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = self.graphs[(R, L)] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._step(R, L, self.live[:R])
+        graph.replay()
+
+    def _step(self, R, L, live):
+        """The static decode step; live (R,) picks the rows whose state it advances."""
+        n, pos, dev = self.n[:R], self.pos[:R], self.device
+        hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, n_keys=L)[:, 0]  # (R, d)
+        tok, logp = sample(logits_of(hidden, self.weight), self.temperature, uniforms(self.stream[:R], n))  # (R,)
+        # forced interruption: a row still thinking at its cut point takes the phrase, token by token
+        P, thinking = self.phrase.numel(), self.thinking[:R]
+        if self.interrupt:
+            self.interrupted[:R] |= live & thinking & (n == self.cut[:R])
+        at = n - self.cut[:R]  # (R,) index into the phrase
+        forced = self.interrupted[:R] & (at >= 0) & (at < P)
+        tok = torch.where(forced, self.phrase[at.clamp(0, P - 1)], tok)
+        logp = torch.where(forced, 0.0, logp)
+        col = n[:, None]
+        self.tokens[:R].scatter_(1, col, tok[:, None])
+        self.logps[:R].scatter_(1, col, logp[:, None])
+        self.mask[:R].scatter_(1, col, ~forced[:, None])
+        self.versions[:R].scatter_(1, col, self.version.expand(R, 1))
+        # finishing: eos (not inside the phrase), the end of the thought, the budgets
+        pending = forced & (at < P - 1)  # more phrase tokens to come
+        eos = (tok == self.eos_id) & ~pending
+        E = self.think_end.numel()
+        tail = self.tokens[:R].gather(1, (n[:, None] - E + 1 + torch.arange(E, device=dev)).clamp_min(0))  # (R, E)
+        said = (n + 1 >= E) & (tail == self.think_end).all(-1)
+        ends = thinking & ~pending & ~eos & (forced | said)  # forced here: the phrase's last token
+        if self.interrupt:  # the answer budget starts where the thought ended
+            self.limit[:R] = torch.where(live & ends, n + 1 + self.answer_budget, self.limit[:R])
+        truncated = ~pending & ~eos & (n + 1 >= self.limit[:R])
+        code = torch.where(eos, torch.where(self.interrupted[:R], 2, 1), torch.where(truncated, 3, 0))
+        self.thinking[:R] = thinking & ~(live & ends)
+        self.finish[:R] = torch.where(live, code, self.finish[:R])
+        self.last[:R] = torch.where(live, tok, self.last[:R])
+        self.n[:R] += live
+        self.pos[:R] += live
+        self.live[:R] &= ~(live & (code > 0))  # rows that finished leave
+
+    def collect(self, R):
+        """The rows among 0..R-1 that finished: {slot: Sample}, read with one host sync (plus one per copy
+        when some did); their slots are then free."""
+        finish = self.finish[:R].tolist()
+        done = [s for s in range(R) if finish[s]]
+        if not done:
+            return {}
+        rows = torch.tensor(done, device=self.device)
+        lens = self.n[rows].tolist()
+        width = max(lens)
+        tokens, logps, mask, versions = (x[rows, :width].tolist() for x in (self.tokens, self.logps, self.mask, self.versions))
+        self.finish[rows] = 0
+        return {s: Sample(None, tokens[i][:m], logps[i][:m], [int(b) for b in mask[i][:m]], versions[i][:m],
+                          FINISH[finish[s] - 1]) for i, (s, m) in enumerate(zip(done, lens))}
+
+# -----------------------------------------------------------------------------
+# the continuous-batching loop
+
+
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
-            interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0):
-    """The continuous-batching sampler as a Python generator, driven by the caller one step at a time:
+            interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=None,
+            sync_every=None):
+    """The continuous-batching sampler as a Python generator, driven by the caller:
 
         steps = sampler(model, ...)
         finished, n_free = next(steps)                  # nothing has run yet: ([], slots)
-        finished, n_free = steps.send((new, version))   # one step
+        finished, n_free = steps.send((new, version))   # up to sync_every decode steps
 
     new: prompts to queue, [(prompt ids, noise key, tag)]; version: the policy version now in the
-    model's weights (the caller may copy new weights in between two steps; the cache stays). A step
-    prefills queued prompts into free slots, samples one token in every running slot, and yields the
-    samples that finished, [(tag, Sample)], and how many slots are free for more prompts. With nothing
-    running or queued it yields ([], slots) at once. Without interruption (interrupt=False) a sample is
-    simply cut at think_budget + answer_budget tokens. think_end: the token ids of "</think>".
-    max_prompt_len sizes the cache; a longer prompt is an error.
+    model's weights (the caller may copy new weights in between two sends; the cache stays). A send
+    admits queued prompts into free slots (one batched prefill), runs sync_every decode steps (default:
+    8 on CUDA, where a host sync drains the GPU's queue; 1 elsewhere), then yields the samples that
+    finished, [(tag, Sample)], and how many slots are free for more prompts. With nothing running or
+    queued it yields ([], slots) at once. Without interruption (interrupt=False) a sample is simply cut
+    at think_budget + answer_budget tokens. think_end: the token ids of "</think>". max_prompt_len sizes
+    the cache; a longer prompt is an error. graphs: capture decode steps as CUDA graphs (default: on CUDA).
     """
     check_supported(model)
+    if interrupt and not interrupt_ids:
+        raise ValueError("interrupt=True needs the interruption phrase's token ids (interrupt_ids)")
     device = next(model.parameters()).device
+    graphs = device.type == "cuda" if graphs is None else graphs
+    sync_every = (8 if device.type == "cuda" else 1) if sync_every is None else sync_every
     max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
-    cache = new_cache(model, slots, max_prompt_len + max_new)
-    weight = head_weight(model, fp32_head).detach()
+    max_len = max_prompt_len + max_new  # the last completion token never enters the cache: one spare
+    dec = Decoder(model, slots, max_len, max_new, eos_id=eos_id, think_end=think_end, interrupt_ids=interrupt_ids,
+                  think_budget=think_budget, answer_budget=answer_budget, interrupt=interrupt,
+                  temperature=temperature, fp32_head=fp32_head, seed=seed, version=version, graphs=graphs)
+    row_sizes = bucket_sizes(slots, 8)  # a step decodes rows 0..R-1, R one of these
+    len_sizes = bucket_sizes(max_len, 64)  # and attends over cache keys 0..L-1, L one of these
     pending = deque()  # (prompt ids, key, tag) waiting for a slot
-    state = [None] * slots  # per slot: dict of the sample in progress, or None when free
+    owner = [None] * slots  # per slot: (key, tag) of the sample in it, or None when free
+    bound = np.full(slots, -1)  # per slot: an upper bound of its cache position (-1: free)
     finished = []
     while True:
-        new, new_version = yield finished, sum(st is None for st in state) - len(pending)
+        new, new_version = yield finished, owner.count(None) - len(pending)
         finished = []
         for p, key, tag in new:
             if len(p) > max_prompt_len:
                 raise ValueError(f"prompt of {len(p)} tokens > max_prompt_len {max_prompt_len}")
             pending.append((p, key, tag))
         if new_version != version:  # in-flight update: weights changed, the cache stays
-            version, weight = new_version, head_weight(model, fp32_head).detach()
-        if not pending and not any(state):
+            version = new_version
+            dec.new_weights(version)
+        free = [s for s in range(slots) if owner[s] is None][:len(pending)]
+        if free:
+            items = [pending.popleft() for _ in free]
+            dec.admit(free, [p for p, _, _ in items], [key for _, key, _ in items])
+            for s, (p, key, tag) in zip(free, items):
+                owner[s], bound[s] = (key, tag), len(p) - 1
+        busy = [s for s in range(slots) if owner[s] is not None]
+        if not busy:
             continue
-        logits = torch.empty(slots, weight.size(0), device=device, dtype=torch.promote_types(weight.dtype, torch.float32))
-        running = [s for s in range(slots) if state[s] is not None]
-        if running:  # one decode step over slots 0..hi-1: free ones among them decode a dummy token at 0
-            hi = running[-1] + 1  # (their cache is rewritten when a prompt is admitted, their logits unused)
-            last = torch.tensor([state[s]["tokens"][-1] if state[s] else 0 for s in range(hi)], device=device)
-            start = torch.tensor([state[s]["pos"] if state[s] else 0 for s in range(hi)], device=device)
-            logits[:hi] = logits_of(forward(model, last[:, None], start, cache)[:, -1], weight)
-        admitted = _admit(model, pending, state, cache, logits, weight, seed, think_budget)
-        active = running + admitted
-        key_t = torch.tensor([state[s]["key"] for s in active], device=device)
-        pos_t = torch.tensor([len(state[s]["tokens"]) for s in active], device=device)
-        tokens, logps = sample(logits[active], temperature, seed, key_t, pos_t)
-        for s, tok, lp in zip(active, tokens.tolist(), logps.tolist()):
-            done = _append(state[s], tok, lp, version, eos_id, think_end, interrupt_ids,
-                           think_budget, answer_budget, interrupt)
-            if done:
-                st, state[s] = state[s], None
-                finished.append((st["tag"], Sample(st["key"], st["tokens"], st["logps"], st["mask"], st["versions"], done)))
+        R = bucket(busy[-1] + 1, row_sizes)
+        for _ in range(sync_every):
+            dec.step(R, bucket(int(bound.max()) + 1, len_sizes))
+            bound[busy] = np.minimum(bound[busy] + 1, max_len - 1)
+        for s, sample in dec.collect(R).items():
+            (sample.key, tag), owner[s], bound[s] = owner[s], None, -1
+            finished.append((tag, sample))
 
 
 def generate(model, prompts, *, keys=None, slots=64, version=0, **settings):
@@ -257,53 +457,6 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, **settings):
         for i, s in finished:
             results[i] = s
     return results
-
-
-def _admit(model, pending, state, cache, logits, weight, seed, think_budget):
-    """Prefill the next queued prompts into free slots; their next-token logits go into `logits`."""
-    free = [s for s in range(len(state)) if state[s] is None][:len(pending)]
-    if not free:
-        return []
-    device = logits.device
-    items = [pending.popleft() for _ in free]
-    lens = [len(p) for p, _, _ in items]
-    ids = torch.zeros(len(free), max(lens), dtype=torch.long, device=device)
-    for r, (p, _, _) in enumerate(items):
-        ids[r, :lens[r]] = torch.tensor(p, device=device)
-    start = torch.zeros(len(free), dtype=torch.long, device=device)
-    hidden = forward(model, ids, start, cache, rows=torch.tensor(free, device=device))  # right padding: never attended
-    last = hidden[torch.arange(len(free), device=device), torch.tensor(lens, device=device) - 1]
-    logits[free] = logits_of(last, weight)
-    for s, (p, key, tag), n in zip(free, items, lens):
-        state[s] = {"key": key, "tag": tag, "pos": n, "tokens": [], "logps": [], "mask": [], "versions": [],
-                    "forced": [], "thinking": True, "answer_start": None, "interrupted": False,
-                    "cut": cut_point(seed, key, think_budget)}
-    return free
-
-
-def _append(st, tok, logp, version, eos_id, think_end, interrupt_ids, think_budget, answer_budget, interrupt):
-    """Add the next token to a sample (sampled, or forced when a forced phrase is pending).
-    Returns the finish reason when the sample is complete, else None."""
-    if st["tokens"]:
-        st["pos"] += 1  # the previous token is now in the cache
-    n = len(st["tokens"])
-    if interrupt and st["thinking"] and not st["forced"] and n == st["cut"]:
-        st["forced"], st["interrupted"] = list(interrupt_ids), True
-    forced = bool(st["forced"])
-    if forced:
-        tok, logp = st["forced"].pop(0), 0.0
-    st["tokens"].append(tok)
-    st["logps"].append(logp)
-    st["mask"].append(0 if forced else 1)
-    st["versions"].append(version)
-    if st["forced"]:
-        return None  # the rest of the phrase is still to come
-    if tok == eos_id:
-        return "interrupted" if st["interrupted"] else "eos"
-    if st["thinking"] and (forced or st["tokens"][-len(think_end):] == think_end):  # the phrase ends the thought
-        st["thinking"], st["answer_start"] = False, n + 1
-    limit = think_budget + answer_budget if not interrupt or st["thinking"] else st["answer_start"] + answer_budget
-    return "truncated" if len(st["tokens"]) >= limit else None
 
 # -----------------------------------------------------------------------------
 # the trainer's side: log-probs of given tokens, float32 head, in chunks

@@ -20,6 +20,7 @@ import time
 import types
 
 import numpy as np
+from scipy import stats
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
@@ -692,11 +693,102 @@ def test_generate_continuous_batching_equals_decoding_alone():
 
 def test_sampler_draws_from_the_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(20000, 1)
-    tokens, logps = gen.sample(logits, 0.8, seed=5, keys=torch.arange(20000), positions=torch.zeros(20000, dtype=torch.long))
+    u = gen.uniform_noise(5, torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    tokens, logps = gen.sample(logits, 0.8, u)
     probs = (logits[0] / 0.8).softmax(-1)
     freq = torch.bincount(tokens, minlength=5).float() / 20000
     assert (freq - probs).abs().max() < 0.015  # ~4 standard errors
     assert torch.allclose(logps, probs.log()[tokens], atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [1000, 1009, 151936])  # blocks of 250; a prime (one flat CDF); Qwen2's (128)
+def test_sampler_two_level_cdf_equals_one_flat_float64_cdf(vocab):
+    """The two-level draw against the textbook one (a single float64 cumsum over the whole vocab): the same
+    token for every uniform, and the log-prob of log_softmax."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64 if vocab > 10000 else 2000
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[:, vocab // 3] = -float("inf")  # a token that can never be drawn
+    u = gen.uniform_noise(1, torch.arange(rows), torch.full((rows,), 3))
+    for temperature in (1.0, 0.6):
+        tokens, logps = gen.sample(logits, temperature, u)
+        cdf = (logits / temperature).softmax(-1).double().cumsum(-1)
+        expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0]
+        assert torch.equal(tokens, expected)
+        exact = (logits.double() / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        assert torch.allclose(logps.double(), exact, atol=1e-5)  # float32 log_softmax itself is off by ~1e-4 at 152k
+        assert not (tokens == vocab // 3).any()
+    greedy, lp = gen.sample(logits, 0, u)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.allclose(lp.double(), logits.double().log_softmax(-1).max(-1).values, atol=1e-5)
+
+
+def test_uniform_noise_is_uniform_with_no_special_inputs():
+    """Small seeds, keys and positions (the common ones) give uniforms like any others: seed 0, key 0,
+    position 0 used to map to 5.6e-17, so the first token of a default generate() was always token 0."""
+    seed, key, pos = torch.meshgrid(torch.arange(4), torch.arange(64), torch.arange(64), indexing="ij")
+    u = torch.stack([gen.uniform_noise(int(s), key[s].flatten(), pos[s].flatten()) for s in range(4)]).flatten()
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-3
+    assert u.min() > 1e-7 and u.max() < 1 - 1e-7  # P(a fair draw of 16,384 fails this) = 0.3%
+    pairs = torch.histc(gen.uniform_noise(0, torch.arange(4096), torch.zeros(4096, dtype=torch.long)) * 10 // 1 * 10
+                        + gen.uniform_noise(0, torch.arange(4096), torch.ones(4096, dtype=torch.long)) * 10 // 1,
+                        bins=100, min=0, max=100)  # neighbouring positions are independent: 10 x 10 cells
+    assert stats.chisquare(pairs.numpy()).pvalue > 1e-3
+    assert len(set(gen.uniform_noise(1, torch.tensor([0, 1000003]), torch.zeros(2, dtype=torch.long)).tolist())) == 2
+
+
+def reference_sample(model, prompt, key, *, seed, temperature, eos_id, think_end, interrupt_ids, think_budget,
+                     answer_budget, interrupt=True):
+    """The slow path for one sample: a full forward over the whole sequence for every token, the same noise,
+    one flat float64 inverse CDF, and the sampler's rules written out token by token."""
+    seq, out, cut = list(prompt), gen.Sample(key, [], [], [], [], ""), gen.cut_point(seed, key, think_budget)
+    forced, thinking, interrupted, limit = [], True, False, think_budget + answer_budget
+    while True:
+        n = len(out.tokens)
+        with torch.no_grad():
+            logp = (model(torch.tensor([seq])).logits[0, -1].double() / temperature).log_softmax(-1)
+        u = gen.uniform_noise(seed, torch.tensor([key]), torch.tensor([n]))
+        cdf = logp.exp().cumsum(-1)
+        tok = int(torch.searchsorted(cdf, u * cdf[-1]))
+        if interrupt and thinking and not interrupted and n == cut:
+            forced, interrupted = list(interrupt_ids), True
+        was_forced = bool(forced)
+        tok, lp = (forced.pop(0), 0.0) if was_forced else (tok, logp[tok].item())
+        seq.append(tok)
+        out.tokens.append(tok), out.logps.append(lp), out.mask.append(int(not was_forced)), out.versions.append(0)
+        if forced:
+            continue
+        if tok == eos_id:
+            out.finish = "interrupted" if interrupted else "eos"
+            return out
+        if thinking and (was_forced or out.tokens[-len(think_end):] == think_end):
+            thinking, limit = False, (n + 1 + answer_budget if interrupt else limit)
+        if len(out.tokens) >= limit:
+            out.finish = "truncated"
+            return out
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(eos_id=3, think_end=[1], interrupt_ids=[5, 3, 7], think_budget=12, answer_budget=5, temperature=1.3),
+    dict(eos_id=3, think_end=[1, 2], interrupt_ids=[5, 6], think_budget=10, answer_budget=4, temperature=0.7,
+         interrupt=False)])
+def test_generate_static_step_equals_the_slow_reference(cfg):
+    """The whole sampler (static decode step, device-side bookkeeping, continuous batching with 3 slots for
+    12 prompts) against reference_sample: same tokens, masks, finish reasons; log-probs to float64 rounding.
+    The first config puts eos inside the interruption phrase, where it must not end the sample."""
+    model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(12, seed=9)
+    keys = [50 + i for i in range(12)]
+    out = gen.generate(model, prompts, keys=keys, slots=3, seed=4, **cfg)
+    finishes = set()
+    for p, key, s in zip(prompts, keys, out):
+        ref = reference_sample(model, p, key, seed=4, **cfg)
+        assert (s.key, s.tokens, s.mask, s.finish) == (ref.key, ref.tokens, ref.mask, ref.finish)
+        assert np.allclose(s.logps, ref.logps, atol=1e-9)
+        finishes.add(s.finish)
+    assert finishes >= {"eos", "truncated"}
+    if cfg.get("interrupt", True):
+        assert any(s.mask.count(0) == 3 for s in out)  # the phrase, eos in it, and the sample went on
+        assert any(1 in s.tokens and 0 not in s.mask for s in out)  # a thought that ended by itself
 
 
 def sample_with_switch(model, prompt, switch, load, **cfg):
@@ -917,7 +1009,7 @@ def test_train_resume_continues_exactly(toy_dir, tmp_path):
 
 def strip_timing(records):
     """Train records without the fields that measure time (they differ between any two runs)."""
-    timing = ("compute_s", "dt_ms", "tok_s", "gen_busy", "train_busy", "sync_ms")
+    timing = ("compute_s", "dt_ms", "tok_s", "gen_busy", "train_busy", "sync_ms", "generate_ms", "verify_ms", "train_ms")
     return [{k: v for k, v in m.items() if k not in timing} for m in records if m["kind"] == "train"]
 
 
@@ -1347,6 +1439,38 @@ def test_generate_in_flight_update_uses_old_cache_and_new_weights():
         pure_b = model_b(seq[:, :-1]).logits[0, cut:].float().log_softmax(-1).gather(-1, seq[0, cut + 1:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(s.logps[switch:]), ref, atol=1e-5)
     assert (torch.tensor(s.logps[switch:]) - pure_b).abs().max() > 1e-3  # the old cache really matters
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
+    """The captured decode step replays exactly what the eager step computes (same buckets, same kernels):
+    continuous batching, interruptions, eos, and new weights copied in mid-sample (the graph reads them)."""
+    prompts = tiny_prompts(9, seed=2)
+    runs = []
+    for graphs in (True, False):
+        model, other = tiny_model("qwen2", dtype).cuda(), tiny_model("qwen2", dtype, seed=1).cuda()
+        steps = gen.sampler(model, max_prompt_len=max(map(len, prompts)), slots=4, graphs=graphs, sync_every=3,
+                            temperature=1.0, seed=7, **dict(GEN, eos_id=3))
+        next(steps)
+        new, got = [(p, k, k) for k, p in enumerate(prompts)], {}
+        for n in range(200):
+            if n == 4:  # an in-flight update, as a generator rank receives it
+                with torch.no_grad():
+                    for p, q in zip(model.parameters(), other.parameters()):
+                        p.copy_(q)
+            finished, _ = steps.send((new, int(n >= 4)))
+            new = []
+            got.update(finished)
+            if len(got) == len(prompts):
+                break
+        runs.append(got)
+    graphed, eager = runs
+    assert any(0 in s.mask for s in graphed.values()) and {s.finish for s in graphed.values()} >= {"eos", "truncated"}
+    assert any(0 in s.versions and 1 in s.versions for s in graphed.values())
+    for k in range(len(prompts)):
+        a, b = graphed[k], eager[k]
+        assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
 
 
 def _broadcast_rank(rank, world, port, out):

@@ -160,7 +160,8 @@ def check_out_dir(out, need_mb=100):
 
 def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
     """Sample one completion per prompt (keys: noise keys) and score it against its problem's answer or
-    tests -> (samples, texts, correct)."""
+    tests -> (samples, texts, correct, seconds spent generating, seconds spent verifying)."""
+    t0 = time.time()
     samples = generate(model, prompt_ids, eos_id=tokenizer.eos_token_id,
                        think_end=tokenizer("</think>", add_special_tokens=False)["input_ids"],
                        interrupt_ids=tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"],
@@ -168,9 +169,11 @@ def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
                        interrupt=args.length_control == "interrupt", slots=args.slots,
                        temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed, keys=keys,
                        version=version)
+    t1 = time.time()
     texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
              for s in samples]
-    return samples, texts, score_problems(texts, problems)
+    correct = score_problems(texts, problems)
+    return samples, texts, correct, t1 - t0, time.time() - t1
 
 
 def domain_rates(problems, correct):
@@ -187,7 +190,7 @@ def evaluate(model, tokenizer, val_ids, val, args):
     """Held-out mean@k pass rate (and per domain); the same noise keys at every eval (less variance)."""
     k = args.eval_samples
     keys = [10**12 + i for i in range(len(val_ids) * k)]
-    samples, _, correct = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
+    samples, _, correct, _, _ = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
     return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish != "eos" for s in samples])),
             "n": len(correct), **domain_rates(val * k, correct)}
 
@@ -305,6 +308,8 @@ def log_line(m, steps):
             f"len {m['len']:.1f} | trunc {m['trunc']:.3f} | lag {m['lag']:.1f}/{m['lag_max']:.0f} | "
             f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | dt {m['dt_ms']:.0f} ms | "
             f"tok/s {m['tok_s']:.0f}")
+    if "generate_ms" in m:  # one process: where the step's time went
+        line += f" | gen {m['generate_ms']:.0f} verify {m['verify_ms']:.0f} train {m['train_ms']:.0f} ms"
     if "gen_busy" in m:
         line += f" | busy gen {m['gen_busy']:.2f} train {m['train_busy']:.2f} | sync {m['sync_ms']:.0f} ms"
     return line
@@ -312,19 +317,20 @@ def log_line(m, steps):
 
 def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
     """One process: sample G completions for the next prompts here, verify, record pass rates.
-    -> groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them."""
+    -> (groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them,
+    seconds generating, seconds verifying)."""
     idx = curriculum.next_batch(args.prompts)
     prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
     problems = [train[i] for i in idx for _ in range(args.samples)]
     keys = [(step * args.prompts + j // args.samples) * 1000 + j % args.samples for j in range(len(prompt_ids))]
     model.eval()
-    samples, _, correct = rollout(model, tokenizer, prompt_ids, problems, args, keys, version=step)
+    samples, _, correct, gen_s, verify_s = rollout(model, tokenizer, prompt_ids, problems, args, keys, version=step)
     groups = []
     for j, i in enumerate(idx):  # samples come in blocks of G per prompt
         block = slice(j * args.samples, (j + 1) * args.samples)
         curriculum.record(i, float(np.mean(correct[block])))
         groups.append({"index": i, "prompt": train_ids[i], "samples": samples[block], "correct": correct[block]})
-    return groups
+    return groups, gen_s, verify_s
 
 
 def main(args):
@@ -447,11 +453,11 @@ def main(args):
         t0 = time.time()
         if ctx is None:
             try:
-                groups = local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args)
+                groups, gen_s, verify_s = local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args)
             except StopIteration as e:
                 print(f"stopping at step {step}: {e}")
                 break
-            rstats = {"dropped_stale": 0, "wait_s": 0.0, "gen_tokens": sum(
+            rstats = {"dropped_stale": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s, "gen_tokens": sum(
                 len(g["prompt"]) + len(s.tokens) for g in groups for s in g["samples"])}
         else:
             groups, rstats = pipeline.receive_groups(ctx, need, step)
@@ -545,13 +551,14 @@ def main(args):
              "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
              "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
              "dropped_stale": int(sums["stale"]), "skipped_bad": bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
-             "dt_ms": dt * 1000, "tok_s": sums["len"] / t_gen if ctx is None else sums["train_tokens"] / dt,
+             "dt_ms": dt * 1000, "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
              **{f"mismatch_{k}": v for k, v in mismatch.items()}}
         if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
             m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
         if ctx is None:  # one device alternates: busy generating, then busy training
             m.update(retired=len(curriculum.retired), epoch=curriculum.epoch, gen_busy=t_gen / dt,
-                     train_busy=t_train / dt, sync_ms=0.0)
+                     train_busy=t_train / dt, sync_ms=0.0, generate_ms=rstats["gen_s"] * 1000,
+                     verify_ms=rstats["verify_s"] * 1000, train_ms=t_train * 1000)
         else:
             m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
         log_metrics(m)
