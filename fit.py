@@ -22,7 +22,9 @@ Test: python -m pytest -q test_all.py -k fit
 
 Procedure and the readings chosen:
 - R0 is the measured pass rate at C = 0 (the step-0 eval) unless given. Points at C = 0 and
-  with C < fit_from (the early transient) are dropped; at least 4 must remain. C must be
+  with C < fit_from (the early transient) are dropped; at least 4 must remain. fit_from defaults
+  to 10% of the largest C fitted, as the paper fits (its fits begin after ~1.5k of 16k GPU-hours);
+  fit_from=0 keeps every point. C must be
   finite and strictly increase, in any unit (CPU-seconds, GPU-hours, FLOPs): the grids adapt.
 - A grid: steps of 0.005 (the paper's) from max(R) - 0.02 to 1.0 and above R0 (the curve is
   taken to rise). The paper's 0.450-0.800 suited its runs; starting 0.02 (the noise level)
@@ -43,7 +45,11 @@ Procedure and the readings chosen:
   later pass rates (test_fit_power_law_overpredicts_sigmoid_data).
 - Comparison: |A_a - A_b| < 0.02 is noise (three seeds differed by <= 0.015); then both runs
   are refitted with the shared A = (A_a + A_b) / 2 and the larger B is the more efficient
-  recipe. Otherwise the higher A wins. The CLI compares every pair of runs it is given.
+  recipe. Otherwise the higher A wins. The CLI compares every pair of runs it is given and, for
+  several runs, applies the paper's section 4 rule to all of them at once (shared_A_refit: A
+  averaged over every run, each refitted with it, B compared).
+- Extrapolation check (the paper's test of predictability): fit on the first half of a run's
+  compute, predict the pass rate at its last point, report the error (extrapolation_check).
 - Figures: C = 0 cannot sit on a log axis, so the R0 point is not drawn; hollow points are
   the ones the fit did not use (before --fit_from or after --fit_until).
 """
@@ -58,6 +64,7 @@ import sys
 import numpy as np
 from scipy.optimize import curve_fit
 
+FIT_FROM = 0.1  # default fit start: this fraction of the largest compute fitted
 MIN_POINTS = 4       # fitted points needed (3 parameters + 1)
 A_STEP = 0.005       # A grid step (the paper's)
 NOISE_A = 0.02       # differences in A below this are noise
@@ -96,16 +103,22 @@ def check_points(C, R):
     return C, R
 
 
+def fit_start(C, fit_from=None):
+    """The compute a fit starts at: fit_from, or by default FIT_FROM (10%) of the largest C."""
+    return FIT_FROM * float(np.max(C, initial=0.0)) if fit_from is None else fit_from
+
+
 def fit_points(C, R, R0=None, fit_from=None):
-    """The points a fit uses: C > 0 and C >= fit_from -> (C (n,), R (n,), R0)."""
+    """The points a fit uses: C > 0 and C >= fit_start(C, fit_from) -> (C (n,), R (n,), R0)."""
     C, R = check_points(C, R)
     if R0 is None:
         if not len(C) or C[0] != 0:
             raise ValueError("R0 not given and no point at C = 0 to read it from; pass R0=")
         R0 = R[0]
-    keep = (C > 0) & (C >= (fit_from or 0.0))
+    start = fit_start(C, fit_from)
+    keep = (C > 0) & (C >= start)
     if keep.sum() < MIN_POINTS:
-        where = "with C > 0" + (f" and C >= fit_from={fit_from:g}" if fit_from else "")
+        where = "with C > 0" + (f" and C >= {start:g} (fit_from)" if start else "")
         raise ValueError(f"need at least {MIN_POINTS} points {where} to fit, got {keep.sum()}")
     return C[keep], R[keep], float(R0)
 
@@ -242,6 +255,27 @@ def compare(fit_a, fit_b, data_a, data_b, fit_from=None, tol=NOISE_A):
                         f"{A:.3f}: B {ra['B']:.2f} vs {rb['B']:.2f}, {better} is more efficient")
 
 
+def shared_A_refit(runs, fit_from=None):
+    """The paper's section 4 rule over several runs: A = the mean of their fitted A, every run refitted
+    with that A fixed -> (A, [refit per run]); compare the B (and C_mid) of the refits."""
+    A = float(np.mean([r["fit"]["A"] for r in runs]))
+    return A, [fit_sigmoid(*r["data"], R0=r["fit"]["R0"], fit_from=fit_from, A=A) for r in runs]
+
+
+def extrapolation_check(C, R, R0=None, fit_from=None):
+    """Fit on the points with C <= C_last / 2, predict R at the last point -> dict(C_half, n, predicted,
+    measured, error), or None when the first half has too few points to fit."""
+    C, R = check_points(C, R)
+    half = C <= C[-1] / 2
+    try:
+        f = fit_sigmoid(C[half], R[half], R0, fit_from)
+    except ValueError:
+        return None
+    predicted = float(sigmoid(C[-1], f["A"], f["B"], f["C_mid"], f["R0"]))
+    return dict(C_half=C[-1] / 2, n=int(half.sum()), predicted=predicted, measured=float(R[-1]),
+                error=predicted - float(R[-1]))
+
+
 def predict_final(C, R, C_end, R0=None):
     """Live prediction: fit what there is, predict R at C_end. None while < 4 points after R0."""
     C = np.asarray(C, dtype=float)
@@ -297,7 +331,7 @@ def fit_run(run_dir, args):
         power = fit_power_law(C[head], R[head], fit_from=args.fit_from)
     except ValueError as e:
         raise ValueError(f"{meta['path']}: {e}") from None
-    used = head & (C > 0) & (C >= (args.fit_from or 0.0))
+    used = head & (C > 0) & (C >= fit_start(C[head], args.fit_from))
     return dict(meta, C=C, R=R, used=used, data=(C[head], R[head]), fit=fit, power=power)
 
 
@@ -396,7 +430,8 @@ def study_report(out, seeds, compute, png):
         n = min(len(r["C"]) for r in runs)  # evals at the same steps in every seed
         C, R = np.mean([r["C"][:n] for r in runs], 0), np.mean([r["R"][:n] for r in runs], 0)
         fit = fit_sigmoid(C, R)
-        pooled.append(dict(run=name, C=C, R=R, used=C > 0, data=(C, R), fit=fit, compute=compute, metric="pass_rate"))
+        pooled.append(dict(run=name, C=C, R=R, used=(C > 0) & (C >= fit_start(C)), data=(C, R), fit=fit,
+                           compute=compute, metric="pass_rate"))
         A = [r["fit"]["A"] for r in runs]
         verdict = compare(pooled[0]["fit"], fit, pooled[0]["data"], (C, R))["verdict"] if pooled[1:] else ""
         print(f"{name:<16} {np.mean(A):7.3f} {np.std(A):6.3f} {fit['B']:6.2f} {fit['C_mid']:9.3g} "
@@ -414,7 +449,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=2, help="seeds per variant in --study")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run in --study")
     p.add_argument("--fit_from", type=float, default=None, help="drop points with C below this "
-                   "(the early transient); default None keeps every point with C > 0")
+                   "(the early transient); default None = 10%% of the largest C fitted (the paper's "
+                   "practice); 0 keeps every point with C > 0")
     p.add_argument("--fit_until", type=float, default=None, help="fit only points with C <= this "
                    "and extrapolate to the rest; default None fits every point")
     p.add_argument("--extrapolate_to", type=float, default=None, help="also predict and draw "
@@ -433,9 +469,18 @@ def main(argv=None):
         p.error("give run directories, or --study FOLDER")
     runs = [fit_run(d, args) for d in args.run_dirs]
     print_table(runs, args)
+    for run in runs:
+        x = extrapolation_check(*run["data"], fit_from=args.fit_from)
+        print(f"{run['run']}: extrapolation check: " + (f"fitted on C <= {x['C_half']:.3g} ({x['n']} points), "
+              f"predicted {x['predicted']:.3f} at the last point, measured {x['measured']:.3f}, error "
+              f"{x['error']:+.3f}" if x else "too few points in the first half of the compute to fit"))
     for a, b in itertools.combinations(runs, 2):
         v = compare(a["fit"], b["fit"], a["data"], b["data"], fit_from=args.fit_from)
         print(f"{a['run']} (a) vs {b['run']} (b): {v['verdict']}")
+    if len(runs) > 2:
+        A, refits = shared_A_refit(runs, args.fit_from)
+        print(f"all runs with the shared A = {A:.3f} (their mean): " + ", ".join(
+            f"{r['run']} B {f['B']:.2f} C_mid {f['C_mid']:.3g}" for r, f in zip(runs, refits)))
     png = args.png or os.path.join(args.run_dirs[0], "fit.png")
     root, ext = os.path.splitext(png)
     png_linear = root + "_linear" + (ext or ".png")

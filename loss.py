@@ -5,7 +5,7 @@ Implements SCALERL.md section 2 (paper arXiv 2510.13786, "The loss"). Pure funct
 
     advantages(rewards, group, norm)          A_i = r_i - mean_{j in group(i)} r_j, then normalized
     policy_loss(logp, gen_logp, adv, mask, group, kind, agg)    scalar to MINIMIZE
-    zero_variance_keep(rewards, group)        drop prompts whose rewards are all equal
+    zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and truncated samples
     length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
     ratio_stats(logp, gen_logp, mask)         generator/trainer mismatch, for logging
 
@@ -31,6 +31,12 @@ Readings chosen and departures from the textbook formulas:
   masked tokens contributes 0 but still counts in the mean (no NaN).
 - Masks: a float mask is read as 0/1 (nonzero = the token counts). Tokens outside the mask are
   zeroed before exp and before summing, so padding values (even -inf) never give NaN/inf.
+- Truncated samples (hit the hard budget without eos; an interrupted sample that then answers is not
+  truncated) leave the batch, paper A.15: the effective batch is the batch "after excluding truncated
+  samples". zero_variance_keep(..., valid=~truncated) drops them, so they get no gradient and are out of
+  every statistic: a group's mean reward and its zero-variance test use its untruncated samples only, the
+  batch std is over the samples that remain, and a group left with fewer than two samples, or whose
+  untruncated samples all agree, is dropped whole. train.py --keep_truncated keeps them (the old behaviour).
 - No KL term (the paper uses none). The length penalty is returned, not applied: the caller
   adds it to correct answers only.
 """
@@ -120,12 +126,14 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
     return -aggregate(obj, keep, group, agg)
 
 
-def zero_variance_keep(rewards, group):
-    """(N,) bool: True for samples whose prompt group has non-identical rewards."""
+def zero_variance_keep(rewards, group, valid=None):
+    """(N,) bool: True for the valid samples (default: all) whose group's valid samples have non-identical
+    rewards; invalid ones (truncated) are False and do not count in their group."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     idx, n_groups = group_index(group)
-    lo = rewards.new_zeros(n_groups).scatter_reduce(0, idx, rewards, "amin", include_self=False)
-    hi = rewards.new_zeros(n_groups).scatter_reduce(0, idx, rewards, "amax", include_self=False)
-    return (hi > lo)[idx]
+    lo = rewards.new_full((n_groups,), math.inf).scatter_reduce(0, idx[valid], rewards[valid], "amin")
+    hi = rewards.new_full((n_groups,), -math.inf).scatter_reduce(0, idx[valid], rewards[valid], "amax")
+    return valid & (hi > lo)[idx]
 
 
 def length_penalty(lengths, l_max=14336, l_cache=2048):

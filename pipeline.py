@@ -12,9 +12,13 @@ ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T
 Three modes (--mode), one mechanism:
 - pipeline (PipelineRL-k, ScaleRL's choice): generators never stop. Between two decode steps a generator
   picks up new weights (the KV cache of its running sequences stays) and stamps every token with the
-  version that produced it. A trainer at version v never trains on a token older than v - k
-  (k = --max_lag): such groups are dropped and counted, and generators stop admitting new prompts
-  while they have more than ~k/2 optimizer batches outstanding, so drops are rare.
+  version that produced it. Paper, section 3.1: "the trainers wait if they get k steps ahead of the
+  generators" (k = --max_lag, 8 in ScaleRL). Every prompt group has a global index gi; batch s (the
+  batch trainer step s + 1 trains on) is groups s*B .. s*B + B - 1 (B = --prompts), and each trainer
+  takes exactly its share of them, waiting for late ones. A generator with weights version v starts
+  group gi only if gi // B <= v + k (admit_ok), so no token trained at version s is older than s - k:
+  the lag bound holds by back-pressure and nothing is dropped (`too_old` counts violations: always 0).
+  Generator g owns every n_gens-th index (gi = g, g + n_gens, ...), so no index is taken twice.
 - ppo_offpolicy (PPO-off-policy-k): generators produce k batches with frozen weights, wait while the
   trainers take k steps on them, then receive the new weights. Lag is 0..k-1.
 - sync: ppo_offpolicy with k = 1 (generate one batch, train one step).
@@ -75,7 +79,8 @@ from generate import INTERRUPT_PHRASE, Sample, sampler, sequence_logprobs
 from verify import score_problems
 
 FINISH = ("eos", "interrupted", "truncated")
-HEADER = 6  # per packed row: generator rank, prompt index, prompt length, completion length, correct, finish
+HEADER = 7  # per packed row: generator rank, group index, prompt index, prompt length, completion length,
+#            correct, finish
 
 
 _CURRENT = {}  # this process's ctx, for report_failure
@@ -116,6 +121,7 @@ def setup(args):
            "role": "trainer" if rank < n_trainers else "generator", "device": f"cuda:{local}" if cuda else "cpu",
            "timeout": args.timeout, "mode": args.mode, "fsdp": getattr(args, "fsdp", False), "k": 1 if args.mode == "sync" else args.max_lag,
            "store": dist.distributed_c10d._get_default_store(), "status": "starting", "received": 0,
+           "prompts": args.prompts, "early": {},  # early: groups received before their batch, by index
            # every rank creates every group, in the same order
            "weights": dist.new_group([0] + gens, timeout=timeout),
            "trainers": dist.new_group(trainers, timeout=timeout),
@@ -216,7 +222,19 @@ def finish(ctx):
 # data plane: packed groups, weight broadcast, gradient all-reduce
 
 
-def pack_group(gen_rank, prompt_index, prompt, samples, correct, length):
+def admit_ok(gi, version, k, prompts):
+    """PipelineRL-k: may a generator whose weights are `version` start group gi? Only if the batch it
+    belongs to (gi // prompts) is at most k steps ahead, so its oldest token is at most k versions old
+    when a trainer takes it."""
+    return gi // prompts <= version + k
+
+
+def trainer_of(gi, prompts, n_trainers):
+    """The trainer that trains group gi: each trainer takes prompts / n_trainers groups of every batch."""
+    return (gi % prompts) % n_trainers
+
+
+def pack_group(gen_rank, gi, prompt_index, prompt, samples, correct, length):
     """One prompt's G samples -> float32 (G, HEADER + 4 * length): header | prompt+completion ids |
     gen log-probs | mask | versions (the last three aligned with the completion). Ids and versions
     are exact in float32 below 2**24."""
@@ -225,7 +243,7 @@ def pack_group(gen_rank, prompt_index, prompt, samples, correct, length):
         n, P = len(s.tokens), len(prompt)
         if P + n > length or max(prompt + s.tokens) >= 2 ** 24:
             raise ValueError(f"cannot pack: {P}+{n} tokens > {length} or a token id >= 2**24")
-        row[:HEADER] = torch.tensor([gen_rank, prompt_index, P, n, float(c), FINISH.index(s.finish)])
+        row[:HEADER] = torch.tensor([gen_rank, gi, prompt_index, P, n, float(c), FINISH.index(s.finish)])
         body = row[HEADER:].view(4, length)
         body[0, :P + n] = torch.tensor(prompt + s.tokens, dtype=torch.float)
         body[1, :n], body[2, :n], body[3, :n] = (torch.tensor(x, dtype=torch.float) for x in (s.logps, s.mask, s.versions))
@@ -233,18 +251,18 @@ def pack_group(gen_rank, prompt_index, prompt, samples, correct, length):
 
 
 def unpack_group(rows):
-    """Inverse of pack_group -> dict(gen_rank, index, prompt, samples, correct)."""
+    """Inverse of pack_group -> dict(gen_rank, gi, index, prompt, samples, correct)."""
     length = (rows.size(1) - HEADER) // 4
-    gen_rank, index, P = (int(x) for x in rows[0, :3].tolist())
+    gen_rank, gi, index, P = (int(x) for x in rows[0, :4].tolist())
     samples, correct = [], []
     for row in rows:
-        n, c, f = int(row[3]), bool(row[4]), int(row[5])
+        n, c, f = int(row[4]), bool(row[5]), int(row[6])
         body = row[HEADER:].view(4, length)
         prompt = [int(x) for x in body[0, :P].tolist()]
         samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()], body[1, :n].tolist(),
                               [int(x) for x in body[2, :n].tolist()], [int(x) for x in body[3, :n].tolist()], FINISH[f]))
         correct.append(c)
-    return {"gen_rank": gen_rank, "index": index, "prompt": prompt, "samples": samples, "correct": correct}
+    return {"gen_rank": gen_rank, "gi": gi, "index": index, "prompt": prompt, "samples": samples, "correct": correct}
 
 
 def weight_buckets(tensors, bucket_mb):
@@ -323,26 +341,30 @@ def _receive_one(ctx):
     return rows
 
 
-def receive_groups(ctx, need, step):
-    """Receive `need` groups no token of which is more than k versions older than `step`.
-    -> (groups, stats): stale groups are dropped and counted; fewer groups when generators ran out."""
-    rank, k = ctx["rank"], ctx["k"]
-    got, stats = [], {"dropped_stale": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
-    while len(got) < need:
+def receive_groups(ctx, step):
+    """This trainer's share of batch `step` (groups step*B .. step*B + B - 1 with trainer_of == rank), in
+    index order, waiting for late ones; groups of later batches that arrive first are kept in ctx["early"].
+    -> (groups, stats); fewer groups only when generators ran out of prompts. Nothing is dropped:
+    too_old counts groups with a token more than k versions old (admit_ok makes it 0)."""
+    rank, k, B = ctx["rank"], ctx["k"], ctx["prompts"]
+    want = [gi for gi in range(step * B, (step + 1) * B) if trainer_of(gi, B, ctx["n_trainers"]) == rank]
+    early, stats = ctx["early"], {"too_old": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
+    while any(gi not in early for gi in want):
+        missing = [gi for gi in want if gi not in early]
         stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx["received"]
-                                      or get_int(ctx, "exhausted") > 0, f"rollouts for step {step + 1}")
+                                      or get_int(ctx, "exhausted") > 0,
+                                      f"rollouts for step {step + 1} (groups {missing[0]}..{missing[-1]})")
         if get_int(ctx, f"sent/{rank}") <= ctx["received"]:
             break  # a generator has no prompts left
         group = unpack_group(_receive_one(ctx))
-        ctx["store"].add(f"received_from/{group['gen_rank']}", 1)
         ctx["store"].add(f"received_from/{group['gen_rank']}/{rank}", 1)
         stats["received"] += 1
         stats["gen_tokens"] += sum(len(group["prompt"]) + len(s.tokens) for s in group["samples"])
+        early[group["gi"]] = group
+    got = [early.pop(gi) for gi in want if gi in early]
+    for group in got:
         oldest = min((v for s in group["samples"] for v, m in zip(s.versions, s.mask) if m), default=step)
-        if step - oldest > k:
-            stats["dropped_stale"] += 1
-            continue
-        got.append(group)
+        stats["too_old"] += step - oldest > k
     set_status(ctx, f"training step {step + 1}")
     return got, stats
 
@@ -449,9 +471,10 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     length = ctx["length"]
     slow = slow_seconds(args, ctx, "generator")
     max_prompt = max(len(p) for p in prompt_ids)
-    st = {"version": start_version, "open": {}, "sends": [], "sent": 0, "admitted": 0,
+    B, n_gens = args.prompts, ctx["n_gens"]
+    st = {"version": start_version, "open": {}, "sends": [], "admitted": 0,
           "t0": time.time(), "idle": 0.0, "sync": 0.0, "tokens": 0, "last_poll": 0.0, "last_stats": 0.0,
-          "plan": [], "pruned": [0] * T, "idle_since": None}
+          "pruned": [0] * T, "idle_since": None}
     think_end = tokenizer("</think>", add_special_tokens=False)["input_ids"]
     interrupt_ids = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
 
@@ -486,20 +509,25 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
         publish()
         return st["version"]
 
-    def admit(n_groups):
+    def my_next(n_groups, version):
+        """pipeline: the global indices of my next groups (every n_gens-th from mine; batches before the
+        resumed version are done), as many as n_groups and as the lag rule allows at this version."""
+        gis = [start_version * B + j * n_gens + g for j in range(st["admitted"], st["admitted"] + n_groups)]
+        return [gi for gi in gis if admit_ok(gi, version, k, B)]  # the rule is monotone in gi: a prefix
+
+    def admit(gis):
+        """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler items."""
         items = []
-        for _ in range(n_groups):
+        for gi in gis:
             try:
                 (c,) = curriculum.next_batch(1)
             except StopIteration as err:
                 print(f"{role_of(ctx, me)}: {err}", flush=True)
                 ctx["store"].add("exhausted", 1)
                 break
-            gid = st["admitted"]
             st["admitted"] += 1
-            st["open"][gid] = {"c": c, "samples": [None] * G}
-            key = (((start_version << 8) + g) << 24) + gid
-            items += [(prompt_ids[mine[c]], key * 1024 + j, (gid, j)) for j in range(G)]
+            st["open"][gi] = {"c": c, "gi": gi, "samples": [None] * G}
+            items += [(prompt_ids[mine[c]], gi * 1024 + j, (gi, j)) for j in range(G)]  # noise key per sample
         return items
 
     def step(items, version):
@@ -520,12 +548,11 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
                  for s in samples]
         correct = score_problems(texts, [problems[i]] * G)
         curriculum.record(group["c"], sum(correct) / G)
-        dst = st["plan"].pop(0) if st["plan"] else (g + st["sent"]) % T
-        rows = pack_group(me, i, prompt_ids[i], samples, correct, length)
+        dst = trainer_of(group["gi"], B, T)
+        rows = pack_group(me, group["gi"], i, prompt_ids[i], samples, correct, length)
         st["sends"].append((dst, dist.isend(rows, dst=dst, group=ctx["rollouts"], tag=1), rows))
-        st["sent"] += 1
         ctx["store"].add(f"sent/{dst}", 1)
-        if len(st["sends"]) > 2 * cap:  # forget sends already received (each trainer receives ours in order)
+        if len(st["sends"]) > 2 * math.ceil((k + 1) * B / n_gens):  # forget sends already received (in order)
             done = {t: get_int(ctx, f"received_from/{me}/{t}") for t in range(T)}
             for t in range(T):
                 mine_to_t = [x for x in st["sends"] if x[0] == t]
@@ -533,11 +560,6 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
                     x[1].wait()
                     st["sends"].remove(x)
                     st["pruned"][t] += 1
-
-    def outstanding():  # groups admitted and not yet received by a trainer
-        return st["admitted"] - get_int(ctx, f"received_from/{me}")
-
-    cap = math.ceil(args.prompts * max(1, k // 2) / ctx["n_gens"])  # ~k/2 batches in flight, all generators
 
     steps = sampler(model, eos_id=tokenizer.eos_token_id, think_end=think_end, interrupt_ids=interrupt_ids,
                     think_budget=args.think_budget, answer_budget=args.answer_budget, max_prompt_len=max_prompt,
@@ -547,24 +569,20 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     set_status(ctx, "generating")
     try:
         while True:
-            if ctx["mode"] == "pipeline":  # never stop: admit while under the cap, take weights in flight
+            if ctx["mode"] == "pipeline":  # never stop: admit what the lag rule allows, take weights in flight
                 version = poll()
-                n = min(math.ceil(n_free / G), cap - outstanding()) if n_free > 0 else 0
-                items = admit(n) if n > 0 else []
+                items = admit(my_next(math.ceil(n_free / G), version)) if n_free > 0 else []
                 if items or n_free < args.slots:
                     n_free = step(items, version)
                     continue
-                st["idle_since"] = time.time()  # nothing running and nothing to admit: the trainers are behind
-                wait_until(ctx, lambda: poll() is not None and outstanding() < cap and not get_int(ctx, "exhausted"),
-                           f"trainers to take rollouts ({cap} groups outstanding)")
+                st["idle_since"] = time.time()  # nothing running and nothing admissible: k batches ahead
+                wait_until(ctx, lambda: my_next(1, poll()) and not get_int(ctx, "exhausted"),
+                           f"weights that let group {my_next(1, 10 ** 9)[0]} start (PipelineRL-{k})")
                 st["idle"] += time.time() - st["idle_since"]
                 st["idle_since"] = None
             else:  # ppo_offpolicy / sync: the batches for the steps up to the next multiple of k, frozen
                 v = st["version"]
-                total = (k - v % k) * args.prompts
-                js = range(g, total, ctx["n_gens"])
-                st["plan"] = [(j % args.prompts) % T for j in js]
-                n_free = step(admit(len(js)), v)
+                n_free = step(admit([v * B + j for j in range(g, (k - v % k) * B, n_gens)]), v)
                 while n_free < args.slots:  # until every sample of these batches is done
                     poll(apply=False)
                     n_free = step([], v)

@@ -159,6 +159,20 @@ def test_loss_zero_variance_keep():
     assert zero_variance_keep(rewards, group).tolist() == want
 
 
+def test_loss_truncated_samples_leave_the_batch_and_the_group_statistics():
+    """Paper A.15's effective batch, by hand: group 0 keeps its three untruncated samples (mean 1/3),
+    group 1's untruncated samples all agree, group 2 has one untruncated sample, group 3 none: dropped."""
+    rewards = torch.tensor([1.0, -1, 1, 1, 1, -1, 1, 1, -1, 1, -1, -1, 1, -1, 1, -1])
+    group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])
+    truncated = torch.tensor([0, 0, 0, 1, 0, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    keep = zero_variance_keep(rewards, group, ~truncated)
+    assert keep.tolist() == [True, True, True] + [False] * 13
+    adv = advantages(rewards[keep], group[keep], "none")
+    assert torch.allclose(adv, torch.tensor([2 / 3, -4 / 3, 2 / 3]))
+    # kept in, every group but group 3 has both rewards
+    assert zero_variance_keep(rewards, group).tolist() == [True] * 12 + [True] * 4
+
+
 def test_loss_length_penalty_points():
     l_max, l_cache = 14336, 2048
     lengths = torch.tensor([0, 100, l_max - l_cache, l_max - l_cache // 2, l_max, l_max + 500])
@@ -481,6 +495,35 @@ def test_fit_noiseless_curve_is_exact():
     C, R = fit_curve(C_mid, B, A, noise=0.0)
     f = fit.fit_sigmoid(C, R)
     np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
+
+
+def test_fit_drops_the_first_tenth_of_the_compute_by_default():
+    """A transient in the first 10% of the compute (here: early pass rates far off the curve) moves a fit
+    of every point; the default fit, which starts at 10% of the compute as the paper's fits do, is exact."""
+    C_mid, B, A = PUBLISHED["8B batch 768"]
+    C, R = fit_curve(C_mid, B, A, noise=0.0)
+    early = (C > 0) & (C < 0.1 * C[-1])
+    R = np.where(early, R + 0.15, R)
+    assert fit.fit_start(C) == pytest.approx(0.1 * C[-1])
+    f = fit.fit_sigmoid(C, R)
+    np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
+    every = fit.fit_sigmoid(C, R, fit_from=0)
+    assert abs(every["B"] - B) > 0.05
+
+
+def test_fit_extrapolation_check_and_the_shared_A_rule_over_several_runs():
+    C_mid, B, A = PUBLISHED["8B batch 768"]
+    C, R = fit_curve(C_mid, B, A, noise=0.0)
+    x = fit.extrapolation_check(C, R)
+    assert x["n"] == 31 and x["measured"] == pytest.approx(R[-1]) and abs(x["error"]) < 1e-3
+    assert fit.extrapolation_check(C[:5], R[:5]) is None  # 2 points in the first half: no fit
+    runs = []
+    for b in (1.2, 1.6, 2.0):  # same ceiling, different efficiency
+        Cb, Rb = fit_curve(C_mid, b, A, noise=0.0)
+        runs.append({"fit": fit.fit_sigmoid(Cb, Rb), "data": (Cb, Rb)})
+    shared, refits = fit.shared_A_refit(runs)
+    assert shared == pytest.approx(A, abs=1e-3)
+    np.testing.assert_allclose([f["B"] for f in refits], [1.2, 1.6, 2.0], rtol=1e-2)
 
 
 def test_fit_units_do_not_matter():
@@ -1387,14 +1430,44 @@ ROOT = Path(__file__).resolve().parent
 def test_pipeline_pack_unpack_round_trip():
     s = [gen.Sample(0, [5, 7, 0], [-0.5, -1.25, -2.0], [1, 1, 0], [3, 4, 4], "eos"),
          gen.Sample(1, [150000, 9], [-0.375, 0.0], [1, 0], [4, 4], "truncated")]
-    rows = pipeline.pack_group(3, 17, [1, 2, 3], s, [True, False], length=8)
+    rows = pipeline.pack_group(3, 41, 17, [1, 2, 3], s, [True, False], length=8)
     assert rows.shape == (2, pipeline.HEADER + 4 * 8) and rows.dtype == torch.float32
     g = pipeline.unpack_group(rows)
-    assert (g["gen_rank"], g["index"], g["prompt"], g["correct"]) == (3, 17, [1, 2, 3], [True, False])
+    assert (g["gen_rank"], g["gi"], g["index"], g["prompt"], g["correct"]) == (3, 41, 17, [1, 2, 3], [True, False])
     for a, b in zip(s, g["samples"]):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
     with pytest.raises(ValueError, match="cannot pack"):
-        pipeline.pack_group(0, 0, [1] * 7, s, [True, True], length=8)
+        pipeline.pack_group(0, 0, 0, [1] * 7, s, [True, True], length=8)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("slots", [1, 16])  # generators slower than the trainer / far faster
+def test_pipeline_admission_rule_bounds_the_lag_by_k_and_reaches_it(k, slots):
+    """PipelineRL-k run by hand: 2 generators start groups by admit_ok with the weights they hold, a group
+    takes 1-12 ticks (one token a tick, stamped with the version of that tick, so long groups finish out of
+    order), the trainer takes batch s (groups s*B..s*B+B-1, waiting for late ones) as soon as it is
+    complete. The lags read off the stamps never exceed k; with fast generators they reach k exactly
+    (the old rule, admitting about k/2 batches ahead, never did)."""
+    rng, B, n_gens = random.Random(k * 100 + slots), 4, 2
+    version, done, lags, admitted = 0, {}, [], [0] * n_gens
+    running = [[] for _ in range(n_gens)]  # per generator: [gi, stamps, length]
+    for _ in range(600):
+        for g in range(n_gens):
+            while len(running[g]) < slots and pipeline.admit_ok(admitted[g] * n_gens + g, version, k, B):
+                running[g].append([admitted[g] * n_gens + g, [], rng.randint(1, 12)])
+                admitted[g] += 1
+            for item in running[g]:
+                item[1].append(version)
+            for item in [x for x in running[g] if len(x[1]) == x[2]]:
+                running[g].remove(item)
+                done[item[0]] = item[1]
+        batch = range(version * B, version * B + B)
+        if all(gi in done for gi in batch):  # one trainer step a tick at most
+            lags += [version - min(done.pop(gi)) for gi in batch]
+            version += 1
+    assert version > 40 and max(lags) <= k
+    if slots == 16:
+        assert max(lags) == k
 
 
 def test_generate_streaming_sampler_equals_one_batch():
@@ -1550,18 +1623,19 @@ def test_pipeline_lag_bound_holds_under_a_slow_trainer(tmp_path):
 
 
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
-    """A straggler generator (the last one) decodes slowly while the other keeps the trainer busy: its
-    groups grow older than k versions and are dropped, never trained on."""
+    """A straggler generator (the last one) decodes slowly while the other runs ahead: the trainer waits
+    for the straggler's groups of each batch (nothing is dropped) and the fast one stops k batches ahead."""
     procs = launch(3, tmp_path, "--steps", "12", "--max_lag", "1", "--gen_ranks", "2", "--slow", "generator=0.02")
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0, 0], outs
     recs = train_records(tmp_path)
     assert len(recs) == 12 and max(r["lag_max"] for r in recs) <= 1
-    assert sum(r["dropped_stale"] for r in recs) > 0
+    assert all(r["too_old"] == 0 and r["prompts"] == 4 for r in recs)
 
 
 def test_pipeline_ppo_offpolicy_freezes_generator_weights_for_k_steps(tmp_path):
-    procs = launch(3, tmp_path, "--steps", "6", "--mode", "ppo_offpolicy", "--max_lag", "3", "--gen_ranks", "2")
+    procs = launch(3, tmp_path, "--steps", "6", "--mode", "ppo_offpolicy", "--max_lag", "3", "--gen_ranks", "2",
+                   "--no-zero_var_filter", "--keep_truncated")  # every sample trains: each step's lag is defined
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0, 0], outs
     recs = train_records(tmp_path)

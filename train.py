@@ -85,6 +85,9 @@ def get_args(argv=None):
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True, help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
                    help="drop prompts whose rewards are all equal")
+    g.add_argument("--keep_truncated", action="store_true",
+                   help="keep truncated samples (no eos within the budget) in the loss with their reward; default: "
+                        "excluded from the loss and the group statistics (paper A.15's effective batch)")
     g.add_argument("--no_positive_resampling", action=argparse.BooleanOptionalAction, default=True,
                    help="never resample a prompt once its pass rate reaches 0.9")
     g = ap.add_argument_group("optimization")
@@ -93,7 +96,8 @@ def get_args(argv=None):
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (paper: 100)")
     g.add_argument("--weight_decay", type=float, default=0.01)
     g.add_argument("--adam_eps", type=float, default=1e-15, help="a larger eps silently damps tiny gradients")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0 = off")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0 = off (not part of the recipe "
+                   "as the paper states it; README: what the toy does without it)")
     g.add_argument("--micro_prompts", type=int, default=0, help="prompts per forward/backward; 0 = the whole batch")
     g = ap.add_argument_group("ranks (pipeline.py; under torchrun only)")
     g.add_argument("--mode", default="pipeline", choices=["pipeline", "ppo_offpolicy", "sync"],
@@ -191,7 +195,8 @@ def evaluate(model, tokenizer, val_ids, val, args):
     k = args.eval_samples
     keys = [10**12 + i for i in range(len(val_ids) * k)]
     samples, _, correct, _, _ = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
-    return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish != "eos" for s in samples])),
+    return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
+            "intr": float(np.mean([0 in s.mask for s in samples])),
             "n": len(correct), **domain_rates(val * k, correct)}
 
 
@@ -305,7 +310,7 @@ def load_data(args):
 
 def log_line(m, steps):
     line = (f"step {m['step']}/{steps} | reward {m['reward']:+.3f} | pass@1 {m['pass_rate']:.3f} | "
-            f"len {m['len']:.1f} | trunc {m['trunc']:.3f} | lag {m['lag']:.1f}/{m['lag_max']:.0f} | "
+            f"len {m['len']:.1f} | ent {m['entropy']:.3f} | trunc {m['trunc']:.3f} | intr {m['intr']:.3f} | lag {m['lag']:.1f}/{m['lag_max']:.0f} | "
             f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | dt {m['dt_ms']:.0f} ms | "
             f"tok/s {m['tok_s']:.0f}")
     if "generate_ms" in m:  # one process: where the step's time went
@@ -423,7 +428,7 @@ def main(args):
                    f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
         per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
         print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
-              f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f}{fit_txt}", flush=True)
+              f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}", flush=True)
 
     def save():
         state = {"optimizer": full_opt if forward is not None else opt.state_dict(), "scheduler": sched.state_dict(),
@@ -457,10 +462,10 @@ def main(args):
             except StopIteration as e:
                 print(f"stopping at step {step}: {e}")
                 break
-            rstats = {"dropped_stale": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s, "gen_tokens": sum(
+            rstats = {"too_old": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s, "gen_tokens": sum(
                 len(g["prompt"]) + len(s.tokens) for g in groups for s in g["samples"])}
         else:
-            groups, rstats = pipeline.receive_groups(ctx, need, step)
+            groups, rstats = pipeline.receive_groups(ctx, step)
         t_gen = time.time() - t0
         short, _ = pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})
         if short["short"]:
@@ -473,7 +478,9 @@ def main(args):
         group = torch.tensor([j for j, g in enumerate(groups) for _ in g["samples"]])
 
         # ---- batch: zero-variance filtering, advantages (batch std over every trainer's part)
-        keep = zero_variance_keep(rewards, group) if args.zero_var_filter else torch.ones(len(rewards), dtype=torch.bool)
+        truncated = torch.tensor([s.finish == "truncated" for s in samples], dtype=torch.bool)
+        valid = ~truncated if not args.keep_truncated else torch.ones(len(samples), dtype=torch.bool)  # paper A.15
+        keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
         rows = keep.nonzero().squeeze(1).tolist()
         adv = advantages(rewards[rows], group[rows], args.adv_norm if ctx is None else
                          {"batch": "none"}.get(args.adv_norm, args.adv_norm))
@@ -532,8 +539,10 @@ def main(args):
         sums, maxes = pipeline.all_reduce_stats(ctx, {
             "groups": len(groups), "kept": len(set(group[rows].tolist())), "n": len(samples),
             "reward": rewards.sum().item(), "correct": sum(correct), "len": sum(len(s.tokens) for s in samples),
-            "trunc": sum(s.finish != "eos" for s in samples), "interrupted": sum(s.finish == "interrupted" for s in samples),
-            "lag": sum(lags), "lag_n": len(lags), "stale": rstats["dropped_stale"], "gen_tokens": rstats["gen_tokens"],
+            "trunc": sum(truncated.tolist()), "intr": sum(0 in s.mask for s in samples),
+            "excluded": int((truncated & ~valid).sum()),
+            "nll": -sum(lp for s in samples for lp, m in zip(s.logps, s.mask) if m), "sampled": sum(sum(s.mask) for s in samples),
+            "lag": sum(lags), "lag_n": len(lags), "too_old": rstats["too_old"], "gen_tokens": rstats["gen_tokens"],
             "train_tokens": sum(len(prompt_ids[r]) + len(samples[r].tokens) for r in rows), "loss": loss_value,
             **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups if train[g["index"]].get("domain", "math") == d
                                  for c in g["correct"]) for d in domains for key in ("correct", "n")}},
@@ -547,10 +556,11 @@ def main(args):
             continue
         m = {"kind": "train", "step": step, "compute_s": compute_s, "flops": flops,
              "reward": sums["reward"] / sums["n"], "pass_rate": sums["correct"] / sums["n"], "len": sums["len"] / sums["n"],
-             "trunc": sums["trunc"] / sums["n"], "interrupted": sums["interrupted"] / sums["n"],
+             "trunc": sums["trunc"] / sums["n"], "intr": sums["intr"] / sums["n"], "excluded_truncated": int(sums["excluded"]),
+             "entropy": sums["nll"] / max(sums["sampled"], 1),  # mean -log p of the sampled tokens: estimates it
              "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
              "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
-             "dropped_stale": int(sums["stale"]), "skipped_bad": bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+             "too_old": int(sums["too_old"]), "skipped_bad": bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
              "dt_ms": dt * 1000, "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
              **{f"mismatch_{k}": v for k, v in mismatch.items()}}
         if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
