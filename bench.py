@@ -85,6 +85,8 @@ def get_args(argv=None):
     ap.add_argument("--agree_seqs", type=int, default=8, help="figure 4: samples per setting")
     ap.add_argument("--target", type=float, default=0.9, help="figure 6: held-out pass rate to reach")
     ap.add_argument("--pipeline_steps", type=int, default=100, help="figure 6: optimizer steps per run")
+    ap.add_argument("--train_flags", default="", help="figure 6: extra train.py flags for every run, e.g. "
+                    "'--keep_truncated'")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES), help="figure 7: the Qwen2 config trained")
     ap.add_argument("--fsdp_steps", type=int, default=2, help="figure 7: optimizer steps per run")
     ap.add_argument("--fsdp_seqs", type=int, default=4, help="figure 7: sequences per step")
@@ -495,7 +497,7 @@ def bench_pipeline(args):
         launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                         "--nproc_per_node", str(world), "--master_port", str(free_port())]
         cmd = launcher + [os.path.join(root, "train.py"), "--out", out, "--steps", str(args.pipeline_steps),
-                          "--save_every", "0", *flags]
+                          "--save_every", "0", *flags, *args.train_flags.split()]
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
         if done.returncode:
