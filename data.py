@@ -39,7 +39,7 @@ import random
 import sys
 import time
 
-from verify import last_boxed
+from verify import last_boxed, split_asserts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
@@ -83,6 +83,10 @@ def _tests_of(rec, where):
     if not asserts or not all(isinstance(x, str) and x.strip() for x in asserts):
         raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of assert "
                          "strings or one string of asserts")
+    try:
+        split_asserts("\n".join(asserts))  # the expected values must be able to stay out of the sandbox
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"{where}: field 'tests': {err}") from None
     return tests
 
 

@@ -413,7 +413,7 @@ def run_study(out, seeds, steps):
             if os.path.exists(path) and any(f'"step": {steps},' in ln for ln in open(path)):
                 continue
             print(f"study: training {name} seed {seed} -> {run_dir}", flush=True)
-            cmd = [sys.executable, os.path.join(here, "train.py"), "--out", run_dir, "--seed", str(seed),
+            cmd = [sys.executable, os.path.join(here, "train.py"), "--out", run_dir, "--overwrite", "--seed", str(seed),
                    "--steps", str(steps), "--eval_every", "5", "--save_every", "0", *flags]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 

@@ -546,7 +546,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
         samples, i = group["samples"], mine[group["c"]]
         texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
                  for s in samples]
-        correct = score_problems(texts, [problems[i]] * G)
+        correct = score_problems(texts, [problems[i]] * G, unsafe_code=args.unsafe_code_exec)
         curriculum.record(group["c"], sum(correct) / G)
         dst = trainer_of(group["gi"], B, T)
         rows = pack_group(me, group["gi"], i, prompt_ids[i], samples, correct, length)

@@ -5,13 +5,17 @@ test_all.py: every test of the project, fast, on CPU.
 """
 
 from pathlib import Path
+import contextlib
+import errno
 import json
 import math
 import multiprocessing
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -1091,9 +1095,24 @@ def fenced(code, tag="python"):
     return f"<think>\nplan\n</think>\nHere it is:\n```{tag}\n{code}\n```\n"
 
 
+BWRAP = pytest.mark.skipif(not verify.bwrap_ready(), reason="bubblewrap (bwrap) is not installed or cannot make "
+                           "namespaces here; .ci/run installs it")
+
+
 def nproc_binds():
-    """RLIMIT_NPROC binds every user except root; root drops to nobody when it can."""
-    return os.geteuid() != 0 or verify._sandbox_uid() is not None
+    """RLIMIT_NPROC binds every user except root; in bwrap root's program drops to nobody."""
+    return verify.bwrap_ready() or os.geteuid() != 0 or verify._sandbox_uid() is not None
+
+
+def sandbox_processes():
+    """Live host processes still running a sandboxed program (the prelude's text is in their command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if b"_record" in open(f"/proc/{pid}/cmdline", "rb").read() and \
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(pid)
+    return found
 
 
 def live_in_group(pgid):
@@ -1220,64 +1239,139 @@ def test_code_nproc_limits_threads_and_processes():
                "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
                "        n += 1\nexcept RuntimeError:\n    pass\n")
     margin = verify.CODE_NPROC_MARGIN
-    assert score_code(fenced(threads), [f"assert 5 < n < {2 * margin}"], memory=16 << 30) is True
+    assert score_code(fenced(threads), ["assert n > 5", f"assert n < {2 * margin}"], memory=16 << 30) is True
     assert score_code(fenced(threads), ["assert n == 200"], memory=16 << 30) is False
 
 
-@pytest.mark.skipif(not nproc_binds(), reason="root that cannot drop to nobody: a fork bomb past the "
-                    "removed functions would not be contained, so it is not run")
-def test_code_fork_bomb_past_the_guard_is_contained(tmp_path):
-    folder = shared_dir(tmp_path)
-    bomb = (f"import os, sys\nopen({str(folder / 'pgid')!r}, 'w').write(str(os.getpgrp()))\n"
-            "del sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
+@BWRAP
+def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox():
+    bomb = ("import sys\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
             "fork = ctypes.CDLL(None).fork\nwhile True:\n    fork()")
-    start = time.perf_counter()
-    assert score_code(fenced(bomb), ["assert True"], timeout=3.0) is False
-    assert time.perf_counter() - start < 15.0
-    pgid = int((folder / "pgid").read_text())
-    deadline = time.monotonic() + 10
-    while live_in_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert live_in_group(pgid) == []
+    daemon = ("import sys, time\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
+              "libc = ctypes.CDLL(None)\nif libc.fork() == 0:\n    libc.setsid()\n    if libc.fork() == 0:\n"
+              "        time.sleep(60)\n")  # a double-forked setsid daemon; the program itself exits at once
+    for program, timeout in ((bomb, 3.0), (daemon, 6.0)):
+        start = time.perf_counter()
+        score_code(fenced(program), ["assert True"], timeout=timeout)
+        assert time.perf_counter() - start < 15.0
+        assert sandbox_processes() == [], program  # the PID namespace died with the sample
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
 
-def test_code_environment_is_empty_and_home_is_the_temp_dir(tmp_path):
+@BWRAP
+def test_code_sandbox_sees_nothing_of_the_machine(tmp_path):
+    """What a program can see and touch, asked from inside (each value goes back through the assert channel)."""
+    secret = tmp_path / "expected.txt"
+    secret.write_text("3\n")
     os.environ["SECRET_TOKEN"] = "hunter2"
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
     try:
-        folder = shared_dir(tmp_path)
-        probe = (f"import os, sys\nopen({str(folder / 'seen')!r}, 'w').write(repr("
-                 "[dict(os.environ), os.getcwd(), sys.flags.isolated]))")
-        assert score_code(fenced(probe), ["assert True"]) is True
-        env, cwd, isolated = eval((folder / "seen").read_text())
-        assert "SECRET_TOKEN" not in env and set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}
-        assert env["HOME"] == cwd and os.path.basename(cwd).startswith("verify-code-") and isolated == 1
-        assert not os.path.exists(cwd)                                # removed afterwards
+        probe = fenced("""import os, socket, sys
+def reach(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return "connected"
+    except OSError:
+        return "refused"
+def writable(path):
+    try:
+        open(path, "w").write("x")
+        return True
+    except OSError:
+        return False
+def fill():
+    n = 0
+    try:
+        while n < 20:
+            open(f"/tmp/f{n}", "wb").write(b"x" * (8 << 20))
+            n += 1
+    except OSError:
+        pass
+    return n
+""")
+        checks = ["assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'PWD']", "assert os.getcwd() == '/tmp'",
+                  "assert sys.flags.isolated == 1", "assert os.getuid() == 65534", "assert os.getppid() == 1",
+                  "assert len([p for p in os.listdir('/proc') if p.isdigit()]) <= 3",
+                  "assert not os.path.exists('/etc/shadow')", f"assert not os.path.exists({str(secret)!r})",
+                  f"assert not os.path.exists({str(ROOT / 'verify.py')!r})",
+                  f"assert reach({server.getsockname()[1]}) == 'refused'",
+                  "assert not writable('/usr/x')", "assert writable('/tmp/x')",
+                  f"assert fill() <= {verify.CODE_TMPFS // (8 << 20)}"]
+        for check in checks:
+            assert score_code(probe, [check]) is True, check
+        assert score_code(probe, ["assert os.getuid() == 0"]) is False  # the channel really carries values
     finally:
+        server.close()
         del os.environ["SECRET_TOKEN"]
 
 
-def test_code_temp_dir_is_removed_even_when_locked(tmp_path):
+@BWRAP
+def test_code_wrong_solutions_cannot_forge_their_reward(tmp_path):
+    """Each of these is wrong (add is missing or subtracts) and tries to score anyway."""
+    data_file = tmp_path / "problems.jsonl"
+    data_file.write_text(json.dumps({"tests": SUM}) + "\n")
+    cheats = {
+        "exit before the asserts": "import os\nprint('anything')\nos._exit(0)",
+        "an always-equal object": "class Any:\n    def __eq__(self, other):\n        return True\n"
+                                  "def add(a, b):\n    return Any()",
+        "report values itself": "import os\nfor v in range(10):\n    os.write(4, f'0\\t{v}\\n'.encode())\nos._exit(0)",
+        "replace the reporter": "def add(a, b):\n    return a - b\n_record = lambda k, v: None",
+        "guess through the reporter": "def add(a, b):\n    return a - b\nfor v in range(10):\n    _record(0, v)",
+    }
+    for name, program in cheats.items():
+        assert score_code(fenced(program), ["assert add(1, 2) == 3"]) is False, name
+    stdio_cheats = {
+        "read the data set": f"print(open({str(data_file)!r}).read())",
+        "read the parent's command line": "import os\nfor p in os.listdir('/proc'):\n"
+                                          "    if p.isdigit():\n        print(open(f'/proc/{p}/cmdline').read())",
+        "print nothing and exit 0": "pass",
+    }
+    for name, program in stdio_cheats.items():
+        assert score_code(fenced(program), SUM) is False, name
+    assert score_code(fenced("def add(a, b):\n    return a + b"), ["assert add(1, 2) == 3"]) is True
+
+
+def test_code_split_asserts_keeps_expected_values_out():
+    source, checks = verify.split_asserts("assert f(1) == [1, (2, 'x')]\nassert not g(2)\nassert h(3)\n"
+                                          "def check(c):\n    assert c(4) in {4, 5}\ncheck(f)")
+    assert "[1, (2, 'x')]" not in source and "{4, 5}" not in source and source.count("_record(") == 4
+    assert [op(v, e) for (op, e), v in zip(checks, ([1, (2, "x")], 0, 7, 5))] == [True, True, True, True]
+    assert verify.split_asserts("assert f(1) is None")[1][0][0](None, None) is True
+    for bad in ("assert f(1) == expected", "assert 0 < f(1) < 2", "x = 1", "assert f(1) is g"):
+        with pytest.raises(ValueError):
+            verify.split_asserts(bad)
+
+
+def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(verify, "bwrap_ready", lambda: False)
+    add = fenced("def add(a, b):\n    return a + b")
+    assert score_code(add, ["assert add(1, 2) == 3"]) is False  # never raises; the run refuses earlier
+    assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
+    monkeypatch.setattr(train, "bwrap_ready", lambda: False)
+    code = str(FIXTURES / "code_toy.jsonl")
+    with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
+        run_train(toy_dir, tmp_path / "a", "--data", code, "--val_size", "4")
+    run_train(toy_dir, tmp_path / "b", "--data", code, "--val_size", "4", "--unsafe_code_exec")
+    assert "--unsafe_code_exec: resource limits only" in capsys.readouterr().out
+
+
+def test_code_unsafe_path_temp_dir_is_removed_even_when_locked(tmp_path):
     folder = shared_dir(tmp_path)
     messy = (f"import os\nopen({str(folder / 'cwd')!r}, 'w').write(os.getcwd())\n"
              "os.makedirs('a/b/c')\nopen('a/b/c/f.txt', 'w').write('x')\n"
              "os.symlink('/', 'a/root')\nos.chmod('a/b', 0)\nos.chmod('a', 0o500)")
-    assert score_code(fenced(messy), ["assert True"]) is True
+    assert score_code(fenced(messy), ["assert True"], unsafe=True) is True
     cwd = (folder / "cwd").read_text()
     assert cwd and not os.path.exists(cwd) and os.path.exists("/")
 
 
-def test_code_files_outside_are_capped_and_guarded_as_nobody(tmp_path):
+def test_code_unsafe_path_files_outside_are_capped(tmp_path):
     folder = shared_dir(tmp_path)
     big = f"f = open({str(folder / 'big')!r}, 'wb')\nf.write(b'x' * (64 << 20))\nf.close()"
-    assert score_code(fenced(big), ["assert True"]) is False                     # RLIMIT_FSIZE
+    assert score_code(fenced(big), ["assert True"], unsafe=True) is False                     # RLIMIT_FSIZE
     assert (folder / "big").stat().st_size <= verify.CODE_MAX_OUTPUT
-    if verify._sandbox_uid() is None:
-        return                          # same user as the caller: it may write where it may (documented)
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    sneaky = f"open({str(private / 'x')!r}, 'w').write('x')"
-    assert score_code(fenced(sneaky), ["assert True"]) is False and not (private / "x").exists()
 
 
 def test_code_batch_equals_one_by_one_and_uses_workers():
@@ -1710,9 +1804,77 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path):
     locked.chmod(0o500)
     if os.geteuid() != 0:  # root writes anywhere: the check cannot fail there
         with pytest.raises(SystemExit, match="not writable"):
-            train.check_out_dir(str(locked / "run"))
+            train.prepare_out_dir(train.get_args(["--out", str(locked / "run")]))
     with pytest.raises(SystemExit, match="not writable"):
-        train.check_out_dir(str(tmp_path / "file.txt" / "run")) if (tmp_path / "file.txt").write_text("x") else None
+        (tmp_path / "file.txt").write_text("x")
+        train.prepare_out_dir(train.get_args(["--out", str(tmp_path / "file.txt" / "run")]))
+    with pytest.raises(SystemExit):
+        train.get_args(["--resume", "--overwrite"])
+
+
+def test_train_run_folders_are_never_silently_mixed_or_erased(toy_dir, tmp_path):
+    out = tmp_path / "run"
+    run_train(toy_dir, out, "--steps", "2")
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match="already holds a run.*--resume.*--overwrite"):
+        run_train(toy_dir, out, "--steps", "2")
+    assert (out / "metrics.jsonl").read_text() == before  # nothing was touched
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\nf = open(sys.argv[1], 'a+')\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nf.write(' (a test)')\nf.flush()\nprint('held', flush=True)\n"
+                               "time.sleep(60)", str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:  # another run of the same folder is under way
+        assert holder.stdout.readline() == "held\n"  # (the run above released it when it ended)
+        with pytest.raises(SystemExit, match="in use by another run"):
+            run_train(toy_dir, out, "--steps", "2", "--overwrite")
+    finally:
+        holder.kill()
+        holder.wait()
+    (out / "ckpt-000099").mkdir()  # a stray folder of an older run
+    recs = run_train(toy_dir, out, "--steps", "2", "--overwrite")
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2] and not (out / "ckpt-000099").exists()
+
+
+def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    run_train(toy_dir, out, "--steps", "4", "--save_every", "1", "--keep", "2")
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000003", "ckpt-000004"]
+    for step in (999999, 1000000):  # past 999,999 the names no longer sort as their steps do
+        shutil.copytree(out / "ckpt-000004", out / f"ckpt-{step:06d}")
+    fake = dict(model=types.SimpleNamespace(save_pretrained=os.makedirs),
+                tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={}, keep=2)
+    train.save_checkpoint(str(out), 1000001, **fake)
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-1000000", "ckpt-1000001"]
+    train.save_checkpoint(str(out), 7, **fake)  # a later step's leftovers are not this run's: left alone
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000007", "ckpt-1000000", "ckpt-1000001"]
+    run_train(toy_dir, out, "--steps", "4", "--save_every", "1", "--keep", "2", "--overwrite")
+    (out / "ckpt-000004" / "state.pt").write_bytes(b"half a file")  # the newest is broken
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "ste')  # and a crash cut the last line
+    recs = run_train(toy_dir, out, "--steps", "4", "--save_every", "1", "--keep", "2", "--resume")
+    said = capsys.readouterr().out
+    assert "skipping" in said and "ckpt-000004" in said and "dropped the half-written last line" in said
+    assert "resumed from" in said and "ckpt-000003 at step 3" in said
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]
+    with pytest.raises(SystemExit, match="--resume: --data was '', now 'toy,"):
+        run_train(toy_dir, out, "--steps", "5", "--resume", "--data", "toy," + str(FIXTURES / "code_toy.jsonl"))
+    run_train(toy_dir, out, "--steps", "5", "--resume", "--lr", "1e-4")
+    assert "--lr 0.0003 -> 0.0001" in capsys.readouterr().out
+
+
+def test_train_disk_full_names_the_path_and_keeps_the_last_checkpoint(toy_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def save_until_full(obj, path, *a, **k):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+    monkeypatch.setattr(train.torch, "save", save_until_full)
+    with pytest.raises(SystemExit, match=r"writing .*ckpt-000002.tmp failed: No space left on device; the last good "
+                                         r"checkpoint is .*ckpt-000001"):
+        run_train(toy_dir, out, "--steps", "2", "--save_every", "1")
+    assert (out / "ckpt-000001" / "state.pt").exists() and not (out / "ckpt-000002.tmp").exists()
 
 
 def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):

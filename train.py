@@ -26,12 +26,14 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 
 import argparse
 import copy
+import fcntl
 import glob
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 import traceback
@@ -40,6 +42,7 @@ from functools import partial
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
@@ -47,7 +50,7 @@ import pipeline
 from fit import predict_final
 from generate import INTERRUPT_PHRASE, SUPPORTED, check_supported, generate, sequence_logprobs
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
-from verify import score_problems
+from verify import BWRAP_MISSING, bwrap_ready, score_problems
 
 # -----------------------------------------------------------------------------
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
@@ -59,6 +62,9 @@ def get_args(argv=None):
     g.add_argument("--model", default="", help="HF model folder (Llama/Qwen2/Qwen3); empty = the embedded toy model")
     g.add_argument("--data", default="", help="training jsonl, or several comma-separated (math and code mix); "
                    "'toy' or empty = the embedded toy task")
+    g.add_argument("--unsafe_code_exec", action="store_true",
+                   help="code problems: run programs with resource limits only when bubblewrap (bwrap) is missing; "
+                        "a program can then forge its reward (verify.py)")
     g.add_argument("--val_data", default="", help="held-out jsonl; empty = hold out --val_size problems of --data")
     g.add_argument("--val_size", type=int, default=200, help="held-out problems (paper: 1000)")
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
@@ -118,12 +124,17 @@ def get_args(argv=None):
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
     g.add_argument("--save_every", type=int, default=50, help="steps between checkpoints; 0 = only at the end")
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept")
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --out")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a run: its metrics, checkpoints and curriculum files "
+                        "are deleted first (without it or --resume such an --out is refused)")
     args = ap.parse_args(argv)
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots",
                  "max_lag", "timeout", "heartbeat_timeout", "bucket_mb"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.resume and args.overwrite:
+        ap.error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
         ap.error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
     check_model_dir(args.model, ap.error)
@@ -144,8 +155,15 @@ def check_model_dir(path, error):
         error(f"--model {path}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
 
 
-def check_out_dir(out, need_mb=100):
-    """Fail before any compute if --out cannot be written or its disk is (nearly) full."""
+RUN_FILES = ("metrics.jsonl", "ckpt-*", "curriculum-rank*.pt")  # what makes a folder a run's
+_LOCK = []  # the open lock file of this process's run
+
+
+def prepare_out_dir(args, need_mb=100):
+    """Before any compute: --out must be writable with free space, and a folder that already holds a run is
+    refused unless --resume continues it or --overwrite clears it (rank 0 clears). Rank 0 holds --out/.lock
+    for the whole run, so a second run cannot write the same folder at once."""
+    out = args.out
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, f".write-test-{os.getpid()}")
@@ -157,6 +175,42 @@ def check_out_dir(out, need_mb=100):
     free_mb = shutil.disk_usage(out).free / 2 ** 20
     if free_mb < need_mb:
         sys.exit(f"error: --out {out}: only {free_mb:.0f} MB free on its disk (checkpoints need more)")
+    held = sorted(p for pattern in RUN_FILES for p in glob.glob(os.path.join(out, pattern)))
+    if held and not (args.resume or args.overwrite):
+        sys.exit(f"error: --out {out} already holds a run ({', '.join(map(os.path.basename, held[:3]))}"
+                 f"{', ...' if len(held) > 3 else ''}): pass --resume to continue it, --overwrite to start over, "
+                 "or another --out")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    lock_run(out)
+    for path in held if args.overwrite else []:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def lock_run(out):
+    """Hold an exclusive lock on out/.lock until this process ends (or starts another run)."""
+    while _LOCK:
+        _LOCK.pop().close()  # a run of this process that ended without releasing it (tests call main again)
+    f = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); wait for it to end "
+                 "or choose another --out")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    _LOCK.append(f)
+
+
+def disk_error(path, err, out):
+    """A write that failed (disk full, ...): one line naming the path and the last good checkpoint."""
+    ckpt = (checkpoints(out) or [None])[-1]
+    return SystemExit(f"error: writing {path} failed: {err.strerror or err}; the last good checkpoint is "
+                      f"{ckpt or 'none (no checkpoint yet)'}")
 
 # -----------------------------------------------------------------------------
 # rollouts: sample, decode, verify
@@ -176,7 +230,7 @@ def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
     t1 = time.time()
     texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
              for s in samples]
-    correct = score_problems(texts, problems)
+    correct = score_problems(texts, problems, unsafe_code=args.unsafe_code_exec)
     return samples, texts, correct, t1 - t0, time.time() - t1
 
 
@@ -253,32 +307,85 @@ def train_batch(model, batch, args, n_groups, total=None, forward=None):
 
 
 def save_checkpoint(out, step, model, tokenizer, state, keep):
-    """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep`."""
+    """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep` of this run:
+    older steps are pruned by step number, never the one just written. A failed write (disk full) leaves the
+    earlier checkpoints as they were and exits with one line."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(state, os.path.join(tmp, "state.pt"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, "state.pt"))
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_error(tmp, err, out) from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in sorted(glob.glob(os.path.join(out, "ckpt-*[0-9]")))[:-keep]:
+    older = [p for p in checkpoints(out) if step_of(p) < step]
+    for old in older[:max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old)
     return final
 
 
-def latest_checkpoint(out):
-    ckpts = sorted(glob.glob(os.path.join(out, "ckpt-*[0-9]")))
-    return ckpts[-1] if ckpts else None
+def step_of(ckpt):
+    return int(ckpt.rsplit("-", 1)[1])
+
+
+def checkpoints(out):
+    """The checkpoint folders in out, oldest step first."""
+    return sorted(glob.glob(os.path.join(out, "ckpt-*[0-9]")), key=step_of)
+
+
+def intact_checkpoint(out, quiet=False):
+    """The newest checkpoint whose state and weight headers load -> (path, state), or (None, {}). A newer
+    broken one (a crash mid-copy, a bad disk) is skipped and named."""
+    for path in reversed(checkpoints(out)):
+        try:
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            weights = glob.glob(os.path.join(path, "*.safetensors"))
+            if not weights:
+                raise FileNotFoundError("no *.safetensors")
+            for w in weights:
+                with safe_open(w, "pt"):
+                    pass
+            return path, state
+        except Exception as err:  # any failure to read it means it cannot be resumed from
+            if not quiet:
+                print(f"--resume: skipping {path}, it does not load ({type(err).__name__}: {err})", flush=True)
+    return None, {}
+
+
+def check_resume(saved, args):
+    """--resume with other flags than the run was started with: a different data set or model is refused
+    (it would be another run), other recipe flags are logged and the new values apply from here."""
+    now = vars(args)
+    identity = [k for k in ("data", "val_data", "model") if saved.get(k, now[k]) != now[k]]
+    if identity:
+        sys.exit("error: --resume: " + "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
+                 " (start another --out for another run)")
+    ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "slow", "nan_at"}
+    changed = [k for k in sorted(now) if k in saved and k not in ignore and saved[k] != now[k]]
+    if changed:
+        print("--resume: changed since the run started (the new values apply from here): " +
+              ", ".join(f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed), flush=True)
 
 
 def truncate_metrics(path, step):
-    """On resume: drop metrics lines written after the checkpoint, so no step appears twice.
-    -> the records kept."""
+    """On resume: drop metrics lines written after the checkpoint, so no step appears twice, and a
+    half-written last line (a crash or a full disk mid-write), saying so. -> the records kept."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        records = [json.loads(ln) for ln in f]
+        lines = [ln for ln in f.read().split("\n") if ln.strip()]
+    records = []
+    for i, ln in enumerate(lines):
+        try:
+            records.append(json.loads(ln))
+        except json.JSONDecodeError as err:
+            if i < len(lines) - 1:
+                sys.exit(f"error: {path}:{i + 1}: not a JSON line ({err}); only a half-written last line is dropped")
+            print(f"--resume: dropped the half-written last line of {path}", flush=True)
     records = [r for r in records if r.get("step", -1) <= step]  # the config line has no step
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
@@ -340,17 +447,24 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
 
 def main(args):
     # ---- setup: output folder, ranks, device, model, data, optimizer
-    check_out_dir(args.out)
+    prepare_out_dir(args)
     train, val = load_data(args)
+    if any(p.get("domain") == "code" for p in train + val):  # before any rank waits on another
+        if not args.unsafe_code_exec and not bwrap_ready():
+            sys.exit(f"error: {BWRAP_MISSING}")
+        print("code rewards: " + ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its "
+                                  "reward" if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
     rank0 = ctx is None or ctx["rank"] == 0
     device = torch.device(ctx["device"] if ctx else "cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     torch.manual_seed(args.seed)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    ckpt = latest_checkpoint(args.out) if args.resume else None
+    ckpt, state = intact_checkpoint(args.out, quiet=not rank0) if args.resume else (None, {})
     if args.resume and ckpt is None and rank0:
-        print(f"--resume: no checkpoint in {args.out}, starting from scratch")
+        print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
+    if ckpt:
+        check_resume(state.get("args", {}), args)
     model_dir = ckpt or args.model or toy_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
@@ -359,7 +473,6 @@ def main(args):
     train_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in train]
     val_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in val]
     domains = sorted({p.get("domain", "math") for p in train})
-    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False) if ckpt else {}
     step, compute_s, flops = state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0)
     world = ctx["world"] if ctx else 1
     if ctx:  # rollouts travel as packed tensors of this many tokens per sample
@@ -407,8 +520,11 @@ def main(args):
               f"{len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
 
     def log_metrics(m):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        try:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+        except OSError as err:
+            raise disk_error(metrics_path, err, args.out) from None
 
     def run_eval():
         full_model.eval()
@@ -588,6 +704,8 @@ def main(args):
     if ctx:
         pipeline.drain(ctx)
         pipeline.finish(ctx)
+    while _LOCK:  # the run is over: --out is free again
+        _LOCK.pop().close()
 
 
 if __name__ == "__main__":
