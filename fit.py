@@ -422,8 +422,9 @@ def study_report(out, seeds, compute, png):
     """Fit every run; per variant: A mean and spread over seeds, B, C_mid; one figure of the
     seed-averaged curves; each variant compared with ScaleRL by the +-0.02 rule."""
     args = argparse.Namespace(compute=compute, metric="pass_rate", fit_until=None, fit_from=None)
-    print(f"{'variant':<16} {'A mean':>7} {'A sd':>6} {'B':>6} {'C_mid':>9} {'R0':>6} {'R last':>7}  "
-          "vs scalerl (a = scalerl, b = the variant; seed-averaged curves)")
+    print(f"{'variant':<16} {'A mean':>7} {'A sd':>6} {'B':>6} {'C_mid':>9} {'R0':>6} {'R last':>7} {'extrap':>7}  "
+          "vs scalerl (a = scalerl, b = the variant; seed-averaged curves; extrap = predicted - measured R at the "
+          "end, fitted on the first half of the compute)")
     pooled = []
     for name in STUDY:
         runs = [fit_run(os.path.join(out, f"{name}-s{s}"), args) for s in range(seeds)]
@@ -434,8 +435,9 @@ def study_report(out, seeds, compute, png):
                            compute=compute, metric="pass_rate"))
         A = [r["fit"]["A"] for r in runs]
         verdict = compare(pooled[0]["fit"], fit, pooled[0]["data"], (C, R))["verdict"] if pooled[1:] else ""
+        x = extrapolation_check(C, R)
         print(f"{name:<16} {np.mean(A):7.3f} {np.std(A):6.3f} {fit['B']:6.2f} {fit['C_mid']:9.3g} "
-              f"{fit['R0']:6.3f} {R[-1]:7.3f}  {verdict}")
+              f"{fit['R0']:6.3f} {R[-1]:7.3f} {format(x['error'], '+7.3f') if x else '    n/a'}  {verdict}")
     root, ext = os.path.splitext(png)
     plot(pooled, png, root + "_linear" + (ext or ".png"))
     print(f"wrote {png} and {root}_linear{ext or '.png'}")
