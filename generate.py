@@ -38,6 +38,7 @@ softmax(logits / temperature), the distribution actually sampled; the trainer di
 the same temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
     python generate.py                        # sample a few toy completions from the embedded model
+    python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
     python generate.py --model DIR --prompt "What is 2+2?" --think_budget 512
 """
 
@@ -489,20 +490,26 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from data import format_prompt, toy_model_dir, toy_problems
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="", help="HF model folder; empty = the embedded toy model")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint runs/toy/ckpt-000150; empty = "
+                    "the embedded toy model")
     ap.add_argument("--prompt", default="", help="a problem; empty = three toy problems")
-    ap.add_argument("--think_budget", type=int, default=48)
-    ap.add_argument("--answer_budget", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--n", type=int, default=1, help="samples per problem")
+    ap.add_argument("--seed", type=int, default=0, help="sampling noise seed")
+    ap.add_argument("--think_budget", type=int, default=48, help="thinking tokens before the interruption")
+    ap.add_argument("--answer_budget", type=int, default=16, help="answer tokens after </think>")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     args = ap.parse_args()
     path = args.model or toy_model_dir()
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
+    problems = [p for p in problems for _ in range(args.n)]
     prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]
     out = generate(model, prompts, eos_id=tokenizer.eos_token_id,
                    think_end=tokenizer("</think>", add_special_tokens=False)["input_ids"],
                    interrupt_ids=tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"],
-                   think_budget=args.think_budget, answer_budget=args.answer_budget, temperature=args.temperature)
+                   think_budget=args.think_budget, answer_budget=args.answer_budget, temperature=args.temperature,
+                   seed=args.seed)
     for p, s in zip(problems, out):
         print(f"{p!r} -> [{s.finish}] {tokenizer.decode(s.tokens)!r}")

@@ -1608,6 +1608,25 @@ def test_generate_in_flight_update_uses_old_cache_and_new_weights():
     assert (torch.tensor(s.logps[switch:]) - pure_b).abs().max() > 1e-3  # the old cache really matters
 
 
+def test_generate_decode_step_makes_no_host_sync(monkeypatch):
+    """What a CUDA graph cannot capture, checked on the CPU: the decode step (forward, sampling, the rows'
+    bookkeeping) never reads a tensor's value on the host."""
+    model = tiny_model("qwen2")
+    dec = gen.Decoder(model, 4, 40, 20, eos_id=3, think_end=[1, 2], interrupt_ids=[5, 6], think_budget=12,
+                      answer_budget=5, interrupt=True, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=False)
+    dec.admit([0, 1, 2], [[4, 5, 6], [7, 8], [9]], [0, 1, 2])
+    before = dec.n.clone()
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("the decode step read a tensor on the host")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    for _ in range(3):
+        dec._step(4, 40, dec.live[:4])
+    monkeypatch.undo()
+    assert (dec.n - before).tolist() == [3, 3, 3, 0]  # three tokens in each live row, none in the free one
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
@@ -1810,6 +1829,20 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path):
         train.prepare_out_dir(train.get_args(["--out", str(tmp_path / "file.txt" / "run")]))
     with pytest.raises(SystemExit):
         train.get_args(["--resume", "--overwrite"])
+
+
+def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):
+    recs = run_train(toy_dir, tmp_path / "run", "--steps", "2")
+    out = capsys.readouterr().out
+    assert recs[0]["ran"] == "one process, synchronous"
+    assert "held-out pass rate" in out.split("done in")[1] and f"next: python fit.py {tmp_path / 'run'}" in out
+    with pytest.raises(SystemExit, match="--val_size 99999: val_size must be between 1 and"):
+        run_train(toy_dir, tmp_path / "big", "--val_size", "99999")
+    capsys.readouterr()
+    train.main(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl"), "--out", str(tmp_path / "data"),
+                               "--steps", "1", "--val_size", "4", "--prompts", "2", "--samples", "2",
+                               "--eval_every", "1", "--eval_samples", "1", "--save_every", "0"]))
+    assert "--data without --model trains the embedded toy model" in capsys.readouterr().out
 
 
 def test_train_run_folders_are_never_silently_mixed_or_erased(toy_dir, tmp_path):

@@ -70,11 +70,11 @@ def get_args(argv=None):
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights dtype")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeds the split, the curriculum and the sampling noise")
     g = ap.add_argument_group("rollouts")
     g.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step (paper: 48)")
     g.add_argument("--samples", type=int, default=8, help="completions per prompt, G (paper: 16)")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
     g.add_argument("--slots", type=int, default=128, help="rows the sampler decodes at once (continuous batching)")
     g.add_argument("--think_budget", type=int, default=48, help="thinking tokens (paper: 12288)")
     g.add_argument("--answer_budget", type=int, default=16, help="answer tokens after </think> (paper: 2048)")
@@ -83,24 +83,28 @@ def get_args(argv=None):
     g.add_argument("--l_max", type=int, default=0, help="length penalty L_max; 0 = think_budget + answer_budget")
     g.add_argument("--l_cache", type=int, default=0, help="length penalty L_cache; 0 = l_max // 7 (paper: 2k of 14k)")
     g = ap.add_argument_group("loss (loss.py)")
-    g.add_argument("--loss", default="cispo", choices=["cispo", "dapo", "gspo", "grpo"])
+    g.add_argument("--loss", default="cispo", choices=["cispo", "dapo", "gspo", "grpo"],
+                   help="policy loss: CISPO is ScaleRL's; the others are ablations (loss.py)")
     g.add_argument("--agg", default="prompt", choices=["prompt", "sample", "token"], help="loss aggregation")
     g.add_argument("--adv_norm", default="batch", choices=["batch", "prompt", "none"], help="advantage normalization")
-    g.add_argument("--eps_low", type=float, default=None, help="None = the loss kind's default (SCALERL.md)")
-    g.add_argument("--eps_high", type=float, default=None, help="None = the loss kind's default (cispo: cap 4)")
+    g.add_argument("--eps_low", type=float, default=None, help="None = the loss kind's default: cispo none, "
+                   "grpo/dapo 0.2, gspo 3e-3 (SCALERL.md)")
+    g.add_argument("--eps_high", type=float, default=None, help="None = the loss kind's default: cispo 4 (the cap "
+                   "on the IS weight), grpo 0.2, dapo 0.28, gspo 4e-3")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True, help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
                    help="drop prompts whose rewards are all equal")
     g.add_argument("--keep_truncated", action="store_true",
                    help="keep truncated samples (no eos within the budget) in the loss with their reward; default: "
-                        "excluded from the loss and the group statistics (paper A.15's effective batch)")
+                        "excluded from the loss and the group statistics (paper A.15's effective batch). Use it if "
+                        "trunc climbs: off-policy toy runs can collapse into all-truncated batches (BENCHMARKS 6)")
     g.add_argument("--no_positive_resampling", action=argparse.BooleanOptionalAction, default=True,
                    help="never resample a prompt once its pass rate reaches 0.9")
     g = ap.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-4, help="paper: 5e-7 for an 8B model")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (paper: 100)")
-    g.add_argument("--weight_decay", type=float, default=0.01)
+    g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (paper: 0.01)")
     g.add_argument("--adam_eps", type=float, default=1e-15, help="a larger eps silently damps tiny gradients")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0 = off (not part of the recipe "
                    "as the paper states it; README: what the toy does without it)")
@@ -412,7 +416,10 @@ def load_data(args):
             return problems, load_problems(args.val_data)
     except (OSError, ValueError) as err:
         sys.exit(f"error: {err}")
-    return split_problems(problems, args.val_size, args.seed)
+    try:
+        return split_problems(problems, args.val_size, args.seed)
+    except ValueError as err:
+        sys.exit(f"error: --val_size {args.val_size}: {err}")
 
 
 def log_line(m, steps):
@@ -447,8 +454,12 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
 
 def main(args):
     # ---- setup: output folder, ranks, device, model, data, optimizer
+    t_start = time.time()
     prepare_out_dir(args)
     train, val = load_data(args)
+    if any(p != "toy" for p in (args.data or "toy").split(",")) and not args.model:
+        print("note: --data without --model trains the embedded toy model, which only knows the toy arithmetic "
+              "task: expect a pass rate near 0; give --model a real checkpoint", flush=True)
     if any(p.get("domain") == "code" for p in train + val):  # before any rank waits on another
         if not args.unsafe_code_exec and not bwrap_ready():
             sys.exit(f"error: {BWRAP_MISSING}")
@@ -512,7 +523,8 @@ def main(args):
             print(f"resumed from {ckpt} at step {step}")
     elif rank0:
         with open(metrics_path, "w") as f:
-            f.write(json.dumps({"kind": "config", **vars(args), "n_params": n_params, "world": world}) + "\n")
+            ran = "one process, synchronous" if ctx is None else args.mode  # what actually ran
+            f.write(json.dumps({"kind": "config", **vars(args), "ran": ran, "n_params": n_params, "world": world}) + "\n")
     if rank0:
         roles = (f"{ctx['n_trainers']} trainer + {ctx['n_gens']} generator ranks, {args.mode}, max lag {ctx['k']}"
                  if ctx else "one process, synchronous")
@@ -704,8 +716,24 @@ def main(args):
     if ctx:
         pipeline.drain(ctx)
         pipeline.finish(ctx)
+    if rank0:
+        summary(args, metrics_path, time.time() - t_start)
     while _LOCK:  # the run is over: --out is free again
         _LOCK.pop().close()
+
+
+def summary(args, metrics_path, seconds):
+    """The end of a run in a few lines: time, held-out first -> last, the fit's prediction, where things are."""
+    with open(metrics_path) as f:
+        evals = [r for r in map(json.loads, f) if r.get("kind") == "eval"]
+    print(f"done in {seconds / 60:.1f} min | held-out pass rate {evals[0]['pass_rate']:.3f} -> "
+          f"{evals[-1]['pass_rate']:.3f} (step {evals[0]['step']} -> {evals[-1]['step']})" if evals else
+          f"done in {seconds / 60:.1f} min (no eval)")
+    if evals and "fit_A" in evals[-1]:
+        last = evals[-1]
+        print(f"fit A {last['fit_A']:.3f} B {last['fit_B']:.2f} C_mid {last['fit_C_mid']:.3g} -> predicted "
+              f"{last['predicted_final']:.3f} at the end (measured {last['pass_rate']:.3f})")
+    print(f"metrics: {metrics_path} | checkpoints: {args.out}/ckpt-* | next: python fit.py {args.out}", flush=True)
 
 
 if __name__ == "__main__":
