@@ -32,8 +32,7 @@ call, the sampling and the batching. What it adds over `model.generate`:
 
 Attention is torch's scaled_dot_product_attention over the first L cache positions, L the smallest
 bucket (64, 128, 256, ...) that holds every running row, so its cost follows the real context, not the
-cache size. flash-attn is not used by the sampler (its kernel cannot be built on our machines to be
-tested). Supported: model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of
+cache size; it is the sampler's one attention path (flash-attn is not used). Supported: model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of
 softmax(logits / temperature), the distribution actually sampled; the trainer divides its logits by
 the same temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
