@@ -263,9 +263,9 @@ class Decoder:
     def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids, think_budget,
                  answer_budget, interrupt, temperature, fp32_head, seed, version, graphs):
         dev = next(model.parameters()).device
-        self.model, self.slots, self.max_len, self.device = model, slots, max_len, dev
+        self.model, self.max_len, self.device = model, max_len, dev
         self.eos_id, self.think_budget, self.answer_budget = eos_id, think_budget, answer_budget
-        self.interrupt, self.temperature, self.fp32_head, self.seed = interrupt, temperature, fp32_head, seed
+        self.interrupt, self.temperature, self.seed = interrupt, temperature, seed
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)  # (E,)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)  # (P,); unused without interrupt
         self.cache = new_cache(model, slots, max_len)
