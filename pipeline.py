@@ -27,7 +27,9 @@ Control plane and data plane. Small state (weight version, counters of groups se
 heartbeats, each rank's status) lives in the torch.distributed TCP store. Tensors go through
 torch.distributed: rollouts by gloo isend/irecv (CPU tensors; a receiver posts a recv only once the
 store says a message is waiting, so no receive can wait on a message that was never sent), weights and
-gradients over the main backend (nccl on CUDA, one GPU per rank via LOCAL_RANK; gloo on CPU).
+gradients over nccl on CUDA (gloo on CPU). GPUs are dealt round-robin over the local ranks, so ranks may
+share one (one GPU, two ranks: generator and trainer side by side); a group whose ranks share a GPU talks
+over gloo, which nccl cannot do (device_plan; rank 0 logs the plan).
 
 Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for; a
 heartbeat thread in every rank bumps a counter in the store and watches the others': a rank that is
@@ -56,6 +58,7 @@ Readings chosen:
     torchrun --nproc_per_node 4 train.py --gen_ranks 2 --fsdp     # the same, model sharded over the 2 trainers
     torchrun --nproc_per_node 2 train.py --mode ppo_offpolicy     # PPO-off-policy-8 (k = --max_lag)
     torchrun --nproc_per_node 8 train.py --model DIR --data ... --dtype bfloat16   # one 8-GPU node, nccl
+    torchrun --nproc_per_node 2 train.py --device cuda             # one GPU shared by both ranks; weights over gloo
 """
 
 import json
@@ -110,25 +113,54 @@ def setup(args):
     if args.prompts % n_trainers:
         sys.exit(f"--prompts {args.prompts} must be a multiple of the {n_trainers} trainer ranks")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if cuda:
-        torch.cuda.set_device(local)
-    else:  # ranks on one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
+    plan = device_plan(world, local_world, torch.cuda.device_count() if cuda else 0, trainers, gens)
+    if cuda:
+        torch.cuda.set_device(plan["devices"][rank])
+    else:  # ranks on one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group(plan["default"], timeout=timeout)
+    if rank == 0:
+        print(plan["line"], flush=True)
     ctx = {"rank": rank, "world": world, "n_trainers": n_trainers, "n_gens": n_gens,
-           "role": "trainer" if rank < n_trainers else "generator", "device": f"cuda:{local}" if cuda else "cpu",
+           "role": "trainer" if rank < n_trainers else "generator", "device": plan["name"][rank],
            "timeout": args.timeout, "mode": args.mode, "fsdp": getattr(args, "fsdp", False), "k": 1 if args.mode == "sync" else args.max_lag,
            "store": dist.distributed_c10d._get_default_store(), "status": "starting", "received": 0,
            "prompts": args.prompts, "early": {},  # early: groups received before their batch, by index
            # every rank creates every group, in the same order
-           "weights": dist.new_group([0] + gens, timeout=timeout),
-           "trainers": dist.new_group(trainers, timeout=timeout),
+           "weights": dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
+           "trainers": dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
            "rollouts": dist.new_group(backend="gloo", timeout=timeout) if cuda else None}
     threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True).start()
     _CURRENT["ctx"] = ctx
     return ctx
+
+
+def device_plan(world, local_world, n_gpus, trainers, gens):
+    """Which device each rank uses and which backend each process group talks over.
+
+    On GPUs, local rank i takes GPU i % n_gpus (round-robin), so several ranks may share one GPU (one
+    GPU, `torchrun --nproc_per_node 2`: generator and trainer side by side, as colocated set-ups do).
+    NCCL cannot join two ranks on the same GPU in one communicator, so a group whose ranks share a GPU
+    talks over gloo (it moves CUDA tensors through host memory: slower, but it works); the others keep
+    NCCL. Without GPUs everything is gloo on the CPU. -> {devices, name, default, weights, trainers, line}."""
+    ranks = range(world)
+    if not n_gpus:
+        return {"devices": [None] * world, "name": ["cpu"] * world, "default": "gloo", "weights": "gloo",
+                "trainers": "gloo", "line": f"devices: {world} ranks on the CPU, every group over gloo"}
+    devices = [(r % local_world) % n_gpus for r in ranks]
+    where = [(r // local_world, devices[r]) for r in ranks]  # (node, GPU): what must differ inside one NCCL group
+    backend = lambda group: "nccl" if len({where[r] for r in group}) == len(group) else "gloo"
+    plan = {"devices": devices, "name": [f"cuda:{d}" for d in devices], "default": backend(ranks),
+            "weights": backend([0] + gens), "trainers": backend(trainers)}
+    shared = len(set(where)) < world
+    plan["line"] = (f"devices: {world} ranks on {min(n_gpus, local_world)} GPU(s) per node, round-robin "
+                    f"({'some ranks share a GPU' if shared else 'one GPU per rank'}); weight broadcast over "
+                    f"{plan['weights']}, gradients over {plan['trainers']}"
+                    + (" (nccl cannot join two ranks on one GPU)" if "gloo" in plan.values() else ""))
+    return plan
 
 
 def slow_seconds(args, ctx, role):

@@ -1534,6 +1534,22 @@ def test_pipeline_pack_unpack_round_trip():
         pipeline.pack_group(0, 0, 0, [1] * 7, s, [True, True], length=8)
 
 
+def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
+    plan = pipeline.device_plan
+    one = plan(2, 2, 1, [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
+    assert one["name"] == ["cuda:0", "cuda:0"] and (one["default"], one["weights"], one["trainers"]) == ("gloo", "gloo", "nccl")
+    assert "share a GPU" in one["line"] and "weight broadcast over gloo" in one["line"]
+    eight = plan(8, 8, 8, [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
+    assert eight["devices"] == list(range(8)) and {eight["default"], eight["weights"], eight["trainers"]} == {"nccl"}
+    four = plan(4, 4, 2, [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
+    assert four["devices"] == [0, 1, 0, 1]
+    assert (four["trainers"], four["weights"], four["default"]) == ("nccl", "gloo", "gloo")  # 0 and 2 share GPU 0
+    nodes = plan(4, 2, 1, [0, 2], [1, 3])  # 2 nodes x 1 GPU: ranks 0 and 2 are on different machines
+    assert nodes["devices"] == [0, 0, 0, 0] and nodes["trainers"] == "nccl" and nodes["weights"] == "gloo"
+    cpu = plan(3, 3, 0, [0], [1, 2])
+    assert cpu["name"] == ["cpu"] * 3 and {cpu["default"], cpu["weights"], cpu["trainers"]} == {"gloo"}
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("slots", [1, 16])  # generators slower than the trainer / far faster
 def test_pipeline_admission_rule_bounds_the_lag_by_k_and_reaches_it(k, slots):
