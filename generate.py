@@ -486,6 +486,7 @@ def sequence_logprobs(model, ids, attention_mask, fp32_head=True, temperature=1.
 
 
 if __name__ == "__main__":
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from data import format_prompt, toy_model_dir, toy_problems
 
@@ -500,6 +501,7 @@ if __name__ == "__main__":
     ap.add_argument("--answer_budget", type=int, default=16, help="answer tokens after </think>")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     args = ap.parse_args()
+    transformers.utils.logging.disable_progress_bar()
     path = args.model or toy_model_dir()
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]

@@ -1861,6 +1861,28 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
     assert "--data without --model trains the embedded toy model" in capsys.readouterr().out
 
 
+def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, capsys, monkeypatch):
+    args = train.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
+    r = train.main(args)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"eval {re.escape(toy_dir)} on 6 held-out problems of --data: pass rate {r['pass_rate']:.3f} "
+                        r"\(mean@3 over 6 problems, 18 samples\) \| trunc [0-9.]+ \| intr [0-9.]+ \| len [0-9.]+ tokens \| .* s", line)
+    # by hand: the same held-out problems, 3 samples each with the eval's noise keys, decoded and scored
+    _, val = train.load_data(args)
+    tok, model = AutoTokenizer.from_pretrained(toy_dir), AutoModelForCausalLM.from_pretrained(toy_dir)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    prompts = [tok(data.format_prompt(tok, p["prompt"]))["input_ids"] for p in val] * 3
+    out = gen.generate(model, prompts, keys=[10**12 + i for i in range(18)], eos_id=tok.eos_token_id,
+                       think_end=ids("</think>"), interrupt_ids=ids(gen.INTERRUPT_PHRASE), think_budget=48,
+                       answer_budget=16, seed=0)
+    right = [verify.score(tok.decode(s.tokens, skip_special_tokens=True), p["answer"]) for s, p in zip(out, val * 3)]
+    assert r["pass_rate"] == pytest.approx(np.mean(right)) and r["n"] == 18
+    assert r["len"] == pytest.approx(np.mean([len(s.tokens) for s in out]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="--eval_only runs as one process"):
+        train.main(args)
+
+
 def test_train_run_folders_are_never_silently_mixed_or_erased(toy_dir, tmp_path):
     out = tmp_path / "run"
     run_train(toy_dir, out, "--steps", "2")

@@ -44,6 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from data import Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
 import pipeline
@@ -126,6 +127,8 @@ def get_args(argv=None):
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
+    g.add_argument("--eval_only", action="store_true", help="only evaluate --model (default: the toy model) on "
+                   "--val_data (default: the held-out split of --data), print the pass rate and exit")
     g.add_argument("--save_every", type=int, default=50, help="steps between checkpoints; 0 = only at the end")
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     g.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --out")
@@ -254,8 +257,55 @@ def evaluate(model, tokenizer, val_ids, val, args):
     keys = [10**12 + i for i in range(len(val_ids) * k)]
     samples, _, correct, _, _ = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
     return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
-            "intr": float(np.mean([0 in s.mask for s in samples])),
+            "intr": float(np.mean([0 in s.mask for s in samples])), "len": float(np.mean([len(s.tokens) for s in samples])),
             "n": len(correct), **domain_rates(val * k, correct)}
+
+
+def note_toy_model(args, paths, flag, verb):
+    """A real dataset without --model: say at start that the toy model only knows the toy task."""
+    if any(p != "toy" for p in (paths or "toy").split(",")) and not args.model:
+        print(f"note: {flag} without --model {verb} the embedded toy model, which only knows the toy arithmetic "
+              "task: expect a pass rate near 0; give --model a real checkpoint", flush=True)
+
+
+def eval_only(args):
+    """--eval_only: the held-out mean@k of --model (default: the embedded toy model) on --val_data (default:
+    the held-out split of --data), printed; nothing is trained or written. -> evaluate's dict."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("error: --eval_only runs as one process: python train.py --eval_only ..., not under torchrun")
+    _, val = load_data(args)
+    note_toy_model(args, args.val_data, "--val_data", "evaluates")
+    model_dir = args.model or toy_model_dir()
+    tokenizer, model = load_model(model_dir, args, pick_device(args))
+    t0 = time.time()
+    r = evaluate(model.eval(), tokenizer, prompt_ids(tokenizer, val), val, args)
+    per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items() if k.startswith("pass_rate/"))
+    print(f"eval {model_dir} on {args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
+          f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, {r['n']} samples){per_domain} | "
+          f"trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
+    return r
+
+
+def pick_device(args, ctx=None):
+    """The rank's device under torchrun, else --device (auto = cuda when available)."""
+    if ctx:
+        return torch.device(ctx["device"])
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def load_model(model_dir, args, device):
+    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    check_supported(model)
+    return tokenizer, model
+
+
+def prompt_ids(tokenizer, problems):
+    """Each problem's prompt, formatted as in training, as token ids."""
+    return [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in problems]
 
 
 def rewards_of(samples, correct, args):
@@ -453,13 +503,14 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
 
 
 def main(args):
+    hf_logging.disable_progress_bar()  # the log holds our own lines (no "Loading weights" / "Writing shards" bars)
+    if args.eval_only:
+        return eval_only(args)
     # ---- setup: output folder, ranks, device, model, data, optimizer
     t_start = time.time()
     prepare_out_dir(args)
     train, val = load_data(args)
-    if any(p != "toy" for p in (args.data or "toy").split(",")) and not args.model:
-        print("note: --data without --model trains the embedded toy model, which only knows the toy arithmetic "
-              "task: expect a pass rate near 0; give --model a real checkpoint", flush=True)
+    note_toy_model(args, args.data, "--data", "trains")
     if any(p.get("domain") == "code" for p in train + val):  # before any rank waits on another
         if not args.unsafe_code_exec and not bwrap_ready():
             sys.exit(f"error: {BWRAP_MISSING}")
@@ -467,8 +518,7 @@ def main(args):
                                   "reward" if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
     rank0 = ctx is None or ctx["rank"] == 0
-    device = torch.device(ctx["device"] if ctx else "cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = pick_device(args, ctx)
     torch.manual_seed(args.seed)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     ckpt, state = intact_checkpoint(args.out, quiet=not rank0) if args.resume else (None, {})
@@ -477,12 +527,9 @@ def main(args):
     if ckpt:
         check_resume(state.get("args", {}), args)
     model_dir = ckpt or args.model or toy_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
-    check_supported(model)
+    tokenizer, model = load_model(model_dir, args, device)
     n_params = sum(p.numel() for p in model.parameters())
-    train_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in train]
-    val_ids = [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in val]
+    train_ids, val_ids = prompt_ids(tokenizer, train), prompt_ids(tokenizer, val)
     domains = sorted({p.get("domain", "math") for p in train})
     step, compute_s, flops = state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0)
     world = ctx["world"] if ctx else 1
