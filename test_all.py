@@ -1883,6 +1883,29 @@ def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, c
         train.main(args)
 
 
+def test_train_wandb_and_tensorboard_get_every_logged_number(toy_dir, tmp_path, monkeypatch):
+    got = {"wandb": [], "tb": []}
+    run = types.SimpleNamespace(log=lambda d, step: got["wandb"].append((step, d)))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda project, dir, config: run))
+    numbers = lambda lines: [(m["step"], {f"{m['kind']}/{k}": float(v) for k, v in m.items()
+                                          if k not in ("kind", "step") and type(v) in (int, float, bool)}) for m in lines[1:]]
+    expected = numbers(run_train(toy_dir, tmp_path / "w", "--wandb", "proj"))
+    assert got["wandb"] == expected and "eval/pass_rate" in got["wandb"][0][1] and "train/loss" in got["wandb"][1][1]
+
+    class Writer:
+        def __init__(self, path):
+            assert path == str(tmp_path / "t" / "tb")
+        add_scalar = lambda self, k, v, step: got["tb"].append((step, k, v))
+        flush = lambda self: None
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    expected = numbers(run_train(toy_dir, tmp_path / "t", "--tensorboard"))
+    assert got["tb"] == [(step, k, v) for step, d in expected for k, v in d.items()]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: one line, before any work
+    with pytest.raises(SystemExit, match="--wandb needs a package that is not installed.*pip install wandb"):
+        run_train(toy_dir, tmp_path / "n", "--wandb", "proj")
+    assert not (tmp_path / "n" / "metrics.jsonl").exists()
+
+
 def test_train_run_folders_are_never_silently_mixed_or_erased(toy_dir, tmp_path):
     out = tmp_path / "run"
     run_train(toy_dir, out, "--steps", "2")

@@ -129,6 +129,10 @@ def get_args(argv=None):
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
     g.add_argument("--eval_only", action="store_true", help="only evaluate --model (default: the toy model) on "
                    "--val_data (default: the held-out split of --data), print the pass rate and exit")
+    g.add_argument("--wandb", default="", metavar="PROJECT", help="also log metrics to Weights & Biases "
+                   "(pip install wandb; WANDB_MODE=offline works without a network)")
+    g.add_argument("--tensorboard", action="store_true", help="also log metrics as TensorBoard events in --out/tb "
+                   "(pip install tensorboard)")
     g.add_argument("--save_every", type=int, default=50, help="steps between checkpoints; 0 = only at the end")
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     g.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --out")
@@ -162,7 +166,7 @@ def check_model_dir(path, error):
         error(f"--model {path}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
 
 
-RUN_FILES = ("metrics.jsonl", "ckpt-*", "curriculum-rank*.pt")  # what makes a folder a run's
+RUN_FILES = ("metrics.jsonl", "ckpt-*", "curriculum-rank*.pt", "tb", "wandb")  # what makes a folder a run's
 _LOCK = []  # the open lock file of this process's run
 
 
@@ -278,7 +282,7 @@ def eval_only(args):
     model_dir = args.model or toy_model_dir()
     tokenizer, model = load_model(model_dir, args, pick_device(args))
     t0 = time.time()
-    r = evaluate(model.eval(), tokenizer, prompt_ids(tokenizer, val), val, args)
+    r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items() if k.startswith("pass_rate/"))
     print(f"eval {model_dir} on {args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
           f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, {r['n']} samples){per_domain} | "
@@ -303,7 +307,7 @@ def load_model(model_dir, args, device):
     return tokenizer, model
 
 
-def prompt_ids(tokenizer, problems):
+def tokenize_prompts(tokenizer, problems):
     """Each problem's prompt, formatted as in training, as token ids."""
     return [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"] for p in problems]
 
@@ -509,6 +513,7 @@ def main(args):
     # ---- setup: output folder, ranks, device, model, data, optimizer
     t_start = time.time()
     prepare_out_dir(args)
+    track = tracker(args) if int(os.environ.get("RANK", "0")) == 0 else (lambda m: None)  # before ranks wait
     train, val = load_data(args)
     note_toy_model(args, args.data, "--data", "trains")
     if any(p.get("domain") == "code" for p in train + val):  # before any rank waits on another
@@ -529,7 +534,7 @@ def main(args):
     model_dir = ckpt or args.model or toy_model_dir()
     tokenizer, model = load_model(model_dir, args, device)
     n_params = sum(p.numel() for p in model.parameters())
-    train_ids, val_ids = prompt_ids(tokenizer, train), prompt_ids(tokenizer, val)
+    train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
     domains = sorted({p.get("domain", "math") for p in train})
     step, compute_s, flops = state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0)
     world = ctx["world"] if ctx else 1
@@ -584,6 +589,7 @@ def main(args):
                 f.write(json.dumps(m) + "\n")
         except OSError as err:
             raise disk_error(metrics_path, err, args.out) from None
+        track(m)
 
     def run_eval():
         full_model.eval()
@@ -767,6 +773,26 @@ def main(args):
         summary(args, metrics_path, time.time() - t_start)
     while _LOCK:  # the run is over: --out is free again
         _LOCK.pop().close()
+
+
+def tracker(args):
+    """--wandb / --tensorboard: -> track(m), which sends the numbers of a metrics dict there too (keys
+    "train/..." and "eval/...", at m["step"]); without either flag it does nothing. Neither is required."""
+    numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
+                         if k not in ("kind", "step") and isinstance(v, (int, float))}
+    try:
+        if args.wandb:
+            import wandb
+            run = wandb.init(project=args.wandb, dir=args.out, config=vars(args))
+            return lambda m: run.log(numbers(m), step=m["step"])
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(os.path.join(args.out, "tb"))
+            return lambda m: ([writer.add_scalar(k, v, m["step"]) for k, v in numbers(m).items()], writer.flush())
+    except ImportError as err:
+        sys.exit(f"error: --{'wandb' if args.wandb else 'tensorboard'} needs a package that is not installed ({err}); "
+                 f"pip install {'wandb' if args.wandb else 'tensorboard'}, or run without the flag")
+    return lambda m: None
 
 
 def summary(args, metrics_path, seconds):
