@@ -25,7 +25,7 @@ Procedure and the readings chosen:
   with C < fit_from (the early transient) are dropped; at least 4 must remain. fit_from defaults
   to 10% of the largest C fitted, as the paper fits (its fits begin after ~1.5k of 16k GPU-hours);
   fit_from=0 keeps every point. C must be
-  finite and strictly increase, in any unit (CPU-seconds, GPU-hours, FLOPs): the grids adapt.
+  finite and strictly increase, in any unit (device-seconds, GPU-hours, FLOPs): the grids adapt.
 - A grid: steps of 0.005 (the paper's) from max(R) - 0.02 to 1.0 and above R0 (the curve is
   taken to rise). The paper's 0.450-0.800 suited its runs; starting 0.02 (the noise level)
   under the best measured point lets a noisy plateau settle below its highest point.
@@ -335,6 +335,10 @@ def fit_run(run_dir, args):
     return dict(meta, C=C, R=R, used=used, data=(C[head], R[head]), fit=fit, power=power)
 
 
+UNITS = {"compute_s": "device-seconds: training wall-clock x processes, evals excluded",
+         "flops": "FLOPs, estimated: 2 x params per generated or prefilled token + 6 x params per trained token"}
+
+
 def print_table(runs, args):
     """One row per run, like the paper's Table 1, plus the check at the last measured point."""
     cols = f"{'run':<16} {'A':>6} {'B':>5} {'C_mid':>9} {'R0':>6} {'fit range':>19} "
@@ -352,6 +356,9 @@ def print_table(runs, args):
         if args.extrapolate_to:
             row += f" {sigmoid(args.extrapolate_to, *params):10.3f}"
         print(row)
+    print(f"C in {UNITS.get(runs[0]['compute'], runs[0]['compute'])}; A ceiling, B steepness, C_mid compute at half "
+          "the gain, R0 pass rate at C = 0; fit range: the C fitted; R meas / R pred / R power: measured, sigmoid "
+          "and power law at the last C")
 
 
 def plot(runs, png, png_linear, extrapolate_to=None):
@@ -378,7 +385,7 @@ def plot(runs, png, png_linear, extrapolate_to=None):
         ax.plot(x, sigmoid(x, *params), "--", color=col)
         ax_lin.plot(x, x ** f["B"], "--", color=col)
         ax.axhspan(f["A"] - NOISE_A, f["A"] + NOISE_A, color=col, alpha=0.12, lw=0)
-    unit = runs[0]["compute"]
+    unit = UNITS.get(runs[0]["compute"], runs[0]["compute"])
     ax.set(xscale="log", xlabel=f"compute C ({unit})", ylabel=runs[0]["metric"])
     ax_lin.set(xscale="log", yscale="log", xlabel=f"compute C ({unit})",
                ylabel="F(R) = C_mid^B / ((A - R0)/(R - R0) - 1)")

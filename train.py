@@ -605,7 +605,7 @@ def main(args):
         if pred:
             m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"], predicted_final=pred["R_end"])
         log_metrics(m)
-        fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} -> predicted "
+        fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s -> predicted "
                    f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
         per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
         print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
@@ -804,7 +804,7 @@ def summary(args, metrics_path, seconds):
           f"done in {seconds / 60:.1f} min (no eval)")
     if evals and "fit_A" in evals[-1]:
         last = evals[-1]
-        print(f"fit A {last['fit_A']:.3f} B {last['fit_B']:.2f} C_mid {last['fit_C_mid']:.3g} -> predicted "
+        print(f"fit A {last['fit_A']:.3f} B {last['fit_B']:.2f} C_mid {last['fit_C_mid']:.3g} device-s -> predicted "
               f"{last['predicted_final']:.3f} at the end (measured {last['pass_rate']:.3f})")
     print(f"metrics: {metrics_path} | checkpoints: {args.out}/ckpt-* | next: python fit.py {args.out}", flush=True)
 
