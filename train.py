@@ -110,6 +110,8 @@ def get_args(argv=None):
     g.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm; 0 = off (not part of the recipe "
                    "as the paper states it; README: what the toy does without it)")
     g.add_argument("--micro_prompts", type=int, default=0, help="prompts per forward/backward; 0 = the whole batch")
+    g.add_argument("--max_bad_steps", type=int, default=3, help="consecutive steps with a NaN/inf loss or gradient "
+                   "(each skipped) before the run stops")
     g = ap.add_argument_group("ranks (pipeline.py; under torchrun only)")
     g.add_argument("--mode", default="pipeline", choices=["pipeline", "ppo_offpolicy", "sync"],
                    help="pipeline = PipelineRL-k (ScaleRL); ppo_offpolicy = PPO-off-policy-k; sync = k of 1")
@@ -120,8 +122,7 @@ def get_args(argv=None):
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
     g.add_argument("--fsdp", action="store_true", help="shard the trainers' model and optimizer state over the trainer "
                    "ranks (FSDP2); rank 0 keeps one unsharded copy to evaluate and save")
-    g.add_argument("--max_bad_steps", type=int, default=3, help="consecutive steps with a NaN/inf loss or gradient "
-                   "(each skipped) before the run stops")
+    g = ap.add_argument_group("testing hooks")
     g.add_argument("--nan_at", default="", help="testing: comma-separated steps whose gradients are made NaN")
     g.add_argument("--slow", default="", help="testing: 'trainer=S' / 'generator=S': the last rank of that role sleeps S s per optimizer / decode step")
     g = ap.add_argument_group("evaluation, logging, checkpoints")
