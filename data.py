@@ -26,16 +26,20 @@ data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.m
   re-checks its work, which makes it long enough to be interrupted: RL also learns to stop rambling.
   It ships in toy_model/ (1.4 MB: its warm-up needs about 3 minutes on 2 cores, too long to run on
   first use) and `python data.py --build` remakes it from fixed seeds. It is an ordinary Hugging Face
-  folder loaded with from_pretrained: no toy-only code path.
+  folder loaded with from_pretrained: no toy-only code path. A second preset, toy-hard (`--data
+  toy-hard`, PRESETS), is the miniature study's task: longer chains over a larger table, with its own base
+  model in toy_model_hard/ built the same way.
 
     python data.py                          # print the toy model's folder and a few toy problems
     python data.py --build                  # remake the shipped toy model (about 3 minutes on 2 cores)
+    python data.py --build toy-hard         # remake toy-hard's base model (about 6 minutes)
     python data.py ../shared/data/gsm8k_test.jsonl   # load a file, print counts and one example
 """
 
 import json
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -43,6 +47,7 @@ from verify import last_boxed, split_asserts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
+TOY_DIRS = {"toy": TOY_DIR, "toy-hard": os.path.join(HERE, "toy_model_hard")}  # `--build toy-hard` remakes that one
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
 CODE_INSTRUCTION = "Think inside <think> </think>, then answer with a Python program in a ```python block."
 
@@ -221,14 +226,25 @@ class Curriculum:
 # the embedded default: a synthetic arithmetic task
 
 
-def toy_problem(rng):
-    """One problem: a start number (1-12) and 1-4 operations (+ or - 1, 2 or 3), totals kept in 0..20."""
-    n_ops = rng.randint(1, 4)  # graded difficulty: more operations, more steps to get right
-    total = rng.randint(1, 12)
+PRESETS = {  # the embedded tasks: operations per problem, start number, operand range, largest total
+    "toy": dict(ops=(1, 4), start=(1, 12), operand=(1, 3), top=20),  # the default demo: learned in 2 minutes
+    # the study's task: longer chains over a larger addition table, so that the tiny model's ceiling can sit
+    # below 1 and the thinking budget binds (6 operations take about 38 thinking tokens; the study gives 32).
+    # A first try, (2-8 operations of 1-9, totals to 50), left the base model at 0.04 and RL flat for 60 steps.
+    "toy-hard": dict(ops=(2, 6), start=(1, 20), operand=(1, 5), top=30),
+}
+
+
+def toy_problem(rng, preset="toy"):
+    """One problem of a preset: a start number and a chain of + / - operations, totals kept in 0..top
+    (toy: start 1-12, 1-4 operations of 1-3, totals in 0..20)."""
+    cfg = PRESETS[preset]
+    n_ops = rng.randint(*cfg["ops"])  # graded difficulty: more operations, more steps to get right
+    total = rng.randint(*cfg["start"])
     text, steps = str(total), []
     for _ in range(n_ops):
-        d = rng.randint(1, 3)
-        op = "-" if total - d >= 0 and (total + d > 20 or rng.random() < 0.5) else "+"
+        d = rng.randint(*cfg["operand"])
+        op = "-" if total - d >= 0 and (total + d > cfg["top"] or rng.random() < 0.5) else "+"
         new = total - d if op == "-" else total + d
         steps.append((total, op, d, new))
         text += f"{op}{d}"
@@ -236,9 +252,9 @@ def toy_problem(rng):
     return {"prompt": f"Compute {text}.", "answer": str(total), "steps": steps}
 
 
-def toy_problems(n, seed):
+def toy_problems(n, seed, preset="toy"):
     rng = random.Random(seed)
-    return [toy_problem(rng) for _ in range(n)]
+    return [toy_problem(rng, preset) for _ in range(n)]
 
 
 def toy_trace(problem, rng):
@@ -259,8 +275,9 @@ def toy_trace(problem, rng):
     return f"<think>{think}</think> The answer is \\boxed{{{answer}}}."
 
 
-def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=3200, log=print):
-    """Train the toy tokenizer and cold-start the 0.34M-parameter Llama base model; save in HF layout."""
+def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy"):
+    """Train a preset's tokenizer and cold-start its 0.34M-parameter Llama base model; save in HF layout."""
+    out_dir = out_dir or TOY_DIRS[preset]
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -269,7 +286,7 @@ def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=3200, log=print):
     t0 = time.time()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    problems = toy_problems(20000, seed + 1)
+    problems = toy_problems(20000, seed + 1, preset)
     texts = [format_prompt(None, p["prompt"]) + toy_trace(p, rng) for p in problems]
     # byte-level BPE trained on the task's own text; numbers are words of their own, so each
     # number that occurs becomes a single token and arithmetic is a lookup, not digit-by-digit
@@ -292,7 +309,10 @@ def build_toy_model(out_dir=TOY_DIR, seed=0, sft_steps=3200, log=print):
     _warm_up(model, tokenizer, problems, texts, sft_steps, log)
     model.save_pretrained(out_dir + ".tmp")
     tokenizer.save_pretrained(out_dir + ".tmp")
-    os.replace(out_dir + ".tmp", out_dir)  # atomic: a half-built folder is never picked up
+    if os.path.exists(out_dir):  # a rebuild: the old folder goes only once the new one is complete
+        os.replace(out_dir, out_dir + ".old")
+    os.replace(out_dir + ".tmp", out_dir)  # a half-built folder is never picked up
+    shutil.rmtree(out_dir + ".old", ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"built toy base model ({n_params / 1e6:.2f}M params, vocab {len(tokenizer)}) "
         f"in {time.time() - t0:.0f}s -> {out_dir}")
@@ -329,20 +349,23 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
     model.eval()
 
 
-def toy_model_dir(log=print):
-    """The toy base model folder: the shipped one, or (if it was deleted) one built on first use."""
-    if os.path.exists(os.path.join(TOY_DIR, "config.json")):
-        return TOY_DIR
-    cache = os.path.join(HERE, ".cache", "toy_model")
+def toy_model_dir(log=print, preset="toy"):
+    """A preset's base model folder: the shipped one, or (if it was deleted) one built on first use."""
+    if os.path.exists(os.path.join(TOY_DIRS[preset], "config.json")):
+        return TOY_DIRS[preset]
+    cache = os.path.join(HERE, ".cache", os.path.basename(TOY_DIRS[preset]))
     if not os.path.exists(os.path.join(cache, "config.json")):
-        log(f"{TOY_DIR} is missing: building the toy base model (about 3 minutes on 2 cores) -> {cache}")
-        build_toy_model(cache, log=log)
+        log(f"{TOY_DIRS[preset]} is missing: building the {preset} base model (about 3 minutes on 2 cores) -> {cache}")
+        build_toy_model(cache, log=log, preset=preset)
     return cache
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--build"]:  # remake the shipped toy model (deterministic: fixed seeds)
-        build_toy_model(sys.argv[2] if len(sys.argv) > 2 else TOY_DIR)
+    if sys.argv[1:2] == ["--build"]:  # remake a shipped base model (deterministic: fixed seeds)
+        preset = sys.argv[2] if len(sys.argv) > 2 else "toy"
+        if preset not in PRESETS:
+            sys.exit(f"usage: python data.py --build [{' | '.join(PRESETS)}]")
+        build_toy_model(preset=preset)
     elif len(sys.argv) > 1:
         probs = load_problems(sys.argv[1])
         print(f"{len(probs)} problems; first: {probs[0]}")

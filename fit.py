@@ -14,8 +14,6 @@ compare runs. Implements SCALERL.md section 1 (paper arXiv 2510.13786, "The scal
 
 Usage (CPU only, seconds):
     python fit.py runs/cpu                          # table, runs/cpu/fit.png, fit_linear.png
-    python fit.py --study runs/study --compute flops   # the miniature study: trains 7 variants x 2 seeds
-                                                    # on the toy (~20 min on 2 cores), fits, draws
     python fit.py runs/a runs/b --fit_until 600 --extrapolate_to 5000 --png out/ab.png
     python fit.py runs/gpu --compute flops --fit_from 1e15 --metric pass_rate/math
 Test: python -m pytest -q test_all.py -k fit
@@ -58,8 +56,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 from scipy.optimize import curve_fit
@@ -396,67 +392,9 @@ def plot(runs, png, png_linear, extrapolate_to=None):
         plt.close(fig_)
 
 
-# ----------------------------------------------------------------------------- the miniature study
-
-STUDY = {  # ScaleRL and leave-one-out variants (SCALERL.md section 2; the paper's Figures 2 and 7)
-    "scalerl": [],
-    "loss_dapo": ["--loss", "dapo"],
-    "no_fp32_head": ["--no-fp32_head"],
-    "agg_sample": ["--agg", "sample"],
-    "adv_prompt": ["--adv_norm", "prompt"],
-    "no_zero_var": ["--no-zero_var_filter"],
-    "length_penalty": ["--length_control", "penalty"],
-}
-
-
-def run_study(out, seeds, steps):
-    """Train every variant with every seed on the toy (python train.py in a subprocess; a run whose
-    metrics already reach `steps` is kept, so an interrupted study resumes where it stopped)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name, flags in STUDY.items():
-        for seed in range(seeds):
-            run_dir = os.path.join(out, f"{name}-s{seed}")
-            path = os.path.join(run_dir, "metrics.jsonl")
-            if os.path.exists(path) and any(f'"step": {steps},' in ln for ln in open(path)):
-                continue
-            print(f"study: training {name} seed {seed} -> {run_dir}", flush=True)
-            cmd = [sys.executable, os.path.join(here, "train.py"), "--out", run_dir, "--overwrite", "--seed", str(seed),
-                   "--steps", str(steps), "--eval_every", "5", "--save_every", "0", *flags]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-
-
-def study_report(out, seeds, compute, png):
-    """Fit every run; per variant: A mean and spread over seeds, B, C_mid; one figure of the
-    seed-averaged curves; each variant compared with ScaleRL by the +-0.02 rule."""
-    args = argparse.Namespace(compute=compute, metric="pass_rate", fit_until=None, fit_from=None)
-    print(f"{'variant':<16} {'A mean':>7} {'A sd':>6} {'B':>6} {'C_mid':>9} {'R0':>6} {'R last':>7} {'extrap':>7}  "
-          "vs scalerl (a = scalerl, b = the variant; seed-averaged curves; extrap = predicted - measured R at the "
-          "end, fitted on the first half of the compute)")
-    pooled = []
-    for name in STUDY:
-        runs = [fit_run(os.path.join(out, f"{name}-s{s}"), args) for s in range(seeds)]
-        n = min(len(r["C"]) for r in runs)  # evals at the same steps in every seed
-        C, R = np.mean([r["C"][:n] for r in runs], 0), np.mean([r["R"][:n] for r in runs], 0)
-        fit = fit_sigmoid(C, R)
-        pooled.append(dict(run=name, C=C, R=R, used=(C > 0) & (C >= fit_start(C)), data=(C, R), fit=fit,
-                           compute=compute, metric="pass_rate"))
-        A = [r["fit"]["A"] for r in runs]
-        verdict = compare(pooled[0]["fit"], fit, pooled[0]["data"], (C, R))["verdict"] if pooled[1:] else ""
-        x = extrapolation_check(C, R)
-        print(f"{name:<16} {np.mean(A):7.3f} {np.std(A):6.3f} {fit['B']:6.2f} {fit['C_mid']:9.3g} "
-              f"{fit['R0']:6.3f} {R[-1]:7.3f} {format(x['error'], '+7.3f') if x else '    n/a'}  {verdict}")
-    root, ext = os.path.splitext(png)
-    plot(pooled, png, root + "_linear" + (ext or ".png"))
-    print(f"wrote {png} and {root}_linear{ext or '.png'}")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="Fit the ScaleRL sigmoid to runs' eval pass rates.")
     p.add_argument("run_dirs", nargs="*", help="run directories holding metrics.jsonl")
-    p.add_argument("--study", default=None, help="run the miniature leave-one-out study into this "
-                   "folder (train.py on the toy, every variant x --seeds), then fit and draw it")
-    p.add_argument("--seeds", type=int, default=2, help="seeds per variant in --study")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run in --study")
     p.add_argument("--fit_from", type=float, default=None, help="drop points with C below this "
                    "(the early transient); default None = 10%% of the largest C fitted (the paper's "
                    "practice); 0 keeps every point with C > 0")
@@ -470,12 +408,8 @@ def main(argv=None):
     p.add_argument("--png", default=None, help="figure file; the straight-line view goes next to "
                    "it with a _linear suffix; default None means fit.png in the first run dir")
     args = p.parse_args(argv)
-    if args.study:
-        run_study(args.study, args.seeds, args.steps)
-        study_report(args.study, args.seeds, args.compute, args.png or os.path.join(args.study, "study.png"))
-        return
     if not args.run_dirs:
-        p.error("give run directories, or --study FOLDER")
+        p.error("give run directories (each holding a metrics.jsonl)")
     runs = [fit_run(d, args) for d in args.run_dirs]
     print_table(runs, args)
     for run in runs:

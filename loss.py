@@ -52,7 +52,6 @@ EPS_DEFAULTS = {  # kind -> (eps_low, eps_high); absolute ratio bounds for cispo
     "dapo": (0.2, 0.28),
     "gspo": (3e-3, 4e-3),
 }
-CISPO_CAP = EPS_DEFAULTS["cispo"][1]
 
 
 def group_index(group):
@@ -101,6 +100,12 @@ def aggregate(obj, keep, group, agg):
     return (group_token_sum / group_token_count.clamp(min=1)).mean()
 
 
+def clip_eps(kind, eps_low=None, eps_high=None):
+    """The (eps_low, eps_high) a loss kind runs with: the flags' values, or the kind's defaults."""
+    default_low, default_high = EPS_DEFAULTS[kind]
+    return (default_low if eps_low is None else eps_low), (default_high if eps_high is None else eps_high)
+
+
 def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
                 eps_low=None, eps_high=None):
     """Scalar loss to minimize: -(aggregated per-token objective). See the module docstring."""
@@ -108,9 +113,7 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
         raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(EPS_DEFAULTS)}")
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; allowed: {', '.join(AGGS)}")
-    default_low, default_high = EPS_DEFAULTS[kind]
-    eps_low = default_low if eps_low is None else eps_low
-    eps_high = default_high if eps_high is None else eps_high
+    eps_low, eps_high = clip_eps(kind, eps_low, eps_high)
     keep = mask.bool()  # (N, T)
     adv = adv.detach()[:, None]  # (N, 1)
     log_ratio = torch.where(keep, logp - gen_logp.detach(), 0.0)  # (N, T)
@@ -142,14 +145,17 @@ def length_penalty(lengths, l_max=14336, l_cache=2048):
 
 
 @torch.no_grad()
-def ratio_stats(logp, gen_logp, mask):
-    """Generator/trainer mismatch over masked tokens: mean and max |logp - gen_logp|, and the
-    fraction of tokens whose rho exceeds the cispo cap (those get a truncated weight)."""
+def ratio_stats(logp, gen_logp, mask, kind="cispo", eps_high=None):
+    """Generator/trainer mismatch over masked tokens: mean and max |logp - gen_logp|, and the fraction
+    of tokens whose rho exceeds the loss's upper bound (cispo: the cap eps_high; the clipped losses:
+    1 + eps_high, per token also for gspo): the tokens whose weight is truncated or clipped."""
     diff = (logp - gen_logp)[mask.bool()]  # (K,) masked tokens only
     if diff.numel() == 0:
         return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "frac_above_cap": 0.0}
+    high = clip_eps(kind, None, eps_high)[1]
+    cap = high if kind == "cispo" else 1 + high
     return {
         "abs_diff_mean": diff.abs().mean().item(),
         "abs_diff_max": diff.abs().max().item(),
-        "frac_above_cap": (diff > math.log(CISPO_CAP)).float().mean().item(),
+        "frac_above_cap": (diff > math.log(cap)).float().mean().item(),
     }

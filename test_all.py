@@ -39,6 +39,7 @@ import train
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from verify import extract_answer, extract_code, score, score_batch, score_code, score_code_batch
 import fit
+import study
 import verify
 
 # =============================================================================
@@ -226,6 +227,10 @@ def test_loss_ratio_stats():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     stats = ratio_stats(logp.requires_grad_(), gen_logp, mask)
     assert stats == pytest.approx({"abs_diff_mean": 3.5 / 3, "abs_diff_max": 2.0, "frac_above_cap": 1 / 3})
+    # the bound follows the loss: rho = e^0.5 = 1.65 and e^2 = 7.4 are above dapo's 1.28 and cispo's cap of 1.5
+    assert ratio_stats(logp, gen_logp, mask, "dapo")["frac_above_cap"] == pytest.approx(2 / 3)
+    assert ratio_stats(logp, gen_logp, mask, "cispo", eps_high=1.5)["frac_above_cap"] == pytest.approx(2 / 3)
+    assert ratio_stats(logp, gen_logp, mask, "grpo", eps_high=1.0)["frac_above_cap"] == pytest.approx(1 / 3)  # 2.0 > ln 2
 
 
 def test_loss_bad_names_raise():
@@ -611,20 +616,61 @@ def test_fit_cli_table_and_pngs(tmp_path, capsys):
     assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
 
 
-def test_fit_study_report_fits_every_variant_and_pools_seeds(tmp_path, capsys):
+def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolation_by_hand(tmp_path):
+    """Synthetic runs with known curves: the report's A, shared-A B, verdicts and extrapolation numbers are
+    recomputed here from the written numbers and the sigmoid formula written out."""
     C = np.linspace(0, 100, 21)
-    for k, name in enumerate(fit.STUDY):  # A falls by 0.05 per variant: only scalerl vs itself is noise
-        for seed in range(2):
-            write_run(tmp_path / f"{name}-s{seed}", C, fit.sigmoid(C, 0.9 - 0.05 * k + 0.004 * seed, 2.0, 30, 0.3))
-    fit.study_report(str(tmp_path), 2, "compute_s", str(tmp_path / "study.png"))
-    out = capsys.readouterr().out.splitlines()
-    rows = {ln.split()[0]: ln.split() for ln in out[1:1 + len(fit.STUDY)]}
-    assert set(rows) == set(fit.STUDY)
-    assert float(rows["scalerl"][1]) == pytest.approx(0.902, abs=0.005)  # the mean of the two seeds' A
-    assert float(rows["scalerl"][2]) == pytest.approx(0.002, abs=0.002)  # their spread
-    assert float(rows["loss_dapo"][1]) == pytest.approx(0.852, abs=0.005)
-    assert "A differs by 0.050" in " ".join(rows["loss_dapo"]) and "a has the higher ceiling" in " ".join(rows["loss_dapo"])
-    assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
+    curves = {"scalerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
+              "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0)}  # C_mid 30, R0 0.3
+    variants = {name: ([], 3 if name == "scalerl" else 2) for name in curves}
+    for name, (A, B) in curves.items():
+        for seed in range(variants[name][1]):
+            wobble = 0.01 * np.sin(C * (seed + 1)) * (C > 0)  # the seeds differ a little
+            write_run(tmp_path / f"{name}-s{seed}", C, fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble)
+    text = study.write_report(str(tmp_path), variants, 20)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    v = {f["y"]: f["verdict"] for f in rep["findings"] if f["y"]}
+    assert v["ppo_offpolicy"] == "reproduced"  # the same A, a lower B
+    assert v["loss_dapo"] == "reproduced" and v["bf16_no_fp32_head"] == "not reproduced"
+    assert v["no_npr"] == "inconclusive"  # A and B within the seeds' margin
+    runs = [r for t in rep["variants"].values() for r in t["runs"]]
+    assert rep["shared_A"] == pytest.approx(np.mean([r["fit"]["A"] for r in runs]))
+    for name, t in rep["variants"].items():
+        assert t["A"] == pytest.approx(np.mean([r["fit"]["A"] for r in t["runs"]]))
+        assert t["A_sd"] == pytest.approx(np.std([r["fit"]["A"] for r in t["runs"]]))
+        assert t["B"] == pytest.approx(np.mean([r["refit"]["B"] for r in t["runs"]]))
+        assert all(r["refit"]["A"] == pytest.approx(rep["shared_A"]) for r in t["runs"])
+        assert t["A"] == pytest.approx(curves[name][0], abs=0.02)
+    within = 0
+    for name, t in rep["variants"].items():
+        for r in t["runs"]:
+            C_run, R_run, _ = fit.load_run(str(tmp_path / f"{name}-s{r['seed']}"))
+            half = C_run <= C_run[-1] / 2
+            f = fit.fit_sigmoid(C_run[half], R_run[half])
+            by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
+            assert r["extrap"]["predicted"] == pytest.approx(by_hand) and r["extrap"]["measured"] == R_run[-1]
+            within += abs(by_hand - R_run[-1]) <= 0.02
+    assert rep["extrapolation_within"] == [within, len(runs)]
+    assert f"{within} of {len(runs)} runs within 0.02" in text and "| ppo_offpolicy | `` | 2 |" not in text
+    for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
+                    "## Extrapolation test"):
+        assert section in text
+    for png in ("study.png", "study_extrap.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys):
+    out = tmp_path / "study"
+    study.main([str(out), "--quick"])
+    first = capsys.readouterr().out
+    assert first.count("study: [") == 2 and "## The paper's findings" in first
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["variants"]) == {"scalerl", "loss_dapo"}
+    assert [f["finding"] for f in rep["findings"]] == ["loss type", "predictability"]
+    recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
+    assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2 and recs[0]["data"] == "toy-hard"
+    study.main([str(out), "--quick"])  # finished runs are kept, not trained again
+    assert "study: [" not in capsys.readouterr().out
 
 
 def test_fit_steep_rise_fits_with_ceiling_at_one():
@@ -965,12 +1011,20 @@ def test_curriculum_epochs_no_positive_resampling_and_resume():
     assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
 
 
-def test_toy_task_answers_are_right():
-    for p in data.toy_problems(300, seed=9):
+@pytest.mark.parametrize("preset, ops, top", [("toy", (1, 4), 20), ("toy-hard", (2, 6), 30)])
+def test_toy_task_answers_are_right(preset, ops, top):
+    problems = data.toy_problems(300, 9, preset)
+    for p in problems:
         expr = p["prompt"].removeprefix("Compute ").removesuffix(".")
-        assert str(eval(expr)) == p["answer"] and 0 <= int(p["answer"]) <= 40  # an independent evaluator
+        assert str(eval(expr)) == p["answer"]  # an independent evaluator
+        assert ops[0] <= len(p["steps"]) <= ops[1] and all(0 <= s[3] <= top for s in p["steps"])
         trace = data.toy_trace(p, random.Random(0))
         assert re.fullmatch(r"<think>.*</think> The answer is \\boxed\{-?\d+\}\.", trace)
+    assert {len(p["steps"]) for p in problems} == set(range(ops[0], ops[1] + 1))
+    args = train.get_args(["--data", preset, "--val_size", "50"])
+    assert train.base_model_dir(args) == data.toy_model_dir(preset=preset)
+    assert os.path.basename(train.base_model_dir(args)) == {"toy": "toy_model", "toy-hard": "toy_model_hard"}[preset]
+    assert all(p["prompt"].startswith("Compute ") for p in train.load_data(args)[1])
 
 # =============================================================================
 # the embedded toy model (a quick build: few warm-up steps) and train.py end to end

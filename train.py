@@ -46,7 +46,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
+from data import PRESETS, Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
 import pipeline
 from fit import predict_final
 from generate import INTERRUPT_PHRASE, SUPPORTED, check_supported, generate, sequence_logprobs
@@ -60,9 +60,10 @@ from verify import BWRAP_MISSING, bwrap_ready, score_problems
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="ScaleRL training loop", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = ap.add_argument_group("model and data")
-    g.add_argument("--model", default="", help="HF model folder (Llama/Qwen2/Qwen3); empty = the embedded toy model")
+    g.add_argument("--model", default="", help="HF model folder (Llama/Qwen2/Qwen3); empty = the embedded base model of the "
+                   "--data preset")
     g.add_argument("--data", default="", help="training jsonl, or several comma-separated (math and code mix); "
-                   "'toy' or empty = the embedded toy task")
+                   "'toy' or empty = the embedded toy task; 'toy-hard' = the study's harder one (data.PRESETS)")
     g.add_argument("--unsafe_code_exec", action="store_true",
                    help="code problems: run programs with resource limits only when bubblewrap (bwrap) is missing; "
                         "a program can then forge its reward (verify.py)")
@@ -268,7 +269,7 @@ def evaluate(model, tokenizer, val_ids, val, args):
 
 def note_toy_model(args, paths, flag, verb):
     """A real dataset without --model: say at start that the toy model only knows the toy task."""
-    if any(p != "toy" for p in (paths or "toy").split(",")) and not args.model:
+    if any(p not in PRESETS for p in (paths or "toy").split(",")) and not args.model:
         print(f"note: {flag} without --model {verb} the embedded toy model, which only knows the toy arithmetic "
               "task: expect a pass rate near 0; give --model a real checkpoint", flush=True)
 
@@ -280,7 +281,7 @@ def eval_only(args):
         sys.exit("error: --eval_only runs as one process: python train.py --eval_only ..., not under torchrun")
     _, val = load_data(args)
     note_toy_model(args, args.val_data, "--val_data", "evaluates")
-    model_dir = args.model or toy_model_dir()
+    model_dir = args.model or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
     t0 = time.time()
     r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
@@ -289,6 +290,11 @@ def eval_only(args):
           f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, {r['n']} samples){per_domain} | "
           f"trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
     return r
+
+
+def base_model_dir(args):
+    """Without --model: the embedded base model of the preset task in --data (toy or toy-hard)."""
+    return toy_model_dir(preset=args.data if args.data in PRESETS else "toy")
 
 
 def pick_device(args, ctx=None):
@@ -357,7 +363,7 @@ def train_batch(model, batch, args, n_groups, total=None, forward=None):
         share = {"prompt": len(uniq[a:a + per]), "sample": len(rows), "token": mask[rows].sum().item()}[args.agg]
         (loss * share / total).backward()
         loss_sum += loss.item() * share / total
-        stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows]))
+        stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows], args.loss, args.eps_high))
     mismatch = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
     return loss_sum, mismatch
 
@@ -460,9 +466,9 @@ def load_data(args):
     problems = []
     try:  # a bad record: one line naming file:line and the field, not a traceback
         for path in (args.data or "toy").split(","):
-            if path == "toy":
+            if path in PRESETS:
                 seen = {}
-                for p in toy_problems(4000, args.seed + 12345):
+                for p in toy_problems(4000, args.seed + 12345, path):
                     seen.setdefault(p["prompt"], dict(p, domain="math"))
                 problems += list(seen.values())
             else:
@@ -532,7 +538,7 @@ def main(args):
         print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
     if ckpt:
         check_resume(state.get("args", {}), args)
-    model_dir = ckpt or args.model or toy_model_dir()
+    model_dir = ckpt or args.model or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, device)
     n_params = sum(p.numel() for p in model.parameters())
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
