@@ -355,7 +355,7 @@ def toy_model_dir(log=print, preset="toy"):
         return TOY_DIRS[preset]
     cache = os.path.join(HERE, ".cache", os.path.basename(TOY_DIRS[preset]))
     if not os.path.exists(os.path.join(cache, "config.json")):
-        log(f"{TOY_DIRS[preset]} is missing: building the {preset} base model (about 3 minutes on 2 cores) -> {cache}")
+        log(f"{TOY_DIRS[preset]} is missing: building the {preset} base model (3-6 minutes on 2 cores) -> {cache}")
         build_toy_model(cache, log=log, preset=preset)
     return cache
 

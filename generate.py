@@ -50,7 +50,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"

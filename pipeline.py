@@ -105,7 +105,7 @@ def setup(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return None
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ["RANK"])  # devices: device_plan over the local ranks
     n_gens = args.gen_ranks if args.gen_ranks > 0 else default_gen_ranks(world)
     n_trainers = world - n_gens
     if not 1 <= n_gens < world:  # checked before any rank waits on another

@@ -169,7 +169,7 @@ def judge(x, y, rule, table):
 # the report
 
 
-def variant_rows(table, unit):
+def variant_rows(table):
     rows = ["| variant | flags | seeds | A mean | A sd | B (shared A) | B sd | C_mid (shared A) | R0 | R last |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
@@ -213,8 +213,8 @@ def write_report(out, variants, steps, elapsed=None):
              "|---|---|---|---|"]
     lines += [f"| {f} | {claim} | **{v}** | {why} |" for f, claim, _, _, _, v, why in found]
     lines += ["", f"## Per variant, compute in device-seconds (shared A = {shared_A:.3f})", ""]
-    lines += variant_rows(table, "device-seconds")
-    lines += ["", f"## Per variant, compute in FLOPs (shared A = {shared_A_f:.3f})", ""] + variant_rows(table_f, "FLOPs")
+    lines += variant_rows(table)
+    lines += ["", f"## Per variant, compute in FLOPs (shared A = {shared_A_f:.3f})", ""] + variant_rows(table_f)
     lines += ["", f"## Extrapolation test (device-seconds): {within} of {n} runs within 0.02", ""]
     lines += extrapolation_rows(table)
     text = "\n".join(lines) + "\n"

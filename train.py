@@ -129,7 +129,7 @@ def get_args(argv=None):
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
-    g.add_argument("--eval_only", action="store_true", help="only evaluate --model (default: the toy model) on "
+    g.add_argument("--eval_only", action="store_true", help="only evaluate --model (default: the --data preset's base model) on "
                    "--val_data (default: the held-out split of --data), print the pass rate and exit")
     g.add_argument("--wandb", default="", metavar="PROJECT", help="also log metrics to Weights & Biases "
                    "(pip install wandb; WANDB_MODE=offline works without a network)")
