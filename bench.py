@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from data import format_prompt, toy_model_dir, toy_problems
+from data import format_prompt, read_jsonl, toy_model_dir, toy_problems
 from generate import check_supported, generate, sequence_logprobs
 from loss import policy_loss
 
@@ -502,7 +502,7 @@ def bench_pipeline(args):
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        records = [rec for _, rec in read_jsonl(os.path.join(out, "metrics.jsonl"))]
         train = [r for r in records if r.get("kind") == "train"]
         hit = next((r for r in records if r.get("kind") == "eval" and r["pass_rate"] >= args.target), None)
         weights = [r["dt_ms"] for r in train]
@@ -569,7 +569,7 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
         result["params"] = n_params(model)
         forward = pipeline.LogProbs(model)
         if world > 1:
-            forward = pipeline.shard_trainer({"trainers": dist.group.WORLD, "device": "cpu"}, model)
+            forward = pipeline.shard_trainer(model, dist.group.WORLD, "cpu")
         result["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for step in range(args.fsdp_steps):

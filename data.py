@@ -1,6 +1,8 @@
 """
 data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.md sections 2 and 5).
 
+- read_jsonl(path): the (line number, JSON object) pairs of a jsonl file; errors name FILE:LINE
+  (load_problems and fit.py's load_run read with it).
 - load_problems(path): jsonl in the layouts users have -> [{"prompt": str, "answer": str,
   "domain": "math"}, ...]
     problem + answer   (Polaris, DeepScaleR, MATH-500)
@@ -9,10 +11,13 @@ data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.m
     prompt + answer
     prompt + tests     (code: {"inputs": [...], "outputs": [...]} stdin/stdout pairs as in
                         TACO/APPS/DeepCoder, or asserts as in MBPP) -> {"prompt", "tests",
-                        "domain": "code"}, scored by verify.score_code; fixtures/code_toy.jsonl
+                        "domain": "code"}, scored by sandbox.score_code; fixtures/code_toy.jsonl
                         has 20 tiny ones. An explicit "domain" ("math" or "code") is honoured.
 - format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
   otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
+- special_tokens(tokenizer): the sampler's token ids (eos, "</think>", INTERRUPT_PHRASE) as keyword
+  arguments of generate.sampler / generate.generate; completion_text(tokenizer, sample): a sample's
+  text without its final eos.
 - split_problems: the seeded held-out validation split.
 - Curriculum: epochs over the training prompts, the per-prompt pass-rate history and
   No-Positive-Resampling (a prompt whose pass rate reaches 0.9 is never sampled again).
@@ -43,13 +48,16 @@ import shutil
 import sys
 import time
 
-from verify import last_boxed, split_asserts
+from sandbox import split_asserts
+from verify import last_boxed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
 TOY_DIRS = {"toy": TOY_DIR, "toy-hard": os.path.join(HERE, "toy_model_hard")}  # `--build toy-hard` remakes that one
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
 CODE_INSTRUCTION = "Think inside <think> </think>, then answer with a Python program in a ```python block."
+# forced in by the sampler at a sample's interruption point (generate.py, SCALERL.md section 2); it ends the thought
+INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 
 # -----------------------------------------------------------------------------
 # loading real data
@@ -75,7 +83,7 @@ def _answer_of(rec, where):
 
 def _tests_of(rec, where):
     """The tests of a code record, checked: {"inputs": [str], "outputs": [str]} or asserts (a list
-    of strings or one string), the layouts score_code in verify.py runs."""
+    of strings or one string), the layouts sandbox.score_code runs."""
     tests = rec["tests"]
     if isinstance(tests, dict):
         inputs, outputs = tests.get("inputs"), tests.get("outputs")
@@ -107,12 +115,9 @@ def _problem_of(rec, where, key):
     return {"prompt": rec[key], "answer": _answer_of(rec, where), "domain": "math"}
 
 
-def load_problems(path):
-    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"}
-    or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before in
-    the file is skipped too (counted, one summary line on stderr). Anything else wrong: ValueError naming
-    file:line and the field."""
-    problems, first_line, duplicates = [], {}, 0
+def read_jsonl(path):
+    """The JSON objects of a jsonl file, one (line number, dict) pair at a time, blank lines skipped. A line
+    that is not UTF-8, not JSON or not an object: ValueError 'FILE:LINE: what is wrong'."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -128,17 +133,28 @@ def load_problems(path):
                 raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
-            if key is None:
-                raise ValueError(f"{where}: missing field 'prompt' (or 'problem' / 'question')")
-            if not isinstance(rec[key], str) or not rec[key].strip():
-                raise ValueError(f"{where}: field '{key}' must be a non-empty string")
-            problem = _problem_of(rec, where, key)
-            if problem["prompt"] in first_line:
-                duplicates += 1
-                continue
-            first_line[problem["prompt"]] = lineno
-            problems.append(problem)
+            yield lineno, rec
+
+
+def load_problems(path):
+    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"}
+    or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before in
+    the file is skipped too (counted, one summary line on stderr). Anything else wrong: ValueError naming
+    file:line and the field."""
+    problems, first_line, duplicates = [], {}, 0
+    for lineno, rec in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
+        if key is None:
+            raise ValueError(f"{where}: missing field 'prompt' (or 'problem' / 'question')")
+        if not isinstance(rec[key], str) or not rec[key].strip():
+            raise ValueError(f"{where}: field '{key}' must be a non-empty string")
+        problem = _problem_of(rec, where, key)
+        if problem["prompt"] in first_line:
+            duplicates += 1
+            continue
+        first_line[problem["prompt"]] = lineno
+        problems.append(problem)
     if not problems:
         raise ValueError(f"{path}: no problems in file")
     if duplicates:
@@ -153,6 +169,19 @@ def format_prompt(tokenizer, problem, domain="math"):
         messages = [{"role": "user", "content": f"{instruction}\n\n{problem}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return f"{instruction}\nProblem: {problem}\nSolution: "
+
+
+def special_tokens(tokenizer):
+    """The sampler's special token ids, ready as keyword arguments of generate.sampler / generate.generate:
+    eos_id, think_end (the ids of "</think>") and interrupt_ids (the ids of INTERRUPT_PHRASE)."""
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    return dict(eos_id=tokenizer.eos_token_id, think_end=ids("</think>"), interrupt_ids=ids(INTERRUPT_PHRASE))
+
+
+def completion_text(tokenizer, sample):
+    """The text of a sampled completion (a generate.Sample), without its final eos."""
+    tokens = sample.tokens
+    return tokenizer.decode(tokens[:-1] if tokens[-1:] == [tokenizer.eos_token_id] else tokens)
 
 
 def split_problems(problems, val_size, seed=0):
@@ -281,7 +310,6 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from generate import INTERRUPT_PHRASE
 
     t0 = time.time()
     torch.manual_seed(seed)

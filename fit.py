@@ -53,12 +53,13 @@ Procedure and the readings chosen:
 """
 import argparse
 import itertools
-import json
 import math
 import os
 
 import numpy as np
 from scipy.optimize import curve_fit
+
+from data import read_jsonl
 
 FIT_FROM = 0.1  # default fit start: this fraction of the largest compute fitted
 MIN_POINTS = 4       # fitted points needed (3 parameters + 1)
@@ -288,25 +289,15 @@ def load_run(run_dir, compute="compute_s", metric="pass_rate"):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory of train.py?)")
     C, R, config = [], [], {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}, line {lineno}: not a JSON object: {line.strip()[:60]}")
-            if rec.get("kind") == "config":
-                config = rec
-            elif rec.get("kind") == "eval":
-                missing = [k for k in (compute, metric) if k not in rec]
-                if missing:
-                    raise ValueError(f"{path}, line {lineno}: eval line has no {missing[0]!r} "
-                                     f"(it has {sorted(rec)})")
-                C.append(rec[compute])
-                R.append(rec[metric])
+    for lineno, rec in read_jsonl(path):
+        if rec.get("kind") == "config":
+            config = rec
+        elif rec.get("kind") == "eval":
+            missing = [k for k in (compute, metric) if k not in rec]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: eval line: missing field '{missing[0]}' (it has {sorted(rec)})")
+            C.append(rec[compute])
+            R.append(rec[metric])
     try:
         C, R = check_points(C, R)
     except ValueError as e:

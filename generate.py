@@ -18,9 +18,10 @@ call, the sampling and the batching. What it adds over `model.generate`:
   (float32 LM head), a loss mask (0 on forced tokens), the policy version that produced each token,
   and the finish reason ("eos", "interrupted", "truncated");
 - forced interruption: each sample gets a cut point drawn uniformly in the last ~1/6 of its thinking
-  budget; if it is still thinking there, INTERRUPT_PHRASE (ending in </think>) is forced in token by
-  token (mask 0), then the answer budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens
-  (cut at 10k-12k); the toy defaults in train.py are 48 + 16;
+  budget; if it is still thinking there, the interruption phrase (the caller's interrupt_ids: the tokens
+  of data.INTERRUPT_PHRASE, ending in </think>) is forced in token by token (mask 0), then the answer
+  budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens (cut at 10k-12k); the toy
+  defaults in train.py are 48 + 16;
 - in-flight weight updates: between two sends the caller may copy new weights into the model in place
   and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
   which is exactly PipelineRL's behaviour (section 4);
@@ -52,7 +53,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 FINISH = ("eos", "interrupted", "truncated")  # a slot's finish code c > 0 means FINISH[c - 1]
 
 
@@ -394,8 +394,9 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
     8 on CUDA, where a host sync drains the GPU's queue; 1 elsewhere), then yields the samples that
     finished, [(tag, Sample)], and how many slots are free for more prompts. With nothing running or
     queued it yields ([], slots) at once. Without interruption (interrupt=False) a sample is simply cut
-    at think_budget + answer_budget tokens. think_end: the token ids of "</think>". max_prompt_len sizes
-    the cache; a longer prompt is an error. graphs: capture decode steps as CUDA graphs (default: on CUDA).
+    at think_budget + answer_budget tokens. eos_id, think_end (the token ids of "</think>") and
+    interrupt_ids (the interruption phrase's): data.special_tokens(tokenizer) gives all three. max_prompt_len
+    sizes the cache; a longer prompt is an error. graphs: capture decode steps as CUDA graphs (default: on CUDA).
     """
     check_supported(model)
     if interrupt and not interrupt_ids:
@@ -487,7 +488,7 @@ def sequence_logprobs(model, ids, attention_mask, fp32_head=True, temperature=1.
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import format_prompt, toy_model_dir, toy_problems
+    from data import completion_text, format_prompt, special_tokens, toy_model_dir, toy_problems
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -506,10 +507,7 @@ if __name__ == "__main__":
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]
     prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]
-    out = generate(model, prompts, eos_id=tokenizer.eos_token_id,
-                   think_end=tokenizer("</think>", add_special_tokens=False)["input_ids"],
-                   interrupt_ids=tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"],
-                   think_budget=args.think_budget, answer_budget=args.answer_budget, temperature=args.temperature,
-                   seed=args.seed)
+    out = generate(model, prompts, **special_tokens(tokenizer), think_budget=args.think_budget,
+                   answer_budget=args.answer_budget, temperature=args.temperature, seed=args.seed)
     for p, s in zip(problems, out):
-        print(f"{p!r} -> [{s.finish}] {tokenizer.decode(s.tokens)!r}")
+        print(f"{p!r} -> [{s.finish}] {completion_text(tokenizer, s)!r}")

@@ -4,6 +4,7 @@ GSPO ablations, with their advantage normalizations, loss aggregations and batch
 Implements SCALERL.md section 2 (paper arXiv 2510.13786, "The loss"). Pure functions of tensors.
 
     advantages(rewards, group, norm)          A_i = r_i - mean_{j in group(i)} r_j, then normalized
+                                              (norm "batch": over every trainer's rows, given all_sum)
     policy_loss(logp, gen_logp, adv, mask, group, kind, agg)    scalar to MINIMIZE
     zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and truncated samples
     length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
@@ -65,16 +66,21 @@ def group_sum(x, idx, n_groups):
     return x.new_zeros(n_groups).index_add(0, idx, x)
 
 
-def advantages(rewards, group, norm="batch"):
-    """A_i = r_i - mean of r over i's group, normalized per `norm` (batch | prompt | none)."""
+def advantages(rewards, group, norm="batch", all_sum=None):
+    """A_i = r_i - mean of r over i's group, normalized per `norm` (batch | prompt | none). all_sum: for
+    "batch" when these rows are one trainer's part of the batch, a function that sums a dict of numbers over
+    every trainer (so the std is the whole batch's); default: these rows are the whole batch."""
     if norm not in NORMS:
         raise ValueError(f"unknown norm {norm!r}; allowed: {', '.join(NORMS)}")
     idx, n_groups = group_index(group)
     count = group_sum(torch.ones_like(rewards), idx, n_groups)  # (G,)
     mean = group_sum(rewards, idx, n_groups) / count  # (G,)
     adv = rewards - mean[idx]  # (N,)
-    if norm == "batch":  # ScaleRL
+    if norm == "batch" and all_sum is None:  # ScaleRL: population std of every A in the batch
         return adv / (adv.std(correction=0) + 1e-6) if adv.numel() else adv
+    if norm == "batch":  # the same std, of every trainer's A, from the sums of all of them
+        s = all_sum({"n": adv.numel(), "a": adv.sum().item(), "a2": (adv**2).sum().item()})
+        return adv / (math.sqrt(max(s["a2"] / s["n"] - (s["a"] / s["n"]) ** 2, 0.0)) + 1e-6) if s["n"] else adv
     if norm == "prompt":  # GRPO
         std = (group_sum(adv**2, idx, n_groups) / count).sqrt()  # (G,) population std of r
         return adv / (std[idx] + 1e-6)

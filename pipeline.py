@@ -67,6 +67,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -77,8 +78,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from data import Curriculum
-from generate import INTERRUPT_PHRASE, Sample, sampler, sequence_logprobs
+from data import Curriculum, completion_text, special_tokens
+from generate import Sample, sampler, sequence_logprobs
 from verify import score_problems
 
 FINISH = ("eos", "interrupted", "truncated")
@@ -100,8 +101,34 @@ def default_gen_ranks(world):
 # set-up: roles, process groups, the store, heartbeats
 
 
+@dataclass
+class Context:
+    """One rank's place in the run and its channels: written by setup() and the functions here only."""
+    rank: int
+    world: int
+    n_trainers: int
+    n_gens: int
+    role: str  # "trainer" or "generator"
+    device: str
+    timeout: float  # --timeout: the deadline of every cross-rank wait
+    mode: str  # --mode
+    k: int  # the lag bound (--max_lag; 1 for sync)
+    prompts: int  # groups per batch (--prompts)
+    samples: int  # samples per group (--samples)
+    fsdp: bool
+    store: object  # the TCP store: versions, counters, statuses, heartbeats
+    weights: object  # process group: trainer 0 + the generators (weight broadcast)
+    trainers: object  # process group: the trainers (gradients, stats)
+    rollouts: object  # process group: everyone, gloo (packed groups)
+    length: int = 0  # tokens per packed sample (start())
+    status: str = "starting"
+    received: int = 0  # groups this trainer has received
+    early: dict = field(default_factory=dict)  # groups received before their batch, by global index
+    genstats_before: list = None  # the generators' counters at the last busy_metrics()
+
+
 def setup(args):
-    """Join the process group started by torchrun -> ctx (a dict), or None for one process."""
+    """Join the process group started by torchrun -> this rank's Context, or None for one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return None
@@ -124,18 +151,28 @@ def setup(args):
     dist.init_process_group(plan["default"], timeout=timeout)
     if rank == 0:
         print(plan["line"], flush=True)
-    ctx = {"rank": rank, "world": world, "n_trainers": n_trainers, "n_gens": n_gens,
-           "role": "trainer" if rank < n_trainers else "generator", "device": plan["name"][rank],
-           "timeout": args.timeout, "mode": args.mode, "fsdp": getattr(args, "fsdp", False), "k": 1 if args.mode == "sync" else args.max_lag,
-           "store": dist.distributed_c10d._get_default_store(), "status": "starting", "received": 0,
-           "prompts": args.prompts, "early": {},  # early: groups received before their batch, by index
-           # every rank creates every group, in the same order
-           "weights": dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
-           "trainers": dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
-           "rollouts": dist.new_group(backend="gloo", timeout=timeout) if cuda else None}
+    ctx = Context(rank=rank, world=world, n_trainers=n_trainers, n_gens=n_gens,
+                  role="trainer" if rank < n_trainers else "generator", device=plan["name"][rank],
+                  timeout=args.timeout, mode=args.mode, k=1 if args.mode == "sync" else args.max_lag,
+                  prompts=args.prompts, samples=args.samples, fsdp=args.fsdp,
+                  store=dist.distributed_c10d._get_default_store(),
+                  # every rank creates every group, in the same order
+                  weights=dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
+                  trainers=dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
+                  rollouts=dist.new_group(backend="gloo", timeout=timeout) if cuda else None)
     threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True).start()
     _CURRENT["ctx"] = ctx
     return ctx
+
+
+def start(ctx, version, length):
+    """Every rank, once the model is loaded: rank 0 publishes the starting weights `version` (the resumed
+    step); rollouts travel as packed rows of `length` tokens per sample."""
+    ctx.length = length
+    if ctx.rank == 0:
+        ctx.store.set("version", str(version))
+        ctx.store.set("stop", "0")
+    dist.barrier(group=ctx.rollouts)
 
 
 def device_plan(world, local_world, n_gpus, trainers, gens):
@@ -165,27 +202,27 @@ def device_plan(world, local_world, n_gpus, trainers, gens):
 
 def slow_seconds(args, ctx, role):
     """--slow ROLE=S (a test hook): S for the last rank of ROLE (the one process counts as a trainer), else 0."""
-    last = {"trainer": ctx["n_trainers"] - 1, "generator": ctx["world"] - 1}[role] if ctx else 0
-    hit = args.slow.startswith(f"{role}=") and (ctx is None or ctx["rank"] == last)
+    last = {"trainer": ctx.n_trainers - 1, "generator": ctx.world - 1}[role] if ctx else 0
+    hit = args.slow.startswith(f"{role}=") and (ctx is None or ctx.rank == last)
     return float(args.slow.split("=")[1]) if hit else 0.0
 
 
 def role_of(ctx, r):
-    return f"rank {r} ({'trainer' if r < ctx['n_trainers'] else 'generator'})"
+    return f"rank {r} ({'trainer' if r < ctx.n_trainers else 'generator'})"
 
 
 def set_status(ctx, text):
-    ctx["status"] = text
-    ctx["store"].set(f"status/{ctx['rank']}", text)
+    ctx.status = text
+    ctx.store.set(f"status/{ctx.rank}", text)
 
 
 def get_int(ctx, key):
-    return int(ctx["store"].add(key, 0))  # add 0: reads a counter, and a missing counter reads 0
+    return int(ctx.store.add(key, 0))  # add 0: reads a counter, and a missing counter reads 0
 
 
 def _heartbeat(ctx, limit):
     """Bump this rank's counter every second; exit the process if another rank's stops moving."""
-    store, me, world = ctx["store"], ctx["rank"], ctx["world"]
+    store, me, world = ctx.store, ctx.rank, ctx.world
     last = {r: (-1, time.time()) for r in range(world) if r != me}
     try:
         while True:
@@ -199,11 +236,11 @@ def _heartbeat(ctx, limit):
                 elif time.time() - since > limit:
                     status = store.get(f"status/{r}").decode() if store.check([f"status/{r}"]) else "?"
                     _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; its last "
-                         f"status: {status}); {role_of(ctx, me)} was {ctx['status']}")
+                         f"status: {status}); {role_of(ctx, me)} was {ctx.status}")
             time.sleep(1.0)
     except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
         _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
-             f"{role_of(ctx, me)} was {ctx['status']}")
+             f"{role_of(ctx, me)} was {ctx.status}")
 
 
 def report_failure(err):
@@ -212,16 +249,16 @@ def report_failure(err):
     ctx = _CURRENT.get("ctx")
     if ctx is None:
         return
-    store, me = ctx["store"], ctx["rank"]
+    store, me = ctx.store, ctx.rank
     try:
-        before = {r: int(store.add(f"heartbeat/{r}", 0)) for r in range(ctx["world"]) if r != me}
+        before = {r: int(store.add(f"heartbeat/{r}", 0)) for r in range(ctx.world) if r != me}
         time.sleep(3.0)
         gone = [f"{role_of(ctx, r)}, last status: "
                 f"{store.get(f'status/{r}').decode() if store.check([f'status/{r}']) else '?'}"
                 for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
     except Exception:
         gone = ["the rendezvous store (rank 0 or the launcher)"]
-    print(f"ERROR: {role_of(ctx, me)} failed while {ctx['status']}: {type(err).__name__}: "
+    print(f"ERROR: {role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
           f"{str(err).splitlines()[0] if str(err) else ''}; not responding: {'; '.join(gone) or 'none'}",
           file=sys.stderr, flush=True)
 
@@ -236,8 +273,8 @@ def wait_until(ctx, ready, what):
     set_status(ctx, f"waiting for {what}")
     t0, pause = time.time(), 0.0005
     while not ready():
-        if time.time() - t0 > ctx["timeout"]:
-            raise TimeoutError(f"{role_of(ctx, ctx['rank'])} waited {ctx['timeout']} s for {what} (--timeout)")
+        if time.time() - t0 > ctx.timeout:
+            raise TimeoutError(f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
     return time.time() - t0
@@ -246,8 +283,8 @@ def wait_until(ctx, ready, what):
 def finish(ctx):
     """Clean shutdown, called by every rank at its end."""
     set_status(ctx, "finished")
-    ctx["store"].add("finished", 1)
-    dist.barrier(group=ctx["rollouts"])
+    ctx.store.add("finished", 1)
+    dist.barrier(group=ctx.rollouts)
     dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------
@@ -257,7 +294,9 @@ def finish(ctx):
 def admit_ok(gi, version, k, prompts):
     """PipelineRL-k: may a generator whose weights are `version` start group gi? Only if the batch it
     belongs to (gi // prompts) is at most k steps ahead, so its oldest token is at most k versions old
-    when a trainer takes it."""
+    when a trainer takes it. What happens to a sample older than k: it is never made. A generator k
+    batches ahead waits for new weights instead of sampling (the trainers' back-pressure); nothing is
+    sampled and then dropped (receive_groups counts violations as too_old, and tests keep it 0)."""
     return gi // prompts <= version + k
 
 
@@ -322,12 +361,12 @@ def broadcast_weights(ctx, model, bucket_mb, tensors=None):
     nbytes = 0
     ours = tensors if tensors is not None else [p for _, p in model.named_parameters()]
     for params in weight_buckets(ours, bucket_mb):
-        if ctx["rank"] == 0:
+        if ctx.rank == 0:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
         else:
             flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        dist.broadcast(flat, src=0, group=ctx["weights"])
-        if ctx["rank"] != 0:
+        dist.broadcast(flat, src=0, group=ctx.weights)
+        if ctx.rank != 0:
             offset = 0
             for p in params:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -340,7 +379,7 @@ def all_reduce_grads(ctx, model):
     """Sum the trainers' gradients (each already scaled by its share of the global batch)."""
     params = [p for p in model.parameters() if p.requires_grad]
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat, group=ctx["trainers"])
+    dist.all_reduce(flat, group=ctx.trainers)
     offset = 0
     for p in params:
         p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
@@ -351,13 +390,13 @@ def all_reduce_stats(ctx, sums, maxes=None):
     """Sum (and max) small dicts of numbers over the trainer ranks."""
     if ctx is None:
         return sums, maxes or {}
-    device = ctx["device"]
+    device = ctx.device
     v = torch.tensor([float(x) for x in sums.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(v, group=ctx["trainers"])
+    dist.all_reduce(v, group=ctx.trainers)
     sums = dict(zip(sums, v.tolist()))
     if maxes:
         m = torch.tensor([float(x) for x in maxes.values()], dtype=torch.float64, device=device)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ctx["trainers"])
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ctx.trainers)
         maxes = dict(zip(maxes, m.tolist()))
     return sums, maxes or {}
 
@@ -367,29 +406,29 @@ def all_reduce_stats(ctx, sums, maxes=None):
 
 def _receive_one(ctx):
     """The next packed group sent to this trainer (the store said one is waiting) -> rows."""
-    rows = torch.empty(ctx["samples"], HEADER + 4 * ctx["length"])
-    dist.irecv(rows, src=None, group=ctx["rollouts"], tag=1).wait(timedelta(seconds=ctx["timeout"]))
-    ctx["received"] += 1
+    rows = torch.empty(ctx.samples, HEADER + 4 * ctx.length)
+    dist.irecv(rows, src=None, group=ctx.rollouts, tag=1).wait(timedelta(seconds=ctx.timeout))
+    ctx.received += 1
     return rows
 
 
 def receive_groups(ctx, step):
     """This trainer's share of batch `step` (groups step*B .. step*B + B - 1 with trainer_of == rank), in
-    index order, waiting for late ones; groups of later batches that arrive first are kept in ctx["early"].
+    index order, waiting for late ones; groups of later batches that arrive first are kept in ctx.early.
     -> (groups, stats); fewer groups only when generators ran out of prompts. Nothing is dropped:
     too_old counts groups with a token more than k versions old (admit_ok makes it 0)."""
-    rank, k, B = ctx["rank"], ctx["k"], ctx["prompts"]
-    want = [gi for gi in range(step * B, (step + 1) * B) if trainer_of(gi, B, ctx["n_trainers"]) == rank]
-    early, stats = ctx["early"], {"too_old": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
+    rank, k, B = ctx.rank, ctx.k, ctx.prompts
+    want = [gi for gi in range(step * B, (step + 1) * B) if trainer_of(gi, B, ctx.n_trainers) == rank]
+    early, stats = ctx.early, {"too_old": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
     while any(gi not in early for gi in want):
         missing = [gi for gi in want if gi not in early]
-        stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx["received"]
+        stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx.received
                                       or get_int(ctx, "exhausted") > 0,
                                       f"rollouts for step {step + 1} (groups {missing[0]}..{missing[-1]})")
-        if get_int(ctx, f"sent/{rank}") <= ctx["received"]:
+        if get_int(ctx, f"sent/{rank}") <= ctx.received:
             break  # a generator has no prompts left
         group = unpack_group(_receive_one(ctx))
-        ctx["store"].add(f"received_from/{group['gen_rank']}/{rank}", 1)
+        ctx.store.add(f"received_from/{group['gen_rank']}/{rank}", 1)
         stats["received"] += 1
         stats["gen_tokens"] += sum(len(group["prompt"]) + len(s.tokens) for s in group["samples"])
         early[group["gi"]] = group
@@ -404,15 +443,15 @@ def receive_groups(ctx, step):
 def publish_weights(ctx, model, step, last, bucket_mb):
     """After each optimizer step: announce version `step`, trainer 0 broadcasts -> (seconds, bytes).
     ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Sharded trainers all
-    take part in gathering the full weights first."""
-    if last or step % (1 if ctx["mode"] == "pipeline" else ctx["k"]) or (ctx["rank"] != 0 and not ctx["fsdp"]):
+    take part in gathering the full weights first. One process (ctx None): nothing to send."""
+    if ctx is None or last or step % (1 if ctx.mode == "pipeline" else ctx.k) or (ctx.rank != 0 and not ctx.fsdp):
         return 0.0, 0
     t0 = time.time()
     set_status(ctx, f"gathering and broadcasting weights version {step}")
-    tensors = full_weights(model) if ctx["fsdp"] else None
-    if ctx["rank"] != 0:
+    tensors = full_weights(model) if ctx.fsdp else None
+    if ctx.rank != 0:
         return 0.0, 0
-    ctx["store"].set("version", str(step))
+    ctx.store.set("version", str(step))
     nbytes = broadcast_weights(ctx, model, bucket_mb, tensors)
     return time.time() - t0, nbytes
 
@@ -430,11 +469,11 @@ class LogProbs(torch.nn.Module):
         return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature)
 
 
-def shard_trainer(ctx, model):
-    """--fsdp: shard the model over the trainer ranks with FSDP2 (each decoder layer one unit, the rest one
-    unit) -> the LogProbs module to call for the loss. Gradients are summed across trainers, not averaged:
-    each trainer's loss is already weighted by its share of the global batch."""
-    mesh = DeviceMesh.from_group(ctx["trainers"], "cuda" if ctx["device"].startswith("cuda") else "cpu")
+def shard_trainer(model, trainers, device):
+    """--fsdp: shard the model over the process group `trainers` with FSDP2 (each decoder layer one unit, the
+    rest one unit) -> the LogProbs module to call for the loss. Gradients are summed across trainers, not
+    averaged: each trainer's loss is already weighted by its share of the global batch."""
+    mesh = DeviceMesh.from_group(trainers, "cuda" if str(device).startswith("cuda") else "cpu")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     wrapped = LogProbs(model)
@@ -460,8 +499,8 @@ def load_sharded_optimizer(model, opt, full):
 
 def generator_stats(ctx):
     """Each generator's latest published counters (busy seconds, tokens, ...)."""
-    store, out = ctx["store"], []
-    for r in range(ctx["n_trainers"], ctx["world"]):
+    store, out = ctx.store, []
+    for r in range(ctx.n_trainers, ctx.world):
         out.append(json.loads(store.get(f"genstats/{r}")) if store.check([f"genstats/{r}"]) else {})
     return out
 
@@ -469,8 +508,8 @@ def generator_stats(ctx):
 def busy_metrics(ctx, dt, wait_s, train_s, sync_s, sync_bytes):
     """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed, tokens/s."""
     now = generator_stats(ctx)
-    before = ctx.get("genstats_before") or [{}] * len(now)
-    ctx["genstats_before"] = now
+    before = ctx.genstats_before or [{}] * len(now)
+    ctx.genstats_before = now
     d = [{key: s.get(key, 0.0) - b.get(key, 0.0) for key in ("wall", "idle", "sync", "tokens")}
          for s, b in zip(now, before)]
     busy = [(x["wall"] - x["idle"] - x["sync"]) / x["wall"] for x in d if x["wall"] > 0]
@@ -482,159 +521,199 @@ def busy_metrics(ctx, dt, wait_s, train_s, sync_s, sync_bytes):
 
 def drain(ctx):
     """After the last step: stop the generators, take every group still in flight, so they exit cleanly."""
-    if ctx["rank"] == 0:
-        ctx["store"].set("stop", "1")
-    wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx["n_gens"], "the generators to stop")
-    while get_int(ctx, f"sent/{ctx['rank']}") > ctx["received"]:
+    if ctx.rank == 0:
+        ctx.store.set("stop", "1")
+    wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx.n_gens, "the generators to stop")
+    while get_int(ctx, f"sent/{ctx.rank}") > ctx.received:
         _receive_one(ctx)
 
 # -----------------------------------------------------------------------------
 # the generator's side
 
 
+@dataclass
+class Generator:
+    """A generator rank's state, shared by run_generator and the functions after it."""
+    args: object
+    model: object
+    tokenizer: object
+    problems: list  # every training problem, and their prompts as token ids
+    prompt_ids: list
+    index: int  # this generator's index among the generators (g)
+    mine: list  # the problems it owns (i % n_gens == g); its curriculum picks among them
+    curriculum: Curriculum
+    curriculum_path: str
+    start_version: int  # the weights version it started from (the resumed step)
+    version: int  # the weights version now in its model
+    slow: float  # --slow generator=S (a test hook): seconds to sleep per poll
+    steps: object = None  # the sampler: steps.send((new items, version)) -> (finished, free slots)
+    free: int = 0  # free sampler slots
+    admitted: int = 0  # groups started since start_version
+    open: dict = field(default_factory=dict)  # global index gi -> {"c": curriculum slot, "samples": [G]}
+    sends: list = field(default_factory=list)  # (trainer, isend work, rows) not yet known to be received
+    pruned: list = None  # per trainer: sends forgotten because that trainer received them
+    t0: float = field(default_factory=time.time)
+    idle: float = 0.0  # seconds waiting: k batches ahead (pipeline) or frozen weights (ppo_offpolicy)
+    idle_since: float = None  # the start of a wait under way
+    sync: float = 0.0  # seconds receiving weights
+    tokens: int = 0  # completion tokens generated
+    last_poll: float = 0.0
+    last_stats: float = 0.0
+
+
 def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version, curriculum_path):
-    """A generator rank's whole life: sample groups, verify them, send them, take new weights."""
-    me, G, T, k = ctx["rank"], args.samples, ctx["n_trainers"], ctx["k"]
-    g = me - T  # this generator's index
-    mine = list(range(g, len(problems), ctx["n_gens"]))
+    """A generator rank's whole life: sample groups, verify them, send them, take new weights; until the
+    trainers say stop. Then it saves its curriculum and waits until its last sends are received."""
+    g = ctx.rank - ctx.n_trainers
+    mine = list(range(g, len(problems), ctx.n_gens))
     curriculum = Curriculum(len(mine), args.seed + 1 + g, npr=args.no_positive_resampling)
     if args.resume and os.path.exists(curriculum_path):
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
-    length = ctx["length"]
-    slow = slow_seconds(args, ctx, "generator")
-    max_prompt = max(len(p) for p in prompt_ids)
-    B, n_gens = args.prompts, ctx["n_gens"]
-    st = {"version": start_version, "open": {}, "sends": [], "admitted": 0,
-          "t0": time.time(), "idle": 0.0, "sync": 0.0, "tokens": 0, "last_poll": 0.0, "last_stats": 0.0,
-          "pruned": [0] * T, "idle_since": None}
-    think_end = tokenizer("</think>", add_special_tokens=False)["input_ids"]
-    interrupt_ids = tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
-
-    def publish(force=False):
-        now = time.time()
-        if force or now - st["last_stats"] > 0.1:
-            st["last_stats"] = now
-            idle = st["idle"] + (now - st["idle_since"] if st["idle_since"] else 0.0)  # a wait under way counts
-            ctx["store"].set(f"genstats/{me}", json.dumps({
-                "wall": now - st["t0"], "idle": idle, "sync": st["sync"], "tokens": st["tokens"],
-                "retired": len(curriculum.retired), "epoch": curriculum.epoch}))
-
-    def poll(apply=True):
-        """Stop? New weights? (at most every 10 ms) -> the version in the model."""
-        if slow:
-            time.sleep(slow)
-        if time.time() - st["last_poll"] < 0.01:
-            return st["version"]
-        st["last_poll"] = time.time()
-        if ctx["store"].get("stop") == b"1":
-            raise Stopped
-        version = int(ctx["store"].get("version"))
-        if apply and version > st["version"]:  # trainer 0 is in the broadcast of `version`, waiting for us
-            t0 = time.time()
-            set_status(ctx, f"receiving weights version {version}")
-            broadcast_weights(ctx, model, args.bucket_mb)
-            st["version"] = version
-            st["sync"] += time.time() - t0
-            set_status(ctx, "generating")
-            if args.save_every and version % args.save_every == 0:  # next to trainer 0's checkpoint
-                _save_curriculum(curriculum, curriculum_path)
-        publish()
-        return st["version"]
-
-    def my_next(n_groups, version):
-        """pipeline: the global indices of my next groups (every n_gens-th from mine; batches before the
-        resumed version are done), as many as n_groups and as the lag rule allows at this version."""
-        gis = [start_version * B + j * n_gens + g for j in range(st["admitted"], st["admitted"] + n_groups)]
-        return [gi for gi in gis if admit_ok(gi, version, k, B)]  # the rule is monotone in gi: a prefix
-
-    def admit(gis):
-        """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler items."""
-        items = []
-        for gi in gis:
-            try:
-                (c,) = curriculum.next_batch(1)
-            except StopIteration as err:
-                print(f"{role_of(ctx, me)}: {err}", flush=True)
-                ctx["store"].add("exhausted", 1)
-                break
-            st["admitted"] += 1
-            st["open"][gi] = {"c": c, "gi": gi, "samples": [None] * G}
-            items += [(prompt_ids[mine[c]], gi * 1024 + j, (gi, j)) for j in range(G)]  # noise key per sample
-        return items
-
-    def step(items, version):
-        """One sampler step -> free slots; the groups it completes are verified and sent."""
-        finished, n_free = steps.send((items, version))
-        for (gid, j), s in finished:
-            group = st["open"][gid]
-            group["samples"][j] = s
-            st["tokens"] += len(s.tokens)
-            if all(group["samples"]):
-                del st["open"][gid]
-                send(group)
-        return n_free
-
-    def send(group):
-        samples, i = group["samples"], mine[group["c"]]
-        texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
-                 for s in samples]
-        correct = score_problems(texts, [problems[i]] * G, unsafe_code=args.unsafe_code_exec)
-        curriculum.record(group["c"], sum(correct) / G)
-        dst = trainer_of(group["gi"], B, T)
-        rows = pack_group(me, group["gi"], i, prompt_ids[i], samples, correct, length)
-        st["sends"].append((dst, dist.isend(rows, dst=dst, group=ctx["rollouts"], tag=1), rows))
-        ctx["store"].add(f"sent/{dst}", 1)
-        if len(st["sends"]) > 2 * math.ceil((k + 1) * B / n_gens):  # forget sends already received (in order)
-            done = {t: get_int(ctx, f"received_from/{me}/{t}") for t in range(T)}
-            for t in range(T):
-                mine_to_t = [x for x in st["sends"] if x[0] == t]
-                for x in mine_to_t[:done[t] - st["pruned"][t]]:
-                    x[1].wait()
-                    st["sends"].remove(x)
-                    st["pruned"][t] += 1
-
-    steps = sampler(model, eos_id=tokenizer.eos_token_id, think_end=think_end, interrupt_ids=interrupt_ids,
-                    think_budget=args.think_budget, answer_budget=args.answer_budget, max_prompt_len=max_prompt,
-                    interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
-                    fp32_head=args.fp32_head, seed=args.seed, version=st["version"])
-    _, n_free = next(steps)
+    gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, curriculum_path,
+                    start_version, start_version, slow_seconds(args, ctx, "generator"), pruned=[0] * ctx.n_trainers)
+    gen.steps = sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
+                        answer_budget=args.answer_budget, max_prompt_len=max(len(p) for p in prompt_ids),
+                        interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
+                        fp32_head=args.fp32_head, seed=args.seed, version=start_version)
+    _, gen.free = next(gen.steps)
     set_status(ctx, "generating")
     try:
         while True:
-            if ctx["mode"] == "pipeline":  # never stop: admit what the lag rule allows, take weights in flight
-                version = poll()
-                items = admit(my_next(math.ceil(n_free / G), version)) if n_free > 0 else []
-                if items or n_free < args.slots:
-                    n_free = step(items, version)
-                    continue
-                st["idle_since"] = time.time()  # nothing running and nothing admissible: k batches ahead
-                wait_until(ctx, lambda: my_next(1, poll()) and not get_int(ctx, "exhausted"),
-                           f"weights that let group {my_next(1, 10 ** 9)[0]} start (PipelineRL-{k})")
-                st["idle"] += time.time() - st["idle_since"]
-                st["idle_since"] = None
-            else:  # ppo_offpolicy / sync: the batches for the steps up to the next multiple of k, frozen
-                v = st["version"]
-                n_free = step(admit([v * B + j for j in range(g, (k - v % k) * B, n_gens)]), v)
-                while n_free < args.slots:  # until every sample of these batches is done
-                    poll(apply=False)
-                    n_free = step([], v)
-                st["idle_since"] = time.time()
-                set_status(ctx, f"waiting for weights version {v + k - v % k} (frozen for {k} steps)")
-                while st["version"] < v + k - v % k:
-                    poll()
-                    time.sleep(0.002)
-                    if time.time() - st["idle_since"] > ctx["timeout"]:
-                        raise TimeoutError(f"{role_of(ctx, me)} waited {ctx['timeout']} s for new weights")
-                st["idle"] += time.time() - st["idle_since"]
-                st["idle_since"] = None
+            (generate_pipelined if ctx.mode == "pipeline" else generate_frozen)(ctx, gen)
     except Stopped:
         pass
     _save_curriculum(curriculum, curriculum_path)
-    publish(force=True)
-    ctx["store"].add("generators_done", 1)
+    publish_stats(ctx, gen, force=True)
+    ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
-    for _, work, _ in st["sends"]:
-        work.wait(timedelta(seconds=ctx["timeout"]))
+    for _, work, _ in gen.sends:
+        work.wait(timedelta(seconds=ctx.timeout))
+
+
+def generate_pipelined(ctx, gen):
+    """PipelineRL-k, one round: take new weights if any, admit the groups the lag rule allows into free
+    slots, run the sampler; with nothing running and nothing admissible (k batches ahead), wait."""
+    version = poll(ctx, gen)
+    items = admit(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples), version)) if gen.free else []
+    if items or gen.free < gen.args.slots:
+        sampler_step(ctx, gen, items, version)
+        return
+    gen.idle_since = time.time()
+    wait_until(ctx, lambda: next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted"),
+               f"weights that let group {next_groups(ctx, gen, 1, 10 ** 9)[0]} start (PipelineRL-{ctx.k})")
+    gen.idle += time.time() - gen.idle_since
+    gen.idle_since = None
+
+
+def generate_frozen(ctx, gen):
+    """ppo_offpolicy / sync, one round: sample the batches for the steps up to the next multiple of k with
+    frozen weights, then wait for the weights of that step."""
+    v, k, B = gen.version, ctx.k, ctx.prompts
+    sampler_step(ctx, gen, admit(ctx, gen, [v * B + j for j in range(gen.index, (k - v % k) * B, ctx.n_gens)]), v)
+    while gen.free < gen.args.slots:  # until every sample of these batches is done
+        poll(ctx, gen, apply=False)
+        sampler_step(ctx, gen, [], v)
+    gen.idle_since = time.time()
+    set_status(ctx, f"waiting for weights version {v + k - v % k} (frozen for {k} steps)")
+    while gen.version < v + k - v % k:
+        poll(ctx, gen)
+        time.sleep(0.002)
+        if time.time() - gen.idle_since > ctx.timeout:
+            raise TimeoutError(f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for new weights")
+    gen.idle += time.time() - gen.idle_since
+    gen.idle_since = None
+
+
+def poll(ctx, gen, apply=True):
+    """Stop? New weights? (reads the store at most every 10 ms) -> the weights version in the model. New
+    weights are received into the model's own parameters, between two sampler steps."""
+    if gen.slow:
+        time.sleep(gen.slow)
+    if time.time() - gen.last_poll < 0.01:
+        return gen.version
+    gen.last_poll = time.time()
+    if ctx.store.get("stop") == b"1":
+        raise Stopped
+    version = int(ctx.store.get("version"))
+    if apply and version > gen.version:  # trainer 0 is in the broadcast of `version`, waiting for us
+        t0 = time.time()
+        set_status(ctx, f"receiving weights version {version}")
+        broadcast_weights(ctx, gen.model, gen.args.bucket_mb)
+        gen.version = version
+        gen.sync += time.time() - t0
+        set_status(ctx, "generating")
+        if gen.args.save_every and version % gen.args.save_every == 0:  # next to trainer 0's checkpoint
+            _save_curriculum(gen.curriculum, gen.curriculum_path)
+    publish_stats(ctx, gen)
+    return gen.version
+
+
+def publish_stats(ctx, gen, force=False):
+    """This generator's counters into the store (at most every 0.1 s), for trainer 0's busy_metrics."""
+    now = time.time()
+    if force or now - gen.last_stats > 0.1:
+        gen.last_stats = now
+        idle = gen.idle + (now - gen.idle_since if gen.idle_since else 0.0)  # a wait under way counts
+        ctx.store.set(f"genstats/{ctx.rank}", json.dumps({
+            "wall": now - gen.t0, "idle": idle, "sync": gen.sync, "tokens": gen.tokens,
+            "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch}))
+
+
+def next_groups(ctx, gen, n_groups, version):
+    """pipeline: the global indices of this generator's next groups (every n_gens-th; batches before the
+    resumed version are done), as many as n_groups and as the lag rule allows at `version`."""
+    B = ctx.prompts
+    gis = [gen.start_version * B + j * ctx.n_gens + gen.index for j in range(gen.admitted, gen.admitted + n_groups)]
+    return [gi for gi in gis if admit_ok(gi, version, ctx.k, B)]  # the rule is monotone in gi: a prefix
+
+
+def admit(ctx, gen, gis):
+    """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler items
+    (prompt ids, noise key, tag (gi, j))."""
+    items, G = [], gen.args.samples
+    for gi in gis:
+        try:
+            (c,) = gen.curriculum.next_batch(1)
+        except StopIteration as err:
+            print(f"{role_of(ctx, ctx.rank)}: {err}", flush=True)
+            ctx.store.add("exhausted", 1)
+            break
+        gen.admitted += 1
+        gen.open[gi] = {"c": c, "samples": [None] * G}
+        items += [(gen.prompt_ids[gen.mine[c]], gi * 1024 + j, (gi, j)) for j in range(G)]  # noise key per sample
+    return items
+
+
+def sampler_step(ctx, gen, items, version):
+    """One send to the sampler (queue `items`, decode); the groups it completes are verified and sent."""
+    finished, gen.free = gen.steps.send((items, version))
+    for (gi, j), sample in finished:
+        group = gen.open[gi]
+        group["samples"][j] = sample
+        gen.tokens += len(sample.tokens)
+        if all(group["samples"]):
+            del gen.open[gi]
+            send_group(ctx, gen, gi, group["c"], group["samples"])
+
+
+def send_group(ctx, gen, gi, c, samples):
+    """Verify a finished group, record its pass rate in the curriculum, send it to its trainer (isend); then
+    forget the sends the trainers have received."""
+    i, G = gen.mine[c], len(samples)
+    texts = [completion_text(gen.tokenizer, s) for s in samples]
+    correct = score_problems(texts, [gen.problems[i]] * G, unsafe_code=gen.args.unsafe_code_exec)
+    gen.curriculum.record(c, sum(correct) / G)
+    dst = trainer_of(gi, ctx.prompts, ctx.n_trainers)
+    rows = pack_group(ctx.rank, gi, i, gen.prompt_ids[i], samples, correct, ctx.length)
+    gen.sends.append((dst, dist.isend(rows, dst=dst, group=ctx.rollouts, tag=1), rows))
+    ctx.store.add(f"sent/{dst}", 1)
+    if len(gen.sends) > 2 * math.ceil((ctx.k + 1) * ctx.prompts / ctx.n_gens):  # received sends, in order
+        for t in range(ctx.n_trainers):
+            done = get_int(ctx, f"received_from/{ctx.rank}/{t}")
+            for x in [x for x in gen.sends if x[0] == t][:done - gen.pruned[t]]:
+                x[1].wait()
+                gen.sends.remove(x)
+                gen.pruned[t] += 1
 
 
 def _save_curriculum(curriculum, path):

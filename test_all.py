@@ -5,6 +5,7 @@ test_all.py: every test of the project, fast, on CPU.
 """
 
 from pathlib import Path
+import ast
 import contextlib
 import errno
 import json
@@ -19,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -32,18 +34,48 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 import bench
 import data
+from data import INTERRUPT_PHRASE
 import generate as gen
-from generate import INTERRUPT_PHRASE
 import pipeline
 import train
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
-from verify import extract_answer, extract_code, score, score_batch, score_code, score_code_batch
+from sandbox import extract_code, score_code, score_code_batch
+from verify import extract_answer, score, score_batch
 import fit
+import sandbox
 import study
 import verify
 
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by several sections: the repository root, a code test set and the fenced
+# response that carries a program, the embedded toy model (a quick build: few warm-up steps)
+# and a short train.py run on it
+
+ROOT = Path(__file__).resolve().parent
+
+SUM = {"inputs": ["1 2\n", "-5 5\n", "100 23"], "outputs": ["3\n", "0", "123\n"]}
+
+
+def fenced(code, tag="python"):
+    return f"<think>\nplan\n</think>\nHere it is:\n```{tag}\n{code}\n```\n"
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("toy") / "model")
+    return data.build_toy_model(out, sft_steps=30, log=lambda *a: None)
+
+
+def run_train(toy_dir, out, *flags):
+    args = train.get_args(["--model", toy_dir, "--out", str(out), "--prompts", "4", "--samples", "4", "--steps", "2",
+                           "--eval_every", "2", "--val_size", "8", "--eval_samples", "1", "--save_every", "0",
+                           *flags])
+    train.main(args)
+    return [json.loads(ln) for ln in open(out / "metrics.jsonl")]
+
 # =============================================================================
-# loss.py
+# loss.py: advantages, the four policy losses, the length penalty and the ratio statistics
 
 # ---------------------------------------------------------------------------------------------
 # loss.py: independent slow references (Python loops over samples and tokens, written straight
@@ -157,6 +189,25 @@ def test_loss_advantages_match_statistics(norm):
         assert abs(got[0].item() - (2 / 3) / (math.sqrt(8 / 9) + 1e-6)) < 1e-12
 
 
+def test_loss_batch_advantages_split_over_trainers_equal_one_batch():
+    """Two trainers, each with some prompt groups of the batch, normalize by the whole batch's std when
+    all_sum adds their sums (as pipeline.all_reduce_stats does): the same A as one trainer with all rows."""
+    rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 0.5, 1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    group = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])
+    whole = advantages(rewards, group, "batch")
+    parts = [slice(0, 5), slice(5, 10)]  # trainer 0: groups 0, 1; trainer 1: groups 2, 3
+    local = []  # each trainer's sums of its centered rewards
+    for part in parts:
+        adv = rewards[part] - torch.stack([rewards[part][group[part] == g].mean() for g in group[part]])
+        local.append({"n": adv.numel(), "a": adv.sum().item(), "a2": (adv ** 2).sum().item()})
+    total = {k: local[0][k] + local[1][k] for k in local[0]}  # what the all-reduce over both trainers gives
+    shares = [advantages(rewards[part], group[part], "batch", all_sum=lambda d: total) for part in parts]
+    assert torch.allclose(torch.cat(shares), whole, rtol=0, atol=1e-12)
+    assert not torch.allclose(shares[0], advantages(rewards[parts[0]], group[parts[0]], "batch"))  # not the part's std
+    centered = torch.cat([rewards[group == g] - rewards[group == g].mean() for g in range(4)])
+    assert torch.allclose(whole, centered / (centered.std(correction=0) + 1e-6), rtol=0, atol=1e-12)  # by hand
+
+
 def test_loss_zero_variance_keep():
     rewards = torch.tensor([1.0, -1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0])
     group = torch.tensor([5, 5, 9, 9, 9, 2, 2, 11, 5, 7])
@@ -244,7 +295,7 @@ def test_loss_bad_names_raise():
         advantages(rewards, group, norm="group")
 
 # =============================================================================
-# verify.py
+# verify.py: math answers extracted and checked for equivalence, and the routing of math and code rewards
 
 SHARED = Path(__file__).resolve().parent.parent / "shared" / "data"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -452,258 +503,551 @@ def test_verify_agrees_with_math_verify():
               f"{' | note: ' + r['note'] if r.get('note') else ''}")
     assert 1 - len(unexplained) / len(rows) >= 0.99
 
+# -----------------------------------------------------------------------------
+# math: the extraction cases of the issue
+
+
+def test_verify_extraction_cases_of_the_issue():
+    cases = {
+        "<think>\nit is \\boxed{3}\n</think>\nSo $\\boxed{4}$.": "4",                    # after </think>
+        "\\boxed{\\frac{\\sqrt{3}}{2}} and \\boxed{\\left\\{1,\\{2\\}\\right\\}}": "\\left\\{1,\\{2\\}\\right\\}",
+        "so \\boxed 5.": "5", "\\fbox{6}": "6", "\\boxed{1}, \\fbox{2}, \\boxed{3}": "3",
+        "Final Answer: 42": "42", "**Final Answer:** 12": "12", "**Final Answer**: $12$": "12",
+        "Final Answer:\n\\frac{1}{2}": "\\frac{1}{2}", "**Answer:** 7": "7",
+        "Natalia sold 48 + 24 = 72 clips.\n#### 72": "72", "#### 1,234": "1,234",
+    }
+    for response, answer in cases.items():
+        assert extract_answer(response) == answer, response
+    assert score("**Final Answer:** 12", "12") and score("#### 72", "72") and score("\\boxed 5", "5")
+
+
+def test_verify_interrupted_response_never_answered():
+    thinking = "<think>\nLet me add: 3 + 4 = 7, so \\boxed{7}. Let me check again"
+    for response in (thinking + INTERRUPT_PHRASE, thinking + INTERRUPT_PHRASE + "\n\n",
+                     thinking + INTERRUPT_PHRASE + " The final answer is", thinking):
+        assert extract_answer(response) is None and score(response, "7") is False, response[-40:]
+    assert score(thinking + INTERRUPT_PHRASE + " The answer is \\boxed{7}.", "7") is True
+
+# -----------------------------------------------------------------------------
+# math: fuzz
+
+
+NASTY = [r"9^{9^{9^9}}", "100000!", r"(10^{9999})^{9999}", r"10^{10^{10}}", r"e^{e^{e^{e^{10}}}}",
+         r"\binom{100000}{50000}", r"(x+1)^{10000}-(x+1)^{9999}", r"\frac{1}{0}", "0^{-1}", "x^x^x^x",
+         r"\sqrt[0]{2}", r"\log_0 1", r"\sin(2^{10000})", r"\sqrt{-1}^{\sqrt{-1}}", r"\infty-\infty"]
+PIECES = [r"\frac", "{", "}", "(", ")", "[", "]", r"\sqrt", "^", "_", "x", "y", "9", "99", ".", ",", r"\pi",
+          r"\pm", r"\{", r"\}", "=", "-", "+", "*", "/", r"\text{", r"\left(", r"\right)", r"\cup", "!", "|",
+          r"\sin", r"\log", r"\begin{pmatrix}", r"\end{pmatrix}", "&", r"\\", "%", "i", "e", r"\infty",
+          r"\boxed{", r"\fbox", "</think>", "<think>", "####", "Final Answer:", "\ufffd", "\udfff", "\x00"]
+
+
+def fuzz_cases(rng):
+    """10,000 (response, gold) pairs: most decided in-process, about 1,700 go to the sympy workers."""
+    cases = []
+    for _ in range(9000):                                   # quick path: numbers, junk, huge text
+        kind = rng.random()
+        if kind < 0.5:
+            cases.append((f"\\boxed{{{rng.randint(-10**6, 10**6)}}}", str(rng.randint(-10**6, 10**6))))
+        elif kind < 0.8:
+            junk = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))).decode("utf-8", errors="replace")
+            cases.append((junk, rng.choice(["5", junk, r"\frac12"])))
+        elif kind < 0.98:
+            cases.append((f"#### {rng.random() * 10**rng.randint(0, 30)}", f"{rng.randint(0, 99)}/{rng.randint(1, 99)}"))
+        else:
+            big = rng.choice(["{", "(", "\\boxed{", "9", "x^", "\ufffd"]) * rng.randint(1 << 18, 1 << 20)
+            cases.append(rng.choice([(big, "5"), ("\\boxed{5}", big), (big, big)]))
+    for i in range(700):                                    # sympy path: soup, nesting, huge values
+        soup = "".join(rng.choices(PIECES, k=rng.randint(1, 40)))
+        deep = "(" * rng.randint(20, 80) + "x+1" + ")" * rng.randint(20, 80)
+        answer = rng.choice([soup, deep, NASTY[i % len(NASTY)], "x" * rng.randint(990, 1010)])
+        cases.append((f"<think>{soup}</think> \\boxed{{{answer}}}", rng.choice([soup, "x+1", NASTY[i % len(NASTY)]])))
+    for _ in range(300):                                    # nasty golds and non-strings
+        cases.append((rng.choice(["\\boxed{5}", "#### 7", None, 5, b"\\boxed{1}"]),
+                      rng.choice(NASTY + [None, 7, "", "\udfff" * 2000])))
+    rng.shuffle(cases)
+    return cases
+
+
+def test_verify_fuzz_10k_adversarial_strings_never_raise_or_hang():
+    cases = fuzz_cases(random.Random(0))
+    timeout, exceptions, verdicts = 2.0, 0, []
+    start = time.perf_counter()
+    for chunk in range(0, 9800, 980):                      # most through score_batch, chunk by chunk
+        part = cases[chunk:chunk + 980]
+        batch_start = time.perf_counter()
+        try:
+            verdicts += score_batch([r for r, _ in part], [g for _, g in part], workers=2, timeout=timeout)
+        except Exception:
+            exceptions += 1
+        assert time.perf_counter() - batch_start < 30.0
+    max_call = 0.0
+    for response, gold in cases[9800:]:                   # the rest one by one through score()
+        call_start = time.perf_counter()
+        try:
+            verdicts.append(score(response, gold, timeout=timeout))
+        except Exception:
+            exceptions += 1
+        max_call = max(max_call, time.perf_counter() - call_start)
+    total = time.perf_counter() - start
+    print(f"\nfuzz: {len(cases)} cases, {exceptions} exceptions, max score() call {max_call:.2f} s, "
+          f"{total:.1f} s in all, {sum(verdicts)} True")
+    assert len(cases) == 10_000 and exceptions == 0 and len(verdicts) == 10_000
+    assert all(isinstance(v, bool) for v in verdicts)
+    assert max_call < timeout + 2.0 and total < 60.0
+
+# -----------------------------------------------------------------------------
+# math and code: score_problems sends each problem to its verifier
+
+
+def test_score_problems_routes_math_and_code():
+    problems = [{"answer": "4", "domain": "math"}, {"tests": SUM, "domain": "code"}, {"answer": "5"},
+                {"tests": SUM, "domain": "code"}]
+    responses = ["</think> \\boxed{4}", fenced("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}",
+                 fenced("print(3)")]
+    assert verify.score_problems(responses, problems) == [True, True, False, False]
+
 # =============================================================================
-# fit.py
+# sandbox.py: code extraction and the sandboxed test runs
 
-# Published ScaleRL fits (SCALERL.md section 1): C_mid (GB200 GPU-hours), B, A
-PUBLISHED = {
-    "8B batch 768": (2542, 1.92, 0.610),
-    "8 generations": (2542, 2.44, 0.585),
-    "MoE 17Bx16": (4242, 1.65, 0.710),
-    "batch 2048": (10909, 1.70, 0.645),
-}
-R0 = 0.38
+BWRAP = pytest.mark.skipif(not sandbox.bwrap_ready(), reason="bubblewrap (bwrap) is not installed or cannot make "
+                           "namespaces here; .ci/run installs it")
 
 
-def fit_curve(C_mid, B, A, seed=0, noise=0.003, n=61, span=4.0):
-    """Eval points of a published curve: C from 0 to span * C_mid (N,), R with seeded noise."""
-    C = np.linspace(0.0, span * C_mid, n)
-    R = fit.sigmoid(C, A, B, C_mid, R0) + np.random.default_rng(seed).normal(0, noise, n)
-    R[0] = R0
-    return C, R
+def nproc_binds():
+    """RLIMIT_NPROC binds every user except root; in bwrap root's program drops to nobody."""
+    return sandbox.bwrap_ready() or os.geteuid() != 0 or sandbox._sandbox_uid() is not None
 
 
-def write_run(run_dir, C, R, lines=None):
-    """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s)."""
-    os.makedirs(run_dir, exist_ok=True)
-    recs = [{"kind": "config", "loss": "cispo", "batch": 8}]
-    for step, (c, r) in enumerate(zip(C, R)):
-        recs.append({"kind": "train", "step": step, "compute_s": c, "flops": c * 1e9,
-                     "reward": 2 * r - 1, "pass_rate": r})
-        recs.append({"kind": "eval", "step": step, "compute_s": c, "flops": c * 1e9,
-                     "pass_rate": r, "pass_rate/math": r, "n": 800})
-    text = lines if lines is not None else [json.dumps(x) for x in recs]
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        f.write("\n".join(text) + "\n")
+def sandbox_processes():
+    """Live host processes still running a sandboxed program (the prelude's text is in their command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if b"_record" in open(f"/proc/{pid}/cmdline", "rb").read() and \
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(pid)
+    return found
 
 
-def test_fit_recovers_published_curves_and_extrapolates_from_half():
-    for k, (C_mid, B, A) in enumerate(PUBLISHED.values()):
-        C, R = fit_curve(C_mid, B, A, seed=k)
-        f = fit.fit_sigmoid(C, R)
-        assert abs(f["A"] - A) < 0.01, (A, f)
-        assert f["R0"] == R0 and abs(f["B"] - B) < 0.25 and abs(np.log(f["C_mid"] / C_mid)) < 0.1
-        half = C <= C[-1] / 2
-        h = fit.fit_sigmoid(C[half], R[half])
-        pred = fit.sigmoid(C[-1], h["A"], h["B"], h["C_mid"], h["R0"])
-        assert abs(pred - fit.sigmoid(C[-1], A, B, C_mid, R0)) < 0.02, (A, h)
+@pytest.fixture
+def shared_dir():
+    """A folder the unsafe path's program may write into. As root it runs as nobody (when nobody can start the
+    interpreter), and nobody cannot reach pytest's tmp_path: /tmp/pytest-of-root is 0700. So: a 0777 temp dir."""
+    folder = tempfile.mkdtemp(prefix="sandbox-test-")
+    os.chmod(folder, 0o777)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+# -----------------------------------------------------------------------------
+# code: extraction and the two test layouts
 
 
-def test_fit_noiseless_curve_is_exact():
-    C_mid, B, A = PUBLISHED["8B batch 768"]
-    C, R = fit_curve(C_mid, B, A, noise=0.0)
-    f = fit.fit_sigmoid(C, R)
-    np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
+def test_code_extract_last_python_block():
+    cases = {
+        "```python\nprint(1)\n```\ntext\n```python\nprint(2)\n```": "print(2)",          # last wins
+        "```\nprint(3)\n```": "print(3)", "```py\nx = 1\n```": "x = 1",
+        "```python\nprint(1)\n```\n```cpp\nint main() {}\n```": "print(1)",              # not Python
+        "<think>```python\nprint(1)\n```</think>\n```python\nprint(2)\n```": "print(2)",  # after think
+        "<think>```python\nprint(1)\n```</think> no code": None,
+        "<think>\n```python\nprint(1)\n```\nstill thinking": None,                      # interrupted
+        "```python\nprint(1)\n": None, "no code": None, "```python\n\n```": None,
+    }
+    for response, code in cases.items():
+        assert extract_code(response) == code, response
+    assert extract_code(None) is None
 
 
-def test_fit_drops_the_first_tenth_of_the_compute_by_default():
-    """A transient in the first 10% of the compute (here: early pass rates far off the curve) moves a fit
-    of every point; the default fit, which starts at 10% of the compute as the paper's fits do, is exact."""
-    C_mid, B, A = PUBLISHED["8B batch 768"]
-    C, R = fit_curve(C_mid, B, A, noise=0.0)
-    early = (C > 0) & (C < 0.1 * C[-1])
-    R = np.where(early, R + 0.15, R)
-    assert fit.fit_start(C) == pytest.approx(0.1 * C[-1])
-    f = fit.fit_sigmoid(C, R)
-    np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
-    every = fit.fit_sigmoid(C, R, fit_from=0)
-    assert abs(every["B"] - B) > 0.05
+def test_code_stdin_stdout_right_wrong_and_whitespace():
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    spaced = fenced("a, b = map(int, input().split())\nprint('  ', a + b, '   ')\nprint()\nprint()")
+    off_by_one = fenced("a, b = map(int, input().split())\nprint(a + b + 1)")
+    crash_after = fenced("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(3)")
+    wrong_on_last = fenced("a, b = map(int, input().split())\nprint(a + b if a < 100 else 0)")
+    lines = {"inputs": ["2\n"], "outputs": ["1 2\n3  4"]}
+    assert score_code(right, SUM) is True and score_code(spaced, SUM) is True
+    assert score_code(off_by_one, SUM) is False and score_code(crash_after, SUM) is False
+    assert score_code(wrong_on_last, SUM) is False
+    assert score_code(fenced("print('1  2 ')\nprint('3 4')"), lines) is True
+    assert score_code(fenced("print('1 2 3 4')"), lines) is False                 # lines matter
+    assert score_code("a, b = map(int, input().split())\nprint(a + b)", SUM) is False   # no block
 
 
-def test_fit_extrapolation_check_and_the_shared_A_rule_over_several_runs():
-    C_mid, B, A = PUBLISHED["8B batch 768"]
-    C, R = fit_curve(C_mid, B, A, noise=0.0)
-    x = fit.extrapolation_check(C, R)
-    assert x["n"] == 31 and x["measured"] == pytest.approx(R[-1]) and abs(x["error"]) < 1e-3
-    assert fit.extrapolation_check(C[:5], R[:5]) is None  # 2 points in the first half: no fit
-    runs = []
-    for b in (1.2, 1.6, 2.0):  # same ceiling, different efficiency
-        Cb, Rb = fit_curve(C_mid, b, A, noise=0.0)
-        runs.append({"fit": fit.fit_sigmoid(Cb, Rb), "data": (Cb, Rb)})
-    shared, refits = fit.shared_A_refit(runs)
-    assert shared == pytest.approx(A, abs=1e-3)
-    np.testing.assert_allclose([f["B"] for f in refits], [1.2, 1.6, 2.0], rtol=1e-2)
+def test_code_asserts_list_and_string():
+    add = fenced("def add(a, b):\n    print('debug output is fine')\n    return a + b")
+    assert score_code(add, ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]) is True
+    assert score_code(add, "assert add(1, 2) == 3\nassert add(2, 2) == 4") is True
+    assert score_code(add, ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]) is False
+    for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "exit()",
+                  "def add(a, b):\n    raise SystemExit(0)"):
+        assert score_code(fenced(cheat), ["assert add(1, 2) == 3"]) is False, cheat
+    humaneval = "def check(candidate):\n    assert candidate(2, 3) == 5\n\ncheck(add)"
+    assert score_code(add, humaneval) is True
+    assert score_code(fenced("def add(a, b):\n    return a - b"), humaneval) is False
 
 
-def test_fit_units_do_not_matter():
-    C, R = fit_curve(*PUBLISHED["MoE 17Bx16"], seed=3)
-    base = fit.fit_sigmoid(C, R)
-    for scale in (1e3, 1e15):                       # GPU-hours -> "seconds", -> "FLOPs"
-        f = fit.fit_sigmoid(C * scale, R)
-        assert abs(f["A"] - base["A"]) < 1e-3 and abs(f["B"] - base["B"]) < 1e-2
-        assert abs(f["C_mid"] / (base["C_mid"] * scale) - 1) < 1e-2
+def test_code_malformed_tests_score_false():
+    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    for tests in ({"inputs": [], "outputs": []}, {"inputs": ["1 2"], "outputs": ["3", "4"]},
+                  {"inputs": [["1", "2"]], "outputs": [["3"]]}, {"inputs": "1 2", "outputs": "3"},
+                  {"outputs": ["3"]}, [], "", "print('no assert here')", None, 5, [1, 2]):
+        assert score_code(right, tests) is False, tests
+    assert score_code(None, SUM) is False and score_code(b"```python\nprint(3)\n```", SUM) is False
+
+# -----------------------------------------------------------------------------
+# code: the sandbox
 
 
-def test_fit_power_law_overpredicts_sigmoid_data():
-    # What is true on sigmoid data (checked on every published row): fitted on the first half,
-    # the power law's ceiling A lands far above the sigmoid's (often on the 1.0 cap) and its
-    # SSE is >10x worse; with the early transient dropped (fit_from = 1.5k GPU-hours, as the
-    # paper) it over-predicts the final pass rate, by more than the sigmoid misses it (where
-    # 1.5k is a small part of the rise, batch 2048 with C_mid 10.9k, it shrinks to ~0.001).
-    for k, name in enumerate(["8B batch 768", "8 generations"]):
-        C_mid, B, A = PUBLISHED[name]
-        C, R = fit_curve(C_mid, B, A, seed=k)
-        half = C <= C[-1] / 2
-        sig, pow_ = fit.fit_sigmoid(C[half], R[half]), fit.fit_power_law(C[half], R[half])
-        assert pow_["sse"] > 10 * sig["sse"] and pow_["A"] > sig["A"] + 0.2
-        sig = fit.fit_sigmoid(C[half], R[half], fit_from=1500)
-        pow_ = fit.fit_power_law(C[half], R[half], fit_from=1500)
-        true_end = fit.sigmoid(C[-1], A, B, C_mid, R0)
-        err_sig = fit.sigmoid(C[-1], sig["A"], sig["B"], sig["C_mid"], sig["R0"]) - true_end
-        err_pow = fit.power_law(C[-1], pow_["A"], pow_["B"], pow_["D"]) - true_end
-        assert err_pow > 0.01 and err_pow > abs(err_sig), (name, err_pow, err_sig)
+def test_code_infinite_loop_is_killed_on_time():
+    for program in ("while True:\n    pass", "import time\ntime.sleep(60)", "input()"):
+        start = time.perf_counter()
+        assert score_code(fenced(program), {"inputs": [""], "outputs": ["x"]}, timeout=2.0) is False
+        assert time.perf_counter() - start < 10.0, program       # 2 s + start-up, generous for CI
+    start = time.perf_counter()
+    assert score_code(fenced("while True:\n    pass"), ["assert True"], timeout=1.0) is False
+    assert 1.0 <= time.perf_counter() - start < 8.0
 
 
-def test_fit_linear_view_has_slope_B():
-    C, R = fit_curve(*PUBLISHED["batch 2048"], seed=1)
-    f = fit.fit_sigmoid(C, R)
-    Cs = np.geomspace(C[1], C[-1], 30)
-    logF = fit.linear_view(fit.sigmoid(Cs, f["A"], f["B"], f["C_mid"], f["R0"]),
-                           f["A"], f["B"], f["C_mid"], f["R0"])
-    slope, intercept = np.polyfit(np.log(Cs), logF, 1)
-    assert abs(slope - f["B"]) < 1e-6 and abs(intercept) < 1e-4
-    above_A = fit.linear_view(np.array([f["A"] + 0.01]), f["A"], f["B"], f["C_mid"], f["R0"])
-    assert np.isnan(above_A[0])
+def test_code_memory_limit():
+    alloc = "x = bytearray({})\nprint(len(x))"
+    assert score_code(fenced(alloc.format(100 << 20)), {"inputs": [""], "outputs": [str(100 << 20)]})
+    start = time.perf_counter()
+    assert score_code(fenced(alloc.format(10 << 30)), {"inputs": [""], "outputs": [str(10 << 30)]}) is False
+    grow = "x = []\nwhile True:\n    x.append(bytearray(50 << 20))"      # 50 MB at a time, forever
+    assert score_code(fenced(grow), ["assert True"]) is False
+    assert time.perf_counter() - start < 15.0
+    assert score_code(fenced(alloc.format(600 << 20)), ["assert x"], memory=256 << 20) is False
 
 
-def test_fit_compare_noise_and_different():
-    C, Ra = fit_curve(3000, 1.6, 0.600, seed=1)
-    _, Rb = fit_curve(3000, 2.0, 0.610, seed=2)
-    _, Rc = fit_curve(3000, 1.6, 0.650, seed=3)
-    fa, fb, fc = (fit.fit_sigmoid(C, R) for R in (Ra, Rb, Rc))
-    v = fit.compare(fa, fb, (C, Ra), (C, Rb))
-    assert v["branch"] == "noise" and v["better"] == "b"
-    assert abs(v["A_shared"] - (fa["A"] + fb["A"]) / 2) < 1e-12 and v["B_b"] > v["B_a"]
-    v = fit.compare(fa, fc, (C, Ra), (C, Rc))
-    assert v["branch"] == "different" and v["better"] == "b" and abs(v["dA"] - 0.05) < 0.015
+def test_code_output_flood_is_cut():
+    start = time.perf_counter()
+    flood = fenced("while True:\n    print('x' * 100000)")
+    assert score_code(flood, {"inputs": [""], "outputs": ["x"]}) is False
+    assert score_code(flood, ["assert True"]) is False
+    assert time.perf_counter() - start < 15.0
+    assert score_code(fenced("print('y' * 1000000)"), {"inputs": [""], "outputs": ["y" * 1000000]})
 
 
-def test_fit_bootstrap_and_predict_final():
-    C, R = fit_curve(*PUBLISHED["8 generations"], seed=4)
-    spread = fit.bootstrap_A(C, R, n=8, seed=0)
-    assert 0 < spread["std"] < 0.01 and spread["lo"] <= spread["mean"] <= spread["hi"]
-    assert abs(spread["mean"] - 0.585) < 0.01
-    assert fit.predict_final(C[:4], R[:4], C[-1]) is None       # R0 + 3 points: too few
-    p = fit.predict_final(C[:31], R[:31], C[-1])
-    assert abs(p["R_end"] - fit.sigmoid(C[-1], 0.585, 2.44, 2542, R0)) < 0.02
+def test_code_naive_fork_bomb_fails_at_once_and_the_parent_is_fine():
+    for bomb in ("import os\nwhile True:\n    os.fork()", "import os\nwhile True:\n    os.system('true')",
+                 "import subprocess\nsubprocess.Popen(['sleep', '100'])",
+                 "import multiprocessing\nmultiprocessing.Process(target=print).start()"):
+        start = time.perf_counter()
+        assert score_code(fenced(bomb), ["assert True"], timeout=5.0) is False, bomb
+        assert time.perf_counter() - start < 5.0, bomb              # removed: fails, no timeout
+    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
 
-def test_fit_cli_table_and_pngs(tmp_path, capsys):
-    C = np.linspace(0, 1200, 25)                        # CPU-seconds
-    write_run(tmp_path / "cispo", C, fit.sigmoid(C, 0.60, 1.8, 300, 0.30))
-    write_run(tmp_path / "grpo", C, fit.sigmoid(C, 0.61, 1.4, 400, 0.30))
-    png = tmp_path / "out" / "curve.png"
-    os.makedirs(png.parent)
-    fit.main([str(tmp_path / "cispo"), str(tmp_path / "grpo"), "--fit_until", "600",
-              "--extrapolate_to", "5000", "--png", str(png)])
-    out = capsys.readouterr().out
-    assert "cispo" in out and "grpo" in out and "C_mid" in out and "R power" in out
-    assert "0.600" in out and "A within noise" in out and "a is more efficient" in out
-    for p in (png, tmp_path / "out" / "curve_linear.png"):
-        data = p.read_bytes()
-        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
-    fit.main([str(tmp_path / "cispo"), "--compute", "flops", "--metric", "pass_rate/math"])
-    assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
+@pytest.mark.skipif(not nproc_binds(), reason="root that cannot drop to nobody (interpreter under a "
+                    "0700 home): RLIMIT_NPROC does not bind root")
+def test_code_nproc_limits_threads_and_processes():
+    threads = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
+               "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+               "        n += 1\nexcept RuntimeError:\n    pass\n")
+    margin = sandbox.CODE_NPROC_MARGIN
+    assert score_code(fenced(threads), ["assert n > 5", f"assert n < {2 * margin}"], memory=16 << 30) is True
+    assert score_code(fenced(threads), ["assert n == 200"], memory=16 << 30) is False
 
 
-def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolation_by_hand(tmp_path):
-    """Synthetic runs with known curves: the report's A, shared-A B, verdicts and extrapolation numbers are
-    recomputed here from the written numbers and the sigmoid formula written out."""
-    C = np.linspace(0, 100, 21)
-    curves = {"scalerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
-              "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0)}  # C_mid 30, R0 0.3
-    variants = {name: ([], 3 if name == "scalerl" else 2) for name in curves}
-    for name, (A, B) in curves.items():
-        for seed in range(variants[name][1]):
-            wobble = 0.01 * np.sin(C * (seed + 1)) * (C > 0)  # the seeds differ a little
-            write_run(tmp_path / f"{name}-s{seed}", C, fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble)
-    text = study.write_report(str(tmp_path), variants, 20)
-    rep = json.loads((tmp_path / "report.json").read_text())
-    v = {f["y"]: f["verdict"] for f in rep["findings"] if f["y"]}
-    assert v["ppo_offpolicy"] == "reproduced"  # the same A, a lower B
-    assert v["loss_dapo"] == "reproduced" and v["bf16_no_fp32_head"] == "not reproduced"
-    assert v["no_npr"] == "inconclusive"  # A and B within the seeds' margin
-    runs = [r for t in rep["variants"].values() for r in t["runs"]]
-    assert rep["shared_A"] == pytest.approx(np.mean([r["fit"]["A"] for r in runs]))
-    for name, t in rep["variants"].items():
-        assert t["A"] == pytest.approx(np.mean([r["fit"]["A"] for r in t["runs"]]))
-        assert t["A_sd"] == pytest.approx(np.std([r["fit"]["A"] for r in t["runs"]]))
-        assert t["B"] == pytest.approx(np.mean([r["refit"]["B"] for r in t["runs"]]))
-        assert all(r["refit"]["A"] == pytest.approx(rep["shared_A"]) for r in t["runs"])
-        assert t["A"] == pytest.approx(curves[name][0], abs=0.02)
-    within = 0
-    for name, t in rep["variants"].items():
-        for r in t["runs"]:
-            C_run, R_run, _ = fit.load_run(str(tmp_path / f"{name}-s{r['seed']}"))
-            half = C_run <= C_run[-1] / 2
-            f = fit.fit_sigmoid(C_run[half], R_run[half])
-            by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
-            assert r["extrap"]["predicted"] == pytest.approx(by_hand) and r["extrap"]["measured"] == R_run[-1]
-            within += abs(by_hand - R_run[-1]) <= 0.02
-    assert rep["extrapolation_within"] == [within, len(runs)]
-    assert f"{within} of {len(runs)} runs within 0.02" in text and "| ppo_offpolicy | `` | 2 |" not in text
-    for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
-                    "## Extrapolation test"):
-        assert section in text
-    for png in ("study.png", "study_extrap.png"):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+@BWRAP
+def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox():
+    bomb = ("import sys\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
+            "fork = ctypes.CDLL(None).fork\nwhile True:\n    fork()")
+    daemon = ("import sys, time\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
+              "libc = ctypes.CDLL(None)\nif libc.fork() == 0:\n    libc.setsid()\n    if libc.fork() == 0:\n"
+              "        time.sleep(60)\n")  # a double-forked setsid daemon; the program itself exits at once
+    for program, timeout in ((bomb, 3.0), (daemon, 6.0)):
+        start = time.perf_counter()
+        score_code(fenced(program), ["assert True"], timeout=timeout)
+        assert time.perf_counter() - start < 15.0
+        assert sandbox_processes() == [], program  # the PID namespace died with the sample
+    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
 
-def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys):
-    out = tmp_path / "study"
-    study.main([str(out), "--quick"])
-    first = capsys.readouterr().out
-    assert first.count("study: [") == 2 and "## The paper's findings" in first
-    rep = json.loads((out / "report.json").read_text())
-    assert set(rep["variants"]) == {"scalerl", "loss_dapo"}
-    assert [f["finding"] for f in rep["findings"]] == ["loss type", "predictability"]
-    recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
-    assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2 and recs[0]["data"] == "toy-hard"
-    study.main([str(out), "--quick"])  # finished runs are kept, not trained again
-    assert "study: [" not in capsys.readouterr().out
+@BWRAP
+def test_code_sandbox_sees_nothing_of_the_machine(tmp_path):
+    """What a program can see and touch, asked from inside (each value goes back through the assert channel)."""
+    secret = tmp_path / "expected.txt"
+    secret.write_text("3\n")
+    os.environ["SECRET_TOKEN"] = "hunter2"
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    try:
+        probe = fenced("""import os, socket, sys
+def reach(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return "connected"
+    except OSError:
+        return "refused"
+def writable(path):
+    try:
+        open(path, "w").write("x")
+        return True
+    except OSError:
+        return False
+def fill():
+    n = 0
+    try:
+        while n < 20:
+            open(f"/tmp/f{n}", "wb").write(b"x" * (8 << 20))
+            n += 1
+    except OSError:
+        pass
+    return n
+""")
+        checks = ["assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'PWD']", "assert os.getcwd() == '/tmp'",
+                  "assert sys.flags.isolated == 1", "assert os.getuid() == 65534", "assert os.getppid() == 1",
+                  "assert len([p for p in os.listdir('/proc') if p.isdigit()]) <= 3",
+                  "assert not os.path.exists('/etc/shadow')", f"assert not os.path.exists({str(secret)!r})",
+                  f"assert not os.path.exists({str(ROOT / 'sandbox.py')!r})",
+                  f"assert reach({server.getsockname()[1]}) == 'refused'",
+                  "assert not writable('/usr/x')", "assert writable('/tmp/x')",
+                  f"assert fill() <= {sandbox.CODE_TMPFS // (8 << 20)}"]
+        for check in checks:
+            assert score_code(probe, [check]) is True, check
+        assert score_code(probe, ["assert os.getuid() == 0"]) is False  # the channel really carries values
+    finally:
+        server.close()
+        del os.environ["SECRET_TOKEN"]
 
 
-def test_fit_steep_rise_fits_with_ceiling_at_one():
-    # a live fit from train.py that once failed: the grid's best A sat a rounding error above 1.0
-    C = np.array([0.0, 4.07, 7.23, 9.64, 13.8, 17.38, 20.31, 23.77])
-    R = np.array([0.25, 0.52, 0.561, 0.638, 0.673, 0.754, 0.791, 0.838])
-    f = fit.fit_sigmoid(C, R)
-    assert R.max() - 0.02 <= f["A"] <= 1.0 and f["sse"] < 0.01
-    assert fit.predict_final(C, R, 100.0)["R_end"] <= 1.0
+@BWRAP
+def test_code_wrong_solutions_cannot_forge_their_reward(tmp_path):
+    """Each of these is wrong (add is missing or subtracts) and tries to score anyway."""
+    data_file = tmp_path / "problems.jsonl"
+    data_file.write_text(json.dumps({"tests": SUM}) + "\n")
+    cheats = {
+        "exit before the asserts": "import os\nprint('anything')\nos._exit(0)",
+        "an always-equal object": "class Any:\n    def __eq__(self, other):\n        return True\n"
+                                  "def add(a, b):\n    return Any()",
+        "report values itself": "import os\nfor v in range(10):\n    os.write(4, f'0\\t{v}\\n'.encode())\nos._exit(0)",
+        "replace the reporter": "def add(a, b):\n    return a - b\n_record = lambda k, v: None",
+        "guess through the reporter": "def add(a, b):\n    return a - b\nfor v in range(10):\n    _record(0, v)",
+    }
+    for name, program in cheats.items():
+        assert score_code(fenced(program), ["assert add(1, 2) == 3"]) is False, name
+    stdio_cheats = {
+        "read the data set": f"print(open({str(data_file)!r}).read())",
+        "read the parent's command line": "import os\nfor p in os.listdir('/proc'):\n"
+                                          "    if p.isdigit():\n        print(open(f'/proc/{p}/cmdline').read())",
+        "print nothing and exit 0": "pass",
+    }
+    for name, program in stdio_cheats.items():
+        assert score_code(fenced(program), SUM) is False, name
+    assert score_code(fenced("def add(a, b):\n    return a + b"), ["assert add(1, 2) == 3"]) is True
 
 
-def test_fit_errors(tmp_path):
-    write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
-    with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):
-        fit.main([str(tmp_path / "short"), "--png", str(tmp_path / "x.png")])
-    good = json.dumps({"kind": "eval", "step": 0, "compute_s": 0.0, "pass_rate": 0.2})
-    lines = [good, good.replace("0.0", "1.0"), '{"kind": "eval",']
-    write_run(tmp_path / "bad", [], [], lines=lines)
-    with pytest.raises(ValueError, match=r"bad.metrics\.jsonl, line 3"):
-        fit.load_run(tmp_path / "bad")
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
-        fit.load_run(tmp_path / "missing")
-    C, R = fit_curve(3000, 1.6, 0.6)
-    with pytest.raises(ValueError, match="NaN"):
-        fit.fit_sigmoid(C, np.where(C > 5000, np.nan, R))
-    with pytest.raises(ValueError, match="strictly increase"):
-        fit.fit_sigmoid(C[::-1], R)
-    with pytest.raises(ValueError, match="no point at C = 0"):
-        fit.fit_sigmoid(C[1:], R[1:])
+def test_code_split_asserts_keeps_expected_values_out():
+    source, checks = sandbox.split_asserts("assert f(1) == [1, (2, 'x')]\nassert not g(2)\nassert h(3)\n"
+                                           "def check(c):\n    assert c(4) in {4, 5}\ncheck(f)")
+    assert "[1, (2, 'x')]" not in source and "{4, 5}" not in source and source.count("_record(") == 4
+    assert [op(v, e) for (op, e), v in zip(checks, ([1, (2, "x")], 0, 7, 5))] == [True, True, True, True]
+    assert sandbox.split_asserts("assert f(1) is None")[1][0][0](None, None) is True
+    for bad in ("assert f(1) == expected", "assert 0 < f(1) < 2", "x = 1", "assert f(1) is g"):
+        with pytest.raises(ValueError):
+            sandbox.split_asserts(bad)
+
+
+def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "bwrap_ready", lambda: False)
+    add = fenced("def add(a, b):\n    return a + b")
+    assert score_code(add, ["assert add(1, 2) == 3"]) is False  # never raises; the run refuses earlier
+    assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
+    monkeypatch.setattr(train, "bwrap_ready", lambda: False)
+    code = str(FIXTURES / "code_toy.jsonl")
+    with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
+        run_train(toy_dir, tmp_path / "a", "--data", code, "--val_size", "4")
+    run_train(toy_dir, tmp_path / "b", "--data", code, "--val_size", "4", "--unsafe_code_exec")
+    assert "--unsafe_code_exec: resource limits only" in capsys.readouterr().out
+
+
+def test_code_unsafe_path_temp_dir_is_removed_even_when_locked(shared_dir):
+    messy = (f"import os\nopen({str(shared_dir / 'cwd')!r}, 'w').write(os.getcwd())\n"
+             "os.makedirs('a/b/c')\nopen('a/b/c/f.txt', 'w').write('x')\n"
+             "os.symlink('/', 'a/root')\nos.chmod('a/b', 0)\nos.chmod('a', 0o500)")
+    assert score_code(fenced(messy), ["assert True"], unsafe=True) is True
+    cwd = (shared_dir / "cwd").read_text()
+    assert cwd and not os.path.exists(cwd) and os.path.exists("/")
+
+
+def test_code_unsafe_path_files_outside_are_capped(shared_dir):
+    big = f"f = open({str(shared_dir / 'big')!r}, 'wb')\nf.write(b'x' * (64 << 20))\nf.close()"
+    assert score_code(fenced(big), ["assert True"], unsafe=True) is False                     # RLIMIT_FSIZE
+    assert (shared_dir / "big").stat().st_size <= sandbox.CODE_MAX_OUTPUT
+
+
+def test_code_batch_equals_one_by_one_and_uses_workers():
+    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")]
+    responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:5]]
+    tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:6]]         # another's tests
+    expected = [True] * len(rows) + [False] * 5
+    assert [score_code(r, t) for r, t in zip(responses, tests)] == expected
+    slow = [fenced("import time\ntime.sleep(1)\nprint(3)")] * 4
+    start = time.perf_counter()
+    assert score_code_batch(slow, [{"inputs": [""], "outputs": ["3"]}] * 4, workers=4) == [True] * 4
+    assert time.perf_counter() - start < 3.5                                 # 4 x 1 s in parallel
+    assert score_code_batch(responses, tests, workers=2) == expected
+    with pytest.raises(ValueError, match="2 responses but 1 tests"):
+        score_code_batch(["a", "b"], [SUM])
+
+# =============================================================================
+# data.py: problem files, prompts, the curriculum, the toy task and the embedded toy model
+
+
+def test_data_loads_the_shared_files_as_published():
+    gsm_train, gsm_test = data.load_problems(SHARED / "gsm8k_train.jsonl"), data.load_problems(SHARED / "gsm8k_test.jsonl")
+    math500 = data.load_problems(SHARED / "math500.jsonl")
+    assert (len(gsm_train), len(gsm_test), len(math500)) == (7473, 1319, 500)
+    assert gsm_train[0]["answer"] == "72" and gsm_train[0]["prompt"].startswith("Natalia sold clips")
+    rows = _jsonl(SHARED / "math500.jsonl")
+    assert [p["answer"] for p in math500] == [r["answer"] for r in rows]
+    assert all(isinstance(p["prompt"], str) and isinstance(p["answer"], str) for p in gsm_train + math500)
+
+
+def test_data_layouts_and_clear_errors(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"problem": "p1", "solution": "so \\\\boxed{\\\\frac{1}{2}}."}\n\n'
+                 '{"prompt": "p2", "answer": 72}\n{"question": "p3", "answer": "work\\n#### 1,000"}\n'
+                 '{"problem": "p4", "answer": 0.5}\n')
+    assert data.load_problems(f) == [{"prompt": "p1", "answer": "\\frac{1}{2}", "domain": "math"},
+                                     {"prompt": "p2", "answer": "72", "domain": "math"},
+                                     {"prompt": "p3", "answer": "1,000", "domain": "math"},
+                                     {"prompt": "p4", "answer": "0.5", "domain": "math"}]
+    cases = {'{"problem": "p"}\n': ":1: missing field 'answer'",
+             '{"answer": "1"}\n': ":1: missing field 'prompt'",
+             '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
+             '{"problem": "p", "answer": "1"}\n{broken\n': ":2: invalid JSON",
+             '': ": no problems"}
+    assert_load_errors(tmp_path, cases)
+
+
+def assert_load_errors(tmp_path, cases):
+    """Each jsonl text in cases makes load_problems raise an error containing 'file' + the expected ':line: ...'."""
+    for i, (text, msg) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError) as e:
+            data.load_problems(bad)
+        assert f"bad{i}.jsonl{msg}" in str(e.value)  # file:line: field
+
+
+def test_data_non_utf8_duplicates_and_a_clean_exit_from_train(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        data.load_problems(bad)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "a", "answer": "3"}\n')
+    assert [p["answer"] for p in data.load_problems(dup)] == ["1", "2"]
+    assert "skipped 1 duplicate" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"error: .*bad.jsonl:2: not UTF-8"):
+        train.load_data(train.get_args(["--data", str(bad)]))
+
+
+def test_format_prompt_plain_and_chat_template(toy_dir):
+    tok = AutoTokenizer.from_pretrained(toy_dir)
+    plain = data.format_prompt(tok, "What is 2+2?")
+    assert plain == f"{data.INSTRUCTION}\nProblem: What is 2+2?\nSolution: "
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    chat = data.format_prompt(tok, "What is 2+2?")
+    assert chat.startswith("<|user|>") and chat.endswith("<|assistant|>") and "What is 2+2?" in chat
+
+
+def test_split_is_seeded_and_disjoint():
+    probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
+    tr, va = data.split_problems(probs, 20, seed=3)
+    assert (tr, va) == data.split_problems(probs, 20, seed=3) and va != data.split_problems(probs, 20, seed=4)[1]
+    assert len(va) == 20 and len(tr) == 80 and not {p["prompt"] for p in tr} & {p["prompt"] for p in va}
+
+
+def test_curriculum_epochs_no_positive_resampling_and_resume():
+    c = data.Curriculum(10, seed=1)
+    first = c.next_batch(10)
+    assert sorted(first) == list(range(10))
+    for i in first:
+        c.record(i, 1.0 if i < 3 else 0.5)  # prompts 0, 1, 2 reach pass rate >= 0.9
+    second = c.next_batch(7)
+    assert sorted(second) == list(range(3, 10)) and c.epoch == 1
+    state = json.loads(json.dumps(c.state_dict()))  # survives a JSON round trip
+    c2 = data.Curriculum(10, seed=1)
+    c2.load_state_dict(state)
+    assert [c.next_batch(4) for _ in range(5)] == [c2.next_batch(4) for _ in range(5)]
+    assert c2.history[0] == [1.0] and c2.retired == {0, 1, 2}
+    off = data.Curriculum(4, seed=0, npr=False)
+    for i in off.next_batch(4):
+        off.record(i, 1.0)
+    assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("preset, ops, top", [("toy", (1, 4), 20), ("toy-hard", (2, 6), 30)])
+def test_toy_task_answers_are_right(preset, ops, top):
+    problems = data.toy_problems(300, 9, preset)
+    for p in problems:
+        expr = p["prompt"].removeprefix("Compute ").removesuffix(".")
+        assert str(eval(expr)) == p["answer"]  # an independent evaluator
+        assert ops[0] <= len(p["steps"]) <= ops[1] and all(0 <= s[3] <= top for s in p["steps"])
+        trace = data.toy_trace(p, random.Random(0))
+        assert re.fullmatch(r"<think>.*</think> The answer is \\boxed\{-?\d+\}\.", trace)
+    assert {len(p["steps"]) for p in problems} == set(range(ops[0], ops[1] + 1))
+    args = train.get_args(["--data", preset, "--val_size", "50"])
+    assert train.base_model_dir(args) == data.toy_model_dir(preset=preset)
+    assert os.path.basename(train.base_model_dir(args)) == {"toy": "toy_model", "toy-hard": "toy_model_hard"}[preset]
+    assert all(p["prompt"].startswith("Compute ") for p in train.load_data(args)[1])
+
+
+def test_toy_model_loads_like_any_hf_model(toy_dir):
+    tok, model = AutoTokenizer.from_pretrained(toy_dir), AutoModelForCausalLM.from_pretrained(toy_dir)
+    assert model.config.model_type == "llama" and 0.2e6 < sum(p.numel() for p in model.parameters()) < 1.5e6
+    text = data.format_prompt(tok, "Compute 17+3-2.") + "<think>17+3=20,20-2=18.</think> The answer is \\boxed{18}."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text  # lossless round trip, so verify.py sees exactly what was sampled
+    assert "18" in tok.convert_ids_to_tokens(ids) and "</think>" in tok.convert_ids_to_tokens(ids)
+    special = data.special_tokens(tok)  # the sampler's ids: the phrase and </think> round-trip too
+    assert tok.decode(special["interrupt_ids"]) == data.INTERRUPT_PHRASE and special["eos_id"] == tok.eos_token_id
+    assert tok.convert_ids_to_tokens(special["think_end"]) == ["</think>"]
+    sample = gen.Sample(0, ids + [tok.eos_token_id], [], [], [], "eos")
+    assert data.completion_text(tok, sample) == text  # the final eos is dropped, nothing else
+    sample.tokens = ids
+    assert data.completion_text(tok, sample) == text
+
+# -----------------------------------------------------------------------------
+# code problems (their tests run in sandbox.py)
+
+
+def test_data_code_problems_and_domains(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}},
+            {"problem": "add", "tests": ["assert add(1, 2) == 3"]},
+            {"question": "add two", "tests": "assert add(1, 2) == 3", "domain": "code"},
+            {"problem": "p", "answer": 5},
+            {"problem": "q", "answer": "7", "domain": "math"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert data.load_problems(f) == [
+        {"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}, "domain": "code"},
+        {"prompt": "add", "tests": ["assert add(1, 2) == 3"], "domain": "code"},
+        {"prompt": "add two", "tests": "assert add(1, 2) == 3", "domain": "code"},
+        {"prompt": "p", "answer": "5", "domain": "math"}, {"prompt": "q", "answer": "7", "domain": "math"}]
+    cases = {'{"prompt": "p", "tests": {"inputs": ["1"], "outputs": []}}\n': ":1: field 'tests' must have",
+             '{"prompt": "p", "tests": {"inputs": [1], "outputs": [2]}}\n': ":1: field 'tests' must have",
+             '{"prompt": "p", "answer": "1"}\n{"prompt": "p", "tests": []}\n': ":2: field 'tests' must be",
+             '{"prompt": "p", "tests": [5]}\n': ":1: field 'tests' must be",
+             '{"prompt": "p", "answer": "1", "domain": "code"}\n': ":1: missing field 'tests'",
+             '{"prompt": "p", "answer": "1", "domain": "chess"}\n': ":1: field 'domain' must be"}
+    assert_load_errors(tmp_path, cases)
+
+
+def test_data_code_toy_fixture_loads_and_its_solutions_pass():
+    problems = data.load_problems(FIXTURES / "code_toy.jsonl")
+    solutions = [json.loads(line)["solution"] for line in open(FIXTURES / "code_toy.jsonl")]
+    assert len(problems) == 20 and {p["domain"] for p in problems} == {"code"}
+    assert sum(isinstance(p["tests"], dict) for p in problems) >= 10
+    assert score_code_batch(solutions, [p["tests"] for p in problems]) == [True] * 20
+    wrong = [s.replace("print(", "print(1, ").replace("return ", "return 1 + ") for s in solutions]
+    assert score_code_batch(wrong, [p["tests"] for p in problems]) == [False] * 20
 
 # =============================================================================
 # generate.py: the KV-cache sampler against uncached decoding (a full forward every step)
-
 
 
 def tiny_model(kind="llama", dtype=torch.float32, seed=0):
@@ -916,724 +1260,6 @@ def test_generate_in_flight_weight_update_keeps_cache_and_stamps_versions():
     assert abs(fresh_new[s.tokens[4]].item() - s.logps[4]) > 1e-6
 
 
-def test_sequence_logprobs_chunks_equal_full_logsoftmax_values_and_grads():
-    model = tiny_model(dtype=torch.float64)
-    ids = torch.tensor(tiny_prompts(3, seed=7)[0][:5] * 3).view(3, 5)
-    attn = torch.ones_like(ids)
-    lp = gen.sequence_logprobs(model, ids, attn, fp32_head=False, chunk=2)
-    lp.sum().backward()
-    g_chunk = model.model.embed_tokens.weight.grad.clone()
-    model.zero_grad()
-    ref = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    ref.sum().backward()
-    assert torch.allclose(lp, ref, atol=1e-10)
-    assert torch.allclose(g_chunk, model.model.embed_tokens.weight.grad, atol=1e-10)
-
-
-def test_generate_rejects_unsupported_architecture():
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
-    with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
-        gen.generate(gpt2, [[1, 2]], **GEN)
-
-# =============================================================================
-# data.py
-
-
-def test_data_loads_the_shared_files_as_published():
-    gsm_train, gsm_test = data.load_problems(SHARED / "gsm8k_train.jsonl"), data.load_problems(SHARED / "gsm8k_test.jsonl")
-    math500 = data.load_problems(SHARED / "math500.jsonl")
-    assert (len(gsm_train), len(gsm_test), len(math500)) == (7473, 1319, 500)
-    assert gsm_train[0]["answer"] == "72" and gsm_train[0]["prompt"].startswith("Natalia sold clips")
-    rows = _jsonl(SHARED / "math500.jsonl")
-    assert [p["answer"] for p in math500] == [r["answer"] for r in rows]
-    assert all(isinstance(p["prompt"], str) and isinstance(p["answer"], str) for p in gsm_train + math500)
-
-
-def test_data_layouts_and_clear_errors(tmp_path):
-    f = tmp_path / "mixed.jsonl"
-    f.write_text('{"problem": "p1", "solution": "so \\\\boxed{\\\\frac{1}{2}}."}\n\n'
-                 '{"prompt": "p2", "answer": 72}\n{"question": "p3", "answer": "work\\n#### 1,000"}\n'
-                 '{"problem": "p4", "answer": 0.5}\n')
-    assert data.load_problems(f) == [{"prompt": "p1", "answer": "\\frac{1}{2}", "domain": "math"},
-                                     {"prompt": "p2", "answer": "72", "domain": "math"},
-                                     {"prompt": "p3", "answer": "1,000", "domain": "math"},
-                                     {"prompt": "p4", "answer": "0.5", "domain": "math"}]
-    cases = {'{"problem": "p"}\n': ":1: missing field 'answer'",
-             '{"answer": "1"}\n': ":1: missing field 'prompt'",
-             '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
-             '{"problem": "p", "answer": "1"}\n{broken\n': ":2: invalid JSON",
-             '': ": no problems"}
-    assert_load_errors(tmp_path, cases)
-
-
-def assert_load_errors(tmp_path, cases):
-    """Each jsonl text in cases makes load_problems raise an error containing 'file' + the expected ':line: ...'."""
-    for i, (text, msg) in enumerate(cases.items()):
-        bad = tmp_path / f"bad{i}.jsonl"
-        bad.write_text(text)
-        with pytest.raises(ValueError) as e:
-            data.load_problems(bad)
-        assert f"bad{i}.jsonl{msg}" in str(e.value)  # file:line: field
-
-
-def test_format_prompt_plain_and_chat_template(toy_dir):
-    tok = AutoTokenizer.from_pretrained(toy_dir)
-    plain = data.format_prompt(tok, "What is 2+2?")
-    assert plain == f"{data.INSTRUCTION}\nProblem: What is 2+2?\nSolution: "
-    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
-    chat = data.format_prompt(tok, "What is 2+2?")
-    assert chat.startswith("<|user|>") and chat.endswith("<|assistant|>") and "What is 2+2?" in chat
-
-
-def test_split_is_seeded_and_disjoint():
-    probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
-    tr, va = data.split_problems(probs, 20, seed=3)
-    assert (tr, va) == data.split_problems(probs, 20, seed=3) and va != data.split_problems(probs, 20, seed=4)[1]
-    assert len(va) == 20 and len(tr) == 80 and not {p["prompt"] for p in tr} & {p["prompt"] for p in va}
-
-
-def test_curriculum_epochs_no_positive_resampling_and_resume():
-    c = data.Curriculum(10, seed=1)
-    first = c.next_batch(10)
-    assert sorted(first) == list(range(10))
-    for i in first:
-        c.record(i, 1.0 if i < 3 else 0.5)  # prompts 0, 1, 2 reach pass rate >= 0.9
-    second = c.next_batch(7)
-    assert sorted(second) == list(range(3, 10)) and c.epoch == 1
-    state = json.loads(json.dumps(c.state_dict()))  # survives a JSON round trip
-    c2 = data.Curriculum(10, seed=1)
-    c2.load_state_dict(state)
-    assert [c.next_batch(4) for _ in range(5)] == [c2.next_batch(4) for _ in range(5)]
-    assert c2.history[0] == [1.0] and c2.retired == {0, 1, 2}
-    off = data.Curriculum(4, seed=0, npr=False)
-    for i in off.next_batch(4):
-        off.record(i, 1.0)
-    assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
-
-
-@pytest.mark.parametrize("preset, ops, top", [("toy", (1, 4), 20), ("toy-hard", (2, 6), 30)])
-def test_toy_task_answers_are_right(preset, ops, top):
-    problems = data.toy_problems(300, 9, preset)
-    for p in problems:
-        expr = p["prompt"].removeprefix("Compute ").removesuffix(".")
-        assert str(eval(expr)) == p["answer"]  # an independent evaluator
-        assert ops[0] <= len(p["steps"]) <= ops[1] and all(0 <= s[3] <= top for s in p["steps"])
-        trace = data.toy_trace(p, random.Random(0))
-        assert re.fullmatch(r"<think>.*</think> The answer is \\boxed\{-?\d+\}\.", trace)
-    assert {len(p["steps"]) for p in problems} == set(range(ops[0], ops[1] + 1))
-    args = train.get_args(["--data", preset, "--val_size", "50"])
-    assert train.base_model_dir(args) == data.toy_model_dir(preset=preset)
-    assert os.path.basename(train.base_model_dir(args)) == {"toy": "toy_model", "toy-hard": "toy_model_hard"}[preset]
-    assert all(p["prompt"].startswith("Compute ") for p in train.load_data(args)[1])
-
-# =============================================================================
-# the embedded toy model (a quick build: few warm-up steps) and train.py end to end
-
-
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("toy") / "model")
-    return data.build_toy_model(out, sft_steps=30, log=lambda *a: None)
-
-
-def test_toy_model_loads_like_any_hf_model(toy_dir):
-    tok, model = AutoTokenizer.from_pretrained(toy_dir), AutoModelForCausalLM.from_pretrained(toy_dir)
-    assert model.config.model_type == "llama" and 0.2e6 < sum(p.numel() for p in model.parameters()) < 1.5e6
-    text = data.format_prompt(tok, "Compute 17+3-2.") + "<think>17+3=20,20-2=18.</think> The answer is \\boxed{18}."
-    ids = tok(text)["input_ids"]
-    assert tok.decode(ids) == text  # lossless round trip, so verify.py sees exactly what was sampled
-    assert "18" in tok.convert_ids_to_tokens(ids) and "</think>" in tok.convert_ids_to_tokens(ids)
-    phrase = tok(gen.INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]
-    assert tok.decode(phrase) == gen.INTERRUPT_PHRASE
-
-
-def run_train(toy_dir, out, *flags):
-    args = train.get_args(["--model", toy_dir, "--out", str(out), "--prompts", "4", "--samples", "4", "--steps", "2",
-                           "--eval_every", "2", "--val_size", "8", "--eval_samples", "1", "--save_every", "0",
-                           *flags])
-    train.main(args)
-    return [json.loads(ln) for ln in open(out / "metrics.jsonl")]
-
-
-@pytest.mark.parametrize("flags", [[], ["--loss", "dapo"], ["--loss", "gspo"], ["--loss", "grpo"],
-                                   ["--agg", "sample", "--adv_norm", "prompt"], ["--agg", "token", "--adv_norm", "none"],
-                                   ["--no-fp32_head", "--no-zero_var_filter", "--no-no_positive_resampling"],
-                                   ["--length_control", "penalty"], ["--length_control", "none"],
-                                   ["--micro_prompts", "1"]])
-def test_train_runs_every_loss_and_ablation(toy_dir, tmp_path, flags):
-    lines = run_train(toy_dir, tmp_path, *flags)
-    assert lines[0]["kind"] == "config"
-    assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2]
-    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
-    for m in lines[1:]:
-        assert 0 <= m["pass_rate"] <= 1 and m["compute_s"] >= 0 and math.isfinite(m.get("loss", 0.0))
-    assert lines[-2]["flops"] > lines[-3]["flops"] > 0
-
-
-def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypatch, capsys):
-    def failing_fit(C, R, C_end, R0=None):
-        assert len(C) == len(R) and C_end >= 0
-        raise ValueError("cannot fit")
-    monkeypatch.setattr(train, "predict_final", failing_fit)
-    lines = run_train(toy_dir, tmp_path)
-    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
-    assert "no live fit (cannot fit)" in capsys.readouterr().out
-
-
-def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
-    model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
-    prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []
-    for i, p in enumerate(prompts):
-        n = 3 + i % 4
-        samples.append(gen.Sample(i, list(range(12, 12 + n)), [-1.0 - 0.1 * j for j in range(n)],
-                                  [1] * (n - 1) + [0], [0] * n, "eos"))
-    ids, attn, mask, gen_logp = train.collate(prompts, samples, 0, "cpu")
-    assert mask[0, 2:2 + 3].tolist() == [1, 1, 0] and gen_logp[0, 2].item() == -1.0  # aligned with targets
-    group, adv = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([1.0, -1.0, 0.5, -1.0, 1.0, -0.5])
-    grads = []
-    for agg in ("prompt", "sample", "token"):
-        for micro in ("0", "1"):
-            model.zero_grad()
-            args = train.get_args(["--agg", agg, "--micro_prompts", micro])
-            train.train_batch(model, (ids, attn, mask, gen_logp.double(), adv.double(), group), args, 3)
-            grads.append(model.model.embed_tokens.weight.grad.clone())
-        assert (grads[-2] - grads[-1]).abs().max() < 1e-12, (agg, (grads[-2] - grads[-1]).abs().max())
-
-
-def test_train_resume_continues_exactly(toy_dir, tmp_path):
-    full = run_train(toy_dir, tmp_path / "full", "--steps", "4", "--eval_every", "4")
-    run_train(toy_dir, tmp_path / "cut", "--steps", "2", "--eval_every", "4")  # saves ckpt-000002 at its end
-    resumed = run_train(toy_dir, tmp_path / "cut", "--steps", "4", "--eval_every", "4", "--resume")
-    assert [m["step"] for m in resumed if m["kind"] == "train"] == [1, 2, 3, 4]
-    assert strip_timing(resumed) == strip_timing(full)
-
-
-def strip_timing(records):
-    """Train records without the fields that measure time (they differ between any two runs)."""
-    timing = ("compute_s", "dt_ms", "tok_s", "gen_busy", "train_busy", "sync_ms", "generate_ms", "verify_ms", "train_ms")
-    return [{k: v for k, v in m.items() if k not in timing} for m in records if m["kind"] == "train"]
-
-
-def wait_for_train_records(out, n, procs, timeout=180):
-    t0 = time.time()
-    while not (out / "metrics.jsonl").exists() or len(train_records(out)) < n:
-        assert time.time() - t0 < timeout and all(p.poll() is None for p in procs), "the run stopped or stalled"
-        time.sleep(0.2)
-
-
-def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path):
-    flags = ["--model", toy_dir, "--steps", "6", "--save_every", "2", "--eval_every", "3"]
-    full = subprocess.run([sys.executable, str(ROOT / "train.py"), "--out", str(tmp_path / "full"), *PIPE_FLAGS, *flags],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    # (one thread, like launch(): the thread count changes float reductions, so grad norms differ in the 7th digit)
-    assert full.returncode == 0, full.stdout + full.stderr
-    cut = tmp_path / "cut"
-    (p,) = launch(1, cut, *flags)
-    wait_for_train_records(cut, 3, [p])  # past the step-2 checkpoint, at an arbitrary point of step 4+
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    (p,) = launch(1, cut, *flags, "--resume")
-    (rc,), (out,) = finish_all([p])
-    assert rc == 0 and "resumed from" in out, out
-    records = [json.loads(ln) for ln in open(cut / "metrics.jsonl")]
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
-    assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
-
-# =============================================================================
-# verify.py at reference strength: code sandbox, extraction cases, fuzz; data.py code problems
-
-SUM = {"inputs": ["1 2\n", "-5 5\n", "100 23"], "outputs": ["3\n", "0", "123\n"]}
-
-
-def fenced(code, tag="python"):
-    return f"<think>\nplan\n</think>\nHere it is:\n```{tag}\n{code}\n```\n"
-
-
-BWRAP = pytest.mark.skipif(not verify.bwrap_ready(), reason="bubblewrap (bwrap) is not installed or cannot make "
-                           "namespaces here; .ci/run installs it")
-
-
-def nproc_binds():
-    """RLIMIT_NPROC binds every user except root; in bwrap root's program drops to nobody."""
-    return verify.bwrap_ready() or os.geteuid() != 0 or verify._sandbox_uid() is not None
-
-
-def sandbox_processes():
-    """Live host processes still running a sandboxed program (the prelude's text is in their command line)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if b"_record" in open(f"/proc/{pid}/cmdline", "rb").read() and \
-                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(pid)
-    return found
-
-
-def live_in_group(pgid):
-    """Processes of process group pgid that are not zombies (pid 1 may reap orphans late)."""
-    live = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(pid)
-    return live
-
-
-def shared_dir(tmp_path):
-    """A folder the sandboxed program may write into (it may run as nobody)."""
-    os.chmod(tmp_path, 0o777)
-    return tmp_path
-
-# -----------------------------------------------------------------------------
-# code: extraction and the two test layouts
-
-
-def test_code_extract_last_python_block():
-    cases = {
-        "```python\nprint(1)\n```\ntext\n```python\nprint(2)\n```": "print(2)",          # last wins
-        "```\nprint(3)\n```": "print(3)", "```py\nx = 1\n```": "x = 1",
-        "```python\nprint(1)\n```\n```cpp\nint main() {}\n```": "print(1)",              # not Python
-        "<think>```python\nprint(1)\n```</think>\n```python\nprint(2)\n```": "print(2)",  # after think
-        "<think>```python\nprint(1)\n```</think> no code": None,
-        "<think>\n```python\nprint(1)\n```\nstill thinking": None,                      # interrupted
-        "```python\nprint(1)\n": None, "no code": None, "```python\n\n```": None,
-    }
-    for response, code in cases.items():
-        assert extract_code(response) == code, response
-    assert extract_code(None) is None
-
-
-def test_code_stdin_stdout_right_wrong_and_whitespace():
-    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
-    spaced = fenced("a, b = map(int, input().split())\nprint('  ', a + b, '   ')\nprint()\nprint()")
-    off_by_one = fenced("a, b = map(int, input().split())\nprint(a + b + 1)")
-    crash_after = fenced("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(3)")
-    wrong_on_last = fenced("a, b = map(int, input().split())\nprint(a + b if a < 100 else 0)")
-    lines = {"inputs": ["2\n"], "outputs": ["1 2\n3  4"]}
-    assert score_code(right, SUM) is True and score_code(spaced, SUM) is True
-    assert score_code(off_by_one, SUM) is False and score_code(crash_after, SUM) is False
-    assert score_code(wrong_on_last, SUM) is False
-    assert score_code(fenced("print('1  2 ')\nprint('3 4')"), lines) is True
-    assert score_code(fenced("print('1 2 3 4')"), lines) is False                 # lines matter
-    assert score_code("a, b = map(int, input().split())\nprint(a + b)", SUM) is False   # no block
-
-
-def test_code_asserts_list_and_string():
-    add = fenced("def add(a, b):\n    print('debug output is fine')\n    return a + b")
-    assert score_code(add, ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]) is True
-    assert score_code(add, "assert add(1, 2) == 3\nassert add(2, 2) == 4") is True
-    assert score_code(add, ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]) is False
-    for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "exit()",
-                  "def add(a, b):\n    raise SystemExit(0)"):
-        assert score_code(fenced(cheat), ["assert add(1, 2) == 3"]) is False, cheat
-    humaneval = "def check(candidate):\n    assert candidate(2, 3) == 5\n\ncheck(add)"
-    assert score_code(add, humaneval) is True
-    assert score_code(fenced("def add(a, b):\n    return a - b"), humaneval) is False
-
-
-def test_code_malformed_tests_score_false():
-    right = fenced("a, b = map(int, input().split())\nprint(a + b)")
-    for tests in ({"inputs": [], "outputs": []}, {"inputs": ["1 2"], "outputs": ["3", "4"]},
-                  {"inputs": [["1", "2"]], "outputs": [["3"]]}, {"inputs": "1 2", "outputs": "3"},
-                  {"outputs": ["3"]}, [], "", "print('no assert here')", None, 5, [1, 2]):
-        assert score_code(right, tests) is False, tests
-    assert score_code(None, SUM) is False and score_code(b"```python\nprint(3)\n```", SUM) is False
-
-# -----------------------------------------------------------------------------
-# code: the sandbox
-
-
-def test_code_infinite_loop_is_killed_on_time():
-    for program in ("while True:\n    pass", "import time\ntime.sleep(60)", "input()"):
-        start = time.perf_counter()
-        assert score_code(fenced(program), {"inputs": [""], "outputs": ["x"]}, timeout=2.0) is False
-        assert time.perf_counter() - start < 10.0, program       # 2 s + start-up, generous for CI
-    start = time.perf_counter()
-    assert score_code(fenced("while True:\n    pass"), ["assert True"], timeout=1.0) is False
-    assert 1.0 <= time.perf_counter() - start < 8.0
-
-
-def test_code_memory_limit():
-    alloc = "x = bytearray({})\nprint(len(x))"
-    assert score_code(fenced(alloc.format(100 << 20)), {"inputs": [""], "outputs": [str(100 << 20)]})
-    start = time.perf_counter()
-    assert score_code(fenced(alloc.format(10 << 30)), {"inputs": [""], "outputs": [str(10 << 30)]}) is False
-    grow = "x = []\nwhile True:\n    x.append(bytearray(50 << 20))"      # 50 MB at a time, forever
-    assert score_code(fenced(grow), ["assert True"]) is False
-    assert time.perf_counter() - start < 15.0
-    assert score_code(fenced(alloc.format(600 << 20)), ["assert x"], memory=256 << 20) is False
-
-
-def test_code_output_flood_is_cut():
-    start = time.perf_counter()
-    flood = fenced("while True:\n    print('x' * 100000)")
-    assert score_code(flood, {"inputs": [""], "outputs": ["x"]}) is False
-    assert score_code(flood, ["assert True"]) is False
-    assert time.perf_counter() - start < 15.0
-    assert score_code(fenced("print('y' * 1000000)"), {"inputs": [""], "outputs": ["y" * 1000000]})
-
-
-def test_code_naive_fork_bomb_fails_at_once_and_the_parent_is_fine():
-    for bomb in ("import os\nwhile True:\n    os.fork()", "import os\nwhile True:\n    os.system('true')",
-                 "import subprocess\nsubprocess.Popen(['sleep', '100'])",
-                 "import multiprocessing\nmultiprocessing.Process(target=print).start()"):
-        start = time.perf_counter()
-        assert score_code(fenced(bomb), ["assert True"], timeout=5.0) is False, bomb
-        assert time.perf_counter() - start < 5.0, bomb              # removed: fails, no timeout
-    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
-
-
-@pytest.mark.skipif(not nproc_binds(), reason="root that cannot drop to nobody (interpreter under a "
-                    "0700 home): RLIMIT_NPROC does not bind root")
-def test_code_nproc_limits_threads_and_processes():
-    threads = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
-               "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
-               "        n += 1\nexcept RuntimeError:\n    pass\n")
-    margin = verify.CODE_NPROC_MARGIN
-    assert score_code(fenced(threads), ["assert n > 5", f"assert n < {2 * margin}"], memory=16 << 30) is True
-    assert score_code(fenced(threads), ["assert n == 200"], memory=16 << 30) is False
-
-
-@BWRAP
-def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox():
-    bomb = ("import sys\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
-            "fork = ctypes.CDLL(None).fork\nwhile True:\n    fork()")
-    daemon = ("import sys, time\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
-              "libc = ctypes.CDLL(None)\nif libc.fork() == 0:\n    libc.setsid()\n    if libc.fork() == 0:\n"
-              "        time.sleep(60)\n")  # a double-forked setsid daemon; the program itself exits at once
-    for program, timeout in ((bomb, 3.0), (daemon, 6.0)):
-        start = time.perf_counter()
-        score_code(fenced(program), ["assert True"], timeout=timeout)
-        assert time.perf_counter() - start < 15.0
-        assert sandbox_processes() == [], program  # the PID namespace died with the sample
-    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
-
-
-@BWRAP
-def test_code_sandbox_sees_nothing_of_the_machine(tmp_path):
-    """What a program can see and touch, asked from inside (each value goes back through the assert channel)."""
-    secret = tmp_path / "expected.txt"
-    secret.write_text("3\n")
-    os.environ["SECRET_TOKEN"] = "hunter2"
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    try:
-        probe = fenced("""import os, socket, sys
-def reach(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return "connected"
-    except OSError:
-        return "refused"
-def writable(path):
-    try:
-        open(path, "w").write("x")
-        return True
-    except OSError:
-        return False
-def fill():
-    n = 0
-    try:
-        while n < 20:
-            open(f"/tmp/f{n}", "wb").write(b"x" * (8 << 20))
-            n += 1
-    except OSError:
-        pass
-    return n
-""")
-        checks = ["assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'PWD']", "assert os.getcwd() == '/tmp'",
-                  "assert sys.flags.isolated == 1", "assert os.getuid() == 65534", "assert os.getppid() == 1",
-                  "assert len([p for p in os.listdir('/proc') if p.isdigit()]) <= 3",
-                  "assert not os.path.exists('/etc/shadow')", f"assert not os.path.exists({str(secret)!r})",
-                  f"assert not os.path.exists({str(ROOT / 'verify.py')!r})",
-                  f"assert reach({server.getsockname()[1]}) == 'refused'",
-                  "assert not writable('/usr/x')", "assert writable('/tmp/x')",
-                  f"assert fill() <= {verify.CODE_TMPFS // (8 << 20)}"]
-        for check in checks:
-            assert score_code(probe, [check]) is True, check
-        assert score_code(probe, ["assert os.getuid() == 0"]) is False  # the channel really carries values
-    finally:
-        server.close()
-        del os.environ["SECRET_TOKEN"]
-
-
-@BWRAP
-def test_code_wrong_solutions_cannot_forge_their_reward(tmp_path):
-    """Each of these is wrong (add is missing or subtracts) and tries to score anyway."""
-    data_file = tmp_path / "problems.jsonl"
-    data_file.write_text(json.dumps({"tests": SUM}) + "\n")
-    cheats = {
-        "exit before the asserts": "import os\nprint('anything')\nos._exit(0)",
-        "an always-equal object": "class Any:\n    def __eq__(self, other):\n        return True\n"
-                                  "def add(a, b):\n    return Any()",
-        "report values itself": "import os\nfor v in range(10):\n    os.write(4, f'0\\t{v}\\n'.encode())\nos._exit(0)",
-        "replace the reporter": "def add(a, b):\n    return a - b\n_record = lambda k, v: None",
-        "guess through the reporter": "def add(a, b):\n    return a - b\nfor v in range(10):\n    _record(0, v)",
-    }
-    for name, program in cheats.items():
-        assert score_code(fenced(program), ["assert add(1, 2) == 3"]) is False, name
-    stdio_cheats = {
-        "read the data set": f"print(open({str(data_file)!r}).read())",
-        "read the parent's command line": "import os\nfor p in os.listdir('/proc'):\n"
-                                          "    if p.isdigit():\n        print(open(f'/proc/{p}/cmdline').read())",
-        "print nothing and exit 0": "pass",
-    }
-    for name, program in stdio_cheats.items():
-        assert score_code(fenced(program), SUM) is False, name
-    assert score_code(fenced("def add(a, b):\n    return a + b"), ["assert add(1, 2) == 3"]) is True
-
-
-def test_code_split_asserts_keeps_expected_values_out():
-    source, checks = verify.split_asserts("assert f(1) == [1, (2, 'x')]\nassert not g(2)\nassert h(3)\n"
-                                          "def check(c):\n    assert c(4) in {4, 5}\ncheck(f)")
-    assert "[1, (2, 'x')]" not in source and "{4, 5}" not in source and source.count("_record(") == 4
-    assert [op(v, e) for (op, e), v in zip(checks, ([1, (2, "x")], 0, 7, 5))] == [True, True, True, True]
-    assert verify.split_asserts("assert f(1) is None")[1][0][0](None, None) is True
-    for bad in ("assert f(1) == expected", "assert 0 < f(1) < 2", "x = 1", "assert f(1) is g"):
-        with pytest.raises(ValueError):
-            verify.split_asserts(bad)
-
-
-def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(verify, "bwrap_ready", lambda: False)
-    add = fenced("def add(a, b):\n    return a + b")
-    assert score_code(add, ["assert add(1, 2) == 3"]) is False  # never raises; the run refuses earlier
-    assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
-    monkeypatch.setattr(train, "bwrap_ready", lambda: False)
-    code = str(FIXTURES / "code_toy.jsonl")
-    with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
-        run_train(toy_dir, tmp_path / "a", "--data", code, "--val_size", "4")
-    run_train(toy_dir, tmp_path / "b", "--data", code, "--val_size", "4", "--unsafe_code_exec")
-    assert "--unsafe_code_exec: resource limits only" in capsys.readouterr().out
-
-
-def test_code_unsafe_path_temp_dir_is_removed_even_when_locked(tmp_path):
-    folder = shared_dir(tmp_path)
-    messy = (f"import os\nopen({str(folder / 'cwd')!r}, 'w').write(os.getcwd())\n"
-             "os.makedirs('a/b/c')\nopen('a/b/c/f.txt', 'w').write('x')\n"
-             "os.symlink('/', 'a/root')\nos.chmod('a/b', 0)\nos.chmod('a', 0o500)")
-    assert score_code(fenced(messy), ["assert True"], unsafe=True) is True
-    cwd = (folder / "cwd").read_text()
-    assert cwd and not os.path.exists(cwd) and os.path.exists("/")
-
-
-def test_code_unsafe_path_files_outside_are_capped(tmp_path):
-    folder = shared_dir(tmp_path)
-    big = f"f = open({str(folder / 'big')!r}, 'wb')\nf.write(b'x' * (64 << 20))\nf.close()"
-    assert score_code(fenced(big), ["assert True"], unsafe=True) is False                     # RLIMIT_FSIZE
-    assert (folder / "big").stat().st_size <= verify.CODE_MAX_OUTPUT
-
-
-def test_code_batch_equals_one_by_one_and_uses_workers():
-    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")]
-    responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:5]]
-    tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:6]]         # another's tests
-    expected = [True] * len(rows) + [False] * 5
-    assert [score_code(r, t) for r, t in zip(responses, tests)] == expected
-    slow = [fenced("import time\ntime.sleep(1)\nprint(3)")] * 4
-    start = time.perf_counter()
-    assert score_code_batch(slow, [{"inputs": [""], "outputs": ["3"]}] * 4, workers=4) == [True] * 4
-    assert time.perf_counter() - start < 3.5                                 # 4 x 1 s in parallel
-    assert score_code_batch(responses, tests, workers=2) == expected
-    with pytest.raises(ValueError, match="2 responses but 1 tests"):
-        score_code_batch(["a", "b"], [SUM])
-
-# -----------------------------------------------------------------------------
-# math: the extraction cases of the issue
-
-
-def test_verify_extraction_cases_of_the_issue():
-    cases = {
-        "<think>\nit is \\boxed{3}\n</think>\nSo $\\boxed{4}$.": "4",                    # after </think>
-        "\\boxed{\\frac{\\sqrt{3}}{2}} and \\boxed{\\left\\{1,\\{2\\}\\right\\}}": "\\left\\{1,\\{2\\}\\right\\}",
-        "so \\boxed 5.": "5", "\\fbox{6}": "6", "\\boxed{1}, \\fbox{2}, \\boxed{3}": "3",
-        "Final Answer: 42": "42", "**Final Answer:** 12": "12", "**Final Answer**: $12$": "12",
-        "Final Answer:\n\\frac{1}{2}": "\\frac{1}{2}", "**Answer:** 7": "7",
-        "Natalia sold 48 + 24 = 72 clips.\n#### 72": "72", "#### 1,234": "1,234",
-    }
-    for response, answer in cases.items():
-        assert extract_answer(response) == answer, response
-    assert score("**Final Answer:** 12", "12") and score("#### 72", "72") and score("\\boxed 5", "5")
-
-
-def test_verify_interrupted_response_never_answered():
-    thinking = "<think>\nLet me add: 3 + 4 = 7, so \\boxed{7}. Let me check again"
-    for response in (thinking + INTERRUPT_PHRASE, thinking + INTERRUPT_PHRASE + "\n\n",
-                     thinking + INTERRUPT_PHRASE + " The final answer is", thinking):
-        assert extract_answer(response) is None and score(response, "7") is False, response[-40:]
-    assert score(thinking + INTERRUPT_PHRASE + " The answer is \\boxed{7}.", "7") is True
-
-# -----------------------------------------------------------------------------
-# math: fuzz
-
-
-NASTY = [r"9^{9^{9^9}}", "100000!", r"(10^{9999})^{9999}", r"10^{10^{10}}", r"e^{e^{e^{e^{10}}}}",
-         r"\binom{100000}{50000}", r"(x+1)^{10000}-(x+1)^{9999}", r"\frac{1}{0}", "0^{-1}", "x^x^x^x",
-         r"\sqrt[0]{2}", r"\log_0 1", r"\sin(2^{10000})", r"\sqrt{-1}^{\sqrt{-1}}", r"\infty-\infty"]
-PIECES = [r"\frac", "{", "}", "(", ")", "[", "]", r"\sqrt", "^", "_", "x", "y", "9", "99", ".", ",", r"\pi",
-          r"\pm", r"\{", r"\}", "=", "-", "+", "*", "/", r"\text{", r"\left(", r"\right)", r"\cup", "!", "|",
-          r"\sin", r"\log", r"\begin{pmatrix}", r"\end{pmatrix}", "&", r"\\", "%", "i", "e", r"\infty",
-          r"\boxed{", r"\fbox", "</think>", "<think>", "####", "Final Answer:", "\ufffd", "\udfff", "\x00"]
-
-
-def fuzz_cases(rng):
-    """10,000 (response, gold) pairs: most decided in-process, about 1,700 go to the sympy workers."""
-    cases = []
-    for _ in range(9000):                                   # quick path: numbers, junk, huge text
-        kind = rng.random()
-        if kind < 0.5:
-            cases.append((f"\\boxed{{{rng.randint(-10**6, 10**6)}}}", str(rng.randint(-10**6, 10**6))))
-        elif kind < 0.8:
-            junk = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))).decode("utf-8", errors="replace")
-            cases.append((junk, rng.choice(["5", junk, r"\frac12"])))
-        elif kind < 0.98:
-            cases.append((f"#### {rng.random() * 10**rng.randint(0, 30)}", f"{rng.randint(0, 99)}/{rng.randint(1, 99)}"))
-        else:
-            big = rng.choice(["{", "(", "\\boxed{", "9", "x^", "\ufffd"]) * rng.randint(1 << 18, 1 << 20)
-            cases.append(rng.choice([(big, "5"), ("\\boxed{5}", big), (big, big)]))
-    for i in range(700):                                    # sympy path: soup, nesting, huge values
-        soup = "".join(rng.choices(PIECES, k=rng.randint(1, 40)))
-        deep = "(" * rng.randint(20, 80) + "x+1" + ")" * rng.randint(20, 80)
-        answer = rng.choice([soup, deep, NASTY[i % len(NASTY)], "x" * rng.randint(990, 1010)])
-        cases.append((f"<think>{soup}</think> \\boxed{{{answer}}}", rng.choice([soup, "x+1", NASTY[i % len(NASTY)]])))
-    for _ in range(300):                                    # nasty golds and non-strings
-        cases.append((rng.choice(["\\boxed{5}", "#### 7", None, 5, b"\\boxed{1}"]),
-                      rng.choice(NASTY + [None, 7, "", "\udfff" * 2000])))
-    rng.shuffle(cases)
-    return cases
-
-
-def test_verify_fuzz_10k_adversarial_strings_never_raise_or_hang():
-    cases = fuzz_cases(random.Random(0))
-    timeout, exceptions, verdicts = 2.0, 0, []
-    start = time.perf_counter()
-    for chunk in range(0, 9800, 980):                      # most through score_batch, chunk by chunk
-        part = cases[chunk:chunk + 980]
-        batch_start = time.perf_counter()
-        try:
-            verdicts += score_batch([r for r, _ in part], [g for _, g in part], workers=2, timeout=timeout)
-        except Exception:
-            exceptions += 1
-        assert time.perf_counter() - batch_start < 30.0
-    max_call = 0.0
-    for response, gold in cases[9800:]:                   # the rest one by one through score()
-        call_start = time.perf_counter()
-        try:
-            verdicts.append(score(response, gold, timeout=timeout))
-        except Exception:
-            exceptions += 1
-        max_call = max(max_call, time.perf_counter() - call_start)
-    total = time.perf_counter() - start
-    print(f"\nfuzz: {len(cases)} cases, {exceptions} exceptions, max score() call {max_call:.2f} s, "
-          f"{total:.1f} s in all, {sum(verdicts)} True")
-    assert len(cases) == 10_000 and exceptions == 0 and len(verdicts) == 10_000
-    assert all(isinstance(v, bool) for v in verdicts)
-    assert max_call < timeout + 2.0 and total < 60.0
-
-# -----------------------------------------------------------------------------
-# data.py: code problems
-
-
-def test_data_code_problems_and_domains(tmp_path):
-    f = tmp_path / "mixed.jsonl"
-    rows = [{"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}},
-            {"problem": "add", "tests": ["assert add(1, 2) == 3"]},
-            {"question": "add two", "tests": "assert add(1, 2) == 3", "domain": "code"},
-            {"problem": "p", "answer": 5},
-            {"problem": "q", "answer": "7", "domain": "math"}]
-    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert data.load_problems(f) == [
-        {"prompt": "sum", "tests": {"inputs": ["1 2"], "outputs": ["3"]}, "domain": "code"},
-        {"prompt": "add", "tests": ["assert add(1, 2) == 3"], "domain": "code"},
-        {"prompt": "add two", "tests": "assert add(1, 2) == 3", "domain": "code"},
-        {"prompt": "p", "answer": "5", "domain": "math"}, {"prompt": "q", "answer": "7", "domain": "math"}]
-    cases = {'{"prompt": "p", "tests": {"inputs": ["1"], "outputs": []}}\n': ":1: field 'tests' must have",
-             '{"prompt": "p", "tests": {"inputs": [1], "outputs": [2]}}\n': ":1: field 'tests' must have",
-             '{"prompt": "p", "answer": "1"}\n{"prompt": "p", "tests": []}\n': ":2: field 'tests' must be",
-             '{"prompt": "p", "tests": [5]}\n': ":1: field 'tests' must be",
-             '{"prompt": "p", "answer": "1", "domain": "code"}\n': ":1: missing field 'tests'",
-             '{"prompt": "p", "answer": "1", "domain": "chess"}\n': ":1: field 'domain' must be"}
-    assert_load_errors(tmp_path, cases)
-
-
-def test_data_code_toy_fixture_loads_and_its_solutions_pass():
-    problems = data.load_problems(FIXTURES / "code_toy.jsonl")
-    solutions = [json.loads(line)["solution"] for line in open(FIXTURES / "code_toy.jsonl")]
-    assert len(problems) == 20 and {p["domain"] for p in problems} == {"code"}
-    assert sum(isinstance(p["tests"], dict) for p in problems) >= 10
-    assert score_code_batch(solutions, [p["tests"] for p in problems]) == [True] * 20
-    wrong = [s.replace("print(", "print(1, ").replace("return ", "return 1 + ") for s in solutions]
-    assert score_code_batch(wrong, [p["tests"] for p in problems]) == [False] * 20
-
-# =============================================================================
-# pipeline.py: generator and trainer ranks (gloo, spawned processes)
-
-ROOT = Path(__file__).resolve().parent
-
-
-def test_pipeline_pack_unpack_round_trip():
-    s = [gen.Sample(0, [5, 7, 0], [-0.5, -1.25, -2.0], [1, 1, 0], [3, 4, 4], "eos"),
-         gen.Sample(1, [150000, 9], [-0.375, 0.0], [1, 0], [4, 4], "truncated")]
-    rows = pipeline.pack_group(3, 41, 17, [1, 2, 3], s, [True, False], length=8)
-    assert rows.shape == (2, pipeline.HEADER + 4 * 8) and rows.dtype == torch.float32
-    g = pipeline.unpack_group(rows)
-    assert (g["gen_rank"], g["gi"], g["index"], g["prompt"], g["correct"]) == (3, 41, 17, [1, 2, 3], [True, False])
-    for a, b in zip(s, g["samples"]):
-        assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
-    with pytest.raises(ValueError, match="cannot pack"):
-        pipeline.pack_group(0, 0, 0, [1] * 7, s, [True, True], length=8)
-
-
-def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
-    plan = pipeline.device_plan
-    one = plan(2, 2, 1, [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
-    assert one["name"] == ["cuda:0", "cuda:0"] and (one["default"], one["weights"], one["trainers"]) == ("gloo", "gloo", "nccl")
-    assert "share a GPU" in one["line"] and "weight broadcast over gloo" in one["line"]
-    eight = plan(8, 8, 8, [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
-    assert eight["devices"] == list(range(8)) and {eight["default"], eight["weights"], eight["trainers"]} == {"nccl"}
-    four = plan(4, 4, 2, [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
-    assert four["devices"] == [0, 1, 0, 1]
-    assert (four["trainers"], four["weights"], four["default"]) == ("nccl", "gloo", "gloo")  # 0 and 2 share GPU 0
-    nodes = plan(4, 2, 1, [0, 2], [1, 3])  # 2 nodes x 1 GPU: ranks 0 and 2 are on different machines
-    assert nodes["devices"] == [0, 0, 0, 0] and nodes["trainers"] == "nccl" and nodes["weights"] == "gloo"
-    cpu = plan(3, 3, 0, [0], [1, 2])
-    assert cpu["name"] == ["cpu"] * 3 and {cpu["default"], cpu["weights"], cpu["trainers"]} == {"gloo"}
-
-
-@pytest.mark.parametrize("k", [1, 4, 8])
-@pytest.mark.parametrize("slots", [1, 16])  # generators slower than the trainer / far faster
-def test_pipeline_admission_rule_bounds_the_lag_by_k_and_reaches_it(k, slots):
-    """PipelineRL-k run by hand: 2 generators start groups by admit_ok with the weights they hold, a group
-    takes 1-12 ticks (one token a tick, stamped with the version of that tick, so long groups finish out of
-    order), the trainer takes batch s (groups s*B..s*B+B-1, waiting for late ones) as soon as it is
-    complete. The lags read off the stamps never exceed k; with fast generators they reach k exactly
-    (the old rule, admitting about k/2 batches ahead, never did)."""
-    rng, B, n_gens = random.Random(k * 100 + slots), 4, 2
-    version, done, lags, admitted = 0, {}, [], [0] * n_gens
-    running = [[] for _ in range(n_gens)]  # per generator: [gi, stamps, length]
-    for _ in range(600):
-        for g in range(n_gens):
-            while len(running[g]) < slots and pipeline.admit_ok(admitted[g] * n_gens + g, version, k, B):
-                running[g].append([admitted[g] * n_gens + g, [], rng.randint(1, 12)])
-                admitted[g] += 1
-            for item in running[g]:
-                item[1].append(version)
-            for item in [x for x in running[g] if len(x[1]) == x[2]]:
-                running[g].remove(item)
-                done[item[0]] = item[1]
-        batch = range(version * B, version * B + B)
-        if all(gi in done for gi in batch):  # one trainer step a tick at most
-            lags += [version - min(done.pop(gi)) for gi in batch]
-            version += 1
-    assert version > 40 and max(lags) <= k
-    if slots == 16:
-        assert max(lags) == k
-
-
 def test_generate_streaming_sampler_equals_one_batch():
     model, prompts = tiny_model(), tiny_prompts(7)
     keys = [100 + i for i in range(7)]
@@ -1729,11 +1355,348 @@ def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
 
 
+def test_sequence_logprobs_chunks_equal_full_logsoftmax_values_and_grads():
+    model = tiny_model(dtype=torch.float64)
+    ids = torch.tensor(tiny_prompts(3, seed=7)[0][:5] * 3).view(3, 5)
+    attn = torch.ones_like(ids)
+    lp = gen.sequence_logprobs(model, ids, attn, fp32_head=False, chunk=2)
+    lp.sum().backward()
+    g_chunk = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+    ref = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref.sum().backward()
+    assert torch.allclose(lp, ref, atol=1e-10)
+    assert torch.allclose(g_chunk, model.model.embed_tokens.weight.grad, atol=1e-10)
+
+
+def test_generate_rejects_unsupported_architecture():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
+    with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
+        gen.generate(gpt2, [[1, 2]], **GEN)
+
+# =============================================================================
+# fit.py: the sigmoid fit of pass rate against compute, its extrapolation and the command line
+
+# Published ScaleRL fits (SCALERL.md section 1): C_mid (GB200 GPU-hours), B, A
+PUBLISHED = {
+    "8B batch 768": (2542, 1.92, 0.610),
+    "8 generations": (2542, 2.44, 0.585),
+    "MoE 17Bx16": (4242, 1.65, 0.710),
+    "batch 2048": (10909, 1.70, 0.645),
+}
+R0 = 0.38
+
+
+def fit_curve(C_mid, B, A, seed=0, noise=0.003, n=61, span=4.0):
+    """Eval points of a published curve: C from 0 to span * C_mid (N,), R with seeded noise."""
+    C = np.linspace(0.0, span * C_mid, n)
+    R = fit.sigmoid(C, A, B, C_mid, R0) + np.random.default_rng(seed).normal(0, noise, n)
+    R[0] = R0
+    return C, R
+
+
+def write_run(run_dir, C, R, lines=None):
+    """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s)."""
+    os.makedirs(run_dir, exist_ok=True)
+    recs = [{"kind": "config", "loss": "cispo", "batch": 8}]
+    for step, (c, r) in enumerate(zip(C, R)):
+        recs.append({"kind": "train", "step": step, "compute_s": c, "flops": c * 1e9,
+                     "reward": 2 * r - 1, "pass_rate": r})
+        recs.append({"kind": "eval", "step": step, "compute_s": c, "flops": c * 1e9,
+                     "pass_rate": r, "pass_rate/math": r, "n": 800})
+    text = lines if lines is not None else [json.dumps(x) for x in recs]
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(text) + "\n")
+
+
+def test_fit_recovers_published_curves_and_extrapolates_from_half():
+    for k, (C_mid, B, A) in enumerate(PUBLISHED.values()):
+        C, R = fit_curve(C_mid, B, A, seed=k)
+        f = fit.fit_sigmoid(C, R)
+        assert abs(f["A"] - A) < 0.01, (A, f)
+        assert f["R0"] == R0 and abs(f["B"] - B) < 0.25 and abs(np.log(f["C_mid"] / C_mid)) < 0.1
+        half = C <= C[-1] / 2
+        h = fit.fit_sigmoid(C[half], R[half])
+        pred = fit.sigmoid(C[-1], h["A"], h["B"], h["C_mid"], h["R0"])
+        assert abs(pred - fit.sigmoid(C[-1], A, B, C_mid, R0)) < 0.02, (A, h)
+
+
+def test_fit_noiseless_curve_is_exact():
+    C_mid, B, A = PUBLISHED["8B batch 768"]
+    C, R = fit_curve(C_mid, B, A, noise=0.0)
+    f = fit.fit_sigmoid(C, R)
+    np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
+
+
+def test_fit_drops_the_first_tenth_of_the_compute_by_default():
+    """A transient in the first 10% of the compute (here: early pass rates far off the curve) moves a fit
+    of every point; the default fit, which starts at 10% of the compute as the paper's fits do, is exact."""
+    C_mid, B, A = PUBLISHED["8B batch 768"]
+    C, R = fit_curve(C_mid, B, A, noise=0.0)
+    early = (C > 0) & (C < 0.1 * C[-1])
+    R = np.where(early, R + 0.15, R)
+    assert fit.fit_start(C) == pytest.approx(0.1 * C[-1])
+    f = fit.fit_sigmoid(C, R)
+    np.testing.assert_allclose([f["A"], f["B"], f["C_mid"]], [A, B, C_mid], rtol=1e-4)
+    every = fit.fit_sigmoid(C, R, fit_from=0)
+    assert abs(every["B"] - B) > 0.05
+
+
+def test_fit_extrapolation_check_and_the_shared_A_rule_over_several_runs():
+    C_mid, B, A = PUBLISHED["8B batch 768"]
+    C, R = fit_curve(C_mid, B, A, noise=0.0)
+    x = fit.extrapolation_check(C, R)
+    assert x["n"] == 31 and x["measured"] == pytest.approx(R[-1]) and abs(x["error"]) < 1e-3
+    assert fit.extrapolation_check(C[:5], R[:5]) is None  # 2 points in the first half: no fit
+    runs = []
+    for b in (1.2, 1.6, 2.0):  # same ceiling, different efficiency
+        Cb, Rb = fit_curve(C_mid, b, A, noise=0.0)
+        runs.append({"fit": fit.fit_sigmoid(Cb, Rb), "data": (Cb, Rb)})
+    shared, refits = fit.shared_A_refit(runs)
+    assert shared == pytest.approx(A, abs=1e-3)
+    np.testing.assert_allclose([f["B"] for f in refits], [1.2, 1.6, 2.0], rtol=1e-2)
+
+
+def test_fit_units_do_not_matter():
+    C, R = fit_curve(*PUBLISHED["MoE 17Bx16"], seed=3)
+    base = fit.fit_sigmoid(C, R)
+    for scale in (1e3, 1e15):                       # GPU-hours -> "seconds", -> "FLOPs"
+        f = fit.fit_sigmoid(C * scale, R)
+        assert abs(f["A"] - base["A"]) < 1e-3 and abs(f["B"] - base["B"]) < 1e-2
+        assert abs(f["C_mid"] / (base["C_mid"] * scale) - 1) < 1e-2
+
+
+def test_fit_power_law_overpredicts_sigmoid_data():
+    # What is true on sigmoid data (checked on every published row): fitted on the first half,
+    # the power law's ceiling A lands far above the sigmoid's (often on the 1.0 cap) and its
+    # SSE is >10x worse; with the early transient dropped (fit_from = 1.5k GPU-hours, as the
+    # paper) it over-predicts the final pass rate, by more than the sigmoid misses it (where
+    # 1.5k is a small part of the rise, batch 2048 with C_mid 10.9k, it shrinks to ~0.001).
+    for k, name in enumerate(["8B batch 768", "8 generations"]):
+        C_mid, B, A = PUBLISHED[name]
+        C, R = fit_curve(C_mid, B, A, seed=k)
+        half = C <= C[-1] / 2
+        sig, pow_ = fit.fit_sigmoid(C[half], R[half]), fit.fit_power_law(C[half], R[half])
+        assert pow_["sse"] > 10 * sig["sse"] and pow_["A"] > sig["A"] + 0.2
+        sig = fit.fit_sigmoid(C[half], R[half], fit_from=1500)
+        pow_ = fit.fit_power_law(C[half], R[half], fit_from=1500)
+        true_end = fit.sigmoid(C[-1], A, B, C_mid, R0)
+        err_sig = fit.sigmoid(C[-1], sig["A"], sig["B"], sig["C_mid"], sig["R0"]) - true_end
+        err_pow = fit.power_law(C[-1], pow_["A"], pow_["B"], pow_["D"]) - true_end
+        assert err_pow > 0.01 and err_pow > abs(err_sig), (name, err_pow, err_sig)
+
+
+def test_fit_linear_view_has_slope_B():
+    C, R = fit_curve(*PUBLISHED["batch 2048"], seed=1)
+    f = fit.fit_sigmoid(C, R)
+    Cs = np.geomspace(C[1], C[-1], 30)
+    logF = fit.linear_view(fit.sigmoid(Cs, f["A"], f["B"], f["C_mid"], f["R0"]),
+                           f["A"], f["B"], f["C_mid"], f["R0"])
+    slope, intercept = np.polyfit(np.log(Cs), logF, 1)
+    assert abs(slope - f["B"]) < 1e-6 and abs(intercept) < 1e-4
+    above_A = fit.linear_view(np.array([f["A"] + 0.01]), f["A"], f["B"], f["C_mid"], f["R0"])
+    assert np.isnan(above_A[0])
+
+
+def test_fit_compare_noise_and_different():
+    C, Ra = fit_curve(3000, 1.6, 0.600, seed=1)
+    _, Rb = fit_curve(3000, 2.0, 0.610, seed=2)
+    _, Rc = fit_curve(3000, 1.6, 0.650, seed=3)
+    fa, fb, fc = (fit.fit_sigmoid(C, R) for R in (Ra, Rb, Rc))
+    v = fit.compare(fa, fb, (C, Ra), (C, Rb))
+    assert v["branch"] == "noise" and v["better"] == "b"
+    assert abs(v["A_shared"] - (fa["A"] + fb["A"]) / 2) < 1e-12 and v["B_b"] > v["B_a"]
+    v = fit.compare(fa, fc, (C, Ra), (C, Rc))
+    assert v["branch"] == "different" and v["better"] == "b" and abs(v["dA"] - 0.05) < 0.015
+
+
+def test_fit_bootstrap_and_predict_final():
+    C, R = fit_curve(*PUBLISHED["8 generations"], seed=4)
+    spread = fit.bootstrap_A(C, R, n=8, seed=0)
+    assert 0 < spread["std"] < 0.01 and spread["lo"] <= spread["mean"] <= spread["hi"]
+    assert abs(spread["mean"] - 0.585) < 0.01
+    assert fit.predict_final(C[:4], R[:4], C[-1]) is None       # R0 + 3 points: too few
+    p = fit.predict_final(C[:31], R[:31], C[-1])
+    assert abs(p["R_end"] - fit.sigmoid(C[-1], 0.585, 2.44, 2542, R0)) < 0.02
+
+
+def test_fit_cli_table_and_pngs(tmp_path, capsys):
+    C = np.linspace(0, 1200, 25)                        # CPU-seconds
+    write_run(tmp_path / "cispo", C, fit.sigmoid(C, 0.60, 1.8, 300, 0.30))
+    write_run(tmp_path / "grpo", C, fit.sigmoid(C, 0.61, 1.4, 400, 0.30))
+    png = tmp_path / "out" / "curve.png"
+    os.makedirs(png.parent)
+    fit.main([str(tmp_path / "cispo"), str(tmp_path / "grpo"), "--fit_until", "600",
+              "--extrapolate_to", "5000", "--png", str(png)])
+    out = capsys.readouterr().out
+    assert "cispo" in out and "grpo" in out and "C_mid" in out and "R power" in out
+    assert "0.600" in out and "A within noise" in out and "a is more efficient" in out
+    for p in (png, tmp_path / "out" / "curve_linear.png"):
+        data = p.read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    fit.main([str(tmp_path / "cispo"), "--compute", "flops", "--metric", "pass_rate/math"])
+    assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
+
+
+def test_fit_steep_rise_fits_with_ceiling_at_one():
+    # a live fit from train.py that once failed: the grid's best A sat a rounding error above 1.0
+    C = np.array([0.0, 4.07, 7.23, 9.64, 13.8, 17.38, 20.31, 23.77])
+    R = np.array([0.25, 0.52, 0.561, 0.638, 0.673, 0.754, 0.791, 0.838])
+    f = fit.fit_sigmoid(C, R)
+    assert R.max() - 0.02 <= f["A"] <= 1.0 and f["sse"] < 0.01
+    assert fit.predict_final(C, R, 100.0)["R_end"] <= 1.0
+
+
+def test_fit_errors(tmp_path):
+    write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
+    with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):
+        fit.main([str(tmp_path / "short"), "--png", str(tmp_path / "x.png")])
+    good = json.dumps({"kind": "eval", "step": 0, "compute_s": 0.0, "pass_rate": 0.2})
+    lines = [good, good.replace("0.0", "1.0"), '{"kind": "eval",']
+    write_run(tmp_path / "bad", [], [], lines=lines)
+    with pytest.raises(ValueError, match=r"bad.metrics\.jsonl:3: invalid JSON"):
+        fit.load_run(tmp_path / "bad")
+    write_run(tmp_path / "nofield", [], [], lines=[good, json.dumps({"kind": "eval", "step": 1, "compute_s": 1.0})])
+    with pytest.raises(ValueError, match=r"nofield.metrics\.jsonl:2: eval line: missing field 'pass_rate'"):
+        fit.load_run(tmp_path / "nofield")
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        fit.load_run(tmp_path / "missing")
+    C, R = fit_curve(3000, 1.6, 0.6)
+    with pytest.raises(ValueError, match="NaN"):
+        fit.fit_sigmoid(C, np.where(C > 5000, np.nan, R))
+    with pytest.raises(ValueError, match="strictly increase"):
+        fit.fit_sigmoid(C[::-1], R)
+    with pytest.raises(ValueError, match="no point at C = 0"):
+        fit.fit_sigmoid(C[1:], R[1:])
+
+# =============================================================================
+# study.py: the report over variants and seeds, and a quick study end to end
+
+
+def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolation_by_hand(tmp_path):
+    """Synthetic runs with known curves: the report's A, shared-A B, verdicts and extrapolation numbers are
+    recomputed here from the written numbers and the sigmoid formula written out."""
+    C = np.linspace(0, 100, 21)
+    curves = {"scalerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
+              "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0)}  # C_mid 30, R0 0.3
+    variants = {name: ([], 3 if name == "scalerl" else 2) for name in curves}
+    for name, (A, B) in curves.items():
+        for seed in range(variants[name][1]):
+            wobble = 0.01 * np.sin(C * (seed + 1)) * (C > 0)  # the seeds differ a little
+            write_run(tmp_path / f"{name}-s{seed}", C, fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble)
+    text = study.write_report(str(tmp_path), variants, 20)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    v = {f["y"]: f["verdict"] for f in rep["findings"] if f["y"]}
+    assert v["ppo_offpolicy"] == "reproduced"  # the same A, a lower B
+    assert v["loss_dapo"] == "reproduced" and v["bf16_no_fp32_head"] == "not reproduced"
+    assert v["no_npr"] == "inconclusive"  # A and B within the seeds' margin
+    runs = [r for t in rep["variants"].values() for r in t["runs"]]
+    assert rep["shared_A"] == pytest.approx(np.mean([r["fit"]["A"] for r in runs]))
+    for name, t in rep["variants"].items():
+        assert t["A"] == pytest.approx(np.mean([r["fit"]["A"] for r in t["runs"]]))
+        assert t["A_sd"] == pytest.approx(np.std([r["fit"]["A"] for r in t["runs"]]))
+        assert t["B"] == pytest.approx(np.mean([r["refit"]["B"] for r in t["runs"]]))
+        assert all(r["refit"]["A"] == pytest.approx(rep["shared_A"]) for r in t["runs"])
+        assert t["A"] == pytest.approx(curves[name][0], abs=0.02)
+    within = 0
+    for name, t in rep["variants"].items():
+        for r in t["runs"]:
+            C_run, R_run, _ = fit.load_run(str(tmp_path / f"{name}-s{r['seed']}"))
+            half = C_run <= C_run[-1] / 2
+            f = fit.fit_sigmoid(C_run[half], R_run[half])
+            by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
+            assert r["extrap"]["predicted"] == pytest.approx(by_hand) and r["extrap"]["measured"] == R_run[-1]
+            within += abs(by_hand - R_run[-1]) <= 0.02
+    assert rep["extrapolation_within"] == [within, len(runs)]
+    assert f"{within} of {len(runs)} runs within 0.02" in text and "| ppo_offpolicy | `` | 2 |" not in text
+    for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
+                    "## Extrapolation test"):
+        assert section in text
+    for png in ("study.png", "study_extrap.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys):
+    out = tmp_path / "study"
+    study.main([str(out), "--quick"])
+    first = capsys.readouterr().out
+    assert first.count("study: [") == 2 and "## The paper's findings" in first
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["variants"]) == {"scalerl", "loss_dapo"}
+    assert [f["finding"] for f in rep["findings"]] == ["loss type", "predictability"]
+    recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
+    assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2 and recs[0]["data"] == "toy-hard"
+    study.main([str(out), "--quick"])  # finished runs are kept, not trained again
+    assert "study: [" not in capsys.readouterr().out
+
+# =============================================================================
+# pipeline.py: generator and trainer ranks (gloo, spawned processes)
+
+
+def test_pipeline_pack_unpack_round_trip():
+    s = [gen.Sample(0, [5, 7, 0], [-0.5, -1.25, -2.0], [1, 1, 0], [3, 4, 4], "eos"),
+         gen.Sample(1, [150000, 9], [-0.375, 0.0], [1, 0], [4, 4], "truncated")]
+    rows = pipeline.pack_group(3, 41, 17, [1, 2, 3], s, [True, False], length=8)
+    assert rows.shape == (2, pipeline.HEADER + 4 * 8) and rows.dtype == torch.float32
+    g = pipeline.unpack_group(rows)
+    assert (g["gen_rank"], g["gi"], g["index"], g["prompt"], g["correct"]) == (3, 41, 17, [1, 2, 3], [True, False])
+    for a, b in zip(s, g["samples"]):
+        assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
+    with pytest.raises(ValueError, match="cannot pack"):
+        pipeline.pack_group(0, 0, 0, [1] * 7, s, [True, True], length=8)
+
+
+def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
+    plan = pipeline.device_plan
+    one = plan(2, 2, 1, [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
+    assert one["name"] == ["cuda:0", "cuda:0"] and (one["default"], one["weights"], one["trainers"]) == ("gloo", "gloo", "nccl")
+    assert "share a GPU" in one["line"] and "weight broadcast over gloo" in one["line"]
+    eight = plan(8, 8, 8, [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
+    assert eight["devices"] == list(range(8)) and {eight["default"], eight["weights"], eight["trainers"]} == {"nccl"}
+    four = plan(4, 4, 2, [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
+    assert four["devices"] == [0, 1, 0, 1]
+    assert (four["trainers"], four["weights"], four["default"]) == ("nccl", "gloo", "gloo")  # 0 and 2 share GPU 0
+    nodes = plan(4, 2, 1, [0, 2], [1, 3])  # 2 nodes x 1 GPU: ranks 0 and 2 are on different machines
+    assert nodes["devices"] == [0, 0, 0, 0] and nodes["trainers"] == "nccl" and nodes["weights"] == "gloo"
+    cpu = plan(3, 3, 0, [0], [1, 2])
+    assert cpu["name"] == ["cpu"] * 3 and {cpu["default"], cpu["weights"], cpu["trainers"]} == {"gloo"}
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("slots", [1, 16])  # generators slower than the trainer / far faster
+def test_pipeline_admission_rule_bounds_the_lag_by_k_and_reaches_it(k, slots):
+    """PipelineRL-k run by hand: 2 generators start groups by admit_ok with the weights they hold, a group
+    takes 1-12 ticks (one token a tick, stamped with the version of that tick, so long groups finish out of
+    order), the trainer takes batch s (groups s*B..s*B+B-1, waiting for late ones) as soon as it is
+    complete. The lags read off the stamps never exceed k; with fast generators they reach k exactly
+    (the old rule, admitting about k/2 batches ahead, never did)."""
+    rng, B, n_gens = random.Random(k * 100 + slots), 4, 2
+    version, done, lags, admitted = 0, {}, [], [0] * n_gens
+    running = [[] for _ in range(n_gens)]  # per generator: [gi, stamps, length]
+    for _ in range(600):
+        for g in range(n_gens):
+            while len(running[g]) < slots and pipeline.admit_ok(admitted[g] * n_gens + g, version, k, B):
+                running[g].append([admitted[g] * n_gens + g, [], rng.randint(1, 12)])
+                admitted[g] += 1
+            for item in running[g]:
+                item[1].append(version)
+            for item in [x for x in running[g] if len(x[1]) == x[2]]:
+                running[g].remove(item)
+                done[item[0]] = item[1]
+        batch = range(version * B, version * B + B)
+        if all(gi in done for gi in batch):  # one trainer step a tick at most
+            lags += [version - min(done.pop(gi)) for gi in batch]
+            version += 1
+    assert version > 40 and max(lags) <= k
+    if slots == 16:
+        assert max(lags) == k
+
+
 def _broadcast_rank(rank, world, port, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    args = types.SimpleNamespace(gen_ranks=world - 1, prompts=1, device="cpu", timeout=60, mode="pipeline",
-                                 max_lag=8, heartbeat_timeout=30)
+    args = types.SimpleNamespace(gen_ranks=world - 1, prompts=1, samples=1, device="cpu", timeout=60,
+                                 mode="pipeline", max_lag=8, heartbeat_timeout=30, fsdp=False)
     ctx = pipeline.setup(args)
     model = tiny_model(seed=rank)  # every rank starts from different weights
     for bucket_mb in (0, 256):  # one bucket per parameter; everything in one bucket
@@ -1782,6 +1745,13 @@ def finish_all(procs, timeout=240):
 
 def train_records(out):
     return [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def wait_for_train_records(out, n, procs, timeout=180):
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists() or len(train_records(out)) < n:
+        assert time.time() - t0 < timeout and all(p.poll() is None for p in procs), "the run stopped or stalled"
+        time.sleep(0.2)
 
 
 def test_pipeline_torchrun_two_ranks_trains_and_exits_cleanly(tmp_path):
@@ -1845,12 +1815,179 @@ def test_pipeline_a_dead_or_stalled_rank_stops_the_others(tmp_path, victim, sig)
     procs[victim].wait()
 
 
-def test_score_problems_routes_math_and_code():
-    problems = [{"answer": "4", "domain": "math"}, {"tests": SUM, "domain": "code"}, {"answer": "5"},
-                {"tests": SUM, "domain": "code"}]
-    responses = ["</think> \\boxed{4}", fenced("a, b = map(int, input().split())\nprint(a + b)"), "\\boxed{4}",
-                 fenced("print(3)")]
-    assert verify.score_problems(responses, problems) == [True, True, False, False]
+def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
+    flags = ["--steps", "6", "--save_every", "2", "--max_lag", "2"]
+    procs = launch(2, tmp_path, *flags)
+    wait_for_train_records(tmp_path, 3, procs)
+    procs[0].send_signal(signal.SIGKILL)  # the trainer dies; the generator notices and exits
+    rcs, _ = finish_all(procs)
+    assert rcs[0] != 0 and rcs[1] != 0
+    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.pt").exists()
+    procs = launch(2, tmp_path, *flags, "--resume")
+    rcs, outs = finish_all(procs)
+    assert rcs == [0, 0], outs
+    recs = train_records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert all(r["lag_max"] <= 2 for r in recs)  # the bound holds right after resume too
+    assert "resumed from" in outs[0]
+
+
+def worker_pids(launcher_pid):
+    """RANK -> pid of the processes torchrun started (its children, read from /proc)."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher_pid and rank:
+            pids[int(rank[0])] = int(pid)
+    return pids
+
+
+def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process(tmp_path):
+    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "6", torchrun=True)
+    wait_for_train_records(tmp_path, 2, [p])
+    workers = worker_pids(p.pid)
+    assert sorted(workers) == [0, 1]
+    os.kill(workers[0], signal.SIGSTOP)  # the trainer freezes; torchrun's agent (the store) stays up
+    t0, lines = time.time(), []
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    while not any("rank 0 (trainer) sent no heartbeat" in ln for ln in lines):
+        assert time.time() - t0 < 120, "".join(lines)[-3000:]
+        time.sleep(0.5)
+    os.kill(workers[0], signal.SIGCONT)  # only so that torchrun's SIGTERM acts now, not after its 30 s grace
+    assert p.wait(timeout=60) != 0
+    for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+
+
+def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
+    """Two trainers with the model sharded (FSDP2) take the same steps as two full replicas, and so do
+    both after --resume (the sharded AdamW state comes back: step 5's update depends on it)."""
+    flags = ["--gen_ranks", "1", "--mode", "sync", "--save_every", "3"]
+    runs = {}
+    for name, extra in (("dp", []), ("fsdp", ["--fsdp"])):
+        out = tmp_path / name
+        rcs, outs = finish_all(launch(3, out, "--steps", "3", *flags, *extra))
+        assert rcs == [0, 0, 0], outs
+        weights = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
+        rcs, resumed = finish_all(launch(3, out, "--steps", "5", "--resume", *flags, *extra))  # from ckpt-000003
+        assert rcs == [0, 0, 0] and "resumed from" in resumed[0], resumed
+        runs[name] = (train_records(out), outs[0], weights)
+    held = re.search(r"FSDP2: trainer 0 holds (\d+) of (\d+) parameters", runs["fsdp"][1])
+    assert held and int(held[1]) <= int(held[2]) // 2 + 1000  # half the weights (+ padding of odd dims)
+    assert [r["step"] for r in runs["fsdp"][0]] == [1, 2, 3, 4, 5]
+    for a, b in zip(runs["dp"][0], runs["fsdp"][0]):
+        assert (a["step"], a["reward"], a["kept_prompts"]) == (b["step"], b["reward"], b["kept_prompts"])
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    dp, fs = runs["dp"][2], runs["fsdp"][2]
+    for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder
+
+# =============================================================================
+# train.py: end to end on the embedded toy model: every loss and ablation, resume, checks, logging
+
+
+def test_imports_between_the_files_have_no_cycle():
+    """Each file imports only files below it (anywhere in it, __main__ blocks included): a depth-first walk
+    of the import graph from every file never comes back to a file on its own path."""
+    files = {p.stem for p in ROOT.glob("*.py")} - {"test_all"}
+    imports = {}
+    for name in files:
+        tree = ast.parse((ROOT / f"{name}.py").read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        found |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imports[name] = (found & files) - {name}
+    assert "generate" in imports["pipeline"] and "data" in imports["generate"]  # the graph is really read
+
+    def walk(name, path):
+        assert name not in path, f"import cycle: {' -> '.join(path + [name])}"
+        for dep in imports[name]:
+            walk(dep, path + [name])
+    for name in files:
+        walk(name, [])
+
+
+@pytest.mark.parametrize("flags", [[], ["--loss", "dapo"], ["--loss", "gspo"], ["--loss", "grpo"],
+                                   ["--agg", "sample", "--adv_norm", "prompt"], ["--agg", "token", "--adv_norm", "none"],
+                                   ["--no-fp32_head", "--no-zero_var_filter", "--no-no_positive_resampling"],
+                                   ["--length_control", "penalty"], ["--length_control", "none"],
+                                   ["--micro_prompts", "1"]])
+def test_train_runs_every_loss_and_ablation(toy_dir, tmp_path, flags):
+    lines = run_train(toy_dir, tmp_path, *flags)
+    assert lines[0]["kind"] == "config"
+    assert [m["step"] for m in lines if m["kind"] == "train"] == [1, 2]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
+    for m in lines[1:]:
+        assert 0 <= m["pass_rate"] <= 1 and m["compute_s"] >= 0 and math.isfinite(m.get("loss", 0.0))
+    assert lines[-2]["flops"] > lines[-3]["flops"] > 0
+
+
+def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypatch, capsys):
+    def failing_fit(C, R, C_end, R0=None):
+        assert len(C) == len(R) and C_end >= 0
+        raise ValueError("cannot fit")
+    monkeypatch.setattr(train, "predict_final", failing_fit)
+    lines = run_train(toy_dir, tmp_path)
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
+    assert "no live fit (cannot fit)" in capsys.readouterr().out
+
+
+def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
+    model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
+    prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []
+    for i, p in enumerate(prompts):
+        n = 3 + i % 4
+        samples.append(gen.Sample(i, list(range(12, 12 + n)), [-1.0 - 0.1 * j for j in range(n)],
+                                  [1] * (n - 1) + [0], [0] * n, "eos"))
+    ids, attn, mask, gen_logp = train.collate(prompts, samples, 0, "cpu")
+    assert mask[0, 2:2 + 3].tolist() == [1, 1, 0] and gen_logp[0, 2].item() == -1.0  # aligned with targets
+    group, adv = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([1.0, -1.0, 0.5, -1.0, 1.0, -0.5])
+    grads = []
+    for agg in ("prompt", "sample", "token"):
+        for micro in ("0", "1"):
+            model.zero_grad()
+            args = train.get_args(["--agg", agg, "--micro_prompts", micro])
+            train.train_batch(model, (ids, attn, mask, gen_logp.double(), adv.double(), group), args, 3)
+            grads.append(model.model.embed_tokens.weight.grad.clone())
+        assert (grads[-2] - grads[-1]).abs().max() < 1e-12, (agg, (grads[-2] - grads[-1]).abs().max())
+
+
+def test_train_resume_continues_exactly(toy_dir, tmp_path):
+    full = run_train(toy_dir, tmp_path / "full", "--steps", "4", "--eval_every", "4")
+    run_train(toy_dir, tmp_path / "cut", "--steps", "2", "--eval_every", "4")  # saves ckpt-000002 at its end
+    resumed = run_train(toy_dir, tmp_path / "cut", "--steps", "4", "--eval_every", "4", "--resume")
+    assert [m["step"] for m in resumed if m["kind"] == "train"] == [1, 2, 3, 4]
+    assert strip_timing(resumed) == strip_timing(full)
+
+
+def strip_timing(records):
+    """Train records without the fields that measure time (they differ between any two runs)."""
+    timing = ("compute_s", "dt_ms", "tok_s", "gen_busy", "train_busy", "sync_ms", "generate_ms", "verify_ms", "train_ms")
+    return [{k: v for k, v in m.items() if k not in timing} for m in records if m["kind"] == "train"]
+
+
+def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path):
+    flags = ["--model", toy_dir, "--steps", "6", "--save_every", "2", "--eval_every", "3"]
+    full = subprocess.run([sys.executable, str(ROOT / "train.py"), "--out", str(tmp_path / "full"), *PIPE_FLAGS, *flags],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # (one thread, like launch(): the thread count changes float reductions, so grad norms differ in the 7th digit)
+    assert full.returncode == 0, full.stdout + full.stderr
+    cut = tmp_path / "cut"
+    (p,) = launch(1, cut, *flags)
+    wait_for_train_records(cut, 3, [p])  # past the step-2 checkpoint, at an arbitrary point of step 4+
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    (p,) = launch(1, cut, *flags, "--resume")
+    (rc,), (out,) = finish_all([p])
+    assert rc == 0 and "resumed from" in out, out
+    records = [json.loads(ln) for ln in open(cut / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
 
 
 def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path):
@@ -1927,7 +2064,7 @@ def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, c
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     prompts = [tok(data.format_prompt(tok, p["prompt"]))["input_ids"] for p in val] * 3
     out = gen.generate(model, prompts, keys=[10**12 + i for i in range(18)], eos_id=tok.eos_token_id,
-                       think_end=ids("</think>"), interrupt_ids=ids(gen.INTERRUPT_PHRASE), think_budget=48,
+                       think_end=ids("</think>"), interrupt_ids=ids(data.INTERRUPT_PHRASE), think_budget=48,
                        answer_budget=16, seed=0)
     right = [verify.score(tok.decode(s.tokens, skip_special_tokens=True), p["answer"]) for s, p in zip(out, val * 3)]
     assert r["pass_rate"] == pytest.approx(np.mean(right)) and r["n"] == 18
@@ -2024,23 +2161,6 @@ def test_train_disk_full_names_the_path_and_keeps_the_last_checkpoint(toy_dir, t
         run_train(toy_dir, out, "--steps", "2", "--save_every", "1")
     assert (out / "ckpt-000001" / "state.pt").exists() and not (out / "ckpt-000002.tmp").exists()
 
-
-def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
-    flags = ["--steps", "6", "--save_every", "2", "--max_lag", "2"]
-    procs = launch(2, tmp_path, *flags)
-    wait_for_train_records(tmp_path, 3, procs)
-    procs[0].send_signal(signal.SIGKILL)  # the trainer dies; the generator notices and exits
-    rcs, _ = finish_all(procs)
-    assert rcs[0] != 0 and rcs[1] != 0
-    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.pt").exists()
-    procs = launch(2, tmp_path, *flags, "--resume")
-    rcs, outs = finish_all(procs)
-    assert rcs == [0, 0], outs
-    recs = train_records(tmp_path)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert all(r["lag_max"] <= 2 for r in recs)  # the bound holds right after resume too
-    assert "resumed from" in outs[0]
-
 # =============================================================================
 # bench.py: the memory figure measures what it claims
 
@@ -2056,73 +2176,3 @@ def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equ
     assert np.allclose(chunked["logp"], naive["logp"], atol=1e-5)  # same weights (same seed) in both processes
     assert np.allclose(chunked["grad"], naive["grad"], atol=1e-5)
     assert np.abs(np.array(naive["grad"])).max() > 0  # the backward really ran
-
-
-def test_data_non_utf8_duplicates_and_a_clean_exit_from_train(tmp_path, capsys):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
-        data.load_problems(bad)
-    dup = tmp_path / "dup.jsonl"
-    dup.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "a", "answer": "3"}\n')
-    assert [p["answer"] for p in data.load_problems(dup)] == ["1", "2"]
-    assert "skipped 1 duplicate" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match=r"error: .*bad.jsonl:2: not UTF-8"):
-        train.load_data(train.get_args(["--data", str(bad)]))
-
-
-def worker_pids(launcher_pid):
-    """RANK -> pid of the processes torchrun started (its children, read from /proc)."""
-    pids = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
-        if ppid == launcher_pid and rank:
-            pids[int(rank[0])] = int(pid)
-    return pids
-
-
-def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process(tmp_path):
-    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "6", torchrun=True)
-    wait_for_train_records(tmp_path, 2, [p])
-    workers = worker_pids(p.pid)
-    assert sorted(workers) == [0, 1]
-    os.kill(workers[0], signal.SIGSTOP)  # the trainer freezes; torchrun's agent (the store) stays up
-    t0, lines = time.time(), []
-    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
-    while not any("rank 0 (trainer) sent no heartbeat" in ln for ln in lines):
-        assert time.time() - t0 < 120, "".join(lines)[-3000:]
-        time.sleep(0.5)
-    os.kill(workers[0], signal.SIGCONT)  # only so that torchrun's SIGTERM acts now, not after its 30 s grace
-    assert p.wait(timeout=60) != 0
-    for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
-
-
-def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
-    """Two trainers with the model sharded (FSDP2) take the same steps as two full replicas, and so do
-    both after --resume (the sharded AdamW state comes back: step 5's update depends on it)."""
-    flags = ["--gen_ranks", "1", "--mode", "sync", "--save_every", "3"]
-    runs = {}
-    for name, extra in (("dp", []), ("fsdp", ["--fsdp"])):
-        out = tmp_path / name
-        rcs, outs = finish_all(launch(3, out, "--steps", "3", *flags, *extra))
-        assert rcs == [0, 0, 0], outs
-        weights = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
-        rcs, resumed = finish_all(launch(3, out, "--steps", "5", "--resume", *flags, *extra))  # from ckpt-000003
-        assert rcs == [0, 0, 0] and "resumed from" in resumed[0], resumed
-        runs[name] = (train_records(out), outs[0], weights)
-    held = re.search(r"FSDP2: trainer 0 holds (\d+) of (\d+) parameters", runs["fsdp"][1])
-    assert held and int(held[1]) <= int(held[2]) // 2 + 1000  # half the weights (+ padding of odd dims)
-    assert [r["step"] for r in runs["fsdp"][0]] == [1, 2, 3, 4, 5]
-    for a, b in zip(runs["dp"][0], runs["fsdp"][0]):
-        assert (a["step"], a["reward"], a["kept_prompts"]) == (b["step"], b["reward"], b["kept_prompts"])
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
-    dp, fs = runs["dp"][2], runs["fsdp"][2]
-    for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
-        assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder

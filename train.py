@@ -2,10 +2,10 @@
 train.py: the ScaleRL training loop (SCALERL.md sections 2, 4 and 5), one process, synchronous.
 
 Each step: take a batch of prompts from the curriculum, sample G completions per prompt with the
-KV-cache sampler (generate.py, forced interruptions), verify the final answers (verify.py, reward +1 /
--1), drop prompts whose G rewards are all equal (zero-variance filtering), compute advantages and the
-CISPO loss with prompt-level aggregation (loss.py) from the generator's recorded log-probs, take an
-AdamW step (eps 1e-15, weight decay 0.01, linear warm-up then constant), update the pass-rate history
+KV-cache sampler (generate.py, forced interruptions), verify the final answers (verify.py; programs run
+in sandbox.py; reward +1 / -1), drop prompts whose G rewards are all equal (zero-variance filtering),
+compute advantages and the CISPO loss with prompt-level aggregation (loss.py) from the generator's
+recorded log-probs, take an AdamW step (eps 1e-15, weight decay 0.01, linear warm-up then constant), update the pass-rate history
 (No-Positive-Resampling). Every N steps: held-out pass rate (mean@k) and the live scaling-curve fit
 (fit.py). Every ScaleRL choice is a flag whose default is ScaleRL's; the sizes default to the tiny CPU run.
 
@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -46,12 +47,14 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import PRESETS, Curriculum, format_prompt, load_problems, split_problems, toy_model_dir, toy_problems
+from data import (PRESETS, Curriculum, completion_text, format_prompt, load_problems, special_tokens, split_problems,
+                  toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
-from generate import INTERRUPT_PHRASE, SUPPORTED, check_supported, generate, sequence_logprobs
+from generate import SUPPORTED, check_supported, generate, sequence_logprobs
 from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
-from verify import BWRAP_MISSING, bwrap_ready, score_problems
+from sandbox import BWRAP_MISSING, bwrap_ready
+from verify import score_problems
 
 # -----------------------------------------------------------------------------
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
@@ -66,7 +69,7 @@ def get_args(argv=None):
                    "'toy' or empty = the embedded toy task; 'toy-hard' = the study's harder one (data.PRESETS)")
     g.add_argument("--unsafe_code_exec", action="store_true",
                    help="code problems: run programs with resource limits only when bubblewrap (bwrap) is missing; "
-                        "a program can then forge its reward (verify.py)")
+                        "a program can then forge its reward (sandbox.py)")
     g.add_argument("--val_data", default="", help="held-out jsonl; empty = hold out --val_size problems of --data")
     g.add_argument("--val_size", type=int, default=200, help="held-out problems (paper: 1000)")
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
@@ -233,16 +236,12 @@ def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
     """Sample one completion per prompt (keys: noise keys) and score it against its problem's answer or
     tests -> (samples, texts, correct, seconds spent generating, seconds spent verifying)."""
     t0 = time.time()
-    samples = generate(model, prompt_ids, eos_id=tokenizer.eos_token_id,
-                       think_end=tokenizer("</think>", add_special_tokens=False)["input_ids"],
-                       interrupt_ids=tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"],
-                       think_budget=args.think_budget, answer_budget=args.answer_budget,
-                       interrupt=args.length_control == "interrupt", slots=args.slots,
-                       temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed, keys=keys,
-                       version=version)
+    samples = generate(model, prompt_ids, **special_tokens(tokenizer), think_budget=args.think_budget,
+                       answer_budget=args.answer_budget, interrupt=args.length_control == "interrupt",
+                       slots=args.slots, temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
+                       keys=keys, version=version)
     t1 = time.time()
-    texts = [tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == tokenizer.eos_token_id else s.tokens)
-             for s in samples]
+    texts = [completion_text(tokenizer, s) for s in samples]
     correct = score_problems(texts, problems, unsafe_code=args.unsafe_code_exec)
     return samples, texts, correct, t1 - t0, time.time() - t1
 
@@ -265,6 +264,16 @@ def evaluate(model, tokenizer, val_ids, val, args):
     return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
             "intr": float(np.mean([0 in s.mask for s in samples])), "len": float(np.mean([len(s.tokens) for s in samples])),
             "n": len(correct), **domain_rates(val * k, correct)}
+
+
+def check_code_rewards(args, problems):
+    """Code problems need the bwrap sandbox (or --unsafe_code_exec): checked before any rank waits on another."""
+    if not any(p.get("domain") == "code" for p in problems):
+        return
+    if not args.unsafe_code_exec and not bwrap_ready():
+        sys.exit(f"error: {BWRAP_MISSING}")
+    print("code rewards: " + ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its "
+                              "reward" if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
 
 
 def note_toy_model(args, paths, flag, verb):
@@ -300,7 +309,7 @@ def base_model_dir(args):
 def pick_device(args, ctx=None):
     """The rank's device under torchrun, else --device (auto = cuda when available)."""
     if ctx:
-        return torch.device(ctx["device"])
+        return torch.device(ctx.device)
     if args.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(args.device)
@@ -421,6 +430,32 @@ def intact_checkpoint(out, quiet=False):
     return None, {}
 
 
+def resume_point(args, quiet):
+    """--resume: the newest intact checkpoint -> (its folder, its state), checked against the flags; else
+    (None, {})."""
+    if not args.resume:
+        return None, {}
+    ckpt, state = intact_checkpoint(args.out, quiet)
+    if ckpt is None and not quiet:
+        print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
+    if ckpt:
+        check_resume(state.get("args", {}), args)
+    return ckpt, state
+
+
+def start_metrics(args, run, ckpt, world):
+    """Rank 0: a new run writes metrics.jsonl's config line; a resumed one drops what was logged after its
+    checkpoint and takes back the evals before it (for the live fit)."""
+    path = os.path.join(args.out, "metrics.jsonl")
+    if ckpt:
+        run.evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(path, run.step) if r["kind"] == "eval"]
+        print(f"resumed from {ckpt} at step {run.step}")
+        return
+    with open(path, "w") as f:
+        ran = "one process, synchronous" if world == 1 else args.mode  # what actually ran
+        f.write(json.dumps({"kind": "config", **vars(args), "ran": ran, "n_params": run.n_params, "world": world}) + "\n")
+
+
 def check_resume(saved, args):
     """--resume with other flags than the run was started with: a different data set or model is refused
     (it would be another run), other recipe flags are logged and the new values apply from here."""
@@ -498,7 +533,7 @@ def log_line(m, steps):
 def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
     """One process: sample G completions for the next prompts here, verify, record pass rates.
     -> (groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them,
-    seconds generating, seconds verifying)."""
+    stats like receive_groups's: too_old, wait_s, gen_tokens, and seconds generating and verifying)."""
     idx = curriculum.next_batch(args.prompts)
     prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
     problems = [train[i] for i in idx for _ in range(args.samples)]
@@ -510,274 +545,329 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
         block = slice(j * args.samples, (j + 1) * args.samples)
         curriculum.record(i, float(np.mean(correct[block])))
         groups.append({"index": i, "prompt": train_ids[i], "samples": samples[block], "correct": correct[block]})
-    return groups, gen_s, verify_s
+    stats = {"too_old": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s,
+             "gen_tokens": sum(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))}
+    return groups, stats
+
+# -----------------------------------------------------------------------------
+# the trainer: its state, one batch, one optimizer step, the metrics of a step
+
+
+@dataclass
+class Run:
+    """What the training loop carries from step to step (and a checkpoint saves)."""
+    model: object  # the model trained (under --fsdp: sharded)
+    full_model: object  # the model evaluated and saved (under --fsdp: rank 0's unsharded copy; else `model`)
+    forward: object  # the loss's forward: None = generate.sequence_logprobs; --fsdp: pipeline.LogProbs, sharded
+    opt: object
+    sched: object
+    curriculum: Curriculum  # one process only (generators keep their own)
+    n_params: int
+    step: int = 0
+    compute_s: float = 0.0  # device-seconds: training wall-clock x processes
+    flops: float = 0.0
+    bad_steps: int = 0  # consecutive skipped optimizer steps (non-finite loss or gradient)
+    evals: list = field(default_factory=list)  # (compute_s, held-out pass rate) of every eval, for the live fit
+    full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
+
+
+def new_run(args, ctx, model, n_problems, state, rank0):
+    """The trainer's state: AdamW, the warm-up schedule, the curriculum, FSDP2 shards (--fsdp), and on
+    --resume everything the checkpoint saved."""
+    n_params = sum(p.numel() for p in model.parameters())
+    full_model, forward = model, None
+    if ctx and args.fsdp:
+        full_model = copy.deepcopy(model) if rank0 else None
+        forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device)
+        if rank0:
+            local = sum(p.to_local().numel() for p in model.parameters())
+            print(f"FSDP2: trainer 0 holds {local} of {n_params} parameters (and their AdamW state)", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    run = Run(model, full_model, forward, opt, sched, Curriculum(n_problems, args.seed, npr=args.no_positive_resampling),
+              n_params, state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0))
+    if state:
+        if forward is not None:  # --fsdp: every trainer keeps its shard of the saved full optimizer state
+            pipeline.load_sharded_optimizer(model, opt, state["optimizer"])
+        else:
+            opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        run.curriculum.load_state_dict(state["curriculum"])
+        torch.set_rng_state(state["torch_rng"])
+    return run
+
+
+@dataclass
+class Batch:
+    """One trainer's part of a step's batch: every sample received, and the rows that enter the loss."""
+    prompt_ids: list  # per sample, its prompt's token ids
+    samples: list  # generate.Sample
+    correct: list  # bool per sample
+    rewards: torch.Tensor  # (N,)
+    group: torch.Tensor  # (N,) the sample's prompt group
+    truncated: torch.Tensor  # (N,) bool: no eos within the budget
+    valid: torch.Tensor  # (N,) bool: may enter the loss (untruncated, unless --keep_truncated)
+    rows: list  # the samples that enter the loss: valid, in a group with unequal rewards
+    adv: torch.Tensor  # (len(rows),)
+    sums: dict  # over every trainer: prompt, sample and token counts of the rows (the loss's denominators)
+
+
+def make_batch(groups, args, ctx):
+    """Rewards, truncated samples out (paper A.15), zero-variance filtering, advantages (the batch std over
+    every trainer's part of the batch)."""
+    samples = [s for g in groups for s in g["samples"]]
+    correct = [c for g in groups for c in g["correct"]]
+    rewards = rewards_of(samples, correct, args)
+    group = torch.tensor([j for j, g in enumerate(groups) for _ in g["samples"]], dtype=torch.long)
+    truncated = torch.tensor([s.finish == "truncated" for s in samples], dtype=torch.bool)
+    valid = torch.ones(len(samples), dtype=torch.bool) if args.keep_truncated else ~truncated
+    keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
+    rows = keep.nonzero().squeeze(1).tolist()
+    adv = advantages(rewards[rows], group[rows], args.adv_norm,
+                     all_sum=(lambda d: pipeline.all_reduce_stats(ctx, d)[0]) if ctx else None)
+    sums, _ = pipeline.all_reduce_stats(ctx, {"prompt": len(set(group[rows].tolist())), "sample": len(rows),
+                                              "token": sum(sum(samples[r].mask) for r in rows)})
+    return Batch([g["prompt"] for g in groups for _ in g["samples"]], samples, correct, rewards, group, truncated,
+                 valid, rows, adv, sums)
+
+
+def optimize(run, batch, args, ctx, device, pad_id):
+    """Loss, backward over micro-batches, (all-reduce), clip, AdamW step; a non-finite loss or gradient skips
+    the step (--max_bad_steps in a row stop the run). -> (loss, mismatch stats, gradient norm)."""
+    model, forward, rows = run.model, run.forward, batch.rows
+    model.train()
+    n_local = len(set(batch.group[rows].tolist()))
+    n_micro = n_all = math.ceil(n_local / (args.micro_prompts or max(n_local, 1)))
+    if forward is not None:  # FSDP2: every trainer runs as many forward/backward passes (collectives)
+        n_all = int(pipeline.all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
+    loss_value, mismatch = 0.0, {}
+    if rows:
+        ids, attn, mask, gen_logp = collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
+                                            pad_id, device)
+        loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, batch.adv.to(device),
+                                                   batch.group[rows].to(device)),
+                                           args, n_local, total=batch.sums[args.agg], forward=forward)
+    for _ in range(n_micro, n_all):  # FSDP2 only: passes that add nothing, to match the other trainers'
+        ids = torch.full((1, 2), pad_id, device=device)
+        (forward(ids, torch.ones_like(ids), args.fp32_head, args.temperature).sum() * 0).backward()
+    if ctx and forward is None:
+        pipeline.all_reduce_grads(ctx, model)
+    if str(run.step + 1) in args.nan_at.split(","):
+        for p in model.parameters():
+            p.grad.fill_(float("nan"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+    grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+    if math.isfinite(grad_norm) and math.isfinite(loss_value):  # grads are all-reduced: all trainers agree
+        run.opt.step()
+        run.sched.step()
+        run.bad_steps = 0
+    else:  # a NaN/inf loss or gradient: skip the update (the weights sent next are the last good ones)
+        run.bad_steps += 1
+        if ctx is None or ctx.rank == 0:
+            print(f"step {run.step + 1}: loss {loss_value} / gradient norm {grad_norm}: not finite, optimizer step "
+                  f"skipped ({run.bad_steps} in a row, --max_bad_steps {args.max_bad_steps})", flush=True)
+        if run.bad_steps >= args.max_bad_steps:
+            raise SystemExit(f"error: {run.bad_steps} consecutive steps with a non-finite loss or gradient (up to step "
+                             f"{run.step + 1}); stopping. The last checkpoint holds the last good weights.")
+    run.opt.zero_grad(set_to_none=True)
+    return loss_value, mismatch, grad_norm
+
+
+def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, mismatch, dt):
+    """The step just taken, summed over every trainer's part of its batch (a collective; every trainer calls
+    it) -> the metrics dict that rank 0 logs. Adds the step's FLOPs to run.flops."""
+    step, samples, rows = run.step - 1, batch.samples, batch.rows  # the version the step trained
+    lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
+    domains = sorted({p.get("domain", "math") for p in train})
+    sums, maxes = pipeline.all_reduce_stats(ctx, {
+        "groups": len(groups), "kept": len(set(batch.group[rows].tolist())), "n": len(samples),
+        "reward": batch.rewards.sum().item(), "correct": sum(batch.correct), "len": sum(len(s.tokens) for s in samples),
+        "trunc": sum(batch.truncated.tolist()), "intr": sum(0 in s.mask for s in samples),
+        "excluded": int((batch.truncated & ~batch.valid).sum()),
+        "nll": -sum(lp for s in samples for lp, m in zip(s.logps, s.mask) if m), "sampled": sum(sum(s.mask) for s in samples),
+        "lag": sum(lags), "lag_n": len(lags), "too_old": rstats["too_old"], "gen_tokens": rstats["gen_tokens"],
+        "train_tokens": sum(len(batch.prompt_ids[r]) + len(samples[r].tokens) for r in rows), "loss": loss_value,
+        **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups if train[g["index"]].get("domain", "math") == d
+                             for c in g["correct"]) for d in domains for key in ("correct", "n")}},
+        {"lag_max": max(lags, default=0)})
+    run.flops += 2 * run.n_params * sums["gen_tokens"] + 6 * run.n_params * sums["train_tokens"]
+    n = sums["n"]
+    m = {"kind": "train", "step": run.step, "compute_s": run.compute_s, "flops": run.flops,
+         "reward": sums["reward"] / n, "pass_rate": sums["correct"] / n, "len": sums["len"] / n,
+         "trunc": sums["trunc"] / n, "intr": sums["intr"] / n, "excluded_truncated": int(sums["excluded"]),
+         "entropy": sums["nll"] / max(sums["sampled"], 1),  # mean -log p of the sampled tokens: estimates it
+         "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
+         "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
+         "too_old": int(sums["too_old"]), "skipped_bad": run.bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm,
+         "lr": run.sched.get_last_lr()[0], "dt_ms": dt * 1000,
+         "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
+         **{f"mismatch_{k}": v for k, v in mismatch.items()}}
+    if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
+        m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
+    return m
+
+
+def gather_shards(run, rank0, with_optimizer):
+    """--fsdp, every trainer: the shards into rank 0's unsharded copy (and the full optimizer state)."""
+    with torch.no_grad():
+        gathered = pipeline.full_weights(run.model)
+        if rank0:
+            for p, full in zip(run.full_model.parameters(), gathered):
+                p.copy_(full)
+    if with_optimizer:
+        run.full_opt = pipeline.full_optimizer_state(run.model, run.opt)
+
+
+def run_eval(run, args, tokenizer, val_ids, val, log):
+    """Rank 0: the held-out pass rate now, the live fit of the curve so far, one log line."""
+    run.full_model.eval()
+    result = evaluate(run.full_model, tokenizer, val_ids, val, args)
+    m = {"kind": "eval", "step": run.step, "compute_s": run.compute_s, "flops": run.flops, **result}
+    run.evals.append((run.compute_s, result["pass_rate"]))
+    C, R = np.array(run.evals).T
+    try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
+        pred = predict_final(C, R, C_end=run.compute_s / max(run.step, 1) * args.steps)
+    except ValueError as err:
+        pred = None
+        print(f"eval step {run.step}: no live fit ({err})")
+    if pred:
+        m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"], predicted_final=pred["R_end"])
+    log(m)
+    fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s -> predicted "
+               f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
+    per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
+    print(f"eval step {run.step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
+          f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}", flush=True)
+
+
+def save(run, args, tokenizer):
+    """Rank 0: a checkpoint of the weights and everything --resume needs."""
+    state = {"optimizer": run.full_opt if run.forward is not None else run.opt.state_dict(),
+             "scheduler": run.sched.state_dict(), "curriculum": run.curriculum.state_dict(), "step": run.step,
+             "compute_s": run.compute_s, "flops": run.flops, "torch_rng": torch.get_rng_state(), "args": vars(args)}
+    print(f"saved {save_checkpoint(args.out, run.step, run.full_model, tokenizer, state, args.keep)}", flush=True)
+
+
+def metrics_log(args, rank0):
+    """-> log(m): rank 0 appends m to --out/metrics.jsonl (and sends it to --wandb / --tensorboard)."""
+    if not rank0:
+        return lambda m: None
+    path, track = os.path.join(args.out, "metrics.jsonl"), tracker(args)
+
+    def log(m):
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+        except OSError as err:
+            raise disk_error(path, err, args.out) from None
+        track(m)
+    return log
+
+# -----------------------------------------------------------------------------
+# the training loop
 
 
 def main(args):
     hf_logging.disable_progress_bar()  # the log holds our own lines (no "Loading weights" / "Writing shards" bars)
     if args.eval_only:
         return eval_only(args)
-    # ---- setup: output folder, ranks, device, model, data, optimizer
+    # ---- setup: output folder, data, ranks, device, model
     t_start = time.time()
     prepare_out_dir(args)
-    track = tracker(args) if int(os.environ.get("RANK", "0")) == 0 else (lambda m: None)  # before ranks wait
+    log = metrics_log(args, int(os.environ.get("RANK", "0")) == 0)  # checks --wandb/--tensorboard before ranks wait
     train, val = load_data(args)
     note_toy_model(args, args.data, "--data", "trains")
-    if any(p.get("domain") == "code" for p in train + val):  # before any rank waits on another
-        if not args.unsafe_code_exec and not bwrap_ready():
-            sys.exit(f"error: {BWRAP_MISSING}")
-        print("code rewards: " + ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its "
-                                  "reward" if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
+    check_code_rewards(args, train + val)
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
-    rank0 = ctx is None or ctx["rank"] == 0
-    device = pick_device(args, ctx)
+    rank0 = ctx is None or ctx.rank == 0
     torch.manual_seed(args.seed)
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    ckpt, state = intact_checkpoint(args.out, quiet=not rank0) if args.resume else (None, {})
-    if args.resume and ckpt is None and rank0:
-        print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
-    if ckpt:
-        check_resume(state.get("args", {}), args)
+    ckpt, state = resume_point(args, quiet=not rank0)
     model_dir = ckpt or args.model or base_model_dir(args)
+    device = pick_device(args, ctx)
     tokenizer, model = load_model(model_dir, args, device)
-    n_params = sum(p.numel() for p in model.parameters())
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
-    domains = sorted({p.get("domain", "math") for p in train})
-    step, compute_s, flops = state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0)
-    world = ctx["world"] if ctx else 1
-    if ctx:  # rollouts travel as packed tensors of this many tokens per sample
-        ctx["samples"] = args.samples
-        ctx["length"] = (max(len(p) for p in train_ids) + args.think_budget + args.answer_budget +
-                         len(tokenizer(INTERRUPT_PHRASE, add_special_tokens=False)["input_ids"]))
-        if rank0:
-            ctx["store"].set("version", str(step))
-            ctx["store"].set("stop", "0")
-        torch.distributed.barrier(group=ctx["rollouts"])
-        if ctx["role"] == "generator":
-            path = os.path.join(args.out, f"curriculum-rank{ctx['rank']}.pt")
-            pipeline.run_generator(ctx, args, model, tokenizer, train, train_ids, step, path)
-            pipeline.finish(ctx)
-            return
-    curriculum = Curriculum(len(train), args.seed, npr=args.no_positive_resampling)  # one process only
-    forward, full_model = None, model  # --fsdp: the sharded loss forward, and rank 0's unsharded copy
-    if ctx and args.fsdp:
-        full_model = copy.deepcopy(model) if rank0 else None
-        forward = pipeline.shard_trainer(ctx, model)
-        local = sum(p.to_local().numel() for p in model.parameters())
-        if rank0:
-            print(f"FSDP2: trainer 0 holds {local} of {n_params} parameters (and their AdamW state)", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
-    evals = []  # (compute_s, held-out pass rate) of every eval so far, for the live fit
-    if ckpt:
-        if forward is not None:  # --fsdp: every trainer keeps its shard of the saved full optimizer state
-            pipeline.load_sharded_optimizer(model, opt, state["optimizer"])
-        else:
-            opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        curriculum.load_state_dict(state["curriculum"])
-        torch.set_rng_state(state["torch_rng"])
-        if rank0:
-            evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(metrics_path, step) if r["kind"] == "eval"]
-            print(f"resumed from {ckpt} at step {step}")
-    elif rank0:
-        with open(metrics_path, "w") as f:
-            ran = "one process, synchronous" if ctx is None else args.mode  # what actually ran
-            f.write(json.dumps({"kind": "config", **vars(args), "ran": ran, "n_params": n_params, "world": world}) + "\n")
+    if ctx:  # rollouts travel as packed rows of this many tokens per sample
+        pipeline.start(ctx, state.get("step", 0), max(map(len, train_ids)) + args.think_budget + args.answer_budget +
+                       len(special_tokens(tokenizer)["interrupt_ids"]))
+        if ctx.role == "generator":
+            path = os.path.join(args.out, f"curriculum-rank{ctx.rank}.pt")
+            pipeline.run_generator(ctx, args, model, tokenizer, train, train_ids, state.get("step", 0), path)
+            return pipeline.finish(ctx)
+
+    # ---- the trainer's state: optimizer, schedule, curriculum (one process), FSDP2 shards, the resumed step
+    run = new_run(args, ctx, model, len(train), state, rank0)
+    world, need = (ctx.world, args.prompts // ctx.n_trainers) if ctx else (1, args.prompts)  # need: groups per step here
     if rank0:
-        roles = (f"{ctx['n_trainers']} trainer + {ctx['n_gens']} generator ranks, {args.mode}, max lag {ctx['k']}"
+        start_metrics(args, run, ckpt, world)
+        roles = (f"{ctx.n_trainers} trainer + {ctx.n_gens} generator ranks, {args.mode}, max lag {ctx.k}"
                  if ctx else "one process, synchronous")
-        print(f"model {model_dir} ({n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | {roles} | "
-              f"{len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
-
-    def log_metrics(m):
-        try:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-        except OSError as err:
-            raise disk_error(metrics_path, err, args.out) from None
-        track(m)
-
-    def run_eval():
-        full_model.eval()
-        result = evaluate(full_model, tokenizer, val_ids, val, args)
-        m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
-        evals.append((compute_s, result["pass_rate"]))
-        C, R = np.array(evals).T
-        try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
-            pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
-        except ValueError as err:
-            pred = None
-            print(f"eval step {step}: no live fit ({err})")
-        if pred:
-            m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"], predicted_final=pred["R_end"])
-        log_metrics(m)
-        fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s -> predicted "
-                   f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
-        per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
-        print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
-              f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}", flush=True)
-
-    def save():
-        state = {"optimizer": full_opt if forward is not None else opt.state_dict(), "scheduler": sched.state_dict(),
-                 "curriculum": curriculum.state_dict(), "step": step, "compute_s": compute_s, "flops": flops,
-                 "torch_rng": torch.get_rng_state(), "args": vars(args)}
-        print(f"saved {save_checkpoint(args.out, step, full_model, tokenizer, state, args.keep)}", flush=True)
-
-    full_opt = None  # --fsdp: the optimizer state gathered on rank 0 for the next save()
-
-    def gather_shards(with_optimizer):
-        """--fsdp, every trainer: the shards into rank 0's unsharded copy (and the full optimizer state)."""
-        nonlocal full_opt
-        with torch.no_grad():
-            gathered = pipeline.full_weights(model)
-            if rank0:
-                for p, full in zip(full_model.parameters(), gathered):
-                    p.copy_(full)
-        if with_optimizer:
-            full_opt = pipeline.full_optimizer_state(model, opt)
-
-    if step == 0 and rank0:
-        run_eval()
-    need = args.prompts // (ctx["n_trainers"] if ctx else 1)  # prompt groups per step on this trainer
-    bad_steps = 0
-    while step < args.steps:
+        print(f"model {model_dir} ({run.n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | "
+              f"{roles} | {len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
+        if run.step == 0:
+            run_eval(run, args, tokenizer, val_ids, val, log)
+    while run.step < args.steps:
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
         t0 = time.time()
         if ctx is None:
             try:
-                groups, gen_s, verify_s = local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args)
+                groups, rstats = local_rollouts(model, tokenizer, train, train_ids, run.curriculum, run.step, args)
             except StopIteration as e:
-                print(f"stopping at step {step}: {e}")
+                print(f"stopping at step {run.step}: {e}")
                 break
-            rstats = {"too_old": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s, "gen_tokens": sum(
-                len(g["prompt"]) + len(s.tokens) for g in groups for s in g["samples"])}
         else:
-            groups, rstats = pipeline.receive_groups(ctx, step)
+            groups, rstats = pipeline.receive_groups(ctx, run.step)
         t_gen = time.time() - t0
-        short, _ = pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})
-        if short["short"]:
-            print(f"stopping at step {step}: the generators ran out of prompts (every prompt retired)")
+        if pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})[0]["short"]:
+            print(f"stopping at step {run.step}: the generators ran out of prompts (every prompt retired)")
             break
-        prompt_ids = [g["prompt"] for g in groups for _ in g["samples"]]
-        samples = [s for g in groups for s in g["samples"]]
-        correct = [c for g in groups for c in g["correct"]]
-        rewards = rewards_of(samples, correct, args)
-        group = torch.tensor([j for j, g in enumerate(groups) for _ in g["samples"]])
 
-        # ---- batch: zero-variance filtering, advantages (batch std over every trainer's part)
-        truncated = torch.tensor([s.finish == "truncated" for s in samples], dtype=torch.bool)
-        valid = ~truncated if not args.keep_truncated else torch.ones(len(samples), dtype=torch.bool)  # paper A.15
-        keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
-        rows = keep.nonzero().squeeze(1).tolist()
-        adv = advantages(rewards[rows], group[rows], args.adv_norm if ctx is None else
-                         {"batch": "none"}.get(args.adv_norm, args.adv_norm))
-        mask_tokens = sum(sum(samples[r].mask) for r in rows)
-        sums, _ = pipeline.all_reduce_stats(ctx, {"prompt": len(set(group[rows].tolist())), "sample": len(rows),
-                                                  "token": mask_tokens, "a": adv.sum().item(), "a2": (adv ** 2).sum().item()})
-        if ctx and args.adv_norm == "batch" and sums["sample"]:
-            mean = sums["a"] / sums["sample"]
-            adv = adv / (math.sqrt(max(sums["a2"] / sums["sample"] - mean ** 2, 0.0)) + 1e-6)
-        loss_value, mismatch, grad_norm, t_train = 0.0, {}, 0.0, time.time()
-        if sums["sample"]:
-            # ---- train: loss, backward, (all-reduce), clip, AdamW step
-            model.train()
-            n_local = len(set(group[rows].tolist()))
-            per = args.micro_prompts or max(n_local, 1)
-            n_micro = math.ceil(n_local / per)
-            if forward is not None:  # FSDP2: every trainer runs as many forward/backward passes (collectives)
-                n_micro = int(pipeline.all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
-            if rows:
-                ids, attn, mask, gen_logp = collate([prompt_ids[r] for r in rows], [samples[r] for r in rows],
-                                                    tokenizer.pad_token_id or 0, device)
-                loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, adv.to(device), group[rows].to(device)),
-                                                   args, n_local, total=sums[args.agg], forward=forward)
-            for _ in range(math.ceil(n_local / per), n_micro):  # FSDP2 only: passes that add nothing
-                ids = torch.full((1, 2), tokenizer.pad_token_id or 0, device=device)
-                (forward(ids, torch.ones_like(ids), args.fp32_head, args.temperature).sum() * 0).backward()
-            if ctx and forward is None:
-                pipeline.all_reduce_grads(ctx, model)
-            if str(step + 1) in args.nan_at.split(","):
-                for p in model.parameters():
-                    p.grad.fill_(float("nan"))
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-            grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
-            if math.isfinite(grad_norm) and math.isfinite(loss_value):  # grads are all-reduced: all trainers agree
-                opt.step()
-                sched.step()
-                bad_steps = 0
-            else:  # a NaN/inf loss or gradient: skip the update (the weights sent next are the last good ones)
-                bad_steps += 1
-                if rank0:
-                    print(f"step {step + 1}: loss {loss_value} / gradient norm {grad_norm}: not finite, optimizer step "
-                          f"skipped ({bad_steps} in a row, --max_bad_steps {args.max_bad_steps})", flush=True)
-                if bad_steps >= args.max_bad_steps:
-                    raise SystemExit(f"error: {bad_steps} consecutive steps with a non-finite loss or gradient (up to step "
-                                       f"{step + 1}); stopping. The last checkpoint holds the last good weights.")
-            opt.zero_grad(set_to_none=True)
+        # ---- batch, then train: loss, backward, (all-reduce), clip, AdamW step
+        batch = make_batch(groups, args, ctx)
+        t_train = time.time()
+        loss_value, mismatch, grad_norm = (optimize(run, batch, args, ctx, device, tokenizer.pad_token_id or 0)
+                                           if batch.sums["sample"] else (0.0, {}, 0.0))
         time.sleep(pipeline.slow_seconds(args, ctx, "trainer"))
         t_train = time.time() - t_train
-        lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
-        step += 1
-        sync_s, sync_bytes = pipeline.publish_weights(ctx, model, step, step == args.steps, args.bucket_mb) if ctx else (0.0, 0)
+        run.step += 1
+        sync_s, sync_bytes = pipeline.publish_weights(ctx, model, run.step, run.step == args.steps, args.bucket_mb)
 
         # ---- accounting and logging (sums over every trainer's part of the batch)
         dt = time.time() - t0
-        compute_s += dt * world  # every device, busy or not
-        sums, maxes = pipeline.all_reduce_stats(ctx, {
-            "groups": len(groups), "kept": len(set(group[rows].tolist())), "n": len(samples),
-            "reward": rewards.sum().item(), "correct": sum(correct), "len": sum(len(s.tokens) for s in samples),
-            "trunc": sum(truncated.tolist()), "intr": sum(0 in s.mask for s in samples),
-            "excluded": int((truncated & ~valid).sum()),
-            "nll": -sum(lp for s in samples for lp, m in zip(s.logps, s.mask) if m), "sampled": sum(sum(s.mask) for s in samples),
-            "lag": sum(lags), "lag_n": len(lags), "too_old": rstats["too_old"], "gen_tokens": rstats["gen_tokens"],
-            "train_tokens": sum(len(prompt_ids[r]) + len(samples[r].tokens) for r in rows), "loss": loss_value,
-            **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups if train[g["index"]].get("domain", "math") == d
-                                 for c in g["correct"]) for d in domains for key in ("correct", "n")}},
-            {"lag_max": max(lags, default=0)})
-        flops += 2 * n_params * sums["gen_tokens"] + 6 * n_params * sums["train_tokens"]
-        evaluate_now = step % args.eval_every == 0 or step == args.steps
-        save_now = (args.save_every and step % args.save_every == 0) or step == args.steps
-        if forward is not None and (evaluate_now or save_now):
-            gather_shards(save_now)
+        run.compute_s += dt * world  # every device, busy or not
+        m = step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, mismatch, dt)
+        evaluate_now = run.step % args.eval_every == 0 or run.step == args.steps
+        save_now = (args.save_every and run.step % args.save_every == 0) or run.step == args.steps
+        if run.forward is not None and (evaluate_now or save_now):
+            gather_shards(run, rank0, save_now)
         if not rank0:
             continue
-        m = {"kind": "train", "step": step, "compute_s": compute_s, "flops": flops,
-             "reward": sums["reward"] / sums["n"], "pass_rate": sums["correct"] / sums["n"], "len": sums["len"] / sums["n"],
-             "trunc": sums["trunc"] / sums["n"], "intr": sums["intr"] / sums["n"], "excluded_truncated": int(sums["excluded"]),
-             "entropy": sums["nll"] / max(sums["sampled"], 1),  # mean -log p of the sampled tokens: estimates it
-             "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
-             "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
-             "too_old": int(sums["too_old"]), "skipped_bad": bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
-             "dt_ms": dt * 1000, "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
-             **{f"mismatch_{k}": v for k, v in mismatch.items()}}
-        if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
-            m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
         if ctx is None:  # one device alternates: busy generating, then busy training
-            m.update(retired=len(curriculum.retired), epoch=curriculum.epoch, gen_busy=t_gen / dt,
+            m.update(retired=len(run.curriculum.retired), epoch=run.curriculum.epoch, gen_busy=t_gen / dt,
                      train_busy=t_train / dt, sync_ms=0.0, generate_ms=rstats["gen_s"] * 1000,
                      verify_ms=rstats["verify_s"] * 1000, train_ms=t_train * 1000)
         else:
             m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
-        log_metrics(m)
+        log(m)
         print(log_line(m, args.steps), flush=True)
 
         # ---- eval and checkpoint (rank 0; not counted as compute)
         if evaluate_now:
-            run_eval()
+            run_eval(run, args, tokenizer, val_ids, val, log)
         if save_now:
-            save()
-    stopped_early = step % args.eval_every and step != args.steps  # every prompt retired
-    if forward is not None and stopped_early:
-        gather_shards(True)
+            save(run, args, tokenizer)
+
+    # ---- the end: a run stopped early (every prompt retired) is evaluated and saved; ranks leave together
+    stopped_early = run.step % args.eval_every and run.step != args.steps
+    if run.forward is not None and stopped_early:
+        gather_shards(run, rank0, True)
     if rank0 and stopped_early:
-        run_eval()
-        save()
+        run_eval(run, args, tokenizer, val_ids, val, log)
+        save(run, args, tokenizer)
     if ctx:
         pipeline.drain(ctx)
         pipeline.finish(ctx)
     if rank0:
-        summary(args, metrics_path, time.time() - t_start)
+        summary(args, time.time() - t_start)
     while _LOCK:  # the run is over: --out is free again
         _LOCK.pop().close()
 
@@ -802,8 +892,9 @@ def tracker(args):
     return lambda m: None
 
 
-def summary(args, metrics_path, seconds):
+def summary(args, seconds):
     """The end of a run in a few lines: time, held-out first -> last, the fit's prediction, where things are."""
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
     with open(metrics_path) as f:
         evals = [r for r in map(json.loads, f) if r.get("kind") == "eval"]
     print(f"done in {seconds / 60:.1f} min | held-out pass rate {evals[0]['pass_rate']:.3f} -> "

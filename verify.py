@@ -3,7 +3,9 @@ verify.py: the reward checker. Does a response's final answer equal the gold ans
 
 Implements the reward of SCALERL.md section 2: "+1 for a verified-correct final answer, -1
 otherwise", checked by "a symbolic checker (sympy) on the final answer" (section 5). This
-file returns the bool; the caller maps it to +1 / -1.
+file returns the bool; the caller maps it to +1 / -1. score_problems is the reward entry point
+of train.py and pipeline.py: it judges math problems here and sends code problems (the
+math+code runs of sections 1 and 5) to sandbox.py, which runs their programs against their tests.
 
 Readings chosen here:
 - The final answer is the last \\boxed{...} (also \\fbox{...} and `\\boxed 5`) after the
@@ -36,57 +38,22 @@ Workers start on first need (~1 s), stay for later calls, and exit when the call
 1000 characters, nesting over 50 deep, exponents or factorials over 10^4, powers over ~10^5
 digits. Unix only (select.poll, resource).
 
-Code (score_code): the last fenced Python block after </think> (```python, ```py or a bare
-```) runs against the tests: stdin/stdout pairs {"inputs": [...], "outputs": [...]} (TACO, APPS,
-DeepCoder; one run per pair; outputs equal line by line after collapsing whitespace and dropping
-blank ends; exit code 0) or asserts (MBPP/HumanEval: a list of statements or one string, run
-after the program; HumanEval's `def check(candidate)` needs its call, e.g. "check(add)").
-A policy is an optimizer that finds any reward it can forge, so nothing the program can read decides
-its reward: expected stdout stays with the parent, which compares; each `assert L <op> R` (R a
-literal) is rewritten so that the sandbox reports L's value as plain data (repr of numbers, strings,
-containers) and the parent applies `<op> R` (split_asserts). An early exit leaves an assert
-unreported, and an object whose __eq__ is always True is not plain data: both fail. Asserts whose
-expected value is not a literal are refused when the data is loaded.
-Each run is a fresh `python -I` in its own bubblewrap (bwrap) sandbox: every namespace unshared (no
-network; its own PID namespace, so nothing outside is visible or killable and every process in it
-dies with it; its own mount namespace with /usr, /lib and the interpreter read-only and nothing else
-of the machine, no /etc, no home, no data), a fresh 64 MiB tmpfs /tmp as the only writable place and
-its cwd, uid 65534 inside, --die-with-parent, a new session, an environment of PATH, HOME, LANG; and
-limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s; RLIMIT_AS `memory` (1 GiB);
-RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC = the tasks its user runs
-now + 32; os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess, multiprocessing are removed
-first (a naive fork bomb fails at once). The program reaches the parent only through its stdin, the
-stdout and assert-value files it writes (read back capped) and its exit code.
-Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
-the limits alone, in a temp dir, as `nobody` when root can drop to it: it can then read and write what
-that user can, use the network, and leave processes behind (setsid past the removed functions).
-
 Usage:
-    from verify import score, score_batch, score_code, score_code_batch
+    from verify import score, score_batch, score_problems
     score("<think>...</think> The area is $\\boxed{\\frac{1}{2}}$.", "0.5")    # True
     score_batch(responses, golds, workers=8)                                  # list of bools
+    score_problems(responses, problems, workers=8)     # data.py's dicts, math and code mixed
     python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'         # prints True
-    python verify.py --bench        # verifications/s on a batch of 768 (see BENCH_VERIFY.txt)
-    score_code("```python\\nprint(sum(map(int, input().split())))\\n```",
-               {"inputs": ["1 2"], "outputs": ["3"]})                            # True
-    score_code(response, ["assert add(1, 2) == 3"])                            # MBPP-style asserts
+    python verify.py --bench        # verifications/s on a batch of 768 (BENCHMARKS.md section 8)
 """
-import ast
 import contextlib
-import functools
-import itertools
 import json
-import math
-import operator
 import os
 import re
 import resource
 import select
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -94,6 +61,8 @@ from fractions import Fraction
 from itertools import accumulate
 
 import sympy
+
+from sandbox import score_code_batch
 
 TIMEOUT = 5.0              # seconds a sympy check may take before the answer counts False
 MAX_ANSWER_CHARS = 1000    # longer final answers count False
@@ -675,185 +644,9 @@ def score_batch(responses, golds, workers=2, timeout=TIMEOUT):
     return results
 
 
-# -----------------------------------------------------------------------------
-# Code: run the response's last Python block against the tests, in a sandboxed subprocess
-
-CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per stdin case, one for asserts)
-CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
-CODE_MAX_OUTPUT = 16 << 20 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
-CODE_TMPFS = 64 << 20      # the sandbox's only writable place: a fresh tmpfs of this size
-CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to its user's count
-SANDBOX_UID = 65534        # the unprivileged uid inside the sandbox ('nobody')
-BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written programs: install it "
-                 "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), or pass "
-                 "--unsafe_code_exec to run them with resource limits only (a program can then forge its reward)")
-
-# Runs in the child, before the program: lower the limits, remove the process-making and process-killing
-# functions (a naive fork bomb fails at once), define _record (the value of an assert's left side, written
-# as the repr of plain data to the results fd), read the program, run it as __main__, then the tests.
-_PRELUDE = """
-import json, os, posix, resource, sys
-limits, source_fd, results_fd, uid = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-if uid >= 0:  # root's sandbox: become the unprivileged uid (RLIMIT_NPROC does not bind root)
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-for name, value in limits.items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-with os.fdopen(source_fd, encoding="utf-8", errors="replace") as f:
-    program, tests = json.load(f)
-_out = os.fdopen(results_fd, "w", encoding="utf-8")
-def _plain(x, depth=0):
-    if depth > 20:
-        return False
-    if x is None or type(x) in (bool, int, float, complex, str, bytes):
-        return True
-    if type(x) in (list, tuple, set, frozenset):
-        return all(_plain(y, depth + 1) for y in x)
-    return type(x) is dict and all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in x.items())
-def _record(k, value):  # the repr of plain data has no raw newline
-    _out.write(f"{k}\\t{repr(value) if _plain(value) else '<not plain data>'}\\n")
-    _out.flush()
-for name in ("fork", "forkpty", "system", "popen", "kill", "killpg", "setsid", "setpgid",
-             "posix_spawn", "posix_spawnp", "spawnv", "spawnve", "spawnvp", "spawnvpe"):
-    for module in (os, posix):
-        if hasattr(module, name):
-            setattr(module, name, None)
-for name in ("ctypes", "_ctypes", "_posixsubprocess", "subprocess", "multiprocessing"):
-    sys.modules[name] = None
-sys.argv = ["solution.py"]
-scope = {"__name__": "__main__", "__builtins__": __builtins__, "_record": _record}
-exec(compile(program + "\\n\\n" + tests, "solution.py", "exec"), scope)
-"""
-
-
-def extract_code(response):
-    """The last fenced Python block (```python, ```py or a bare ```) after the last </think>,
-    or None. A <think> that never closes means the response never answered."""
-    if not isinstance(response, str):
-        return None
-    if "</think>" in response:
-        response = response.rsplit("</think>", 1)[1]
-    elif "<think>" in response:
-        return None
-    blocks, tag, lines = [], None, None
-    for line in response.split("\n"):
-        fence = line.strip().startswith("```")
-        if lines is None and fence:
-            tag, lines = line.strip()[3:].strip().lower(), []
-        elif fence:
-            if tag in ("", "python", "python3", "py"):
-                blocks.append("\n".join(lines))
-            lines = None
-        elif lines is not None:
-            lines.append(line)
-    return blocks[-1] if blocks and blocks[-1].strip() else None
-
-
-def _output_lines(text):
-    """Output compared line by line with whitespace runs collapsed and blank ends dropped."""
-    return [" ".join(line.split()) for line in text.strip().splitlines()]
-
-
-_OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
-        ast.GtE: operator.ge, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
-        ast.Is: operator.is_, ast.IsNot: operator.is_not}  # is / is not: against None, True, False
-
-
-def split_asserts(tests):
-    """Assert-style tests -> (the code the sandbox runs, [check per assert]). Each `assert L <op> R` with a
-    literal R becomes `_record(k, L)`: the sandbox reports L's value and the parent applies `<op> R`, so R
-    never enters the sandbox; `assert not L` and `assert L` report L, the parent tests its truth. Asserts
-    may sit in helper functions (HumanEval's check(candidate)). A comparison with a non-literal right side,
-    or a chain (a < b < c), raises ValueError: its expected value would have to run in the sandbox."""
-    tree, checks = ast.parse(tests), []
-
-    class Rewrite(ast.NodeTransformer):
-        def visit_Assert(self, node):
-            test, k = node.test, len(checks)
-            if isinstance(test, ast.Compare):
-                if len(test.ops) != 1 or type(test.ops[0]) not in _OPS:
-                    raise ValueError(f"line {node.lineno}: one comparison per assert (==, !=, <, <=, >, >=, in, is)")
-                try:
-                    expected = ast.literal_eval(test.comparators[0])
-                except ValueError:
-                    raise ValueError(f"line {node.lineno}: the right side of the comparison must be a literal "
-                                     f"(got {ast.unparse(test.comparators[0])!r})") from None
-                checks.append((_OPS[type(test.ops[0])], expected))
-                value = test.left
-            elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-                checks.append((lambda v, _: not v, None))
-                value = test.operand
-            else:
-                checks.append((lambda v, _: bool(v), None))
-                value = test
-            call = ast.Call(ast.Name("_record", ast.Load()), [ast.Constant(k), value], [])
-            return ast.copy_location(ast.Expr(call), node)
-
-    tree = ast.fix_missing_locations(Rewrite().visit(tree))
-    if not checks:
-        raise ValueError("no assert statement")
-    return ast.unparse(tree), checks
-
-
-def _asserts_pass(results, checks):
-    """Every assert reported at least once, every report plain data that passes its check."""
-    seen = set()
-    for line in results.splitlines():
-        k, _, text = line.partition("\t")
-        if not k.isdigit() or int(k) >= len(checks):
-            return False
-        try:
-            value = ast.literal_eval(text)
-            if not checks[int(k)][0](value, checks[int(k)][1]):
-                return False
-        except Exception:                       # not plain data, or a comparison that raises
-            return False
-        seen.add(int(k))
-    return len(seen) == len(checks)
-
-
-def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
-    """True when the last Python block of `response` passes every test. `tests` is
-    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed)
-    or asserts: a list of statements or one string, run after the program (split_asserts).
-    unsafe: rlimits only, no bwrap (see the module docstring). Never raises."""
-    try:
-        program = extract_code(response)
-        if program is None:
-            return False
-        if isinstance(tests, dict):
-            inputs, outputs = tests["inputs"], tests["outputs"]
-            cases = list(zip(inputs, outputs, strict=True)) if isinstance(inputs, list) else []
-            if not cases or not all(isinstance(x, str) for case in cases for x in case):
-                return False
-            for stdin, expected in cases:  # the parent compares: expected outputs never enter the sandbox
-                code, out, _ = _run_program(program, "", stdin, timeout, memory, unsafe)
-                if code != 0 or _output_lines(out) != _output_lines(expected):
-                    return False
-            return True
-        asserts = "\n".join(tests) if isinstance(tests, list) else tests
-        if not isinstance(asserts, str):
-            return False
-        source, checks = split_asserts(asserts)
-        code, _, results = _run_program(program, source, "", timeout, memory, unsafe)
-        return code == 0 and _asserts_pass(results, checks)
-    except Exception:                               # malformed tests, unreadable text, ...
-        return False
-
-
-def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
-    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time."""
-    if len(responses) != len(tests_list):
-        raise ValueError(f"{len(responses)} responses but {len(tests_list)} tests")
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda rt: score_code(*rt, timeout=timeout, memory=memory, unsafe=unsafe),
-                             zip(responses, tests_list)))
-
-
 def score_problems(responses, problems, workers=2, unsafe_code=False):
     """Rewards for a batch mixing domains: problems are data.py's dicts, a math problem is judged
-    on its "answer" (score_batch), a code problem on its "tests" (score_code_batch)."""
+    on its "answer" (score_batch), a code problem on its "tests" (sandbox.py's score_code_batch)."""
     results = [False] * len(responses)
     judges = (("math", score_batch, "answer", {}), ("code", score_code_batch, "tests", {"unsafe": unsafe_code}))
     for domain, judge, field, extra in judges:
@@ -863,177 +656,6 @@ def score_problems(responses, problems, workers=2, unsafe_code=False):
             for i, v in zip(idx, verdicts):
                 results[i] = v
     return results
-
-
-@functools.cache
-def bwrap_ready():
-    """Whether bubblewrap can start a sandbox here (installed, and namespaces allowed)."""
-    if shutil.which("bwrap") is None:
-        return False
-    probe = subprocess.run(_bwrap_args() + ["/bin/true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=60)
-    return probe.returncode == 0
-
-
-def _bwrap_args():
-    """bwrap with every namespace unshared (no network, its own PID and mount namespaces: nothing outside is
-    visible or killable, everything in it dies with it), system folders and the interpreter's prefix
-    read-only, a fresh size-limited tmpfs as the only writable place, an unprivileged uid inside. As root,
-    no user namespace: a uid mapped to root stays exempt from RLIMIT_NPROC, so the prelude itself drops to
-    SANDBOX_UID (bwrap keeps it only the two capabilities that needs); otherwise a user namespace maps the
-    caller to SANDBOX_UID."""
-    if os.geteuid() == 0:
-        isolation = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                     "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        isolation = ["--unshare-all", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-    args = ["bwrap", *isolation, "--die-with-parent", "--new-session",
-            "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
-            "--perms", "1777", "--size", str(CODE_TMPFS), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
-    for top in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    prefix = os.path.realpath(sys.base_prefix)
-    if not prefix.startswith("/usr/"):  # e.g. a pyenv Python under /root: its folders made traversable
-        parents = [p for p in itertools.accumulate(prefix.split("/")[1:-1], lambda a, b: f"{a}/{b}", initial="")][1:]
-        args += [x for p in parents for x in ("--perms", "0755", "--dir", p)] + ["--ro-bind", prefix, prefix]
-    return args
-
-
-def _run_program(program, tests, stdin, timeout, memory, unsafe):
-    """Run `program` then `tests` (asserts rewritten by split_asserts, or "") under the limits, in a fresh
-    bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody) -> (exit code, stdout, results);
-    the exit code is None when it ran out of time or wrote more than CODE_MAX_OUTPUT."""
-    if not unsafe and not bwrap_ready():
-        raise RuntimeError(BWRAP_MISSING)
-    uid = _sandbox_uid() if unsafe else SANDBOX_UID if os.geteuid() == 0 else None  # who the program runs as
-    user_tasks = _tasks_of(os.getuid() if uid is None else uid)
-    limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_CORE": 0,
-              "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": user_tasks + CODE_NPROC_MARGIN}
-    folder = tempfile.mkdtemp(prefix="verify-code-") if unsafe else None
-    files = [tempfile.TemporaryFile() for _ in range(4)]  # source, stdin, stdout, assert values
-    try:
-        source, stdin_file, stdout_file, results_file = files
-        source.write(json.dumps([program, tests]).encode("utf-8", errors="replace"))
-        stdin_file.write(stdin.encode("utf-8", errors="replace"))
-        source.seek(0), stdin_file.seek(0)
-        fds = (source.fileno(), results_file.fileno())
-        drop_to = uid if not unsafe and uid is not None else -1  # unsafe: Popen itself runs it as uid
-        cmd = [sys.executable, "-I", "-c", _PRELUDE, json.dumps(limits), *map(str, fds), str(drop_to)]
-        if unsafe:
-            if uid is not None:
-                os.chown(folder, uid, uid)
-            env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
-            user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
-            child = subprocess.Popen(cmd, cwd=folder, env=env, stdin=stdin_file, stdout=stdout_file,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=fds, **user)
-        else:
-            cmd[0] = os.path.realpath(sys.executable)  # a venv's interpreter is a link into its base prefix
-            info_r, info_w = os.pipe()
-            child = subprocess.Popen(_bwrap_args() + ["--info-fd", str(info_w)] + cmd, env={}, stdin=stdin_file,
-                                     stdout=stdout_file, stderr=subprocess.DEVNULL, start_new_session=True,
-                                     pass_fds=(*fds, info_w))
-            os.close(info_w)
-            namespace = _pid_namespace(info_r)
-        finished = _wait_without_reaping(child.pid, timeout)
-        with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
-            os.killpg(child.pid, signal.SIGKILL)       # group id still names only its group
-        child.wait()
-        if not unsafe and not _namespace_emptied(namespace):
-            raise RuntimeError(f"processes of a sandbox ({namespace}) were still alive 10 s after it ended")
-        stdout_file.seek(0), results_file.seek(0)
-        out, results = stdout_file.read(CODE_MAX_OUTPUT + 1), results_file.read(CODE_MAX_OUTPUT + 1)
-    finally:
-        for f in files:
-            f.close()
-        if folder:
-            _remove_tree(folder)
-    if not finished or len(out) > CODE_MAX_OUTPUT or len(results) > CODE_MAX_OUTPUT:
-        return None, "", ""
-    return child.returncode, out.decode("utf-8", errors="replace"), results.decode("utf-8", errors="replace")
-
-
-def _pid_namespace(info_fd):
-    """The PID namespace (e.g. 'pid:[4026532641]') of the sandbox that bwrap reports on info_fd, read while
-    its first process is alive; None when bwrap failed before starting one."""
-    with os.fdopen(info_fd, "rb") as f:
-        ready, _, _ = select.select([f], [], [], 10)
-        info = f.read() if ready else b""
-    try:
-        return os.readlink(f"/proc/{json.loads(info)['child-pid']}/ns/pid")
-    except (ValueError, KeyError, OSError):  # no child, or it is gone already (then so is its namespace's init)
-        return None
-
-
-def _namespace_emptied(namespace, deadline=10.0):
-    """Wait until no live process is left in the sandbox's PID namespace (the kernel kills them all once its
-    first process dies, but not at once; a zombie waiting for its reaper runs nothing) -> whether it
-    emptied in time."""
-    end = time.monotonic() + deadline
-    while namespace is not None and time.monotonic() < end:
-        alive = False
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
-                    with open(f"/proc/{pid}/stat") as f:
-                        alive = alive or f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        if not alive:
-            return True
-        time.sleep(0.01)
-    return namespace is None
-
-
-def _wait_without_reaping(pid, timeout):
-    """Whether the child exited within `timeout` s; it stays a zombie so its pid is not reused."""
-    deadline, delay = time.monotonic() + timeout, 0.001
-    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(delay)
-        delay = min(2 * delay, 0.02)
-    return True
-
-
-def _tasks_of(uid):
-    """How many tasks (processes and threads) uid runs now: what RLIMIT_NPROC counts."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        with contextlib.suppress(OSError, AttributeError, ValueError):
-            with open(f"/proc/{pid}/status") as f:
-                status = f.read()
-            if int(re.search(r"^Uid:\s+(\d+)", status, re.M).group(1)) == uid:
-                total += int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
-    return total
-
-
-@functools.cache
-def _sandbox_uid():
-    """unsafe path: SANDBOX_UID when this process is root and that user can start the interpreter, else
-    None (programs then run as the caller's own user)."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        probe = subprocess.run([sys.executable, "-I", "-c", "pass"], cwd="/", env={}, timeout=60,
-                               user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return SANDBOX_UID if probe.returncode == 0 else None
-
-
-def _remove_tree(folder):
-    """rmtree that first makes every directory the program left writable again (not links)."""
-    with contextlib.suppress(OSError):
-        os.chmod(folder, 0o700)
-        for root, dirs, _ in os.walk(folder):
-            for d in dirs:
-                path = os.path.join(root, d)
-                if not os.path.islink(path):
-                    os.chmod(path, 0o700)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def bench(n=768, workers=2):
