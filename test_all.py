@@ -700,8 +700,8 @@ def test_code_malformed_tests_score_false():
 def test_code_infinite_loop_is_killed_on_time():
     for program in ("while True:\n    pass", "import time\ntime.sleep(60)", "input()"):
         start = time.perf_counter()
-        assert score_code(fenced(program), {"inputs": [""], "outputs": ["x"]}, timeout=2.0) is False
-        assert time.perf_counter() - start < 10.0, program       # 2 s + start-up, generous for CI
+        assert score_code(fenced(program), {"inputs": [""], "outputs": ["x"]}, timeout=1.0) is False
+        assert time.perf_counter() - start < 8.0, program        # 1 s + start-up, generous for CI
     start = time.perf_counter()
     assert score_code(fenced("while True:\n    pass"), ["assert True"], timeout=1.0) is False
     assert 1.0 <= time.perf_counter() - start < 8.0
@@ -1754,35 +1754,29 @@ def wait_for_train_records(out, n, procs, timeout=180):
         time.sleep(0.2)
 
 
-def test_pipeline_torchrun_two_ranks_trains_and_exits_cleanly(tmp_path):
-    (p,) = launch(2, tmp_path, "--steps", "4", torchrun=True)
+def test_pipeline_torchrun_two_ranks_trains_exits_cleanly_and_bounds_the_lag_under_a_slow_trainer(tmp_path):
+    (p,) = launch(2, tmp_path, "--steps", "6", "--max_lag", "2", "--slow", "trainer=0.6", torchrun=True)
     (rc,), (out,) = finish_all([p])
     assert rc == 0, out
     recs = train_records(tmp_path)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    assert all(r["lag_max"] <= 8 and 0 <= r["gen_busy"] <= 1 and 0 <= r["train_busy"] <= 1 for r in recs)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert all(0 <= r["gen_busy"] <= 1 and 0 <= r["train_busy"] <= 1 for r in recs)
     assert recs[-1]["sync_MBps"] > 0 or recs[-2]["sync_MBps"] > 0  # weights moved after the steps
-    assert (tmp_path / "ckpt-000004" / "model.safetensors").exists()
-    assert "1 trainer + 1 generator ranks, pipeline" in out
-
-
-def test_pipeline_lag_bound_holds_under_a_slow_trainer(tmp_path):
-    procs = launch(2, tmp_path, "--steps", "6", "--max_lag", "2", "--slow", "trainer=0.6")
-    rcs, outs = finish_all(procs)
-    assert rcs == [0, 0], outs
-    lags = [r["lag_max"] for r in train_records(tmp_path)]
-    assert len(lags) == 6 and max(lags) <= 2
+    assert (tmp_path / "ckpt-000006" / "model.safetensors").exists()
+    assert "1 trainer + 1 generator ranks, pipeline, max lag 2" in out
+    lags = [r["lag_max"] for r in recs]
+    assert max(lags) <= 2
     assert max(lags) >= 1  # the generator really ran ahead of the slow trainer
 
 
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
     """A straggler generator (the last one) decodes slowly while the other runs ahead: the trainer waits
     for the straggler's groups of each batch (nothing is dropped) and the fast one stops k batches ahead."""
-    procs = launch(3, tmp_path, "--steps", "12", "--max_lag", "1", "--gen_ranks", "2", "--slow", "generator=0.02")
+    procs = launch(3, tmp_path, "--steps", "5", "--max_lag", "1", "--gen_ranks", "2", "--slow", "generator=0.02")
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0, 0], outs
     recs = train_records(tmp_path)
-    assert len(recs) == 12 and max(r["lag_max"] for r in recs) <= 1
+    assert len(recs) == 5 and max(r["lag_max"] for r in recs) <= 1
     assert all(r["too_old"] == 0 and r["prompts"] == 4 for r in recs)
 
 
@@ -1799,7 +1793,7 @@ def test_pipeline_ppo_offpolicy_freezes_generator_weights_for_k_steps(tmp_path):
 
 @pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
 def test_pipeline_a_dead_or_stalled_rank_stops_the_others(tmp_path, victim, sig):
-    procs = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "6")
+    procs = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4")
     t0 = time.time()
     while not (tmp_path / "metrics.jsonl").exists() or not train_records(tmp_path):
         assert time.time() - t0 < 120, "the run never started"
@@ -1848,7 +1842,7 @@ def worker_pids(launcher_pid):
 
 
 def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process(tmp_path):
-    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "6", torchrun=True)
+    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4", torchrun=True)
     wait_for_train_records(tmp_path, 2, [p])
     workers = worker_pids(p.pid)
     assert sorted(workers) == [0, 1]
@@ -1865,18 +1859,20 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
 
 
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
-    """Two trainers with the model sharded (FSDP2) take the same steps as two full replicas, and so do
-    both after --resume (the sharded AdamW state comes back: step 5's update depends on it)."""
+    """Two trainers with the model sharded (FSDP2), stopped after step 3 and resumed, take the same steps
+    as two full replicas that run 5 steps straight (the sharded AdamW state comes back on resume: step 5's
+    update depends on it)."""
     flags = ["--gen_ranks", "1", "--mode", "sync", "--save_every", "3"]
-    runs = {}
-    for name, extra in (("dp", []), ("fsdp", ["--fsdp"])):
-        out = tmp_path / name
-        rcs, outs = finish_all(launch(3, out, "--steps", "3", *flags, *extra))
-        assert rcs == [0, 0, 0], outs
-        weights = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
-        rcs, resumed = finish_all(launch(3, out, "--steps", "5", "--resume", *flags, *extra))  # from ckpt-000003
-        assert rcs == [0, 0, 0] and "resumed from" in resumed[0], resumed
-        runs[name] = (train_records(out), outs[0], weights)
+    rcs, outs = finish_all(launch(3, tmp_path / "dp", "--steps", "5", *flags))
+    assert rcs == [0, 0, 0], outs
+    runs = {"dp": (train_records(tmp_path / "dp"), outs[0], AutoModelForCausalLM.from_pretrained(tmp_path / "dp" / "ckpt-000003"))}
+    out = tmp_path / "fsdp"
+    rcs, outs = finish_all(launch(3, out, "--steps", "3", *flags, "--fsdp"))
+    assert rcs == [0, 0, 0], outs
+    weights = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
+    rcs, resumed = finish_all(launch(3, out, "--steps", "5", "--resume", *flags, "--fsdp"))  # from ckpt-000003
+    assert rcs == [0, 0, 0] and "resumed from" in resumed[0], resumed
+    runs["fsdp"] = (train_records(out), outs[0], weights)
     held = re.search(r"FSDP2: trainer 0 holds (\d+) of (\d+) parameters", runs["fsdp"][1])
     assert held and int(held[1]) <= int(held[2]) // 2 + 1000  # half the weights (+ padding of odd dims)
     assert [r["step"] for r in runs["fsdp"][0]] == [1, 2, 3, 4, 5]
@@ -1973,18 +1969,16 @@ def strip_timing(records):
 
 def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path):
     flags = ["--model", toy_dir, "--steps", "6", "--save_every", "2", "--eval_every", "3"]
-    full = subprocess.run([sys.executable, str(ROOT / "train.py"), "--out", str(tmp_path / "full"), *PIPE_FLAGS, *flags],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    # (one thread, like launch(): the thread count changes float reductions, so grad norms differ in the 7th digit)
-    assert full.returncode == 0, full.stdout + full.stderr
+    (full,) = launch(1, tmp_path / "full", *flags)  # side by side with the run that is cut
     cut = tmp_path / "cut"
     (p,) = launch(1, cut, *flags)
     wait_for_train_records(cut, 3, [p])  # past the step-2 checkpoint, at an arbitrary point of step 4+
     p.send_signal(signal.SIGKILL)
     p.wait()
     (p,) = launch(1, cut, *flags, "--resume")
-    (rc,), (out,) = finish_all([p])
+    (rc, rc_full), (out, out_full) = finish_all([p, full])
     assert rc == 0 and "resumed from" in out, out
+    assert rc_full == 0, out_full
     records = [json.loads(ln) for ln in open(cut / "metrics.jsonl")]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
