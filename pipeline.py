@@ -79,10 +79,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from data import Curriculum, completion_text, special_tokens
-from generate import Sample, sampler, sequence_logprobs
+from generate import FINISH, Sample, sampler, sequence_logprobs
 from verify import score_problems
 
-FINISH = ("eos", "interrupted", "truncated")
 HEADER = 7  # per packed row: generator rank, group index, prompt index, prompt length, completion length,
 #            correct, finish
 
@@ -614,12 +613,7 @@ def generate_frozen(ctx, gen):
         poll(ctx, gen, apply=False)
         sampler_step(ctx, gen, [], v)
     gen.idle_since = time.time()
-    set_status(ctx, f"waiting for weights version {v + k - v % k} (frozen for {k} steps)")
-    while gen.version < v + k - v % k:
-        poll(ctx, gen)
-        time.sleep(0.002)
-        if time.time() - gen.idle_since > ctx.timeout:
-            raise TimeoutError(f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for new weights")
+    wait_until(ctx, lambda: poll(ctx, gen) >= v + k - v % k, f"weights version {v + k - v % k} (frozen for {k} steps)")
     gen.idle += time.time() - gen.idle_since
     gen.idle_since = None
 

@@ -563,6 +563,7 @@ class Run:
     sched: object
     curriculum: Curriculum  # one process only (generators keep their own)
     n_params: int
+    domains: list  # the training problems' domains: one pass-rate curve each when they mix
     step: int = 0
     compute_s: float = 0.0  # device-seconds: training wall-clock x processes
     flops: float = 0.0
@@ -571,7 +572,7 @@ class Run:
     full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
 
 
-def new_run(args, ctx, model, n_problems, state, rank0):
+def new_run(args, ctx, model, train, state, rank0):
     """The trainer's state: AdamW, the warm-up schedule, the curriculum, FSDP2 shards (--fsdp), and on
     --resume everything the checkpoint saved."""
     n_params = sum(p.numel() for p in model.parameters())
@@ -584,8 +585,9 @@ def new_run(args, ctx, model, n_problems, state, rank0):
             print(f"FSDP2: trainer 0 holds {local} of {n_params} parameters (and their AdamW state)", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
-    run = Run(model, full_model, forward, opt, sched, Curriculum(n_problems, args.seed, npr=args.no_positive_resampling),
-              n_params, state.get("step", 0), state.get("compute_s", 0.0), state.get("flops", 0.0))
+    run = Run(model, full_model, forward, opt, sched, Curriculum(len(train), args.seed, npr=args.no_positive_resampling),
+              n_params, sorted({p.get("domain", "math") for p in train}), state.get("step", 0),
+              state.get("compute_s", 0.0), state.get("flops", 0.0))
     if state:
         if forward is not None:  # --fsdp: every trainer keeps its shard of the saved full optimizer state
             pipeline.load_sharded_optimizer(model, opt, state["optimizer"])
@@ -678,7 +680,7 @@ def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, 
     it) -> the metrics dict that rank 0 logs. Adds the step's FLOPs to run.flops."""
     step, samples, rows = run.step - 1, batch.samples, batch.rows  # the version the step trained
     lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
-    domains = sorted({p.get("domain", "math") for p in train})
+    domains = run.domains
     sums, maxes = pipeline.all_reduce_stats(ctx, {
         "groups": len(groups), "kept": len(set(batch.group[rows].tolist())), "n": len(samples),
         "reward": batch.rewards.sum().item(), "correct": sum(batch.correct), "len": sum(len(s.tokens) for s in samples),
@@ -795,7 +797,7 @@ def main(args):
             return pipeline.finish(ctx)
 
     # ---- the trainer's state: optimizer, schedule, curriculum (one process), FSDP2 shards, the resumed step
-    run = new_run(args, ctx, model, len(train), state, rank0)
+    run = new_run(args, ctx, model, train, state, rank0)
     world, need = (ctx.world, args.prompts // ctx.n_trainers) if ctx else (1, args.prompts)  # need: groups per step here
     if rank0:
         start_metrics(args, run, ckpt, world)
