@@ -124,6 +124,8 @@ class Context:
     received: int = 0  # groups this trainer has received
     early: dict = field(default_factory=dict)  # groups received before their batch, by global index
     genstats_before: list = None  # the generators' counters at the last busy_metrics()
+    heartbeat: threading.Thread = None  # _heartbeat's thread; finish() stops it before the ranks part
+    stopping: threading.Event = field(default_factory=threading.Event)
 
 
 def setup(args):
@@ -159,7 +161,8 @@ def setup(args):
                   weights=dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
                   trainers=dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
                   rollouts=dist.new_group(backend="gloo", timeout=timeout) if cuda else None)
-    threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True).start()
+    ctx.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True)
+    ctx.heartbeat.start()
     _CURRENT["ctx"] = ctx
     return ctx
 
@@ -220,11 +223,12 @@ def get_int(ctx, key):
 
 
 def _heartbeat(ctx, limit):
-    """Bump this rank's counter every second; exit the process if another rank's stops moving."""
+    """Bump this rank's counter every second; exit the process if another rank's stops moving. Ends when
+    finish() sets ctx.stopping, or once any rank has finished (ranks then leave at their own pace)."""
     store, me, world = ctx.store, ctx.rank, ctx.world
     last = {r: (-1, time.time()) for r in range(world) if r != me}
     try:
-        while True:
+        while not ctx.stopping.is_set():
             store.add(f"heartbeat/{me}", 1)
             if int(store.add("finished", 0)):
                 return  # a clean shutdown is under way: ranks leave at their own pace
@@ -236,7 +240,7 @@ def _heartbeat(ctx, limit):
                     status = store.get(f"status/{r}").decode() if store.check([f"status/{r}"]) else "?"
                     _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; its last "
                          f"status: {status}); {role_of(ctx, me)} was {ctx.status}")
-            time.sleep(1.0)
+            ctx.stopping.wait(1.0)
     except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
         _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
              f"{role_of(ctx, me)} was {ctx.status}")
@@ -280,9 +284,12 @@ def wait_until(ctx, ready, what):
 
 
 def finish(ctx):
-    """Clean shutdown, called by every rank at its end."""
+    """Clean shutdown, called by every rank at its end. The heartbeat thread is stopped and joined first: left
+    running, it could be inside a store call when rank 0 (the store's host) exits, and abort the process."""
     set_status(ctx, "finished")
     ctx.store.add("finished", 1)
+    ctx.stopping.set()
+    ctx.heartbeat.join(timeout=ctx.timeout)
     dist.barrier(group=ctx.rollouts)
     dist.destroy_process_group()
 
