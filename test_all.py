@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import random
 import re
+import runpy
 import shutil
 import signal
 import socket
@@ -49,8 +50,8 @@ import verify
 
 # ---------------------------------------------------------------------------------------------
 # helpers shared by several sections: the repository root, a code test set and the fenced
-# response that carries a program, the embedded toy model (a quick build: few warm-up steps)
-# and a short train.py run on it
+# response that carries a program, the embedded toy model (a quick build: few warm-up steps),
+# a short train.py run on it in this process, and train.py processes forked from a preloaded server
 
 ROOT = Path(__file__).resolve().parent
 
@@ -73,6 +74,62 @@ def run_train(toy_dir, out, *flags):
                            *flags])
     train.main(args)
     return [json.loads(ln) for ln in open(out / "metrics.jsonl")]
+
+
+# Multi-rank tests start train.py ranks by forking them from one server process that has imported
+# test_all.py (so train.py and all it imports) and the Llama modeling code once: a rank then starts in
+# ~0.1 s instead of paying ~5 s of CPU for imports, most of what a short multi-rank run costs. The ranks
+# still run train.py as their __main__, with their own environment, argv and output; the tests that
+# start train.py under torchrun (and study.py's) cover a fresh interpreter's start and exit.
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
+
+
+def run_train_py(argv, env, log):
+    """In a forked process: `python train.py *argv` with env added to the environment, output to log."""
+    os.chdir(ROOT)
+    os.environ.update(env)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 would in a fresh process: ranks share the cores
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.argv = [str(ROOT / "train.py"), *argv]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+class Forked:
+    """One forked train.py process, with the subprocess.Popen calls the tests make."""
+
+    def __init__(self, argv, env, log):
+        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log)))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self):
+        return self.proc.exitcode
+
+    def poll(self):
+        return self.proc.exitcode
+
+    def wait(self, timeout=None):
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("train.py", timeout)
+        return self.proc.exitcode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return Path(self.log).read_text(), None
+
+    def send_signal(self, sig):  # as Popen's: nothing once the process has ended (the server reaps it)
+        if self.proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
 
 # =============================================================================
 # loss.py: advantages, the four policy losses, the length penalty and the ratio statistics
@@ -1710,7 +1767,8 @@ def _broadcast_rank(rank, world, port, out):
 
 
 def test_pipeline_broadcast_makes_generators_bit_identical(tmp_path):
-    torch.multiprocessing.spawn(_broadcast_rank, args=(3, bench.free_port(), str(tmp_path)), nprocs=3)
+    torch.multiprocessing.start_processes(_broadcast_rank, args=(3, bench.free_port(), str(tmp_path)), nprocs=3,
+                                       start_method="forkserver")  # FORKS' server, with everything imported
     for bucket_mb in (0, 256):
         sent = torch.load(tmp_path / f"rank0-{bucket_mb}.pt")
         assert not torch.equal(sent["lm_head.weight"], tiny_model(seed=0).state_dict()["lm_head.weight"])
@@ -1725,17 +1783,17 @@ PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_sa
 
 
 def launch(world, out, *flags, torchrun=False):
-    """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> Popen list."""
-    cmd = [sys.executable, str(ROOT / "train.py"), "--out", str(out), *PIPE_FLAGS, *flags]
+    """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> a list of Popen, or of
+    Forked (same interface) where no torchrun is asked for."""
+    argv = ["--out", str(out), *PIPE_FLAGS, *flags]
     if torchrun:
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                                  "--master_port", str(bench.free_port()), *cmd[1:]],
+                                  "--master_port", str(bench.free_port()), str(ROOT / "train.py"), *argv],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)]
     port = bench.free_port()
-    env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    return [subprocess.Popen(cmd, env=env(r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-            for r in range(world)]
+    env = lambda r: dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log") for r in range(world)]
 
 
 def finish_all(procs, timeout=240):
@@ -2165,7 +2223,7 @@ def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equ
     vocab, seqs, length, chunk = 32000, 1, 1024, 32
     logits_bytes = seqs * (length - 1) * vocab * 4  # the naive path's (N, T-1, V) float32 logits: 131 MB
     common = (vocab, seqs, length, chunk, "cpu", torch.float32)
-    with multiprocessing.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:  # one fresh process each:
+    with FORKS.Pool(2, maxtasksperchild=1) as pool:  # one fresh (forked) process each:
         naive, chunked = pool.starmap(bench.memory_worker, [("naive", *common), ("chunked", *common)])  # own peak RSS
     assert naive["peak_bytes"] > 2 * logits_bytes  # logits and their log-softmax both live at once
     assert chunked["peak_bytes"] < naive["peak_bytes"] / 5
