@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from data import read_jsonl
 from fit import (NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_start, load_run, plot, sigmoid)
 
 TASK = ["--data", "toy-hard", "--think_budget", "32", "--eval_every", "5", "--save_every", "0", "--eval_samples", "4"]
@@ -85,8 +86,8 @@ def run_dir(out, name, seed):
 def finished(path, steps):
     """A run is finished when its metrics hold the eval of its last step."""
     try:
-        with open(os.path.join(path, "metrics.jsonl")) as f:
-            return any(r.get("kind") == "eval" and r.get("step") == steps for r in map(json.loads, f))
+        records = read_jsonl(os.path.join(path, "metrics.jsonl"))
+        return any(r.get("kind") == "eval" and r.get("step") == steps for _, r in records)
     except (OSError, ValueError):
         return False
 

@@ -47,8 +47,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, Curriculum, completion_text, format_prompt, load_problems, special_tokens, split_problems,
-                  toy_model_dir, toy_problems)
+from data import (PRESETS, Curriculum, completion_text, format_prompt, load_problems, read_jsonl, special_tokens,
+                  split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
@@ -897,8 +897,7 @@ def tracker(args):
 def summary(args, seconds):
     """The end of a run in a few lines: time, held-out first -> last, the fit's prediction, where things are."""
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    with open(metrics_path) as f:
-        evals = [r for r in map(json.loads, f) if r.get("kind") == "eval"]
+    evals = [r for _, r in read_jsonl(metrics_path) if r.get("kind") == "eval"]
     print(f"done in {seconds / 60:.1f} min | held-out pass rate {evals[0]['pass_rate']:.3f} -> "
           f"{evals[-1]['pass_rate']:.3f} (step {evals[0]['step']} -> {evals[-1]['step']})" if evals else
           f"done in {seconds / 60:.1f} min (no eval)")
