@@ -26,9 +26,10 @@ dies with it; its own mount namespace with /usr, /lib and the interpreter read-o
 of the machine, no /etc, no home, no data), a fresh 64 MiB tmpfs /tmp as the only writable place and
 its cwd, uid 65534 inside, --die-with-parent, a new session, an environment of PATH, HOME, LANG; and
 limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s; RLIMIT_AS `memory` (1 GiB);
-RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC = the tasks its user runs
-now + 32; os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess, multiprocessing are removed
-first (a naive fork bomb fails at once). The program reaches the parent only through its stdin, the
+RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC = 32 tasks more than its
+user is counted for now (a non-root caller's sandbox is a user namespace of its own, counted apart on
+Linux >= 5.14: there, its own tasks); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess,
+multiprocessing are removed first (a naive fork bomb fails at once). The program reaches the parent only through its stdin, the
 stdout and assert-value files it writes (read back capped) and its exit code.
 Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
 the limits alone, in a temp dir, as `nobody` when root can drop to it: it can then read and write what
@@ -66,7 +67,7 @@ CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per std
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
 CODE_MAX_OUTPUT = 16 << 20 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
 CODE_TMPFS = 64 << 20      # the sandbox's only writable place: a fresh tmpfs of this size
-CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to its user's count
+CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to what its uid is counted for
 SANDBOX_UID = 65534        # the unprivileged uid inside the sandbox ('nobody')
 BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written programs: install it "
                  "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), or pass "
@@ -78,10 +79,20 @@ BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written 
 _PRELUDE = """
 import json, os, posix, resource, sys
 limits, source_fd, results_fd, uid = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+tasks = int(sys.argv[5])  # what RLIMIT_NPROC counts now, or -1: count here (a user namespace counted apart)
 if uid >= 0:  # root's sandbox: become the unprivileged uid (RLIMIT_NPROC does not bind root)
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+if tasks < 0:  # the sandbox's own tasks: everything in its PID namespace (its /proc), threads included
+    tasks = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                tasks += int(f.read().split("Threads:")[1].split()[0])
+        except OSError:
+            pass
+limits["RLIMIT_NPROC"] += tasks
 for name, value in limits.items():
     resource.setrlimit(getattr(resource, name), (value, value))
 with os.fdopen(source_fd, encoding="utf-8", errors="replace") as f:
@@ -291,9 +302,10 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
     if not unsafe and not bwrap_ready():
         raise RuntimeError(BWRAP_MISSING)
     uid = _sandbox_uid() if unsafe else SANDBOX_UID if os.geteuid() == 0 else None  # who the program runs as
-    user_tasks = _tasks_of(os.getuid() if uid is None else uid)
+    own_namespace = not unsafe and uid is None and _nproc_per_user_namespace()  # its count starts inside
+    tasks = -1 if own_namespace else _tasks_of(os.getuid() if uid is None else uid)  # -1: the prelude counts
     limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_CORE": 0,
-              "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": user_tasks + CODE_NPROC_MARGIN}
+              "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": CODE_NPROC_MARGIN}  # + tasks
     folder = tempfile.mkdtemp(prefix="sandbox-") if unsafe else None
     files = [tempfile.TemporaryFile() for _ in range(4)]  # source, stdin, stdout, assert values
     try:
@@ -303,7 +315,7 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
         source.seek(0), stdin_file.seek(0)
         fds = (source.fileno(), results_file.fileno())
         drop_to = uid if not unsafe and uid is not None else -1  # unsafe: Popen itself runs it as uid
-        cmd = [sys.executable, "-I", "-c", _PRELUDE, json.dumps(limits), *map(str, fds), str(drop_to)]
+        cmd = [sys.executable, "-I", "-c", _PRELUDE, json.dumps(limits), *map(str, fds), str(drop_to), str(tasks)]
         if unsafe:
             if uid is not None:
                 os.chown(folder, uid, uid)
@@ -378,8 +390,17 @@ def _wait_without_reaping(pid, timeout):
     return True
 
 
+def _nproc_per_user_namespace():
+    """Linux >= 5.14 counts RLIMIT_NPROC per user namespace: a non-root caller's sandbox, a user namespace
+    of its own, starts from its own few tasks there, not from the caller's tasks outside (older kernels
+    count the caller's uid across namespaces)."""
+    version = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return version is not None and (int(version[1]), int(version[2])) >= (5, 14)
+
+
 def _tasks_of(uid):
-    """How many tasks (processes and threads) uid runs now: what RLIMIT_NPROC counts."""
+    """How many tasks (processes and threads) uid runs now: what RLIMIT_NPROC counts outside a user
+    namespace of the sandbox's own."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):  # not /proc/self and /proc/thread-self: this process again
         with contextlib.suppress(OSError, AttributeError, ValueError):

@@ -794,15 +794,47 @@ def test_code_naive_fork_bomb_fails_at_once_and_the_parent_is_fine():
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
 
+THREADS = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"  # as many threads as it may
+           "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+           "        n += 1\nexcept RuntimeError:\n    pass\n")
+THREADS_BOUNDED = ["assert n > 5", f"assert n < {2 * sandbox.CODE_NPROC_MARGIN}"]
+
+
 @pytest.mark.skipif(not nproc_binds(), reason="root that cannot drop to nobody (interpreter under a "
                     "0700 home): RLIMIT_NPROC does not bind root")
 def test_code_nproc_limits_threads_and_processes():
-    threads = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
-               "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
-               "        n += 1\nexcept RuntimeError:\n    pass\n")
-    margin = sandbox.CODE_NPROC_MARGIN
-    assert score_code(fenced(threads), ["assert n > 5", f"assert n < {2 * margin}"], memory=16 << 30) is True
-    assert score_code(fenced(threads), ["assert n == 200"], memory=16 << 30) is False
+    assert score_code(fenced(THREADS), THREADS_BOUNDED, memory=16 << 30) is True
+    assert score_code(fenced(THREADS), ["assert n == 200"], memory=16 << 30) is False
+
+
+OTHER_UID = 4321  # an unprivileged uid with no processes of its own, for the test below
+AS_OTHER_USER = f"""
+import subprocess, sys
+import sandbox
+sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(100)]  # the user's count outside: 100+
+ok = sandbox.score_code({fenced(THREADS)!r}, {THREADS_BOUNDED!r}, memory=16 << 30)
+for p in sleepers:
+    p.kill()
+sys.exit(0 if ok else 1)
+"""
+
+
+@BWRAP
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a process as another user")
+def test_code_nproc_binds_in_a_user_namespace_whatever_the_user_runs_outside():
+    """A non-root caller's sandbox is a user namespace of its own, where Linux >= 5.14 counts RLIMIT_NPROC
+    apart from the user's tasks outside: the limit must then start from the tasks inside, not from the user's
+    count (100 sleeping processes here), or a program gets that many more threads and processes. Run as
+    another user, with an interpreter that user can start (a venv's under root's 0700 home is not)."""
+    as_other = dict(cwd=ROOT, user=OTHER_UID, group=OTHER_UID, extra_groups=[], capture_output=True, text=True)
+    for python in (os.path.realpath(sys.executable), "/usr/bin/python3"):
+        with contextlib.suppress(OSError):
+            if subprocess.run([python, "-c", "import sandbox; assert sandbox.bwrap_ready()"], **as_other).returncode == 0:
+                break
+    else:
+        pytest.skip(f"no interpreter that uid {OTHER_UID} can start, import sandbox.py with and start bwrap")
+    run = subprocess.run([python, "-c", AS_OTHER_USER], timeout=120, **as_other)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 @BWRAP
