@@ -275,7 +275,7 @@ def main(argv=None):
     if args.quick:
         variants = {"scalerl": ([], 1), "loss_dapo": (["--loss", "dapo"], 1)}
         extra, steps = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_every", "2",
-                        "--eval_samples", "1", "--think_budget", "24", "--answer_budget", "8"], 10
+                        "--eval_samples", "1"], 10
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     if not args.report:

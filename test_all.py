@@ -1716,6 +1716,7 @@ def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys)
     assert [f["finding"] for f in rep["findings"]] == ["loss type", "predictability"]
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
     assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2 and recs[0]["data"] == "toy-hard"
+    assert sum(r["kept_prompts"] for r in recs if r["kind"] == "train") > 0  # it trained: not every group dropped
     study.main([str(out), "--quick"])  # finished runs are kept, not trained again
     assert "study: [" not in capsys.readouterr().out
 
