@@ -29,8 +29,8 @@ limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s; RLIMIT_AS `
 RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC = 32 tasks more than its
 user is counted for now (a non-root caller's sandbox is a user namespace of its own, counted apart on
 Linux >= 5.14: there, its own tasks); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess,
-multiprocessing are removed first (a naive fork bomb fails at once). The program reaches the parent only through its stdin, the
-stdout and assert-value files it writes (read back capped) and its exit code.
+multiprocessing are removed first (a naive fork bomb fails at once). The program reaches the parent
+only through its stdin, the stdout and assert-value files it writes (read back capped) and its exit code.
 Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
 the limits alone, in a temp dir, as `nobody` when root can drop to it: it can then read and write what
 that user can, use the network, and leave processes behind (setsid past the removed functions).
