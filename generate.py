@@ -4,8 +4,8 @@ log-probs of the same tokens with the same float32 LM head (section 2, "FP32 LM 
 
 The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its own
 preallocated KV cache: the model's own weights and modules (projections, MLP, rotary frequencies), the
-norms and rotary embedding in fewer ops (the same arithmetic); this file owns the cache, the attention
-call, the sampling and the batching. What it adds over `model.generate`:
+norms, projections and rotary embedding in fewer ops (the same arithmetic); this file owns the cache,
+the attention call, the sampling and the batching. What it adds over `model.generate`:
 - continuous batching: `slots` rows decode together; a finished row's slot is refilled with the next
   prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler` is the
   sampler as a Python generator that the caller drives, sending new prompts and taking finished
@@ -25,7 +25,8 @@ call, the sampling and the batching. What it adds over `model.generate`:
 - in-flight weight updates: between two sends the caller may copy new weights into the model in place
   and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
   which is exactly PipelineRL's behaviour (section 4);
-- sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token, turned
+- sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token (a
+  sample's uniforms are hashed when it is admitted, a row of a table that the step reads), turned
   into a draw by a two-level float64 inverse CDF of softmax(logits / temperature), so a sample's result
   does not depend on which slot or batch it was decoded in. Equal logits give equal tokens; logits that
   differ in the last bits (other kernels, batch sizes, thread counts) change a token when its uniform
@@ -73,6 +74,9 @@ def check_supported(model):
                          f"supported: {', '.join(SUPPORTED)}")
     if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
         raise ValueError("sliding-window attention is not supported by the sampler (full attention only)")
+    rope = model.model.rotary_emb.rope_type
+    if "dynamic" in rope or rope == "longrope":  # their frequencies change with the sequence length
+        raise ValueError(f"rope_type '{rope}' is not supported by the sampler (its rotary tables are fixed)")
 
 # -----------------------------------------------------------------------------
 # the forward pass with a preallocated cache
@@ -89,6 +93,22 @@ def new_cache(model, slots, max_len):
             for _ in range(cfg.num_hidden_layers)]
 
 
+def rope_tables(model, n):
+    """The rotary embedding's cos and signed sin (n, D) of positions 0..n-1, from the model's own rotary
+    module, made once: a step looks its rows' positions up (the same values as the module gives per
+    position). The sin's first half is negated for _rope."""
+    p = next(model.parameters())
+    cos, sin = model.model.rotary_emb(p[:0], torch.arange(n, device=p.device)[None])  # (1, n, D) each
+    half = cos.size(-1) // 2
+    return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
+
+
+def _linear(module, x):
+    """A projection with the module's own weight and bias, called as a function: in a decode step of a small
+    model, a module call's overhead is a sizeable part of the step."""
+    return F.linear(x, module.weight, module.bias)
+
+
 def _norm(module, x):
     """A decoder RMSNorm as the model computes it (float32 statistics, the weight applied in the model's
     dtype), in 2-4 ops instead of its module's 8: the step's op count is what a decode step costs."""
@@ -97,55 +117,58 @@ def _norm(module, x):
 
 def _rope(x, cos, sin_signed):
     """The rotary embedding of x (R, T, H, D): x cos + rotate_half(x) sin, where rotate_half(x) sin equals
-    roll(x, D/2) times sin with its first half negated (sin_signed, made once per forward): the same
-    products and sum as the model's, bit for bit. (A fused addcmul rounds once less, and in bf16 that moved
-    the toy's generator/trainer log-prob agreement from 1e-5 to 8e-3 mean.)"""
+    roll(x, D/2) times sin with its first half negated (sin_signed): the same products and sum as the
+    model's, bit for bit. (A fused addcmul rounds once less, and in bf16 that moved the toy's
+    generator/trainer log-prob agreement from 1e-5 to 8e-3 mean.)"""
     return x * cos + x.roll(x.size(-1) // 2, -1) * sin_signed
 
 
 def _attention(attn, x, cos, sin, cache, pos, rows, mask):
-    """x (R, T, d): new tokens at positions pos (R, T); their k, v are written into the cache.
-    rows None: a decode step (T = 1) of cache rows 0..R-1, attending to their first mask.size(-1) keys (a
-    view of the cache) through mask (R, 1, 1, S), 0 or -inf; rows (R,): a prefill of those rows from
-    position 0, attending causally to the new keys alone."""
+    """x (R, T, d): new tokens at positions pos (R, T) of cache rows `rows` (R,); their k, v are written into
+    the cache. mask None: a prefill from position 0, attending causally to the new keys alone; mask
+    (R, 1, 1, S), 0 or -inf: a decode step (T = 1) of cache rows 0..R-1 over their first S keys (a view
+    of the cache)."""
     R, T, _ = x.shape
     shape = (R, T, -1, attn.head_dim)
-    q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+    q, k, v = _linear(attn.q_proj, x).view(shape), _linear(attn.k_proj, x).view(shape), _linear(attn.v_proj, x).view(shape)
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
         q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # (R, T, H, D), (R, T, Hkv, D)
     k_cache, v_cache = cache
-    idx = torch.arange(R, device=x.device) if rows is None else rows
-    k_cache[idx[:, None], :, pos] = k  # the indexed view is (R, T, Hkv, D)
-    v_cache[idx[:, None], :, pos] = v
-    if rows is not None:  # prefill: causal over the new keys; right padding comes after every real token
+    k_cache[rows[:, None], :, pos] = k  # the indexed view is (R, T, Hkv, D)
+    v_cache[rows[:, None], :, pos] = v
+    if mask is None:  # prefill: causal over the new keys; right padding comes after every real token
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              scale=attn.scaling, enable_gqa=True)  # (R, H, T, D)
-        return attn.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+        return _linear(attn.o_proj, out.transpose(1, 2).reshape(R, T, -1))
     Hkv, S = k_cache.size(1), mask.size(-1)  # decode: the query heads of one kv head are its rows; no repeat
     out = F.scaled_dot_product_attention(q.view(R, Hkv, -1, attn.head_dim), k_cache[:R, :, :S], v_cache[:R, :, :S],
                                          attn_mask=mask, scale=attn.scaling)  # (R, Hkv, H/Hkv, D)
-    return attn.o_proj(out.reshape(R, 1, -1))
+    return _linear(attn.o_proj, out.reshape(R, 1, -1))
+
+
+def _mlp(mlp, x):
+    return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
 
 
 @torch.no_grad()
-def forward(model, ids, pos, cache, rows=None, n_keys=None):
+def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
     """Run new tokens ids (R, T) at positions pos (R, T) -> hidden (R, T, d). rows None: a decode step of
     cache rows 0..R-1 (T = 1) over keys 0..n_keys-1; rows (R,): a prefill of those rows, pos 0..T-1.
-    The model's own weights and modules (projections, MLP, rotary frequencies); the norms and the rotary
-    embedding in fewer ops (_norm, _rope), the same arithmetic."""
+    rope: rope_tables(model, cache length). The model's own weights and modules (projections, MLP,
+    rotary frequencies); the norms and the rotary embedding in fewer ops (_norm, _rope), the same
+    arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(x, pos)  # (R, T, D)
-    half = cos.size(-1) // 2
-    cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]  # over heads
+    cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]  # (R, T, 1, D): over heads
     mask = None
     if rows is None:  # (R, 1, 1, S): 0 for each row's keys so far, -inf after
-        mask = torch.zeros(pos.size(0), 1, 1, n_keys, dtype=x.dtype, device=x.device).masked_fill_(
-            torch.arange(n_keys, device=x.device) > pos[:, None, None], float("-inf"))
+        keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)
+        rows, mask = keys[:ids.size(0)], torch.zeros(ids.size(0), 1, 1, n_keys, dtype=x.dtype, device=x.device)
+        mask.masked_fill_(keys[:n_keys] > pos[:, :, None, None], float("-inf"))
     for layer, layer_cache in zip(inner.layers, cache):
         x = x + _attention(layer.self_attn, _norm(layer.input_layernorm, x), cos, sin, layer_cache, pos, rows, mask)
-        x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+        x = x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
     return _norm(inner.norm, x)
 
 
@@ -211,19 +234,19 @@ def sample(logits, temperature, u):
     B, V = logits.shape
     z = logits / temperature if temperature not in (0, 1) else logits
     m = z.amax(-1, keepdim=True)  # (B, 1)
-    p = (z - m).exp()  # (B, V) float32, unnormalised
+    p = (z - m).exp_()  # (B, V) float32, unnormalised
     if temperature == 0:
         tokens = z.argmax(-1)
         total = p.sum(-1, dtype=torch.float64)
     else:
         block = cdf_block(V)
-        mass = p.view(B, V // block, block).sum(-1, dtype=torch.float64).cumsum(-1)  # (B, nb) float64
-        total = mass[:, -1]
-        u = u * total  # (B,) <= total: a block always reaches it
-        b = torch.searchsorted(mass, u[:, None])  # (B, 1) the first block whose cumulative mass reaches u
-        before = torch.where(b > 0, mass.gather(-1, (b - 1).clamp_min(0)), 0.0)  # (B, 1) mass of earlier blocks
-        inside = p.view(B, -1, block).gather(1, b[:, :, None].expand(B, 1, block))[:, 0].double().cumsum(-1)  # (B, block)
-        j = torch.searchsorted(inside, torch.minimum(u[:, None] - before, inside[:, -1:]))  # (B, 1)
+        blocks = p.view(B, V // block, block)
+        mass = F.pad(blocks.sum(-1, dtype=torch.float64), (1, 0)).cumsum(-1)  # (B, 1 + nb) mass before each block
+        total = mass[:, -1]  # and after the last one
+        u = (u * total)[:, None]  # (B, 1) <= total: a block always reaches it; > 0 = mass[:, 0]
+        b = torch.searchsorted(mass, u) - 1  # (B, 1) the first block whose cumulative mass reaches u
+        inside = blocks[torch.arange(B, device=z.device), b[:, 0]].double().cumsum(-1)  # (B, block)
+        j = torch.searchsorted(inside, torch.minimum(u - mass.gather(1, b), inside[:, -1:]))  # (B, 1)
         tokens = (b * block + j)[:, 0]
     logp = z.gather(-1, tokens[:, None])[:, 0] - m[:, 0] - total.log().float()
     return tokens, logp
@@ -271,13 +294,15 @@ class Decoder:
         self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a float32 copy of it
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
         flag = lambda: torch.zeros(slots, dtype=torch.bool, device=dev)
-        self.last, self.pos, self.n, self.stream, self.cut, self.limit, self.finish = (long() for _ in range(7))
+        self.rope = rope_tables(model, max_len)
+        self.last, self.pos, self.n, self.cut, self.limit, self.finish = (long() for _ in range(6))
         self.live, self.thinking, self.interrupted, self.off = flag(), flag(), flag(), flag()  # off: all False
-        cols = max_new + 1  # one spare column: rows that are not live write there
+        self.cols = cols = max_new + 1  # one spare column: rows that are not live write there
         self.tokens = torch.zeros(slots, cols, dtype=torch.long, device=dev)
         self.logps = torch.zeros(slots, cols, dtype=torch.promote_types(self.weight.dtype, torch.float32), device=dev)
-        self.mask = torch.zeros(slots, cols, dtype=torch.bool, device=dev)
+        self.mask = torch.ones(slots, cols, dtype=torch.bool, device=dev)  # only forced tokens write (a 0)
         self.versions = torch.zeros(slots, cols, dtype=torch.long, device=dev)
+        self.noise = torch.full((slots, cols), 0.5, dtype=torch.float64, device=dev)  # each row's uniforms, by position
         self.version = torch.tensor(version, device=dev)  # () the policy version in the weights
         self.graphs = {} if graphs else None
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
@@ -296,14 +321,12 @@ class Decoder:
         lens = [len(p) for p in prompts]
         width = min(-(-(max(lens) - 1) // 16) * 16, self.max_len)
         if width:
-            ids = torch.zeros(n, width, dtype=torch.long)
-            for r, p in enumerate(prompts):
-                ids[r, :len(p) - 1] = torch.tensor(p[:-1])
-            forward(self.model, ids.to(dev), torch.arange(width, device=dev).expand(n, width), self.cache, rows=rows)
+            ids = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts], device=dev)  # (n, width)
+            forward(self.model, ids, torch.arange(width, device=dev).expand(n, width), self.cache, self.rope, rows=rows)
         cut = [cut_point(self.seed, k, self.think_budget) if self.interrupt else self.max_len for k in keys]
         state = torch.tensor([[p[-1] for p in prompts], [m - 1 for m in lens], keys, cut], device=dev)  # (4, n)
-        self.last[rows], self.pos[rows], self.stream[rows], self.cut[rows] = state[0], state[1], noise_stream(
-            self.seed, state[2]), state[3]
+        self.last[rows], self.pos[rows], self.cut[rows] = state[0], state[1], state[3]
+        self.noise[rows] = uniforms(noise_stream(self.seed, state[2])[:, None], torch.arange(self.cols, device=dev))
         self.n[rows], self.limit[rows], self.finish[rows] = 0, self.think_budget + self.answer_budget, 0
         self.live[rows], self.thinking[rows], self.interrupted[rows] = True, True, False
 
@@ -324,40 +347,45 @@ class Decoder:
         graph.replay()
 
     def _step(self, R, L, live):
-        """The static decode step; live (R,) picks the rows whose state it advances."""
-        n, pos, dev = self.n[:R], self.pos[:R], self.device
-        hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, n_keys=L)[:, 0]  # (R, d)
-        tok, logp = sample(logits_of(hidden, self.weight), self.temperature, uniforms(self.stream[:R], n))  # (R,)
-        # forced interruption: a row still thinking at its cut point takes the phrase, token by token
-        P, thinking = self.phrase.numel(), self.thinking[:R]
-        if self.interrupt:
-            self.interrupted[:R] |= live & thinking & (n == self.cut[:R])
-        at = n - self.cut[:R]  # (R,) index into the phrase
-        forced = self.interrupted[:R] & (at >= 0) & (at < P)
-        tok = torch.where(forced, self.phrase[at.clamp(0, P - 1)], tok)
-        logp = torch.where(forced, 0.0, logp)
+        """The static decode step; live (R,) picks the rows whose state it advances. Without interruption
+        the phrase and the thinking state play no part, and their ops are left out."""
+        n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
+        hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope, n_keys=L)[:, 0]  # (R, d)
+        tok, logp = sample(logits_of(hidden, self.weight), self.temperature, self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
+        if self.interrupt:  # a row still thinking at its cut point takes the phrase, token by token
+            P, thinking, at = self.phrase.numel(), self.thinking[:R], n - self.cut[:R]  # at: index into the phrase
+            interrupted |= live & thinking & (at == 0)
+            forced = interrupted & (at < P)
+            tok = torch.where(forced, self.phrase[at.clamp(0, P - 1)], tok)
+            logp = torch.where(forced, 0.0, logp)
+            self.mask[:R].scatter_(1, col, ~forced[:, None])
         self.tokens[:R].scatter_(1, col, tok[:, None])
         self.logps[:R].scatter_(1, col, logp[:, None])
-        self.mask[:R].scatter_(1, col, ~forced[:, None])
         self.versions[:R].scatter_(1, col, self.version.expand(R, 1))
         # finishing: eos (not inside the phrase), the end of the thought, the budgets
-        pending = forced & (at < P - 1)  # more phrase tokens to come
-        eos = (tok == self.eos_id) & ~pending
-        E = self.think_end.numel()
-        tail = self.tokens[:R].gather(1, (n[:, None] - E + 1 + torch.arange(E, device=dev)).clamp_min(0))  # (R, E)
-        said = (n + 1 >= E) & (tail == self.think_end).all(-1)
-        ends = thinking & ~pending & ~eos & (forced | said)  # forced here: the phrase's last token
-        if self.interrupt:  # the answer budget starts where the thought ended
-            self.limit[:R] = torch.where(live & ends, n + 1 + self.answer_budget, self.limit[:R])
-        truncated = ~pending & ~eos & (n + 1 >= self.limit[:R])
-        code = torch.where(eos, torch.where(self.interrupted[:R], 2, 1), torch.where(truncated, 3, 0))
-        self.thinking[:R] = thinking & ~(live & ends)
-        self.finish[:R] = torch.where(live, code, self.finish[:R])
+        eos = tok == self.eos_id
+        if self.interrupt:
+            pending = forced & (at < P - 1)  # more phrase tokens to come
+            eos &= ~pending
+            E = self.think_end.numel()
+            if E == 1:
+                said = tok == self.think_end
+            else:
+                tail = self.tokens[:R].gather(1, (col - E + 1 + torch.arange(E, device=self.device)).clamp_min(0))
+                said = (n + 1 >= E) & (tail == self.think_end).all(-1)  # the last E tokens are </think>
+            ends = live & thinking & ~pending & ~eos & (forced | said)  # forced here: the phrase's last token
+            limit.copy_(torch.where(ends, n + 1 + self.answer_budget, limit))  # the answer budget starts now
+            thinking &= ~ends
+            over = ~pending & (n + 1 >= limit)
+        else:
+            over = n + 1 >= limit
+        code = torch.where(eos, 1 + interrupted.long(), torch.where(over, 3, 0)) * live  # 0 in rows not live
+        self.finish[:R] += code  # a live row's finish is 0 until it finishes
         self.last[:R] = torch.where(live, tok, self.last[:R])
-        self.n[:R] += live
-        self.pos[:R] += live
-        self.live[:R] &= ~(live & (code > 0))  # rows that finished leave
+        n += live
+        pos += live
+        self.live[:R] &= code == 0  # rows that finished leave
 
     def collect(self, R):
         """The rows among 0..R-1 that finished: {slot: Sample}, read with one host sync (plus one per copy

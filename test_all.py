@@ -1463,6 +1463,25 @@ def test_generate_rejects_unsupported_architecture():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
     with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
         gen.generate(gpt2, [[1, 2]], **GEN)
+    dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                                   "rope_theta": 10000.0}))
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        gen.generate(dynamic, [[1, 2]], **GEN)
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16)])
+def test_generate_rope_tables_equal_the_models_rotary_module_per_position(kind, dtype):
+    """The decode step looks positions up in tables made once; they are the model's own rotary values
+    for those positions, bit for bit (so the sampler's forward stays the model's arithmetic)."""
+    model = tiny_model(kind, dtype)
+    cos, sin = gen.rope_tables(model, 200)
+    pos = torch.tensor([[0, 1, 7, 63, 64, 150, 199]])
+    ref_cos, ref_sin = model.model.rotary_emb(torch.zeros(1, dtype=dtype), pos)
+    half = cos.size(-1) // 2
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos[pos[0]], ref_cos[0])
+    assert torch.equal(sin[pos[0], :half], -ref_sin[0, :, :half]) and torch.equal(sin[pos[0], half:], ref_sin[0, :, half:])
 
 # =============================================================================
 # fit.py: the sigmoid fit of pass rate against compute, its extrapolation and the command line
