@@ -123,24 +123,36 @@ def _rope(x, cos, sin_signed):
     return x * cos + x.roll(x.size(-1) // 2, -1) * sin_signed
 
 
+def _keys(attn, x, cos, sin, cache, pos, rows):
+    """The keys and values of x (R, T, d), tokens at positions pos (R, T), written into cache rows `rows` (R,)
+    -> k, v (R, T, Hkv, D)."""
+    shape = (*x.shape[:2], -1, attn.head_dim)
+    k, v = _linear(attn.k_proj, x).view(shape), _linear(attn.v_proj, x).view(shape)
+    if hasattr(attn, "k_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
+        k = _norm(attn.k_norm, k)
+    k = _rope(k, cos, sin)
+    k_cache, v_cache = cache
+    k_cache[rows[:, None], :, pos] = k  # the indexed view is (R, T, Hkv, D)
+    v_cache[rows[:, None], :, pos] = v
+    return k, v
+
+
 def _attention(attn, x, cos, sin, cache, pos, rows, mask):
     """x (R, T, d): new tokens at positions pos (R, T) of cache rows `rows` (R,); their k, v are written into
     the cache. mask None: a prefill from position 0, attending causally to the new keys alone; mask
     (R, 1, 1, S), 0 or -inf: a decode step (T = 1) of cache rows 0..R-1 over their first S keys (a view
     of the cache)."""
     R, T, _ = x.shape
-    shape = (R, T, -1, attn.head_dim)
-    q, k, v = _linear(attn.q_proj, x).view(shape), _linear(attn.k_proj, x).view(shape), _linear(attn.v_proj, x).view(shape)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
-        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # (R, T, H, D), (R, T, Hkv, D)
-    k_cache, v_cache = cache
-    k_cache[rows[:, None], :, pos] = k  # the indexed view is (R, T, Hkv, D)
-    v_cache[rows[:, None], :, pos] = v
+    q = _linear(attn.q_proj, x).view(R, T, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):
+        q = _norm(attn.q_norm, q)
+    q = _rope(q, cos, sin)  # (R, T, H, D)
+    k, v = _keys(attn, x, cos, sin, cache, pos, rows)
     if mask is None:  # prefill: causal over the new keys; right padding comes after every real token
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              scale=attn.scaling, enable_gqa=True)  # (R, H, T, D)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(R, T, -1))
+    k_cache, v_cache = cache
     Hkv, S = k_cache.size(1), mask.size(-1)  # decode: the query heads of one kv head are its rows; no repeat
     out = F.scaled_dot_product_attention(q.view(R, Hkv, -1, attn.head_dim), k_cache[:R, :, :S], v_cache[:R, :, :S],
                                          attn_mask=mask, scale=attn.scaling)  # (R, Hkv, H/Hkv, D)
@@ -153,21 +165,26 @@ def _mlp(mlp, x):
 
 @torch.no_grad()
 def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
-    """Run new tokens ids (R, T) at positions pos (R, T) -> hidden (R, T, d). rows None: a decode step of
-    cache rows 0..R-1 (T = 1) over keys 0..n_keys-1; rows (R,): a prefill of those rows, pos 0..T-1.
+    """Run new tokens ids (R, T) at positions pos (R, T). rows None: a decode step of cache rows 0..R-1
+    (T = 1) over keys 0..n_keys-1 -> hidden (R, T, d). rows (R,): a prefill of those rows, pos 0..T-1,
+    which only fills the cache (of the last layer it computes just the keys and values) -> None.
     rope: rope_tables(model, cache length). The model's own weights and modules (projections, MLP,
-    rotary frequencies); the norms and the rotary embedding in fewer ops (_norm, _rope), the same
-    arithmetic."""
+    rotary frequencies); the norms, projections and rotary embedding in fewer ops (_norm, _linear,
+    _rope), the same arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]  # (R, T, 1, D): over heads
-    mask = None
+    mask, last = None, inner.layers[-1]
     if rows is None:  # (R, 1, 1, S): 0 for each row's keys so far, -inf after
         keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)
         rows, mask = keys[:ids.size(0)], torch.zeros(ids.size(0), 1, 1, n_keys, dtype=x.dtype, device=x.device)
         mask.masked_fill_(keys[:n_keys] > pos[:, :, None, None], float("-inf"))
     for layer, layer_cache in zip(inner.layers, cache):
-        x = x + _attention(layer.self_attn, _norm(layer.input_layernorm, x), cos, sin, layer_cache, pos, rows, mask)
+        h = _norm(layer.input_layernorm, x)
+        if mask is None and layer is last:  # a prefill: nothing reads its output
+            _keys(layer.self_attn, h, cos, sin, layer_cache, pos, rows)
+            return None
+        x = x + _attention(layer.self_attn, h, cos, sin, layer_cache, pos, rows, mask)
         x = x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
     return _norm(inner.norm, x)
 
