@@ -1413,6 +1413,26 @@ def test_generate_decode_step_makes_no_host_sync(monkeypatch):
     assert (dec.n - before).tolist() == [3, 3, 3, 0]  # three tokens in each live row, none in the free one
 
 
+def test_generate_masked_off_warm_up_steps_change_nothing(monkeypatch):
+    """Before capturing a new step size, the CUDA path runs the step once with every row masked off (lazy
+    inits happen outside the graph). Checked on the CPU: with such a step before every real one, the
+    samples are the same (interruptions, eos and budgets included), so a warm-up changes no state a later
+    step reads."""
+    model, prompts = tiny_model("qwen2"), tiny_prompts(9, seed=2)
+    cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=7)
+    plain = gen.generate(model, prompts, **cfg)
+    real_step = gen.Decoder._step
+
+    def after_a_warm_up(self, R, L, live):
+        real_step(self, R, L, self.off[:R])
+        real_step(self, R, L, live)
+    monkeypatch.setattr(gen.Decoder, "_step", after_a_warm_up)
+    warmed = gen.generate(model, prompts, **cfg)
+    assert any(0 in s.mask for s in plain) and {s.finish for s in plain} >= {"eos", "truncated"}
+    for a, b in zip(plain, warmed):
+        assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
