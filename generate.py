@@ -3,9 +3,9 @@ generate.py: the generator's custom KV-cache sampler (SCALERL.md section 3), and
 log-probs of the same tokens with the same float32 LM head (section 2, "FP32 LM head").
 
 The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its own
-preallocated KV cache: the model's own weights and modules (projections, MLP, rotary frequencies), the
-norms, projections and rotary embedding in fewer ops (the same arithmetic); this file owns the cache,
-the attention call, the sampling and the batching. What it adds over `model.generate`:
+preallocated KV cache: the model's own weights and modules (projections, MLP, rotary frequencies, the
+projections called as functions), the norms and rotary embedding in fewer ops (the same arithmetic);
+this file owns the cache, the attention call, the sampling and the batching. What it adds over `model.generate`:
 - continuous batching: `slots` rows decode together; a finished row's slot is refilled with the next
   prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler` is the
   sampler as a Python generator that the caller drives, sending new prompts and taking finished
@@ -168,8 +168,8 @@ def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
     """Run new tokens ids (R, T) at positions pos (R, T). rows None: a decode step of cache rows 0..R-1
     (T = 1) over keys 0..n_keys-1 -> hidden (R, T, d). rows (R,): a prefill of those rows, pos 0..T-1,
     which only fills the cache (of the last layer it computes just the keys and values) -> None.
-    rope: rope_tables(model, cache length). The model's own weights and modules (projections, MLP,
-    rotary frequencies); the norms, projections and rotary embedding in fewer ops (_norm, _linear,
+    rope: rope_tables(model, cache length). The model's own weights and modules (projections called as
+    functions: _linear, MLP, rotary frequencies); the norms and the rotary embedding in fewer ops (_norm,
     _rope), the same arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
