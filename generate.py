@@ -464,8 +464,8 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         new, new_version = yield finished, owner.count(None) - len(pending)
         finished = []
         for p, key, tag in new:
-            if len(p) > max_prompt_len:
-                raise ValueError(f"prompt of {len(p)} tokens > max_prompt_len {max_prompt_len}")
+            if not 0 < len(p) <= max_prompt_len:
+                raise ValueError(f"prompt of {len(p)} tokens: a prompt needs 1 to max_prompt_len = {max_prompt_len}")
             pending.append((p, key, tag))
         if new_version != version:  # in-flight update: weights changed, the cache stays
             version = new_version

@@ -1368,8 +1368,11 @@ def test_generate_streaming_sampler_equals_one_batch():
         a = got[i]
         assert (a.key, a.tokens, a.finish) == (b.key, b.tokens, b.finish)
         assert np.allclose(a.logps, b.logps, atol=1e-5)
-    with pytest.raises(ValueError, match="prompt of 9 tokens > max_prompt_len 8"):
-        steps.send(([([5] * 9, 0, "long")], 0))
+    for bad in ([5] * 9, []):  # an error ends the sampler: a new one for each
+        steps = gen.sampler(model, slots=3, max_prompt_len=8, **GEN)
+        next(steps)
+        with pytest.raises(ValueError, match=f"prompt of {len(bad)} tokens: a prompt needs 1 to max_prompt_len = 8"):
+            steps.send(([(bad, 0, "bad")], 0))
 
 
 def test_generate_in_flight_update_uses_old_cache_and_new_weights():
