@@ -176,7 +176,7 @@ def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
     cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]  # (R, T, 1, D): over heads
     mask, last = None, inner.layers[-1]
     if rows is None:  # (R, 1, 1, S): 0 for each row's keys so far, -inf after
-        keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)
+        keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)  # one arange: the rows and the key positions
         rows, mask = keys[:ids.size(0)], torch.zeros(ids.size(0), 1, 1, n_keys, dtype=x.dtype, device=x.device)
         mask.masked_fill_(keys[:n_keys] > pos[:, :, None, None], float("-inf"))
     for layer, layer_cache in zip(inner.layers, cache):
@@ -386,11 +386,8 @@ class Decoder:
             pending = forced & (at < P - 1)  # more phrase tokens to come
             eos &= ~pending
             E = self.think_end.numel()
-            if E == 1:
-                said = tok == self.think_end
-            else:
-                tail = self.tokens[:R].gather(1, (col - E + 1 + torch.arange(E, device=self.device)).clamp_min(0))
-                said = (n + 1 >= E) & (tail == self.think_end).all(-1)  # the last E tokens are </think>
+            tail = self.tokens[:R].gather(1, (col - E + 1 + torch.arange(E, device=self.device)).clamp_min(0))
+            said = (n + 1 >= E) & (tail == self.think_end).all(-1)  # the last E tokens are </think>
             ends = live & thinking & ~pending & ~eos & (forced | said)  # forced here: the phrase's last token
             limit.copy_(torch.where(ends, n + 1 + self.answer_budget, limit))  # the answer budget starts now
             thinking &= ~ends
