@@ -97,7 +97,7 @@ def _tests_of(rec, where):
         raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of assert "
                          "strings or one string of asserts")
     try:
-        split_asserts("\n".join(asserts))  # the expected values must be able to stay out of the sandbox
+        split_asserts("\n".join(asserts))  # the parent must be able to evaluate every assert itself
     except (SyntaxError, ValueError) as err:
         raise ValueError(f"{where}: field 'tests': {err}") from None
     return tests

@@ -15,11 +15,15 @@ asserts (MBPP/HumanEval: a list of statements or one string, run after the progr
 `def check(candidate)` needs its call, e.g. "check(add)").
 
 Threat model: a policy is an optimizer that finds any reward it can forge, so nothing the program
-can read decides its reward: expected stdout stays with the parent, which compares; each
-`assert L <op> R` (R a literal) is rewritten so that the sandbox reports L's value as plain data
-(repr of numbers, strings, containers) and the parent applies `<op> R` (split_asserts). An early
-exit leaves an assert unreported, and an object whose __eq__ is always True is not plain data: both
-fail. Asserts whose expected value is not a literal are refused when the data is loaded (data.py).
+can read or change decides its reward: expected stdout stays with the parent, which compares; an
+assert is evaluated by the parent, and the sandbox only reports, as plain data (repr of numbers,
+strings, containers), the values of its leaves: the calls of the solution's functions
+(split_asserts). So `assert abs(mean(xs) - 2.0) < 1e-6` runs `mean(xs)` in the sandbox and
+`abs(v - 2.0) < 1e-6` in the parent: a program that patches builtins or math, or returns an object
+whose __sub__, __eq__ or __len__ lies, changes nothing but its own value, and an object is not plain
+data. An early exit leaves an assert unreported: it fails. Asserts that would need the sandbox to
+compute more (a helper or variable of the tests, another builtin) are refused when the data is
+loaded (data.py).
 Each run is a fresh `python -I` in its own bubblewrap (bwrap) sandbox: every namespace unshared (no
 network; its own PID namespace, so nothing outside is visible or killable and every process in it
 dies with it; its own mount namespace with /usr, /lib and the interpreter read-only and nothing else
@@ -46,12 +50,12 @@ Usage:
     python -m pytest test_all.py -k code                      # the sandbox tests (skip with the reason without bwrap)
 """
 import ast
+import builtins
 import contextlib
 import functools
 import itertools
 import json
 import math
-import operator
 import os
 import re
 import select
@@ -61,11 +65,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per stdin case, one for asserts)
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
 CODE_MAX_OUTPUT = 16 << 20 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
+CODE_MAX_REPORT = 64 << 10 # characters of one assert's reported values that the parent will parse
 CODE_TMPFS = 64 << 20      # the sandbox's only writable place: a fresh tmpfs of this size
 CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to what its uid is counted for
 SANDBOX_UID = 65534        # the unprivileged uid inside the sandbox ('nobody')
@@ -74,8 +80,10 @@ BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written 
                  "--unsafe_code_exec to run them with resource limits only (a program can then forge its reward)")
 
 # Runs in the child, before the program: lower the limits, remove the process-making and process-killing
-# functions (a naive fork bomb fails at once), define _record (the value of an assert's left side, written
-# as the repr of plain data to the results fd), read the program, run it as __main__, then the tests.
+# functions (a naive fork bomb fails at once), define _record (the values of an assert's leaves, written
+# as the repr of plain data to the results fd), read the program, run it (as __main__ when it reads stdin,
+# so that its `if __name__ == "__main__":` block runs; as `solution` under asserts, so that it does not),
+# then the tests.
 _PRELUDE = """
 import json, os, posix, resource, sys
 limits, source_fd, results_fd, uid = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -117,7 +125,7 @@ for name in ("fork", "forkpty", "system", "popen", "kill", "killpg", "setsid", "
 for name in ("ctypes", "_ctypes", "_posixsubprocess", "subprocess", "multiprocessing"):
     sys.modules[name] = None
 sys.argv = ["solution.py"]
-scope = {"__name__": "__main__", "__builtins__": __builtins__, "_record": _record}
+scope = {"__name__": "solution" if tests else "__main__", "__builtins__": __builtins__, "_record": _record}
 exec(compile(program + "\\n\\n" + tests, "solution.py", "exec"), scope)
 """
 
@@ -153,40 +161,104 @@ def _output_lines(text):
     return [" ".join(line.split()) for line in text.strip().splitlines()]
 
 
-_OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
-        ast.GtE: operator.ge, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
-        ast.Is: operator.is_, ast.IsNot: operator.is_not}  # is / is not: against None, True, False
+# What the parent evaluates itself, on plain data: these builtins and math functions, literals, operators,
+# comparisons, indexing, f-strings and str methods of a literal ("".join(...)). Nothing the program runs
+# can change them (they live in the parent, and builtin types' operators cannot be patched).
+_PARENT_NAMES = {f.__name__: f for f in (abs, all, any, bool, complex, dict, divmod, enumerate, float, frozenset, int,
+                                         isinstance, len, list, max, min, range, repr, reversed, round, set, sorted,
+                                         str, sum, tuple, type, zip)}
+_PARENT_MATH = types.SimpleNamespace(**{name: getattr(math, name) for name in (
+    "isclose", "fabs", "floor", "ceil", "trunc", "sqrt", "isnan", "isinf", "isfinite", "fsum", "prod",
+    "pi", "e", "inf", "nan")})
+_PARENT_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
+                 ast.IfExp, ast.Subscript, ast.Slice, ast.JoinedStr, ast.FormattedValue, ast.keyword, ast.operator,
+                 ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context)
+
+
+def _names_bound(tree):
+    """(names the tests bind: assigned, defined, imported (a plain `import math` aside), names of parameters)."""
+    bound, params = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names if (a.name, a.asname) != ("math", None)
+                      or isinstance(node, ast.ImportFrom)}
+        elif isinstance(node, ast.arg):
+            params.add(node.arg)
+    return bound, params - bound
+
+
+class _Split(ast.NodeTransformer):
+    """One assert's expression -> the parent's expression, each leaf replaced by _v[i], and the leaves: what
+    only the sandbox can evaluate (calls of the solution's functions, names the solution defines)."""
+
+    def __init__(self, bound, params, line):
+        self.bound, self.params, self.line, self.leaves = bound, params, line, []
+
+    def _math(self, node):
+        """math.<one of _PARENT_MATH>, with `math` not rebound by the tests."""
+        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math"
+                and "math" not in self.bound and hasattr(_PARENT_MATH, node.attr))
+
+    def _parent(self, node):
+        if isinstance(node, ast.Name):
+            return node.id in _PARENT_NAMES and node.id not in self.bound
+        if isinstance(node, ast.Attribute):  # math.<function>, or a method of a literal (", ".join)
+            return self._math(node) or isinstance(node.value, ast.Constant) and not node.attr.startswith("_")
+        if isinstance(node, ast.Call):
+            return self._parent(node.func)
+        return isinstance(node, _PARENT_NODES)
+
+    def visit(self, node):
+        if self._math(node):
+            return node
+        if self._parent(node):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.LShift)):
+                text, node.left = ast.unparse(node), self.visit(node.left)
+                n, node.right = len(self.leaves), self.visit(node.right)
+                if len(self.leaves) > n:
+                    raise ValueError(f"line {self.line}: {text!r}: a power or shift by the solution's value could "
+                                     "be made huge")
+                return node
+            return self.generic_visit(node)
+        root = node
+        while isinstance(root, (ast.Call, ast.Attribute, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        name = root.id if isinstance(root, ast.Name) else None
+        if name is None or name in self.bound or hasattr(builtins, name) or (name in self.params and root is node):
+            raise ValueError(f"line {self.line}: the sandbox would compute {ast.unparse(node)!r}: an assert may use "
+                             "literals, operators, common builtins and math functions (evaluated by the parent) "
+                             "around calls of the solution's functions")
+        self.leaves.append(node)
+        return ast.Subscript(ast.Name("_v", ast.Load()), ast.Constant(len(self.leaves) - 1), ast.Load())
 
 
 def split_asserts(tests):
-    """Assert-style tests -> (the code the sandbox runs, [check per assert]). Each `assert L <op> R` with a
-    literal R becomes `_record(k, L)`: the sandbox reports L's value and the parent applies `<op> R`, so R
-    never enters the sandbox; `assert not L` and `assert L` report L, the parent tests its truth. Asserts
-    may sit in helper functions (HumanEval's check(candidate)). A comparison with a non-literal right side,
-    or a chain (a < b < c), raises ValueError: its expected value would have to run in the sandbox."""
+    """Assert-style tests -> (the code the sandbox runs, [check per assert]). The parent evaluates each
+    assert itself; the sandbox evaluates only its leaves, the calls of the solution's functions (or of a
+    test function's parameter: HumanEval's candidate) and names the solution defines, and `assert E`
+    becomes `_record(k, (leaf, leaf, ...))`: the sandbox reports the leaves' values as plain data and
+    check k (a function of that tuple) computes E from them, so expected values never enter the sandbox
+    and nothing the program patches (builtins, math, the tests' own names) takes part in the verdict.
+    Asserts may sit in helper functions. Every leaf of an assert is evaluated, before the parent's
+    expression (no short-circuit inside the sandbox). An assert that needs anything else computed in the
+    sandbox (a test-defined helper or variable, another builtin, a comprehension) raises ValueError."""
     tree, checks = ast.parse(tests), []
+    bound, params = _names_bound(tree)
 
     class Rewrite(ast.NodeTransformer):
         def visit_Assert(self, node):
-            test, k = node.test, len(checks)
-            if isinstance(test, ast.Compare):
-                if len(test.ops) != 1 or type(test.ops[0]) not in _OPS:
-                    raise ValueError(f"line {node.lineno}: one comparison per assert (==, !=, <, <=, >, >=, in, is)")
-                try:
-                    expected = ast.literal_eval(test.comparators[0])
-                except ValueError:
-                    raise ValueError(f"line {node.lineno}: the right side of the comparison must be a literal "
-                                     f"(got {ast.unparse(test.comparators[0])!r})") from None
-                checks.append((_OPS[type(test.ops[0])], expected))
-                value = test.left
-            elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-                checks.append((lambda v, _: not v, None))
-                value = test.operand
-            else:
-                checks.append((lambda v, _: bool(v), None))
-                value = test
-            call = ast.Call(ast.Name("_record", ast.Load()), [ast.Constant(k), value], [])
-            return ast.copy_location(ast.Expr(call), node)
+            split = _Split(bound, params, node.lineno)
+            expression = ast.fix_missing_locations(ast.Expression(split.visit(node.test)))
+            code = compile(expression, f"assert {len(checks)}", "eval")
+            checks.append(lambda values, code=code: bool(eval(code, {"__builtins__": {}, **_PARENT_NAMES,
+                                                                     "math": _PARENT_MATH, "_v": values})))
+            report = ast.Call(ast.Name("_record", ast.Load()),
+                              [ast.Constant(len(checks) - 1), ast.Tuple(split.leaves, ast.Load())], [])
+            return ast.copy_location(ast.Expr(report), node)
 
     tree = ast.fix_missing_locations(Rewrite().visit(tree))
     if not checks:
@@ -195,17 +267,18 @@ def split_asserts(tests):
 
 
 def _asserts_pass(results, checks):
-    """Every assert reported at least once, every report plain data that passes its check."""
+    """Every assert reported at least once, every report a tuple of plain data (its repr at most
+    CODE_MAX_REPORT characters: the parent parses it) whose check passes."""
     seen = set()
     for line in results.splitlines():
         k, _, text = line.partition("\t")
-        if not k.isdigit() or int(k) >= len(checks):
+        if not k.isdigit() or int(k) >= len(checks) or len(text) > CODE_MAX_REPORT:
             return False
         try:
-            value = ast.literal_eval(text)
-            if not checks[int(k)][0](value, checks[int(k)][1]):
+            values = ast.literal_eval(text)
+            if type(values) is not tuple or not checks[int(k)](values):
                 return False
-        except Exception:                       # not plain data, or a comparison that raises
+        except Exception:                       # not plain data, or a check that raises
             return False
         seen.add(int(k))
     return len(seen) == len(checks)
@@ -216,7 +289,8 @@ def _asserts_pass(results, checks):
 
 def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
     """True when the last Python block of `response` passes every test. `tests` is
-    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed)
+    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed; an output
+    over 4x the expected one + 4 KiB fails unparsed)
     or asserts: a list of statements or one string, run after the program (split_asserts).
     unsafe: rlimits only, no bwrap (see the module docstring). Never raises."""
     try:
@@ -230,7 +304,8 @@ def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe
                 return False
             for stdin, expected in cases:  # the parent compares: expected outputs never enter the sandbox
                 code, out, _ = _run_program(program, "", stdin, timeout, memory, unsafe)
-                if code != 0 or _output_lines(out) != _output_lines(expected):
+                too_long = len(out) > 4 * len(expected) + 4096  # not parsed: up to 16 MiB of lines
+                if code != 0 or too_long or _output_lines(out) != _output_lines(expected):
                     return False
             return True
         asserts = "\n".join(tests) if isinstance(tests, list) else tests

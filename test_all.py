@@ -737,8 +737,10 @@ def test_code_asserts_list_and_string():
     for cheat in ("import os\nos._exit(0)", "import sys\nsys.exit(0)", "exit()",
                   "def add(a, b):\n    raise SystemExit(0)"):
         assert score_code(fenced(cheat), ["assert add(1, 2) == 3"]) is False, cheat
-    humaneval = "def check(candidate):\n    assert candidate(2, 3) == 5\n\ncheck(add)"
+    humaneval = "METADATA = {}\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n\ncheck(add)"
     assert score_code(add, humaneval) is True
+    main_block = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
+    assert score_code(fenced(main_block), ["assert add(1, 2) == 3"]) is True  # its stdin part runs only without asserts
     assert score_code(fenced("def add(a, b):\n    return a - b"), humaneval) is False
 
 
@@ -885,18 +887,22 @@ def fill():
     except OSError:
         pass
     return n
+def ask(expression):  # the sandbox reports the value of a call of the program's own functions
+    return eval(expression)
 """)
-        checks = ["assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'PWD']", "assert os.getcwd() == '/tmp'",
-                  "assert sys.flags.isolated == 1", "assert os.getuid() == 65534", "assert os.getppid() == 1",
-                  "assert len([p for p in os.listdir('/proc') if p.isdigit()]) <= 3",
-                  "assert not os.path.exists('/etc/shadow')", f"assert not os.path.exists({str(secret)!r})",
-                  f"assert not os.path.exists({str(ROOT / 'sandbox.py')!r})",
+        checks = ["assert ask('sorted(os.environ)') == ['HOME', 'LANG', 'PATH', 'PWD']",
+                  "assert ask('os.getcwd()') == '/tmp'", "assert ask('sys.flags.isolated') == 1",
+                  "assert ask('os.getuid()') == 65534", "assert ask('os.getppid()') == 1",
+                  "assert ask('len([p for p in os.listdir(\"/proc\") if p.isdigit()])') <= 3",
+                  "assert not ask('os.path.exists(\"/etc/shadow\")')",
+                  f'assert not ask("os.path.exists({str(secret)!r})")',
+                  f'assert not ask("os.path.exists({str(ROOT / "sandbox.py")!r})")',
                   f"assert reach({server.getsockname()[1]}) == 'refused'",
                   "assert not writable('/usr/x')", "assert writable('/tmp/x')",
                   f"assert fill() <= {sandbox.CODE_TMPFS // (8 << 20)}"]
         for check in checks:
             assert score_code(probe, [check]) is True, check
-        assert score_code(probe, ["assert os.getuid() == 0"]) is False  # the channel really carries values
+        assert score_code(probe, ["assert ask('os.getuid()') == 0"]) is False  # the channel really carries values
     finally:
         server.close()
         del os.environ["SECRET_TOKEN"]
@@ -917,6 +923,19 @@ def test_code_wrong_solutions_cannot_forge_their_reward(tmp_path):
     }
     for name, program in cheats.items():
         assert score_code(fenced(program), ["assert add(1, 2) == 3"]) is False, name
+    near = ["assert abs(mean([1.0, 2.0, 3.0]) - 2.0) < 1e-6", "assert math.isclose(mean([2.0, 4.0]), 3.0)",
+            "assert len(str(mean([1.0]))) < 5"]
+    patched = {  # wrong means that change what the assert computes around their value
+        "patch abs, isclose and len": "import builtins, math\nbuiltins.abs = builtins.len = lambda x: 0\n"
+                                      "math.isclose = lambda *a, **k: True\ndef mean(xs):\n    return 999.0 ** 20",
+        "patch them during the call": "import builtins, math\ndef mean(xs):\n    builtins.abs = builtins.len = "
+                                      "lambda x: 0\n    math.isclose = lambda *a, **k: True\n    return 999.0 ** 20",
+        "an object whose arithmetic lies": "class Z(float):\n    __sub__ = __abs__ = __lt__ = lambda *a: 0.0\n"
+                                           "def mean(xs):\n    return Z(999.0 ** 20)",
+    }
+    for name, program in patched.items():
+        assert score_code(fenced(program), near) is False, name
+    assert score_code(fenced("def mean(xs):\n    return sum(xs) / len(xs)"), near) is True
     stdio_cheats = {
         "read the data set": f"print(open({str(data_file)!r}).read())",
         "read the parent's command line": "import os\nfor p in os.listdir('/proc'):\n"
@@ -929,14 +948,32 @@ def test_code_wrong_solutions_cannot_forge_their_reward(tmp_path):
 
 
 def test_code_split_asserts_keeps_expected_values_out():
+    """The sandbox runs only the calls of the solution's functions; the parent evaluates the rest."""
     source, checks = sandbox.split_asserts("assert f(1) == [1, (2, 'x')]\nassert not g(2)\nassert h(3)\n"
-                                           "def check(c):\n    assert c(4) in {4, 5}\ncheck(f)")
-    assert "[1, (2, 'x')]" not in source and "{4, 5}" not in source and source.count("_record(") == 4
-    assert [op(v, e) for (op, e), v in zip(checks, ([1, (2, "x")], 0, 7, 5))] == [True, True, True, True]
-    assert sandbox.split_asserts("assert f(1) is None")[1][0][0](None, None) is True
-    for bad in ("assert f(1) == expected", "assert 0 < f(1) < 2", "x = 1", "assert f(1) is g"):
+                                           "def check(c):\n    assert c(4) in {4, 5}\ncheck(f)\n"
+                                           "assert abs(f(5) - 2.0) < 1e-6 and math.isclose(g(6), 3.0)")
+    assert all(text not in source for text in ("[1, (2, 'x')]", "{4, 5}", "abs", "isclose", "2.0", "3.0"))
+    assert source.count("_record(") == 5 and "_record(4, (f(5), g(6)))" in source
+    reports = [([1, (2, "x")],), (0,), (7,), (5,), (2.0, 3.0)]
+    assert [check(values) for check, values in zip(checks, reports)] == [True] * 5
+    wrong = [([1, (2, "y")],), (1,), (0,), (6,), (2.0, 3.1)]
+    assert [check(values) for check, values in zip(checks, wrong)] == [False] * 5
+    assert sandbox.split_asserts("assert f(1) is None")[1][0]((None,)) is True
+    assert sandbox.split_asserts("assert 0 < f(1) < 2")[1][0]((1,)) is True
+    for bad in ("x = 1", "expected = 3\nassert f(1) == expected", "def ref(a):\n    return a\nassert f(1) == ref(1)",
+                "assert print(f(1)) is None", "assert [f(i) for i in range(3)] == [0, 1, 4]", "assert 2 ** f(1) == 4",
+                "import numpy as np\nassert np.allclose(f(1), [1.0])", "def check(c):\n    assert c\ncheck(f)"):
         with pytest.raises(ValueError):
             sandbox.split_asserts(bad)
+
+
+def test_code_reported_values_are_capped_before_parsing(monkeypatch):
+    """A report longer than CODE_MAX_REPORT fails unread: parsing 16 MiB of it would take the parent gigabytes."""
+    _, checks = sandbox.split_asserts("assert len(f(1)) > 0")
+    short, long = f"0\t({[1] * 10},)\n", f"0\t({[1] * sandbox.CODE_MAX_REPORT},)\n"
+    assert sandbox._asserts_pass(short, checks) is True
+    monkeypatch.setattr(sandbox.ast, "literal_eval", lambda text: pytest.fail("a long report was parsed"))
+    assert sandbox._asserts_pass(long, checks) is False
 
 
 def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch, capsys):
