@@ -663,6 +663,61 @@ def test_score_problems_routes_math_and_code():
                  fenced("print(3)")]
     assert verify.score_problems(responses, problems) == [True, True, False, False]
 
+# -----------------------------------------------------------------------------
+# math: multi-root answers, {,} separators, units, exact rationals, hedged \text
+
+
+def _verdicts(cases):
+    """score_batch on (answer, gold, expected) triples, each answer boxed after </think>."""
+    responses = [f"<think>\nwork\n</think>\nSo $\\boxed{{{answer}}}$." for answer, _, _ in cases]
+    return score_batch(responses, [gold for _, gold, _ in cases])
+
+
+def test_verify_each_root_may_name_its_variable():
+    cases = [(r"x = -1, x = 2", "-1, 2", True), (r"x=2 \text{ or } x=3", "2, 3", True),
+             (r"x = 2 \text{ and } x = 3", r"\{3, 2\}", True), ("x=2, 3", "2,3", True),
+             ("x = -1, x = 2", "x=-1, x=2", True), (r"x = 1, x = 2", "1, 2, 3", False),
+             ("x=2", "2, 3", False), ("x=5, y=6", "5, 6", False), ("x = -1, x = 3", "-1, 2", False),
+             (r"5 \text{ or } 6", "5", False), ("5 or 6", "5", False), ("x=5 or x=6", "5", False)]
+    assert _verdicts(cases) == [expected for _, _, expected in cases]
+
+
+def test_verify_latex_thousands_separator():
+    cases = [("1{,}000", "1000", True), ("10{,}000", "10,000", True), (r"\$1{,}234{,}567", "1234567", True),
+             ("1{,}000", "1001", False), ("1{,}5", "15", False)]
+    assert _verdicts(cases) == [expected for _, _, expected in cases]
+
+
+def test_verify_units_with_a_slash_or_a_power_are_dropped():
+    cases = [(r"3 \text{ m/s}", "3", True), (r"4.5\ \text{km/h}", "4.5", True), (r"12 \text{ m/s}^2", "12", True),
+             (r"5\text{/hour}", "5", True), (r"5 \text{ cm}^2", "5", True), (r"\text{5 cm}^2", "5", True),
+             ("5 ft^2", "5", True), ("4.5 km/h", "4.5", True),
+             (r"3\text{/}4", "34", False), (r"3\text{/}4", "0.75", True), (r"3 \text{ / } 4", "34", False),
+             (r"3 \text{ m/s}", "4", False)]
+    assert _verdicts(cases) == [expected for _, _, expected in cases]
+
+
+def test_verify_rational_gold_is_compared_exactly():
+    cases = [(r"\frac{1}{3} + 10^{-12}i", r"\frac13", False),
+             (r"\sqrt{0.1111111111111}", r"\frac13", False),
+             (r"\frac{1}{3}+\pi^{-50}", r"\frac13", False), (r"10^{-30}\pi", "0", False),
+             ("0.3333333333333", r"\frac13", False),
+             ("2/6", r"\frac13", True), (r"\dfrac{1}{3}", r"\frac13", True),
+             (r"\frac{1}{\sqrt{9}}", r"\frac13", True), (r"\sqrt{3+2\sqrt{2}}-\sqrt{2}", "1", True),
+             (r"\sin^2 x+\cos^2 x", "1", True), (r"\sin^2 x+\cos^2 x-1", "0", True),
+             (r"\cos(\pi/3)", "0.5", True), (r"\frac{\sqrt2}{2}", r"\frac{1}{\sqrt2}", True)]
+    assert _verdicts(cases) == [expected for _, _, expected in cases]
+
+
+def test_verify_negated_or_hedged_text_is_not_a_unit():
+    cases = [(r"\text{not } 5", "5", False), (r"5 \text{ is not correct}", "5", False),
+             (r"\text{no solution except } 5", "5", False), (r"5 \text{ or perhaps } 6", "56", False),
+             (r"\text{at least } 5", "5", False), ("5 or more", "5", False), ("5 or six", "5", False),
+             (r"5 \text{ apples}", "5", True), (r"5 \text{ more cookies}", "5", True), ("18 dollars", "18", True),
+             (r"5\text{ or }6", "6, 5", True), (r"5 \text{ OR } 6", "5, 6", True)]
+    assert _verdicts(cases) == [expected for _, _, expected in cases]
+
+
 # =============================================================================
 # sandbox.py: code extraction and the sandboxed test runs
 

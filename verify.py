@@ -14,13 +14,17 @@ Readings chosen here:
 - Without a box: the rest of the line after the last "####", "Final Answer:", "Answer:" or
   "the answer is"; else the text itself when it is one short line (`</think> 42`).
 - Equal means one of: the same string after normalization (\\dfrac -> \\frac, \\left/\\right,
-  spacing, $, units in \\text{}, degrees ^\\circ, percent signs, thousands separators "1,000",
-  a leading "x =" or "x \\in", a trailing period); the same plain number, exactly (0.5 = 1/2
-  = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value, exact for
-  rationals and to 1e-9 relative otherwise (expressions in variables are compared at three
+  spacing, $, units in \\text{} or after a number ("3\\text{ m/s}", "5 ft^2"), degrees ^\\circ,
+  percent signs, thousands separators "1,000" and "1{,}000", the same variable before each
+  item ("x = -1, x = 2", "x \\in [1, 2]"), a trailing period); the same plain number, exactly
+  (0.5 = 1/2 = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value,
+  exact for rationals, to 1e-40 relative (at 60 digits) between a rational and another form
+  of it, and to 1e-9 relative otherwise (expressions in variables are compared at three
   rational points; i is the imaginary unit, e is Euler's number). So 50\\% counts as 50 (not
   0.5) and 30^\\circ as 30 (not \\pi/6). A word of 2+ letters (east, \\text{Evelyn}) is compared
-  as a word, case-insensitively, not as a product of variables.
+  as a word, case-insensitively, not as a product of variables. Words go as units or as
+  "and"/"or" between items, but not a phrase with a negation or hedge ("\\text{not } 5",
+  "5 or more", "5 \\text{ or perhaps } 6"): it stays in the answer, which then matches nothing.
 - Shapes: "(a, b)" and "[a, b)" are ordered tuples/intervals whose brackets must match;
   "\\{a, b\\}", a bare list "a, b" and "a \\pm b" are unordered sets; \\cup joins intervals in
   any order; matrices compare entry by entry; an equation "lhs = rhs" equals a nonzero
@@ -135,11 +139,15 @@ _REPLACE = [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\dbinom", "\\binom"
             ("\\tbinom", "\\binom"), ("\\displaystyle", ""), ("\\$", ""), ("$", ""),
             ("\\%", ""), ("%", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\circ", ""),
             ("\\degree", ""), ("°", ""), ("\\lbrace", "\\{"), ("\\rbrace", "\\}"),
-            ("\\leq", "\\le"), ("\\geq", "\\ge"), ("−", "-"), ("π", "\\pi"), ("∞", "\\infty")]
+            ("\\leq", "\\le"), ("\\geq", "\\ge"), ("−", "-"), ("π", "\\pi"), ("∞", "\\infty"),
+            ("{,}", ",")]
 _SIZING = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])")
 _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|~|\\q?quad(?![a-zA-Z])")
 _TEXT = re.compile(r"\\(text\w*|mbox|math\w+|operatorname)\s*\{([^{}]*)\}(\^\{?\d\}?)?")
-_UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +[a-zA-Z]{2,}(?: +[a-zA-Z]+)*")   # "18 dollars"
+_UNIT_TEXT = re.compile(r"[a-zA-Z .]*(?:/ *[a-zA-Z][a-zA-Z .]*)*")     # \text{ km/h}: no digits
+_UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")  # 18 km/h
+_HEDGE = re.compile(r"\b(?:not|no|nor|never|except|or|and|least|most|than|wrong|incorrect)\b",
+                    re.IGNORECASE)                                 # "5 or more" is no unit
 _VAR_PREFIX = re.compile(r"(?:[a-zA-Z](?:_\w)?|\\[a-z]+)(?:=|\\in(?![a-zA-Z]))")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _DECIMAL = re.compile(r"-?(?:\d+\.?\d*|\.\d+|\d+/\d+)")             # 12, -3.5, .25, 3/4
@@ -156,14 +164,12 @@ def normalize(answer):
     s = _drop_text(s)
     s = re.sub(r"\s+", " ", s).strip().removesuffix(".")
     m = _UNIT_WORDS.fullmatch(s)
-    s = m.group(1) if m else s
+    s = m.group(1) if m and not _HEDGE.search(m.group(2)) else s
     s = re.sub(r"(?<![a-zA-Z]) | (?![a-zA-Z])", "", s)         # keep only "\cot x"-like spaces
     s = re.sub(r"\\(frac|sqrt) ?([0-9a-zA-Z])", r"\\\1{\2}", s)    # \frac34 -> \frac{3}4
     s = re.sub(r"\\frac(\{[^{}]*\}) ?([0-9a-zA-Z])", r"\\frac\1{\2}", s)   # -> \frac{3}{4}
     s = re.sub(r"_\{(\w)\}", r"_\1", s)                        # 4210_{5} -> 4210_5
-    m = _VAR_PREFIX.match(s)
-    if m and "=" not in s[m.end():]:
-        s = s[m.end():]                                        # x=5 -> 5, x\in[1,2] -> [1,2]
+    s = _drop_variable(s)
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     choice = re.fullmatch(r"\(([A-E])\)", s)                   # multiple choice (B) -> B
@@ -171,17 +177,33 @@ def normalize(answer):
 
 
 def _drop_text(s):
-    """\\text{Evelyn} -> Evelyn, 5\\text{ cm}^2 -> 5, 1 \\text{and} 2 -> 1,2, \\mathbf{v} -> v."""
+    """\\text{Evelyn} -> Evelyn, 5\\text{ m/s}^2 -> 5, 1 \\text{and} 2 -> 1,2, \\mathbf{v} -> v;
+    a phrase with a hedge stays (5\\text{ or more} -> 5 or more)."""
     whole = _TEXT.fullmatch(s.strip())
     if whole and not whole.group(3):
         return whole.group(2).strip()
 
     def replace(m):
         command, inner, power = m.groups()
-        if command in ("text", "mbox", "textrm", "textnormal") and re.fullmatch(r"[a-zA-Z .]*", inner):
-            return "," if inner.strip() in ("and", "or") else ""   # a unit or a filler word
+        if command in ("text", "mbox", "textrm", "textnormal") and _UNIT_TEXT.fullmatch(inner):
+            if inner.strip().lower() in ("and", "or"):
+                return ","
+            if not _HEDGE.search(inner):
+                return ""                                  # a unit or a filler word
         return inner + (power or "")
     return _TEXT.sub(replace, s)
+
+
+def _drop_variable(s):
+    """x=5 -> 5, x\\in[1,2] -> [1,2], x=-1,x=2 -> -1,2: the variable before each item, when all
+    items name the same one (x=5,y=6 is kept) and what is left is no equation (x=y=5 is kept)."""
+    items = _split_top(s, ",")
+    prefixes = {m.group(0) for m in map(_VAR_PREFIX.match, items) if m}
+    if len(prefixes) != 1:
+        return s
+    prefix = prefixes.pop()
+    rests = [item.removeprefix(prefix) for item in items]
+    return ",".join(rest if "=" not in rest else item for item, rest in zip(items, rests))
 
 
 def as_number(s):
@@ -310,7 +332,7 @@ def _same(x, y):
 
 
 def _same_value(a, b):
-    """Two normalized scalars: same string or same sympy value."""
+    """Two normalized scalars: same string or same sympy value (to 1e-40 against a rational)."""
     if a == b:
         return True
     u, v = to_sympy(a), to_sympy(b)
@@ -319,7 +341,9 @@ def _same_value(a, b):
     if (u.is_Rational and v.is_Rational) or any(e.has(*_INFINITE) for e in (u, v)):
         return False
     symbols = sorted(u.free_symbols | v.free_symbols, key=str)
-    return all(map(_close, _values(u, symbols), _values(v, symbols)))
+    digits, tolerance = (60, 1e-40) if u.is_Rational or v.is_Rational else (30, 1e-9)
+    pairs = zip(_values(u, symbols, digits), _values(v, symbols, digits))
+    return all(_close(p, q, tolerance) for p, q in pairs)
 
 
 def _same_equation(x, y):
@@ -333,21 +357,22 @@ def _same_equation(x, y):
     return all(_close(p / q, pairs[0][0] / pairs[0][1]) for p, q in pairs)
 
 
-def _values(expr, symbols):
-    """expr at three fixed rational points (one if it has no symbols), as 30-digit numbers."""
+def _values(expr, symbols, digits=30):
+    """expr at three fixed rational points (one if it has no symbols), as `digits`-digit numbers."""
     values = []
     for point in range(3 if symbols else 1):
         subs = {s: sympy.Rational(100 + 37 * (3 * k + point), 97) for k, s in enumerate(symbols)}
-        value = expr.subs(subs).evalf(30)
+        value = expr.subs(subs).evalf(digits)
         if not (value.is_number and value.is_finite):
             raise ValueError(f"{expr} is not a finite number at {subs}")
         values.append(value)
     return values
 
 
-def _close(u, v):
-    """Equal to 1e-9 relative (sympy floats: no overflow at 10^400)."""
-    return bool(abs(u - v) <= 1e-9 * max(abs(u), abs(v)) + 1e-25)
+def _close(u, v, tolerance=1e-9):
+    """Equal to `tolerance` relative, or to 1e-16 times it absolute (sympy floats: no overflow
+    at 10^400)."""
+    return bool(abs(u - v) <= tolerance * (max(abs(u), abs(v)) + 1e-16))
 
 # -----------------------------------------------------------------------------
 # A small LaTeX-to-sympy reader: recursive descent over a token stack
