@@ -42,6 +42,7 @@ data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.m
 """
 
 import json
+import math
 import os
 import random
 import shutil
@@ -64,14 +65,19 @@ INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final
 
 
 def _answer_of(rec, where):
-    """The gold answer of one record, as a string; `where` is 'file:line' for error messages."""
+    """The gold answer of one record, as a non-empty string; `where` is 'file:line' for error messages."""
     if "answer" in rec and rec["answer"] is not None:
         ans = rec["answer"]
         if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
             raise ValueError(f"{where}: field 'answer' must be a string or a number, got {type(ans).__name__}")
+        if isinstance(ans, float) and not math.isfinite(ans):
+            raise ValueError(f"{where}: field 'answer' must be a finite number, got {ans}")
         ans = str(ans)
-        if "question" in rec and "####" in ans:  # GSM8K: worked solution, then '#### 72'
+        gsm8k = "question" in rec and "####" in ans  # GSM8K: worked solution, then '#### 72'
+        if gsm8k:
             ans = ans.rsplit("####", 1)[1]
+        if not ans.strip():
+            raise ValueError(f"{where}: field 'answer' is empty" + (" after its last '####'" if gsm8k else ""))
         return ans.strip()
     if isinstance(rec.get("solution"), str):
         boxed = last_boxed(rec["solution"])
@@ -202,8 +208,11 @@ class Curriculum:
     """Serves prompt indices epoch by epoch in a seeded order and keeps each prompt's pass-rate history.
 
     No-Positive-Resampling (SCALERL.md section 2): once a prompt's measured pass rate is >= threshold
-    it is retired and never sampled again (it is already being served at most once per epoch, so
-    retiring it at once is the same as excluding it from later epochs).
+    it is retired and never sampled again: each epoch's order leaves out the prompts retired so far, and
+    a prompt retired after its epoch's order was drawn is skipped when its turn comes.
+    A batch that crosses an epoch boundary holds each prompt at most once (when at least k prompts are
+    unretired): the new epoch's prompts already in the batch move to the end of its order, so every
+    epoch still serves each unretired prompt once.
     """
 
     def __init__(self, n, seed=0, npr=True, threshold=0.9):
@@ -218,19 +227,25 @@ class Curriculum:
         random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
         return order
 
+    def _next_epoch(self, batch):
+        """Start the next epoch; the prompts already in `batch` go to the end of its order."""
+        self.epoch, self.pos = self.epoch + 1, 0
+        order = self._shuffled()
+        self.order = [i for i in order if i not in batch] + [i for i in order if i in batch]
+        if not self.order:
+            raise StopIteration("every training prompt is retired (pass rate >= "
+                                f"{self.threshold}): nothing left to train on")
+
     def next_batch(self, k):
         """The next k prompt indices; crosses epoch boundaries. Raises StopIteration when all are retired."""
         batch = []
         while len(batch) < k:
             if self.pos >= len(self.order):
-                self.epoch, self.pos = self.epoch + 1, 0
-                self.order = self._shuffled()
-                if not self.order:
-                    raise StopIteration("every training prompt is retired (pass rate >= "
-                                        f"{self.threshold}): nothing left to train on")
-            take = self.order[self.pos:self.pos + k - len(batch)]
-            batch += take
-            self.pos += len(take)
+                self._next_epoch(batch)
+            i = self.order[self.pos]
+            self.pos += 1
+            if i not in self.retired:
+                batch.append(i)
         return batch
 
     def record(self, idx, pass_rate):

@@ -83,20 +83,22 @@ def power_law(C, A, B, D):
     return A - D * np.asarray(C, dtype=float) ** -B
 
 
-def check_points(C, R):
-    """Validate (C, R) as float arrays (N,): same length, finite, C >= 0 strictly increasing."""
+def check_points(C, R, lines=None):
+    """Validate (C, R) as float arrays (N,): same length, finite, C >= 0 strictly increasing.
+    lines: each point's line in its file, for the errors to name (default: they name its index)."""
     C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
     if C.shape != R.shape:
         raise ValueError(f"C and R differ in length: {len(C)} vs {len(R)}")
+    at = [f"point {i}" for i in range(len(C))] if lines is None else [f"line {n}" for n in lines]
     bad = np.flatnonzero(~(np.isfinite(C) & np.isfinite(R)))
     if len(bad):
-        raise ValueError(f"NaN or inf at point {bad[0]}: C={C[bad[0]]}, R={R[bad[0]]}")
+        raise ValueError(f"NaN or inf at {at[bad[0]]}: C={C[bad[0]]}, R={R[bad[0]]}")
     if len(C) and C.min() < 0:
-        raise ValueError(f"negative compute: C={C.min()}")
+        raise ValueError(f"negative compute at {at[np.argmin(C)]}: C={C.min()}")
     down = np.flatnonzero(np.diff(C) <= 0)
     if len(down):
         i = down[0]
-        raise ValueError(f"compute must strictly increase: C[{i}]={C[i]}, C[{i + 1}]={C[i + 1]}")
+        raise ValueError(f"compute must strictly increase: C={C[i]} at {at[i]}, then C={C[i + 1]} at {at[i + 1]}")
     return C, R
 
 
@@ -178,7 +180,8 @@ def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
         lo = max(np.floor((R.max() - NOISE_A) / A_STEP) * A_STEP, R0 + A_STEP)
         A_grid = np.arange(lo, 1.0 + 1e-9, A_STEP)
         if not len(A_grid):
-            raise ValueError(f"R0 = {R0} leaves no room for a ceiling A <= 1")
+            raise ValueError(f"pass rates must lie in [0, 1], got R0 = {R0:g} and max R = {R.max():g}"
+                             if max(R0, R.max()) > 1 else f"R0 = {R0} leaves no room for a ceiling A <= 1")
     else:
         A_grid = np.array([float(A)])
     M_grid = np.geomspace(C[0], C[-1] * CMID_BEYOND, N_CMID)
@@ -229,7 +232,7 @@ def bootstrap_A(C, R, R0=None, fit_from=None, n=50, seed=0):
     C, R, R0 = fit_points(C, R, fit["R0"], fit_from)
     pred = sigmoid(C, fit["A"], fit["B"], fit["C_mid"], R0)    # (n_points,)
     rng = np.random.default_rng(seed)
-    A = np.array([fit_sigmoid(C, pred + rng.choice(R - pred, len(R)), R0)["A"] for _ in range(n)])
+    A = np.array([fit_sigmoid(C, pred + rng.choice(R - pred, len(R)), R0, fit_from=0)["A"] for _ in range(n)])
     lo, hi = np.percentile(A, [2.5, 97.5])
     return dict(mean=float(A.mean()), std=float(A.std()), lo=float(lo), hi=float(hi))
 
@@ -274,32 +277,48 @@ def extrapolation_check(C, R, R0=None, fit_from=None):
 
 
 def predict_final(C, R, C_end, R0=None):
-    """Live prediction: fit what there is, predict R at C_end. None while < 4 points after R0."""
-    C = np.asarray(C, dtype=float)
-    if (C > 0).sum() < MIN_POINTS:
+    """Live prediction: fit what there is, predict R at C_end. None while the fit would have fewer than 4
+    points (C > 0 and past the default start, fit_start)."""
+    C, R = check_points(C, R)
+    if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS:
         return None
     f = fit_sigmoid(C, R, R0)
     R_end = float(sigmoid(C_end, f["A"], f["B"], f["C_mid"], f["R0"]))
     return dict(A=f["A"], B=f["B"], C_mid=f["C_mid"], R_end=R_end)
 
 
+def eval_point(rec, compute, metric, where):
+    """(C, R) of one eval line, checked: both fields there, finite numbers (not booleans), R in [0, 1].
+    `where` is 'file:line' for the errors."""
+    missing = [k for k in (compute, metric) if k not in rec]
+    if missing:
+        raise ValueError(f"{where}: eval line: missing field '{missing[0]}' (it has {sorted(rec)})")
+    for k in (compute, metric):
+        v = rec[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}: field '{k}' must be a finite number, got {v!r}")
+    if not 0 <= rec[metric] <= 1:
+        raise ValueError(f"{where}: field '{metric}' must be a pass rate in [0, 1], got {rec[metric]!r}")
+    return rec[compute], rec[metric]
+
+
 def load_run(run_dir, compute="compute_s", metric="pass_rate"):
-    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..)."""
+    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..). A bad value
+    (eval_point, check_points): ValueError naming the file and the line."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory of train.py?)")
-    C, R, config = [], [], {}
+    C, R, lines, config = [], [], [], {}
     for lineno, rec in read_jsonl(path):
         if rec.get("kind") == "config":
             config = rec
         elif rec.get("kind") == "eval":
-            missing = [k for k in (compute, metric) if k not in rec]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: eval line: missing field '{missing[0]}' (it has {sorted(rec)})")
-            C.append(rec[compute])
-            R.append(rec[metric])
+            c, r = eval_point(rec, compute, metric, f"{path}:{lineno}")
+            C.append(c)
+            R.append(r)
+            lines.append(lineno)
     try:
-        C, R = check_points(C, R)
+        C, R = check_points(C, R, lines)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     name = os.path.basename(os.path.normpath(run_dir))

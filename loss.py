@@ -22,6 +22,11 @@ Readings chosen and departures from the textbook formulas:
   on the ratio, not 1 -/+ eps: eps_high defaults to 4 (the cap eps_max), and there is no lower
   truncation unless eps_low is given. GRPO, DAPO, GSPO clip to [1 - eps_low, 1 + eps_high]:
   GRPO 0.2/0.2, DAPO 0.2/0.28, GSPO 3e-3/4e-3. None for an eps means that per-kind default.
+- GRPO, DAPO, GSPO: the log-ratio is clamped at MAX_LOG_RATIO = 20 before exp (float32 exp overflows to
+  inf above ~88.7, which made the gradient NaN, and the loss NaN where A = 0). Only a token (GSPO: a
+  sequence) with rho > e^20 = 4.9e8 changes, far past the clip bound 1 + eps_high: for A > 0 its term was
+  already the constant (1 + eps_high) A; for A < 0, where the min keeps the unbounded rho A, it is held
+  at e^20 A with no gradient. CISPO needs no clamp: its weight is clamped and detached (inf becomes the cap).
 - GSPO: s_i = exp(masked mean over t of (logp - gen_logp)) (GSPO's length-normalized ratio).
   Each sequence's objective min(s A, clip(s) A) is copied onto its masked tokens and then
   aggregated like the token-level kinds, so agg="sample" is exactly the GSPO paper's mean over
@@ -53,6 +58,7 @@ EPS_DEFAULTS = {  # kind -> (eps_low, eps_high); absolute ratio bounds for cispo
     "dapo": (0.2, 0.28),
     "gspo": (3e-3, 4e-3),
 }
+MAX_LOG_RATIO = 20.0  # clipped losses: log rho clamped here before exp; far above log(1 + eps_high), below overflow
 
 
 def group_index(group):
@@ -128,10 +134,10 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
         obj = weight * adv * logp  # (N, T)
     elif kind == "gspo":
         seq_log_ratio = log_ratio.sum(1) / keep.sum(1).clamp(min=1)  # (N,)
-        seq_ratio = seq_log_ratio.exp()[:, None]  # (N, 1)
+        seq_ratio = seq_log_ratio.clamp(max=MAX_LOG_RATIO).exp()[:, None]  # (N, 1)
         obj = clipped_objective(seq_ratio, adv, eps_low, eps_high).expand_as(logp)  # (N, T)
     else:  # grpo, dapo
-        obj = clipped_objective(log_ratio.exp(), adv, eps_low, eps_high)  # (N, T)
+        obj = clipped_objective(log_ratio.clamp(max=MAX_LOG_RATIO).exp(), adv, eps_low, eps_high)  # (N, T)
     return -aggregate(obj, keep, group, agg)
 
 

@@ -20,7 +20,9 @@ The readings:
 - Per variant: A is the mean (and spread) of its seeds' own fits; B and C_mid come from the paper's
   comparison rule: every run refitted with A fixed to the mean A of all runs, B averaged over seeds.
 - Extrapolation test, every run: fit on the points with C <= half its compute, predict R at its last
-  point; the report counts the runs that land within 0.02.
+  point; the report counts the runs that land within 0.02. Predictability is reproduced when at least half
+  of the checked runs land within it, not reproduced when under a third do, and inconclusive in between or
+  when no run could be checked (too few points in every first half).
 - A finding compares the variant the paper expects to be better (X) with the other (Y). The seed margin
   on A is max(0.02, sd_X + sd_Y) (the paper's 0.02, or the seeds' own spread if larger); on B it is
   sd_X + sd_Y of the per-seed B. "A": X's A above Y's by more than the margin -> reproduced, below by
@@ -195,6 +197,15 @@ def extrapolation_count(table):
     return sum(abs(e) <= NOISE_A for e in errors), len(errors)
 
 
+def judge_predictability(within, n):
+    """The predictability finding from `within` of `n` checked runs landing within 0.02: reproduced for at
+    least half, not reproduced for under a third, else (and when no run could be checked) inconclusive."""
+    if not n:
+        return "inconclusive", "no run could be checked: none has enough points in its first half to fit"
+    verdict = "reproduced" if within * 2 >= n else "not reproduced" if within * 3 < n else "inconclusive"
+    return verdict, f"{within} of {n} runs within 0.02"
+
+
 def write_report(out, variants, steps, elapsed=None):
     """Fit every run (device-seconds and FLOPs), judge the findings, write report.md / report.json and the
     two figures -> the report's text."""
@@ -203,9 +214,8 @@ def write_report(out, variants, steps, elapsed=None):
     found = [(f, claim, x, y, rule, *judge(x, y, rule, table)) for f, claim, x, y, rule in FINDINGS
              if x in table and y in table]
     within, n = extrapolation_count(table)
-    verdict = "reproduced" if within * 2 >= n else "not reproduced" if within * 3 < n else "inconclusive"
     found.append(("predictability", "a fit on the first half of the compute predicts the end within 0.02",
-                  "", "", "", verdict, f"{within} of {n} runs within 0.02"))
+                  "", "", "", *judge_predictability(within, n)))
     runs = sum(len(t["runs"]) for t in table.values())
     lines = [f"# The miniature ScaleRL study: {len(table)} variants, {runs} runs of {steps} steps on toy-hard", "",
              f"Written by `python study.py {out}`" + (f" ({elapsed / 60:.0f} min of training on this machine)."

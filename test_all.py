@@ -351,6 +351,25 @@ def test_loss_bad_names_raise():
     with pytest.raises(ValueError, match="batch, prompt, none"):
         advantages(rewards, group, norm="group")
 
+
+@pytest.mark.parametrize("kind, high", [("grpo", 1.2), ("dapo", 1.28), ("gspo", 1.004)])
+def test_policy_loss_clipped_kinds_stay_finite_when_the_ratio_overflows(kind, high):
+    mask, group = torch.ones(1, 1, dtype=torch.bool), torch.tensor([0])
+    for a, loss_expected in ((1.0, -high), (0.0, 0.0), (-1.0, math.exp(20.0))):  # rho = e^94.99 -> held at e^20
+        logp = torch.tensor([[-0.01]], requires_grad=True)
+        loss = policy_loss(logp, torch.tensor([[-95.0]]), torch.tensor([a]), mask, group, kind, "token")
+        loss.backward()
+        assert loss.item() == pytest.approx(loss_expected, rel=1e-5) and logp.grad.item() == 0.0
+    logp = torch.tensor([[-1.0]], requires_grad=True)  # rho = e^5, A = -1: unclipped, unchanged
+    loss = policy_loss(logp, torch.tensor([[-6.0]]), torch.tensor([-1.0]), mask, group, kind, "token")
+    loss.backward()
+    assert loss.item() == pytest.approx(math.exp(5.0), rel=1e-5)
+    assert logp.grad.item() == pytest.approx(math.exp(5.0), rel=1e-5)  # d(-rho A)/d logp = rho
+    logp = torch.tensor([[-0.01]], requires_grad=True)  # cispo needed no clamp: the weight is the cap 4
+    loss = policy_loss(logp, torch.tensor([[-95.0]]), torch.tensor([1.0]), mask, group, "cispo", "token")
+    loss.backward()
+    assert loss.item() == pytest.approx(0.04) and logp.grad.item() == pytest.approx(-4.0)
+
 # =============================================================================
 # verify.py: math answers extracted and checked for equivalence, and the routing of math and code rewards
 
@@ -1073,6 +1092,47 @@ def test_code_batch_equals_one_by_one_and_uses_workers():
     with pytest.raises(ValueError, match="2 responses but 1 tests"):
         score_code_batch(["a", "b"], [SUM])
 
+
+def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
+    path = tmp_path / "p.jsonl"
+    cases = [('{"problem": "p", "answer": ""}', "field 'answer' is empty"),
+             ('{"problem": "p", "answer": "   "}', "field 'answer' is empty"),
+             ('{"question": "q", "answer": "work ####"}', "field 'answer' is empty after its last '####'"),
+             ('{"question": "q", "answer": "work #### \\n"}', "field 'answer' is empty after its last '####'"),
+             ('{"problem": "p", "answer": NaN}', "field 'answer' must be a finite number, got nan"),
+             ('{"problem": "p", "answer": Infinity}', "field 'answer' must be a finite number, got inf")]
+    for line, message in cases:
+        path.write_text('{"problem": "ok", "answer": "1"}\n' + line + "\n")
+        with pytest.raises(ValueError) as err:
+            data.load_problems(str(path))
+        assert str(err.value) == f"{path}:2: {message}"
+    path.write_text('{"question": "q", "answer": "3 + 4 = 7 #### 7"}\n{"problem": "p", "answer": 0}\n')
+    assert [p["answer"] for p in data.load_problems(str(path))] == ["7", "0"]
+
+
+def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retired_prompt():
+    for seed in range(40):
+        c = data.Curriculum(5, seed=seed)
+        first = c.next_batch(4)
+        for i in first:
+            c.record(i, 0.0)
+        second = c.next_batch(4)  # one prompt from epoch 0, three from epoch 1
+        assert len(set(second)) == 4 and c.epoch == 1
+        tail = second[0]
+        for i in second:
+            c.record(i, 1.0 if i == tail else 0.0)  # the tail prompt is retired
+        state = json.loads(json.dumps(c.state_dict()))
+        later = [c.next_batch(3) for _ in range(6)]
+        assert all(tail not in b and len(set(b)) == 3 for b in later)
+        resumed = data.Curriculum(5, seed=seed)
+        resumed.load_state_dict(state)
+        assert [resumed.next_batch(3) for _ in range(6)] == later
+    c = data.Curriculum(7, seed=3)  # no retirement: every run of 7 served prompts is one whole epoch
+    stream = [i for _ in range(12) for i in c.next_batch(4)]
+    for e in range(len(stream) // 7):
+        assert sorted(stream[7 * e:7 * e + 7]) == list(range(7))
+    assert all(len(set(stream[4 * b:4 * b + 4])) == 4 for b in range(12))
+
 # =============================================================================
 # data.py: problem files, prompts, the curriculum, the toy task and the embedded toy model
 
@@ -1793,6 +1853,63 @@ def test_fit_errors(tmp_path):
     with pytest.raises(ValueError, match="no point at C = 0"):
         fit.fit_sigmoid(C[1:], R[1:])
 
+
+def write_eval_lines(run_dir, recs):
+    """A metrics.jsonl of the given records, one per line (line 1 is a config line)."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"kind": "config"}) + "\n")
+        for rec in recs:
+            f.write(json.dumps(rec) + "\n")
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
+def test_fit_load_run_rejects_a_wrong_typed_value_naming_file_line_and_field(tmp_path):
+    good = [{"kind": "eval", "step": i, "compute_s": 10.0 * i, "pass_rate": 0.3 + 0.05 * i} for i in range(6)]
+    for field, bad in [("pass_rate", None), ("pass_rate", "0.5"), ("pass_rate", True), ("pass_rate", [0.5]),
+                       ("compute_s", {"x": 1}), ("compute_s", False), ("pass_rate", "n/a")]:
+        recs = [dict(r) for r in good]
+        recs[3][field] = bad
+        path = write_eval_lines(tmp_path / "run", recs)
+        with pytest.raises(ValueError) as err:
+            fit.load_run(str(tmp_path / "run"))
+        assert str(err.value) == f"{path}:5: field '{field}' must be a finite number, got {bad!r}"
+    recs = [dict(r) for r in good]
+    recs[4]["compute_s"] = 25.0  # below line 5's 30.0
+    path = write_eval_lines(tmp_path / "run", recs)
+    with pytest.raises(ValueError) as err:
+        fit.load_run(str(tmp_path / "run"))
+    assert str(err.value) == f"{path}: compute must strictly increase: C=30.0 at line 5, then C=25.0 at line 6"
+
+
+def test_fit_pass_rates_on_a_0_to_100_scale_are_named_as_such(tmp_path):
+    C, R = np.arange(8.0), np.array([30, 40, 45, 50, 55, 57, 58, 59.0])
+    with pytest.raises(ValueError) as err:
+        fit.fit_sigmoid(C, R)
+    assert str(err.value) == "pass rates must lie in [0, 1], got R0 = 30 and max R = 59"
+    path = write_eval_lines(tmp_path / "pct", [{"kind": "eval", "compute_s": c, "pass_rate": r} for c, r in zip(C, R)])
+    with pytest.raises(ValueError) as err:
+        fit.load_run(str(tmp_path / "pct"))
+    assert str(err.value) == f"{path}:2: field 'pass_rate' must be a pass rate in [0, 1], got 30.0"
+    with pytest.raises(ValueError, match="R0 = 0.999 leaves no room"):  # a pass rate near 1 still blames R0
+        fit.fit_sigmoid(C, np.full(8, 0.999))
+
+
+def test_fit_bootstrap_A_refits_on_the_callers_fit_from():
+    C = np.array([0.0, 1, 2, 4, 8, 100])  # the default 10% cut (C >= 10) would leave one point
+    R = fit.sigmoid(C, 0.6, 1.5, 3.0, 0.3)  # on the curve: every refit finds the same A
+    spread = fit.bootstrap_A(C, R, fit_from=0, n=4)
+    assert abs(spread["mean"] - 0.6) < 0.01 and spread["std"] < 0.005
+    assert spread["lo"] <= spread["mean"] <= spread["hi"]
+
+
+def test_fit_predict_final_is_none_while_the_cut_leaves_too_few_points():
+    C, R = np.array([0.0, 1, 2, 3, 100]), np.array([0.3, 0.35, 0.4, 0.45, 0.6])
+    assert fit.predict_final(C, R, 200.0) is None  # 4 points with C > 0, but only C = 100 is past 10
+    C = np.linspace(0, 100, 11)
+    p = fit.predict_final(C, fit.sigmoid(C, 0.7, 2.0, 40.0, 0.3), 200.0)
+    assert abs(p["R_end"] - fit.sigmoid(200.0, 0.7, 2.0, 40.0, 0.3)) < 0.01
+
 # =============================================================================
 # study.py: the report over variants and seeds, and a quick study end to end
 
@@ -1853,6 +1970,22 @@ def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys)
     assert sum(r["kept_prompts"] for r in recs if r["kind"] == "train") > 0  # it trained: not every group dropped
     study.main([str(out), "--quick"])  # finished runs are kept, not trained again
     assert "study: [" not in capsys.readouterr().out
+
+
+def test_study_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_path):
+    C = np.array([0.0, 30, 60, 70, 80, 90, 100])  # the first half (C <= 50) holds one point with C > 0
+    for name, A in (("scalerl", 0.8), ("loss_dapo", 0.7)):
+        R = fit.sigmoid(C, A, 2.0, 30, 0.3)
+        write_eval_lines(tmp_path / f"{name}-s0", [{"kind": "eval", "step": i, "compute_s": c, "flops": c * 1e9,
+                                                    "pass_rate": r} for i, (c, r) in enumerate(zip(C, R))])
+    text = study.write_report(str(tmp_path), {"scalerl": ([], 1), "loss_dapo": ([], 1)}, 6)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    (pred,) = [f for f in rep["findings"] if f["finding"] == "predictability"]
+    assert rep["extrapolation_within"] == [0, 0] and pred["verdict"] == "inconclusive"
+    assert pred["why"].startswith("no run could be checked") and "**inconclusive** | no run could be checked" in text
+    assert study.judge_predictability(2, 4) == ("reproduced", "2 of 4 runs within 0.02")
+    assert study.judge_predictability(1, 4)[0] == "not reproduced"
+    assert study.judge_predictability(3, 8)[0] == "inconclusive"
 
 # =============================================================================
 # pipeline.py: generator and trainer ranks (gloo, spawned processes)
