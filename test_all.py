@@ -2372,11 +2372,14 @@ def test_train_skips_a_nan_step_and_stops_after_too_many(toy_dir, tmp_path):
         run_train(toy_dir, tmp_path / "many", "--steps", "5", "--nan_at", "2,3,4", "--max_bad_steps", "3", "--no-zero_var_filter")
 
 
-def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path):
+def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, capsys):
     for argv, msg in [(["--loss", "ppo"], "invalid choice"), (["--think_budget", "-4"], "must be positive"),
-                      (["--model", str(tmp_path)], "no config.json"), (["--slow", "fast"], "--slow must look like")]:
+                      (["--model", str(tmp_path)], "no config.json"), (["--slow", "fast"], "--slow must look like"),
+                      (["--warmup", "0"], "must be positive"), (["--grad_clip", "-1"], "must be >= 0"),
+                      (["--micro_prompts", "-1"], "must be >= 0")]:
         with pytest.raises(SystemExit):
             train.get_args(argv)
+        assert msg in capsys.readouterr().err, argv
     empty = tmp_path / "noweights"
     empty.mkdir()
     (empty / "config.json").write_text('{"model_type": "llama"}')
@@ -2503,10 +2506,50 @@ def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_d
     assert "skipping" in said and "ckpt-000004" in said and "dropped the half-written last line" in said
     assert "resumed from" in said and "ckpt-000003 at step 3" in said
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [r["lr"] for r in recs if r["kind"] == "train"] == pytest.approx(warmed_up(recs, 3e-4))
     with pytest.raises(SystemExit, match="--resume: --data was '', now 'toy,"):
         run_train(toy_dir, out, "--steps", "5", "--resume", "--data", "toy," + str(FIXTURES / "code_toy.jsonl"))
-    run_train(toy_dir, out, "--steps", "5", "--resume", "--lr", "1e-4")
+    with pytest.raises(SystemExit, match="--resume: --seed was 0, now 1"):  # another held-out split
+        run_train(toy_dir, out, "--steps", "5", "--resume", "--seed", "1")
+    recs = run_train(toy_dir, out, "--steps", "5", "--resume", "--lr", "1e-4", "--adam_eps", "1e-8",
+                     "--weight_decay", "0.5", "--no-no_positive_resampling")
     assert "--lr 0.0003 -> 0.0001" in capsys.readouterr().out
+    assert [r["step"] for r in recs if r["kind"] == "train"][-1] == 5
+    assert [r["lr"] for r in recs if r["kind"] == "train"][-1] == pytest.approx(warmed_up(recs, 1e-4)[-1])  # new --lr
+    state = torch.load(out / "ckpt-000005" / "state.pt", weights_only=False)
+    group = state["optimizer"]["param_groups"][0]
+    assert (group["initial_lr"], group["eps"], group["weight_decay"]) == (1e-4, 1e-8, 0.5)
+    assert state["scheduler"]["base_lrs"] == [1e-4] and state["curriculum"]["npr"] is False
+
+
+def warmed_up(records, lr, warmup=10):
+    """The learning rate each train record's step trained with: the linear warm-up at the number of optimizer
+    updates before it (a step with no prompt kept, or a skipped one, makes none)."""
+    rates, updates = [], 0
+    for r in (r for r in records if r["kind"] == "train"):
+        rates.append(lr * min(1.0, (updates + 1) / warmup))
+        updates += r["kept_prompts"] > 0 and not r["skipped_bad"]
+    return rates
+
+
+def test_train_stopped_early_saves_and_evaluates_its_last_step(tmp_path, monkeypatch):
+    """A run whose prompts run out between two checkpoints keeps what it trained: its last step is saved
+    (and evaluated once). The embedded model learns here, so its steps update the weights: the logged
+    learning rate is the one each step trained with."""
+    real, calls = train.Curriculum.next_batch, []
+
+    def next_batch(self, k):
+        calls.append(k)
+        if len(calls) > 2:
+            raise StopIteration("every training prompt is retired (pass rate >= 0.9): nothing left to train on")
+        return real(self, k)
+    monkeypatch.setattr(train.Curriculum, "next_batch", next_batch)
+    recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "6", "--eval_every", "2", "--save_every", "5")
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
+    assert [r["kept_prompts"] > 0 for r in recs if r["kind"] == "train"] == [True, True]
+    assert [r["lr"] for r in recs if r["kind"] == "train"] == pytest.approx([3e-5, 6e-5]) == warmed_up(recs, 3e-4)
+    assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 2]
+    assert (tmp_path / "ckpt-000002" / "state.pt").exists()
 
 
 def test_train_disk_full_names_the_path_and_keeps_the_last_checkpoint(toy_dir, tmp_path, monkeypatch):

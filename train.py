@@ -146,9 +146,12 @@ def get_args(argv=None):
                         "are deleted first (without it or --resume such an --out is refused)")
     args = ap.parse_args(argv)
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots",
-                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb"):
+                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("micro_prompts", "grad_clip", "save_every", "val_size"):  # 0 has a meaning (see --help)
+        if getattr(args, name) < 0:
+            ap.error(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.resume and args.overwrite:
         ap.error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
@@ -457,10 +460,11 @@ def start_metrics(args, run, ckpt, world):
 
 
 def check_resume(saved, args):
-    """--resume with other flags than the run was started with: a different data set or model is refused
-    (it would be another run), other recipe flags are logged and the new values apply from here."""
+    """--resume with other flags than the run was started with: a different data set, held-out split (its
+    size or the seed) or model is refused (it would be another run), other recipe flags are logged and the
+    new values apply from here."""
     now = vars(args)
-    identity = [k for k in ("data", "val_data", "model") if saved.get(k, now[k]) != now[k]]
+    identity = [k for k in ("data", "val_data", "val_size", "seed", "model") if saved.get(k, now[k]) != now[k]]
     if identity:
         sys.exit("error: --resume: " + "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
                  " (start another --out for another run)")
@@ -568,6 +572,7 @@ class Run:
     compute_s: float = 0.0  # device-seconds: training wall-clock x processes
     flops: float = 0.0
     bad_steps: int = 0  # consecutive skipped optimizer steps (non-finite loss or gradient)
+    lr: float = 0.0  # the learning rate of the step just taken (the scheduler already holds the next one)
     evals: list = field(default_factory=list)  # (compute_s, held-out pass rate) of every eval, for the live fit
     full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
 
@@ -584,7 +589,8 @@ def new_run(args, ctx, model, train, state, rank0):
             local = sum(p.to_local().numel() for p in model.parameters())
             print(f"FSDP2: trainer 0 holds {local} of {n_params} parameters (and their AdamW state)", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    warmup = lambda s: min(1.0, (s + 1) / args.warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     run = Run(model, full_model, forward, opt, sched, Curriculum(len(train), args.seed, npr=args.no_positive_resampling),
               n_params, sorted({p.get("domain", "math") for p in train}), state.get("step", 0),
               state.get("compute_s", 0.0), state.get("flops", 0.0))
@@ -596,6 +602,11 @@ def new_run(args, ctx, model, train, state, rank0):
         sched.load_state_dict(state["scheduler"])
         run.curriculum.load_state_dict(state["curriculum"])
         torch.set_rng_state(state["torch_rng"])
+        for group in opt.param_groups:  # the flags given now apply from here (check_resume printed the changes)
+            group.update(lr=args.lr * warmup(sched.last_epoch), initial_lr=args.lr, eps=args.adam_eps,
+                         weight_decay=args.weight_decay)
+        sched.base_lrs = [args.lr] * len(opt.param_groups)
+        run.curriculum.npr = args.no_positive_resampling
     return run
 
 
@@ -701,7 +712,7 @@ def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, 
          "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0), "prompts": int(sums["groups"]),
          "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
          "too_old": int(sums["too_old"]), "skipped_bad": run.bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm,
-         "lr": run.sched.get_last_lr()[0], "dt_ms": dt * 1000,
+         "lr": run.lr, "dt_ms": dt * 1000,
          "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
          **{f"mismatch_{k}": v for k, v in mismatch.items()}}
     if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
@@ -807,6 +818,7 @@ def main(args):
               f"{roles} | {len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
         if run.step == 0:
             run_eval(run, args, tokenizer, val_ids, val, log)
+    evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
     while run.step < args.steps:
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
         t0 = time.time()
@@ -825,7 +837,7 @@ def main(args):
 
         # ---- batch, then train: loss, backward, (all-reduce), clip, AdamW step
         batch = make_batch(groups, args, ctx)
-        t_train = time.time()
+        t_train, run.lr = time.time(), run.opt.param_groups[0]["lr"]  # the rate this step trains with
         loss_value, mismatch, grad_norm = (optimize(run, batch, args, ctx, device, tokenizer.pad_token_id or 0)
                                            if batch.sums["sample"] else (0.0, {}, 0.0))
         time.sleep(pipeline.slow_seconds(args, ctx, "trainer"))
@@ -839,6 +851,7 @@ def main(args):
         m = step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, mismatch, dt)
         evaluate_now = run.step % args.eval_every == 0 or run.step == args.steps
         save_now = (args.save_every and run.step % args.save_every == 0) or run.step == args.steps
+        evaluated_at, saved_at = (run.step if evaluate_now else evaluated_at), (run.step if save_now else saved_at)
         if run.forward is not None and (evaluate_now or save_now):
             gather_shards(run, rank0, save_now)
         if not rank0:
@@ -852,19 +865,19 @@ def main(args):
         log(m)
         print(log_line(m, args.steps), flush=True)
 
-        # ---- eval and checkpoint (rank 0; not counted as compute)
-        if evaluate_now:
-            run_eval(run, args, tokenizer, val_ids, val, log)
+        # ---- checkpoint, then eval (rank 0; not counted as compute): an eval that fails loses no step
         if save_now:
             save(run, args, tokenizer)
+        if evaluate_now:
+            run_eval(run, args, tokenizer, val_ids, val, log)
 
-    # ---- the end: a run stopped early (every prompt retired) is evaluated and saved; ranks leave together
-    stopped_early = run.step % args.eval_every and run.step != args.steps
-    if run.forward is not None and stopped_early:
-        gather_shards(run, rank0, True)
-    if rank0 and stopped_early:
-        run_eval(run, args, tokenizer, val_ids, val, log)
+    # ---- the end: a run stopped early (every prompt retired) is saved and evaluated; ranks leave together
+    if run.forward is not None and (run.step != saved_at or run.step != evaluated_at):
+        gather_shards(run, rank0, run.step != saved_at)
+    if rank0 and run.step != saved_at:
         save(run, args, tokenizer)
+    if rank0 and run.step != evaluated_at:
+        run_eval(run, args, tokenizer, val_ids, val, log)
     if ctx:
         pipeline.drain(ctx)
         pipeline.finish(ctx)
