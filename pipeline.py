@@ -61,6 +61,7 @@ Readings chosen:
     torchrun --nproc_per_node 2 train.py --device cuda             # one GPU shared by both ranks; weights over gloo
 """
 
+import copy
 import json
 import math
 import os
@@ -557,6 +558,7 @@ class Generator:
     admitted: int = 0  # groups started since start_version
     open: dict = field(default_factory=dict)  # global index gi -> {"c": curriculum slot, "samples": [G]}
     sends: list = field(default_factory=list)  # (trainer, isend work, rows) not yet known to be received
+    snapshots: dict = field(default_factory=dict)  # batch b -> the curriculum for a resume at step b (see admit)
     pruned: list = None  # per trainer: sends forgotten because that trainer received them
     t0: float = field(default_factory=time.time)
     idle: float = 0.0  # seconds waiting: k batches ahead (pipeline) or frozen weights (ppo_offpolicy)
@@ -575,6 +577,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     curriculum = Curriculum(len(mine), args.seed + 1 + g, npr=args.no_positive_resampling)
     if args.resume and os.path.exists(curriculum_path):
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
+        curriculum.npr = args.no_positive_resampling  # as the flag says now (check_resume printed a change)
     gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, curriculum_path,
                     start_version, start_version, slow_seconds(args, ctx, "generator"), pruned=[0] * ctx.n_trainers)
     gen.steps = sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
@@ -588,7 +591,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             (generate_pipelined if ctx.mode == "pipeline" else generate_frozen)(ctx, gen)
     except Stopped:
         pass
-    _save_curriculum(curriculum, curriculum_path)
+    _save_curriculum(gen.snapshots.get(args.steps, curriculum), curriculum_path)
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
@@ -640,11 +643,16 @@ def poll(ctx, gen, apply=True):
         t0 = time.time()
         set_status(ctx, f"receiving weights version {version}")
         broadcast_weights(ctx, gen.model, gen.args.bucket_mb)
+        every, before = gen.args.save_every, gen.version
         gen.version = version
         gen.sync += time.time() - t0
+        if gen.idle_since is not None:  # a wait under way: this was sync time, not idle time
+            gen.idle_since += time.time() - t0
         set_status(ctx, "generating")
-        if gen.args.save_every and version % gen.args.save_every == 0:  # next to trainer 0's checkpoint
-            _save_curriculum(gen.curriculum, gen.curriculum_path)
+        if every and version // every > before // every:  # trainer 0 saved a checkpoint at step b since
+            b = version // every * every  # (ppo_offpolicy's versions step by k and may pass over b)
+            _save_curriculum(gen.snapshots.get(b, gen.curriculum), gen.curriculum_path)
+        gen.snapshots = {b: c for b, c in gen.snapshots.items() if b > version}  # later saves need later ones
     publish_stats(ctx, gen)
     return gen.version
 
@@ -670,9 +678,13 @@ def next_groups(ctx, gen, n_groups, version):
 
 def admit(ctx, gen, gis):
     """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler items
-    (prompt ids, noise key, tag (gi, j))."""
+    (prompt ids, noise key, tag (gi, j)). Before the first group of a batch b, a copy of the curriculum is
+    kept: with the pass rates of earlier batches recorded into it as they come (send_group), it is the
+    state a resume at step b must start from (the live one has served up to k batches more by then)."""
     items, G = [], gen.args.samples
     for gi in gis:
+        if gi // ctx.prompts not in gen.snapshots:
+            gen.snapshots[gi // ctx.prompts] = copy.deepcopy(gen.curriculum)
         try:
             (c,) = gen.curriculum.next_batch(1)
         except StopIteration as err:
@@ -703,7 +715,8 @@ def send_group(ctx, gen, gi, c, samples):
     i, G = gen.mine[c], len(samples)
     texts = [completion_text(gen.tokenizer, s) for s in samples]
     correct = score_problems(texts, [gen.problems[i]] * G, unsafe_code=gen.args.unsafe_code_exec)
-    gen.curriculum.record(c, sum(correct) / G)
+    for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items() if gi // ctx.prompts < b]:
+        curriculum.record(c, sum(correct) / G)
     dst = trainer_of(gi, ctx.prompts, ctx.n_trainers)
     rows = pack_group(ctx.rank, gi, i, gen.prompt_ids[i], samples, correct, ctx.length)
     gen.sends.append((dst, dist.isend(rows, dst=dst, group=ctx.rollouts, tag=1), rows))

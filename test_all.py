@@ -2186,6 +2186,9 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     assert rcs[0] != 0 and rcs[1] != 0 and time.time() - t_kill < 60
     assert "rank 0" in outs[1] and "ERROR" in outs[1], outs[1]
     assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.pt").exists()
+    saved = torch.load(tmp_path / "curriculum-rank1.pt", weights_only=False)  # for a resume at step 2 or 4
+    assert saved["epoch"] == 0 and saved["pos"] in (2 * 4, 4 * 4)  # exactly its batches served (not k more),
+    assert sum(map(len, saved["history"].values())) == saved["pos"]  # with every one of their pass rates
     procs = launch(2, tmp_path, *flags, "--resume")
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0], outs
