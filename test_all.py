@@ -2370,7 +2370,8 @@ def test_train_skips_a_nan_step_and_stops_after_too_many(toy_dir, tmp_path):
     recs = run_train(toy_dir, tmp_path / "one", "--steps", "3", "--nan_at", "2", "--eval_every", "3", "--no-zero_var_filter")
     tr = [r for r in recs if r.get("kind") == "train"]
     assert [r["skipped_bad"] for r in tr] == [False, True, False]
-    assert tr[1]["lr"] == tr[0]["lr"]  # the scheduler did not step either
+    assert tr[2]["lr"] == tr[1]["lr"] == 2 * tr[0]["lr"]  # the skipped step did not advance the schedule
+    assert [r["lr"] for r in tr] == pytest.approx(warmed_up(recs, 3e-4))
     with pytest.raises(SystemExit, match="3 consecutive steps with a non-finite"):
         run_train(toy_dir, tmp_path / "many", "--steps", "5", "--nan_at", "2,3,4", "--max_bad_steps", "3", "--no-zero_var_filter")
 
