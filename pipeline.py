@@ -273,15 +273,34 @@ def _die(message):
 
 
 def wait_until(ctx, ready, what):
-    """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was awaited."""
+    """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was awaited. The
+    deadline does not run out while trainer 0 evaluates (held-out evals have no bound of their own; its
+    heartbeat still tells a dead trainer 0 within --heartbeat_timeout)."""
     set_status(ctx, f"waiting for {what}")
     t0, pause = time.time(), 0.0005
     while not ready():
         if time.time() - t0 > ctx.timeout:
+            if ctx.store.check(["status/0"]) and ctx.store.get("status/0").startswith(b"evaluating"):
+                t0 = time.time()
+                continue
             raise TimeoutError(f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
     return time.time() - t0
+
+
+def done_evaluating(ctx, step):
+    """Trainer 0, after its held-out eval of `step` (meanwhile its status said "evaluating", which keeps the
+    other ranks' waits from running out: wait_until): the other trainers may go on (wait_for_eval)."""
+    set_status(ctx, f"evaluated step {step}")
+    ctx.store.set("evaluated", str(step))
+
+
+def wait_for_eval(ctx, step):
+    """Trainers other than trainer 0 wait here, not in a collective (whose deadline would run out), while
+    trainer 0 evaluates step `step`."""
+    wait_until(ctx, lambda: ctx.store.check(["evaluated"]) and int(ctx.store.get("evaluated")) >= step,
+               f"trainer 0's held-out eval at step {step}")
 
 
 def finish(ctx):

@@ -2176,6 +2176,24 @@ def test_pipeline_a_dead_or_stalled_generator_stops_the_trainer(tmp_path, sig):
     generator.wait()
 
 
+def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
+    """A held-out eval may take longer than --timeout: the other ranks wait on the store meanwhile."""
+    store = torch.distributed.HashStore()
+    trainer0, trainer1, generator = (types.SimpleNamespace(store=store, rank=r, n_trainers=2, timeout=0.2, status="")
+                                     for r in range(3))
+    pipeline.set_status(trainer0, "training step 3")
+    with pytest.raises(TimeoutError, match=r"rank 2 \(generator\) waited 0.2 s for weights"):
+        pipeline.wait_until(generator, lambda: False, "weights")
+    pipeline.set_status(trainer0, "evaluating step 3")
+    done = threading.Timer(0.7, pipeline.done_evaluating, (trainer0, 3))  # 3 deadlines later
+    done.start()
+    t0 = time.time()
+    pipeline.wait_for_eval(trainer1, 3)
+    assert 0.6 < time.time() - t0 < 5 and store.get("status/0") == b"evaluated step 3"
+    with pytest.raises(TimeoutError, match="rank 2 .generator. waited 0.2 s for weights"):  # the deadline is back
+        pipeline.wait_until(generator, lambda: False, "weights")
+
+
 def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     flags = ["--steps", "6", "--save_every", "2", "--max_lag", "2"]
     procs = launch(2, tmp_path, *flags)

@@ -731,8 +731,11 @@ def gather_shards(run, rank0, with_optimizer):
         run.full_opt = pipeline.full_optimizer_state(run.model, run.opt)
 
 
-def run_eval(run, args, tokenizer, val_ids, val, log):
-    """Rank 0: the held-out pass rate now, the live fit of the curve so far, one log line."""
+def run_eval(run, args, tokenizer, val_ids, val, log, ctx):
+    """Rank 0: the held-out pass rate now, the live fit of the curve so far, one log line. Under torchrun
+    the other ranks wait for it without a deadline (pipeline.wait_until), however long it takes."""
+    if ctx:
+        pipeline.set_status(ctx, f"evaluating step {run.step}")
     run.full_model.eval()
     result = evaluate(run.full_model, tokenizer, val_ids, val, args)
     m = {"kind": "eval", "step": run.step, "compute_s": run.compute_s, "flops": run.flops, **result}
@@ -751,6 +754,8 @@ def run_eval(run, args, tokenizer, val_ids, val, log):
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
     print(f"eval step {run.step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
           f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}", flush=True)
+    if ctx:
+        pipeline.done_evaluating(ctx, run.step)
 
 
 def save(run, args, tokenizer):
@@ -817,7 +822,9 @@ def main(args):
         print(f"model {model_dir} ({run.n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | "
               f"{roles} | {len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
         if run.step == 0:
-            run_eval(run, args, tokenizer, val_ids, val, log)
+            run_eval(run, args, tokenizer, val_ids, val, log, ctx)
+    elif ctx and run.step == 0:  # the other trainers wait for it here, not in the step's first collective
+        pipeline.wait_for_eval(ctx, 0)
     evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
     while run.step < args.steps:
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
@@ -855,6 +862,8 @@ def main(args):
         if run.forward is not None and (evaluate_now or save_now):
             gather_shards(run, rank0, save_now)
         if not rank0:
+            if evaluate_now:
+                pipeline.wait_for_eval(ctx, run.step)
             continue
         if ctx is None:  # one device alternates: busy generating, then busy training
             m.update(retired=len(run.curriculum.retired), epoch=run.curriculum.epoch, gen_busy=t_gen / dt,
@@ -869,7 +878,7 @@ def main(args):
         if save_now:
             save(run, args, tokenizer)
         if evaluate_now:
-            run_eval(run, args, tokenizer, val_ids, val, log)
+            run_eval(run, args, tokenizer, val_ids, val, log, ctx)
 
     # ---- the end: a run stopped early (every prompt retired) is saved and evaluated; ranks leave together
     if run.forward is not None and (run.step != saved_at or run.step != evaluated_at):
@@ -877,7 +886,7 @@ def main(args):
     if rank0 and run.step != saved_at:
         save(run, args, tokenizer)
     if rank0 and run.step != evaluated_at:
-        run_eval(run, args, tokenizer, val_ids, val, log)
+        run_eval(run, args, tokenizer, val_ids, val, log, ctx)
     if ctx:
         pipeline.drain(ctx)
         pipeline.finish(ctx)
