@@ -31,7 +31,8 @@ gradients over nccl on CUDA (gloo on CPU). GPUs are dealt round-robin over the l
 share one (one GPU, two ranks: generator and trainer side by side); a group whose ranks share a GPU talks
 over gloo, which nccl cannot do (device_plan; rank 0 logs the plan).
 
-Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for; a
+Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for (except
+while trainer 0 runs a held-out eval, which may take longer: the others wait on the store meanwhile); a
 heartbeat thread in every rank bumps a counter in the store and watches the others': a rank that is
 dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds (default 60)
 and every other rank exits with status 1. A finished run drains the rollouts in flight and exits cleanly.
