@@ -649,7 +649,9 @@ def _try_quick(response, gold):
 
 def score(response, gold, timeout=TIMEOUT):
     """True when the final answer of `response` equals `gold`. Thread-safe, never raises
-    on any input, returns within about `timeout` seconds."""
+    on any input, returns within about `timeout` seconds once a sympy worker runs (starting
+    one takes ~1 s; one that has not said "ready" after WORKER_START_TIMEOUT s is a fault of
+    the machine, not of the input: RuntimeError)."""
     answer, verdict = _try_quick(response, gold)
     return verdict if verdict is not None else _ask_worker(answer, gold, timeout)
 
