@@ -145,19 +145,24 @@ def get_args(argv=None):
                    help="start over in an --out that holds a run: its metrics, checkpoints and curriculum files "
                         "are deleted first (without it or --resume such an --out is refused)")
     args = ap.parse_args(argv)
+    check_args(args, ap.error)
+    return args
+
+
+def check_args(args, error):
+    """Flag values that would fail late (after the model loads) or silently train wrong: error(message)."""
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots",
                  "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup"):
         if getattr(args, name) <= 0:
-            ap.error(f"--{name} must be positive, got {getattr(args, name)}")
+            error(f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("micro_prompts", "grad_clip", "save_every", "val_size"):  # 0 has a meaning (see --help)
         if getattr(args, name) < 0:
-            ap.error(f"--{name} must be >= 0, got {getattr(args, name)}")
+            error(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.resume and args.overwrite:
-        ap.error("--resume continues the run in --out and --overwrite deletes it: give one of them")
+        error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
-        ap.error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
-    check_model_dir(args.model, ap.error)
-    return args
+        error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
+    check_model_dir(args.model, error)
 
 
 def check_model_dir(path, error):
@@ -732,8 +737,11 @@ def gather_shards(run, rank0, with_optimizer):
 
 
 def run_eval(run, args, tokenizer, val_ids, val, log, ctx):
-    """Rank 0: the held-out pass rate now, the live fit of the curve so far, one log line. Under torchrun
-    the other ranks wait for it without a deadline (pipeline.wait_until), however long it takes."""
+    """Trainer 0: the held-out pass rate now, the live fit of the curve so far, one log line. The other
+    trainers wait for it on the store, not in a collective, and every rank's wait keeps no deadline
+    meanwhile (pipeline.wait_until), however long the eval takes."""
+    if ctx and ctx.rank != 0:
+        return pipeline.wait_for_eval(ctx, run.step)
     if ctx:
         pipeline.set_status(ctx, f"evaluating step {run.step}")
     run.full_model.eval()
@@ -821,10 +829,8 @@ def main(args):
                  if ctx else "one process, synchronous")
         print(f"model {model_dir} ({run.n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | "
               f"{roles} | {len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
-        if run.step == 0:
-            run_eval(run, args, tokenizer, val_ids, val, log, ctx)
-    elif ctx and run.step == 0:  # the other trainers wait for it here, not in the step's first collective
-        pipeline.wait_for_eval(ctx, 0)
+    if run.step == 0:
+        run_eval(run, args, tokenizer, val_ids, val, log, ctx)
     evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
     while run.step < args.steps:
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
@@ -858,24 +864,22 @@ def main(args):
         m = step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, mismatch, dt)
         evaluate_now = run.step % args.eval_every == 0 or run.step == args.steps
         save_now = (args.save_every and run.step % args.save_every == 0) or run.step == args.steps
-        evaluated_at, saved_at = (run.step if evaluate_now else evaluated_at), (run.step if save_now else saved_at)
+        evaluated_at = run.step if evaluate_now else evaluated_at
+        saved_at = run.step if save_now else saved_at
         if run.forward is not None and (evaluate_now or save_now):
             gather_shards(run, rank0, save_now)
-        if not rank0:
-            if evaluate_now:
-                pipeline.wait_for_eval(ctx, run.step)
-            continue
-        if ctx is None:  # one device alternates: busy generating, then busy training
-            m.update(retired=len(run.curriculum.retired), epoch=run.curriculum.epoch, gen_busy=t_gen / dt,
-                     train_busy=t_train / dt, sync_ms=0.0, generate_ms=rstats["gen_s"] * 1000,
-                     verify_ms=rstats["verify_s"] * 1000, train_ms=t_train * 1000)
-        else:
-            m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
-        log(m)
-        print(log_line(m, args.steps), flush=True)
+        if rank0:
+            if ctx is None:  # one device alternates: busy generating, then busy training
+                m.update(retired=len(run.curriculum.retired), epoch=run.curriculum.epoch, gen_busy=t_gen / dt,
+                         train_busy=t_train / dt, sync_ms=0.0, generate_ms=rstats["gen_s"] * 1000,
+                         verify_ms=rstats["verify_s"] * 1000, train_ms=t_train * 1000)
+            else:
+                m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
+            log(m)
+            print(log_line(m, args.steps), flush=True)
 
-        # ---- checkpoint, then eval (rank 0; not counted as compute): an eval that fails loses no step
-        if save_now:
+        # ---- checkpoint, then eval (trainer 0; not counted as compute): an eval that fails loses no step
+        if rank0 and save_now:
             save(run, args, tokenizer)
         if evaluate_now:
             run_eval(run, args, tokenizer, val_ids, val, log, ctx)
@@ -885,7 +889,7 @@ def main(args):
         gather_shards(run, rank0, run.step != saved_at)
     if rank0 and run.step != saved_at:
         save(run, args, tokenizer)
-    if rank0 and run.step != evaluated_at:
+    if run.step != evaluated_at:
         run_eval(run, args, tokenizer, val_ids, val, log, ctx)
     if ctx:
         pipeline.drain(ctx)
