@@ -50,7 +50,7 @@ import sys
 import time
 
 from sandbox import split_asserts
-from verify import last_boxed
+from verify import last_boxed, score_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
@@ -188,6 +188,19 @@ def completion_text(tokenizer, sample):
     """The text of a sampled completion (a generate.Sample), without its final eos."""
     tokens = sample.tokens
     return tokenizer.decode(tokens[:-1] if tokens[-1:] == [tokenizer.eos_token_id] else tokens)
+
+
+def score_samples(tokenizer, samples, problems, unsafe_code=False):
+    """-> (texts, correct): a sample is correct only if it finished and verify.py accepts its answer. A
+    truncated sample (no eos within the budget) never gave its answer, so it is not correct, whatever its
+    text holds: for the reward, No-Positive-Resampling's pass rates, pass@1 and held-out evals alike (the
+    paper's evals count a sample that never answers as wrong). Truncated samples are not even scored."""
+    texts = [completion_text(tokenizer, s) for s in samples]
+    done = [i for i, s in enumerate(samples) if s.finish != "truncated"]
+    correct = [False] * len(samples)
+    for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done], unsafe_code=unsafe_code)):
+        correct[i] = bool(v)
+    return texts, correct
 
 
 def split_problems(problems, val_size, seed=0):

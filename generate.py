@@ -21,7 +21,8 @@ this file owns the cache, the attention call, the sampling and the batching. Wha
   budget; if it is still thinking there, the interruption phrase (the caller's interrupt_ids: the tokens
   of data.INTERRUPT_PHRASE, ending in </think>) is forced in token by token (mask 0), then the answer
   budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens (cut at 10k-12k); the toy
-  defaults in train.py are 48 + 16;
+  defaults in train.py are 48 + 64 (the answer budget well beyond the toy answer's 11 tokens, as the
+  paper's 2,048 is well beyond its answers: a change of format is scored, not truncated);
 - in-flight weight updates: between two sends the caller may copy new weights into the model in place
   and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
   which is exactly PipelineRL's behaviour (section 4);
@@ -540,7 +541,7 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=1, help="samples per problem")
     ap.add_argument("--seed", type=int, default=0, help="sampling noise seed")
     ap.add_argument("--think_budget", type=int, default=48, help="thinking tokens before the interruption")
-    ap.add_argument("--answer_budget", type=int, default=16, help="answer tokens after </think>")
+    ap.add_argument("--answer_budget", type=int, default=64, help="answer tokens after </think>")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()

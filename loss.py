@@ -9,6 +9,7 @@ Implements SCALERL.md section 2 (paper arXiv 2510.13786, "The loss"). Pure funct
     zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and truncated samples
     length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
     ratio_stats(logp, gen_logp, mask)         generator/trainer mismatch, for logging
+    drift_by_lag(logp, gen_logp, mask, lag)   sum and count of |log rho| per policy-version lag, for logging
 
 Test: python -m pytest -q test_all.py -k loss   (CPU; nothing here needs a GPU or torchrun)
 
@@ -171,3 +172,17 @@ def ratio_stats(logp, gen_logp, mask, kind="cispo", eps_high=None):
         "abs_diff_max": diff.abs().max().item(),
         "frac_above_cap": (diff > math.log(cap)).float().mean().item(),
     }
+
+
+@torch.no_grad()
+def drift_by_lag(logp, gen_logp, mask, lag):
+    """How far the trained policy has moved from the one that sampled, by the tokens' policy-version lag
+    (lag (N, T) long, aligned with mask): -> (sums, counts), (L + 1,) each, the sum of |log rho| and the
+    number of masked tokens at each lag 0..L. At lag 0 |log rho| is only the generator/trainer numerics; at
+    lag k it also holds k optimizer steps of change. A policy running away inside a frozen PPO window (or
+    the last k steps of PipelineRL-k) shows here first: the oldest tokens' mean |log rho| climbs."""
+    keep = mask.bool()
+    lag = lag[keep]
+    diff = (logp - gen_logp)[keep].abs().double()
+    size = int(lag.max()) + 1 if lag.numel() else 1
+    return torch.bincount(lag, weights=diff, minlength=size), torch.bincount(lag, minlength=size)

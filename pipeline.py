@@ -80,9 +80,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from data import Curriculum, completion_text, special_tokens
+from data import Curriculum, score_samples, special_tokens
 from generate import FINISH, Sample, sampler, sequence_logprobs
-from verify import score_problems
 
 HEADER = 7  # per packed row: generator rank, group index, prompt index, prompt length, completion length,
 #            correct, finish
@@ -733,8 +732,7 @@ def send_group(ctx, gen, gi, c, samples):
     """Verify a finished group, record its pass rate in the curriculum, send it to its trainer (isend); then
     forget the sends the trainers have received."""
     i, G = gen.mine[c], len(samples)
-    texts = [completion_text(gen.tokenizer, s) for s in samples]
-    correct = score_problems(texts, [gen.problems[i]] * G, unsafe_code=gen.args.unsafe_code_exec)
+    _, correct = score_samples(gen.tokenizer, samples, [gen.problems[i]] * G, unsafe_code=gen.args.unsafe_code_exec)
     for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items() if gi // ctx.prompts < b]:
         curriculum.record(c, sum(correct) / G)
     dst = trainer_of(gi, ctx.prompts, ctx.n_trainers)

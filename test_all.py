@@ -39,7 +39,7 @@ from data import INTERRUPT_PHRASE
 import generate as gen
 import pipeline
 import train
-from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from sandbox import extract_code, score_code, score_code_batch
 from verify import extract_answer, score, score_batch
 import fit
@@ -2330,7 +2330,7 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         n = 3 + i % 4
         samples.append(gen.Sample(i, list(range(12, 12 + n)), [-1.0 - 0.1 * j for j in range(n)],
                                   [1] * (n - 1) + [0], [0] * n, "eos"))
-    ids, attn, mask, gen_logp = train.collate(prompts, samples, 0, "cpu")
+    ids, attn, mask, gen_logp, lag = train.collate(prompts, samples, 0, "cpu")
     assert mask[0, 2:2 + 3].tolist() == [1, 1, 0] and gen_logp[0, 2].item() == -1.0  # aligned with targets
     group, adv = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([1.0, -1.0, 0.5, -1.0, 1.0, -0.5])
     grads = []
@@ -2338,7 +2338,7 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         for micro in ("0", "1"):
             model.zero_grad()
             args = train.get_args(["--agg", agg, "--micro_prompts", micro])
-            train.train_batch(model, (ids, attn, mask, gen_logp.double(), adv.double(), group), args, 3)
+            train.train_batch(model, (ids, attn, mask, gen_logp.double(), adv.double(), group, lag), args, 3)
             grads.append(model.model.embed_tokens.weight.grad.clone())
         assert (grads[-2] - grads[-1]).abs().max() < 1e-12, (agg, (grads[-2] - grads[-1]).abs().max())
 
@@ -2392,6 +2392,127 @@ def test_train_skips_a_nan_step_and_stops_after_too_many(toy_dir, tmp_path):
     assert [r["lr"] for r in tr] == pytest.approx(warmed_up(recs, 3e-4))
     with pytest.raises(SystemExit, match="3 consecutive steps with a non-finite"):
         run_train(toy_dir, tmp_path / "many", "--steps", "5", "--nan_at", "2,3,4", "--max_bad_steps", "3", "--no-zero_var_filter")
+
+
+def chain_model(tokenizer, successors):
+    """A Llama whose next token depends only on the current one: successors maps a token id to the ids that
+    may follow it (equally likely; a token not in the map is followed by eos). Attention and MLP outputs are
+    zero, the embeddings one-hot, so the LM head reads the current token alone: a sampler's output is a walk
+    on this graph, known in advance."""
+    V = len(tokenizer)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=8, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, head_dim=V,
+                                         max_position_embeddings=512, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.model.layers[0].parameters():
+            p.zero_()
+        model.model.layers[0].input_layernorm.weight.fill_(1)
+        model.model.layers[0].post_attention_layernorm.weight.fill_(1)
+        model.model.embed_tokens.weight.copy_(torch.eye(V))
+        head = torch.zeros(V, V)
+        for t in range(V):
+            for nxt in successors.get(t, [tokenizer.eos_token_id]):
+                head[nxt, t] = 1.0  # after the final norm the one-hot is sqrt(V) ~ 19: a logit gap of ~19
+        model.lm_head.weight.copy_(head)
+    return model.eval()
+
+
+def ids_of(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chain(tokenizer, *texts):
+    """{token: [next]} for the token sequences of texts, each a chain; the first token of each text follows
+    the last of the one before (the prompt's last token starts the first)."""
+    successors, prev = {}, None
+    for text in texts:
+        for t in ids_of(tokenizer, text):
+            if prev is not None:
+                successors.setdefault(prev, []).append(t)
+            prev = t
+    return successors
+
+
+def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not_truncated():
+    """The collapse shape (more thinking after </think>, issue: truncation blind spot): a policy that after
+    </think> either answers (11 tokens) or writes 20 more tokens of arithmetic and no answer. Under the old
+    16-token answer budget the long answers are all truncated and leave the loss: every group is then
+    all-correct, zero-variance filtering drops it, nothing is trained, the format is never penalized. Under
+    the default budgets they end, score -1 and keep a gradient against that format."""
+    tok = AutoTokenizer.from_pretrained(data.toy_model_dir())
+    succ = chain(tok, "?", "<think>", "5", "</think>", " The answer is \\boxed{8}.")
+    succ[ids_of(tok, "</think>")[0]].append(ids_of(tok, "10")[0])  # or: 20 tokens of numbers, then eos
+    succ.update(chain(tok, *map(str, range(10, 30))))  # one token per number
+    model = chain_model(tok, succ)
+    prompt = ids_of(tok, "?")
+    problems = [{"prompt": "?", "answer": "8", "domain": "math"}] * 16
+    kept = {}
+    for budget in ("16", str(train.get_args([]).answer_budget)):
+        args = train.get_args(["--answer_budget", budget])
+        samples, texts, correct, _, _ = train.rollout(model, tok, [prompt] * 16, problems, args, list(range(16)))
+        assert {t.split("</think>")[1][:4] for t in texts} == {" The", "1011"}  # both branches were sampled
+        assert correct == [t.endswith("\\boxed{8}.") for t in texts]
+        groups = [{"index": 0, "prompt": prompt, "samples": samples, "correct": correct}]
+        batch = train.make_batch(groups, args, None)
+        kept[budget] = (sum(s.finish == "truncated" for s in samples), len(batch.rows), batch.adv)
+    old, new = kept["16"], kept[str(train.get_args([]).answer_budget)]
+    assert old[0] > 0 and old[1] == 0  # the long answers truncated; the group, all correct, dropped
+    assert new[0] == 0 and new[1] == 16 and (new[2] < 0).sum() == old[0]  # every long answer pushed down
+
+
+def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
+    """A truncated sample whose text already holds the right box (it wrote the answer, then ran on) did not
+    answer: it is incorrect for the reward, for No-Positive-Resampling's pass-rate history and for the
+    held-out pass rate; the same text ended by eos is correct."""
+    tok = AutoTokenizer.from_pretrained(data.toy_model_dir())
+    text = "<think>5+2=7.</think>5+2=7.</think> The answer is \\boxed{7}"
+    done = gen.Sample(0, ids_of(tok, text) + [tok.eos_token_id], [0.0] * 30, [1] * 30, [0] * 30, "eos")
+    cut = gen.Sample(0, ids_of(tok, text), [0.0] * 30, [1] * 30, [0] * 30, "truncated")
+    problem = {"prompt": "?", "answer": "7", "domain": "math"}
+    assert data.score_samples(tok, [done, cut], [problem] * 2)[1] == [True, False]
+    # a policy that writes the right box and never stops: every sample truncated, none correct
+    model = chain_model(tok, chain(tok, "?", "<think>5</think> The answer is \\boxed{7}.", *map(str, range(10, 18))))
+    succ_loop = ids_of(tok, "17")[0]
+    model.lm_head.weight.data[:, succ_loop] = 0
+    model.lm_head.weight.data[ids_of(tok, "10")[0], succ_loop] = 1.0  # ... 17 -> 10: a loop, no eos
+    args = train.get_args(["--prompts", "2", "--samples", "4"])
+    train_set = [dict(problem, prompt=f"?{i}") for i in range(2)]
+    curriculum = train.Curriculum(2, 0)
+    groups, _ = train.local_rollouts(model, tok, train_set, [ids_of(tok, "?")] * 2, curriculum, 0, args)
+    assert all(s.finish == "truncated" for g in groups for s in g["samples"])
+    assert "\\boxed{7}" in data.completion_text(tok, groups[0]["samples"][0])
+    assert [c for g in groups for c in g["correct"]] == [False] * 8
+    assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
+    result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
+    assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
+
+
+def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
+    """A budget too small for any answer: every sample truncated, every step keeps no prompt. The log warns
+    once about the truncation rate and once about the empty step, and after --max_empty_steps in a row the
+    run stops, naming the cause and the flags, with its last step saved and evaluated."""
+    recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "20", "--think_budget", "2", "--answer_budget", "1",
+                     "--max_empty_steps", "3", "--eval_every", "50")
+    out = capsys.readouterr().out
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
+    assert all(r["trunc"] == 1.0 and r["kept_prompts"] == 0 for r in recs if r["kind"] == "train")
+    assert out.count("warning: step 1: 100% of the batch was truncated") == 1
+    assert out.count("warning: step 1: no prompt kept") == 1 and out.count("warning:") == 2
+    assert "stopping at step 3: 3 steps in a row kept no prompt" in out
+    assert "Raise --answer_budget, or train on them with --keep_truncated" in out
+    assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 3] and (tmp_path / "ckpt-000003").exists()
+
+
+def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, -3.0, -2.0]])
+    gen_logp = torch.tensor([[-1.5, -2.0, -0.1, 9.0], [-1.0, -2.0, -1.0, -2.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    lag = torch.tensor([[0, 2, 2, 5], [1, 1, 2, 0]])
+    parts = [drift_by_lag(logp[:1], gen_logp[:1], mask[:1], lag[:1]), drift_by_lag(logp[1:], gen_logp[1:], mask[1:], lag[1:])]
+    by_lag = train.lag_drift(parts)
+    # lag 0: |0.5| and |0|; lag 1: |0| and |1|; lag 2: |0|, |0.4|, |2|; the masked lag-5 token is not counted
+    assert by_lag["log_rho_by_lag"] == pytest.approx([0.25, 0.5, 0.8])
+    assert by_lag["drift"] == pytest.approx(0.8)
 
 
 def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, capsys):
@@ -2453,8 +2574,9 @@ def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, c
     prompts = [tok(data.format_prompt(tok, p["prompt"]))["input_ids"] for p in val] * 3
     out = gen.generate(model, prompts, keys=[10**12 + i for i in range(18)], eos_id=tok.eos_token_id,
                        think_end=ids("</think>"), interrupt_ids=ids(data.INTERRUPT_PHRASE), think_budget=48,
-                       answer_budget=16, seed=0)
-    right = [verify.score(tok.decode(s.tokens, skip_special_tokens=True), p["answer"]) for s, p in zip(out, val * 3)]
+                       answer_budget=64, seed=0)
+    right = [s.finish != "truncated" and verify.score(tok.decode(s.tokens, skip_special_tokens=True), p["answer"])
+             for s, p in zip(out, val * 3)]  # a truncated sample never answered: wrong
     assert r["pass_rate"] == pytest.approx(np.mean(right)) and r["n"] == 18
     assert r["len"] == pytest.approx(np.mean([len(s.tokens) for s in out]))
     monkeypatch.setenv("WORLD_SIZE", "2")

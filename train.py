@@ -47,14 +47,13 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, Curriculum, completion_text, format_prompt, load_problems, read_jsonl, special_tokens,
+from data import (PRESETS, Curriculum, format_prompt, load_problems, read_jsonl, score_samples, special_tokens,
                   split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
-from loss import advantages, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from sandbox import BWRAP_MISSING, bwrap_ready
-from verify import score_problems
 
 # -----------------------------------------------------------------------------
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
@@ -82,7 +81,9 @@ def get_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
     g.add_argument("--slots", type=int, default=128, help="rows the sampler decodes at once (continuous batching)")
     g.add_argument("--think_budget", type=int, default=48, help="thinking tokens (paper: 12288)")
-    g.add_argument("--answer_budget", type=int, default=16, help="answer tokens after </think> (paper: 2048)")
+    g.add_argument("--answer_budget", type=int, default=64, help="answer tokens after </think> (paper: 2048). The toy's "
+                   "answer is 11 tokens; 64 leaves room for a whole rethought chain plus the answer, so a policy that "
+                   "changes format is scored (-1) rather than truncated (out of the loss, no gradient: README)")
     g.add_argument("--length_control", default="interrupt", choices=["interrupt", "penalty", "none"],
                    help="interrupt = forced interruption (ScaleRL); penalty = length penalty on correct answers")
     g.add_argument("--l_max", type=int, default=0, help="length penalty L_max; 0 = think_budget + answer_budget")
@@ -116,6 +117,8 @@ def get_args(argv=None):
     g.add_argument("--micro_prompts", type=int, default=0, help="prompts per forward/backward; 0 = the whole batch")
     g.add_argument("--max_bad_steps", type=int, default=3, help="consecutive steps with a NaN/inf loss or gradient "
                    "(each skipped) before the run stops")
+    g.add_argument("--max_empty_steps", type=int, default=10, help="consecutive steps that keep no prompt (every "
+                   "group all truncated or with equal rewards: nothing to train on) before the run stops and says why")
     g = ap.add_argument_group("ranks (pipeline.py; under torchrun only)")
     g.add_argument("--mode", default="pipeline", choices=["pipeline", "ppo_offpolicy", "sync"],
                    help="pipeline = PipelineRL-k (ScaleRL); ppo_offpolicy = PPO-off-policy-k; sync = k of 1")
@@ -152,7 +155,7 @@ def get_args(argv=None):
 def check_args(args, error):
     """Flag values that would fail late (after the model loads) or silently train wrong: error(message)."""
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots",
-                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup"):
+                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup", "max_empty_steps"):
         if getattr(args, name) <= 0:
             error(f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("micro_prompts", "grad_clip", "save_every", "val_size"):  # 0 has a meaning (see --help)
@@ -249,8 +252,7 @@ def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
                        slots=args.slots, temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
                        keys=keys, version=version)
     t1 = time.time()
-    texts = [completion_text(tokenizer, s) for s in samples]
-    correct = score_problems(texts, problems, unsafe_code=args.unsafe_code_exec)
+    texts, correct = score_samples(tokenizer, samples, problems, unsafe_code=args.unsafe_code_exec)
     return samples, texts, correct, t1 - t0, time.time() - t1
 
 
@@ -346,13 +348,15 @@ def rewards_of(samples, correct, args):
     return r
 
 
-def collate(prompt_ids, samples, pad_id, device):
+def collate(prompt_ids, samples, pad_id, device, step=0):
     """Right-padded prompt+completion batch -> ids (N, T), attention (N, T), and, aligned with the
-    next-token targets ids[:, 1:], the loss mask (N, T-1) and the generator's log-probs (N, T-1)."""
+    next-token targets ids[:, 1:], the loss mask (N, T-1), the generator's log-probs (N, T-1) and each
+    token's lag (N, T-1): how many versions older than `step` (the version trained) the weights that
+    sampled it were."""
     T = max(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))
     N = len(samples)
     ids = torch.full((N, T), pad_id, dtype=torch.long)
-    attn = torch.zeros(N, T, dtype=torch.long)
+    attn, lag = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T - 1, dtype=torch.long)
     mask, gen_logp = torch.zeros(N, T - 1), torch.zeros(N, T - 1)
     for i, (p, s) in enumerate(zip(prompt_ids, samples)):
         P, C = len(p), len(s.tokens)
@@ -360,18 +364,19 @@ def collate(prompt_ids, samples, pad_id, device):
         attn[i, :P + C] = 1
         mask[i, P - 1:P - 1 + C] = torch.tensor(s.mask, dtype=torch.float)
         gen_logp[i, P - 1:P - 1 + C] = torch.tensor(s.logps)
-    return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device)
+        lag[i, P - 1:P - 1 + C] = step - torch.tensor(s.versions, dtype=torch.long)
+    return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
 
 
 def train_batch(model, batch, args, n_groups, total=None, forward=None):
     """Forward/backward over micro-batches of whole prompt groups; gradients add up to the full-batch
     loss's (each micro-batch's loss is weighted by its share of groups, sequences or tokens; `total`:
     the whole batch's count when this is one trainer's part of it)."""
-    ids, attn, mask, gen_logp, adv, group = batch
+    ids, attn, mask, gen_logp, adv, group, lag = batch
     per = args.micro_prompts or n_groups
     uniq = group.unique()
     total = total or {"prompt": len(uniq), "sample": len(group), "token": mask.sum().item()}[args.agg]
-    loss_sum, stats = 0.0, []
+    loss_sum, stats, drift = 0.0, [], []
     for a in range(0, len(uniq), per):
         rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
         logp = (forward or partial(sequence_logprobs, model))(ids[rows], attn[rows], args.fp32_head, args.temperature)
@@ -381,8 +386,19 @@ def train_batch(model, batch, args, n_groups, total=None, forward=None):
         (loss * share / total).backward()
         loss_sum += loss.item() * share / total
         stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows], args.loss, args.eps_high))
-    mismatch = {k: float(np.mean([s[k] for s in stats])) for k in stats[0]}
-    return loss_sum, mismatch
+        drift.append(drift_by_lag(logp.detach(), gen_logp[rows], mask[rows], lag[rows]))
+    mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
+    return loss_sum, {**mismatch, **lag_drift(drift)}
+
+
+def lag_drift(parts):
+    """loss.drift_by_lag of each micro-batch -> {"log_rho_by_lag": mean |log rho| at lag 0, 1, .. (None where
+    no token had that lag), "drift": the mean at the oldest lag present}."""
+    size = max(len(sums) for sums, _ in parts)
+    sums = sum(torch.nn.functional.pad(s, (0, size - len(s))) for s, _ in parts)
+    counts = sum(torch.nn.functional.pad(n, (0, size - len(n))) for _, n in parts)
+    by_lag = [float(s / n) if n else None for s, n in zip(sums.tolist(), counts.tolist())]
+    return {"log_rho_by_lag": by_lag, "drift": next((v for v in reversed(by_lag) if v is not None), 0.0)}
 
 # -----------------------------------------------------------------------------
 # checkpoints
@@ -529,7 +545,8 @@ def load_data(args):
 
 def log_line(m, steps):
     line = (f"step {m['step']}/{steps} | reward {m['reward']:+.3f} | pass@1 {m['pass_rate']:.3f} | "
-            f"len {m['len']:.1f} | ent {m['entropy']:.3f} | trunc {m['trunc']:.3f} | intr {m['intr']:.3f} | lag {m['lag']:.1f}/{m['lag_max']:.0f} | "
+            f"len {m['len']:.1f} | ent {m['entropy']:.3f} | trunc {m['trunc']:.3f} | intr {m['intr']:.3f} | "
+            f"lag {m['lag']:.1f}/{m['lag_max']:.0f} | drift {m.get('drift', 0.0):.3f} | "
             f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | dt {m['dt_ms']:.0f} ms | "
             f"tok/s {m['tok_s']:.0f}")
     if "generate_ms" in m:  # one process: where the step's time went
@@ -577,6 +594,8 @@ class Run:
     compute_s: float = 0.0  # device-seconds: training wall-clock x processes
     flops: float = 0.0
     bad_steps: int = 0  # consecutive skipped optimizer steps (non-finite loss or gradient)
+    empty_steps: int = 0  # consecutive steps that kept no prompt (nothing to train on)
+    warned: set = field(default_factory=set)  # the alarms already raised (each is said once)
     lr: float = 0.0  # the learning rate of the step just taken (the scheduler already holds the next one)
     evals: list = field(default_factory=list)  # (compute_s, held-out pass rate) of every eval, for the live fit
     full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
@@ -660,10 +679,10 @@ def optimize(run, batch, args, ctx, device, pad_id):
         n_all = int(pipeline.all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
     loss_value, mismatch = 0.0, {}
     if rows:
-        ids, attn, mask, gen_logp = collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
-                                            pad_id, device)
+        ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[r] for r in rows],
+                                                 [batch.samples[r] for r in rows], pad_id, device, run.step)
         loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, batch.adv.to(device),
-                                                   batch.group[rows].to(device)),
+                                                   batch.group[rows].to(device), lag),
                                            args, n_local, total=batch.sums[args.agg], forward=forward)
     for _ in range(n_micro, n_all):  # FSDP2 only: passes that add nothing, to match the other trainers'
         ids = torch.full((1, 2), pad_id, device=device)
@@ -719,10 +738,42 @@ def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, 
          "too_old": int(sums["too_old"]), "skipped_bad": run.bad_steps > 0, "loss": sums["loss"], "grad_norm": grad_norm,
          "lr": run.lr, "dt_ms": dt * 1000,
          "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
-         **{f"mismatch_{k}": v for k, v in mismatch.items()}}
+         **mismatch}
     if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
         m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
     return m
+
+
+def alarms(run, m, args, rank0):
+    """Paper A.15: watch the truncations. Rank 0 warns once, in one line, when a batch's hard-truncation rate
+    passes 10% (where the paper's instability band starts) and when a step keeps no prompt. After
+    --max_empty_steps steps in a row that kept nothing -> why the run should stop (every trainer computes the
+    same from the summed metrics), else None: with nothing kept the optimizer never steps again, and the run
+    would spin."""
+    def warn(key, text):
+        if rank0 and key not in run.warned:
+            print(f"warning: step {m['step']}: {text}", flush=True)
+        run.warned.add(key)
+    if m["trunc"] > 0.10:
+        warn("trunc", f"{m['trunc']:.0%} of the batch was truncated (no eos within the budgets); the paper's runs became "
+             "unstable above 10-15%. Truncated samples leave the loss, so a format that runs out of budget gets no "
+             "gradient: watch trunc and drift")
+    run.empty_steps = run.empty_steps + 1 if m["kept_prompts"] == 0 else 0
+    if run.empty_steps:
+        warn("empty", f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 {m['pass_rate']:.2f}): nothing to train on, "
+             f"the optimizer step is skipped; the run stops after {args.max_empty_steps} such steps in a row")
+    if run.empty_steps < args.max_empty_steps:
+        return None
+    if m["trunc"] >= 0.5:
+        cause = ("the samples run out of budget (the policy writes past --answer_budget / --think_budget), and "
+                 "truncated samples carry no gradient that could pull it back. Raise --answer_budget, or train on "
+                 "them with --keep_truncated, or lower --lr / --max_lag")
+    elif m["pass_rate"] >= 0.5:
+        cause = "every group was all correct: the policy has solved these prompts (harder data, or stop here)"
+    else:
+        cause = "every group was all wrong: the prompts are too hard for this policy (easier data, more --samples)"
+    return (f"stopping at step {m['step']}: {run.empty_steps} steps in a row kept no prompt (--max_empty_steps "
+            f"{args.max_empty_steps}): {cause}")
 
 
 def gather_shards(run, rank0, with_optimizer):
@@ -877,12 +928,17 @@ def main(args):
                 m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
             log(m)
             print(log_line(m, args.steps), flush=True)
+        stop = alarms(run, m, args, rank0)
 
         # ---- checkpoint, then eval (trainer 0; not counted as compute): an eval that fails loses no step
         if rank0 and save_now:
             save(run, args, tokenizer)
         if evaluate_now:
             run_eval(run, args, tokenizer, val_ids, val, log, ctx)
+        if stop:
+            if rank0:
+                print(stop, flush=True)
+            break
 
     # ---- the end: a run stopped early (every prompt retired) is saved and evaluated; ranks leave together
     if run.forward is not None and (run.step != saved_at or run.step != evaluated_at):
