@@ -417,13 +417,22 @@ def toy_model_dir(log=print, preset="toy"):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--build"]:  # remake a shipped base model (deterministic: fixed seeds)
-        preset = sys.argv[2] if len(sys.argv) > 2 else "toy"
-        if preset not in PRESETS:
-            sys.exit(f"usage: python data.py --build [{' | '.join(PRESETS)}]")
-        build_toy_model(preset=preset)
-    elif len(sys.argv) > 1:
-        probs = load_problems(sys.argv[1])
+    import argparse
+    ap = argparse.ArgumentParser(description="the embedded tasks and the problem loader (see the docstring)",
+                                 allow_abbrev=False)
+    ap.add_argument("file", nargs="?", help="a jsonl of problems: load it, print the count and the first one")
+    ap.add_argument("--build", nargs="?", const="toy", choices=list(PRESETS),
+                    help="remake a shipped base model from fixed seeds (toy: toy_model/, toy-hard: toy_model_hard/)")
+    cli = ap.parse_args()
+    if cli.build:
+        build_toy_model(preset=cli.build)
+    elif cli.file:
+        try:
+            probs = load_problems(cli.file)
+        except OSError as err:
+            sys.exit(f"error: {cli.file}: {err.strerror or err}")
+        except ValueError as err:
+            sys.exit(f"error: {err}")
         print(f"{len(probs)} problems; first: {probs[0]}")
     else:
         print(toy_model_dir())

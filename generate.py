@@ -486,10 +486,12 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             finished.append((tag, sample))
 
 
-def generate(model, prompts, *, keys=None, slots=64, version=0, **settings):
+def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, **settings):
     """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
     keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws, whatever the
-    batching. settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
+    batching. stop: a callable polled between decode steps; once it returns true, generate gives up and
+    returns None (a Ctrl-C under way). settings: the sampler's (eos_id, think_end, interrupt_ids, the
+    budgets, ...)."""
     keys = range(len(prompts)) if keys is None else keys
     results = [None] * len(prompts)
     steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max(map(len, prompts), default=1),
@@ -497,6 +499,9 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, **settings):
     next(steps)
     new, left = list(zip(prompts, keys, range(len(prompts)))), len(prompts)
     while left:
+        if stop is not None and stop():
+            steps.close()
+            return None
         finished, _ = steps.send((new, version))
         new, left = [], left - len(finished)
         for i, s in finished:

@@ -66,6 +66,7 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -92,6 +93,41 @@ _CURRENT = {}  # this process's ctx, for report_failure
 
 class Stopped(Exception):
     """Raised inside a generator when the trainers have finished."""
+
+
+STOP = {}  # set by a SIGINT / SIGTERM: {"name": "SIGINT", "at": time.time()}
+
+
+def stop_on_signals():
+    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the trainers finish the step under way, save it and
+    print the --resume command (train.py); a generator that gets one passes it on through the store. The
+    handler only sets a flag (an exception raised at an arbitrary point, inside the sampler's generator for
+    one, can be swallowed). A repeat within 3 s is the same request (under torchrun Ctrl-C reaches a rank
+    twice: from the terminal and from torchrun); a later one exits at once, without saving."""
+    def handler(signum, frame):
+        name, quiet = signal.Signals(signum).name, int(os.environ.get("RANK", "0")) != 0
+        if STOP and time.time() - STOP["at"] > 3:
+            os.write(2, f"\n{name} again: exiting now, without saving\n".encode())
+            os._exit(128 + signum)
+        if not STOP:
+            STOP.update(name=name, at=time.time())
+            if not quiet:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"\n{name}: stopping after the step under way, then saving it ({name} again, "
+                            "3 s from now or later: exit at once without saving)\n".encode())
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def stop_requested(ctx):
+    """Has a signal asked this run to stop: this process, or under torchrun any rank (through the store)?"""
+    if ctx is None:
+        return bool(STOP)
+    if STOP and not STOP.get("told"):
+        ctx.store.set("interrupted", STOP["name"])
+        STOP["told"] = True
+    elif not STOP and ctx.store.check(["interrupted"]):  # another rank's: this one stops as if it got it too
+        STOP.update(name=ctx.store.get("interrupted").decode(), at=time.time(), told=True)
+    return bool(STOP)
 
 
 def default_gen_ranks(world):
@@ -545,9 +581,11 @@ def busy_metrics(ctx, dt, wait_s, train_s, sync_s, sync_bytes):
             "retired": sum(s.get("retired", 0) for s in now), "epoch": max((s.get("epoch", 0) for s in now), default=0)}
 
 
-def drain(ctx):
-    """After the last step: stop the generators, take every group still in flight, so they exit cleanly."""
+def drain(ctx, step):
+    """After the last step (`step`: the last one trained): stop the generators, take every group still in
+    flight, so they exit cleanly; each saves its curriculum as it was for a resume at `step`."""
     if ctx.rank == 0:
+        ctx.store.set("last_step", str(step))
         ctx.store.set("stop", "1")
     wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx.n_gens, "the generators to stop")
     while get_int(ctx, f"sent/{ctx.rank}") > ctx.received:
@@ -610,7 +648,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             (generate_pipelined if ctx.mode == "pipeline" else generate_frozen)(ctx, gen)
     except Stopped:
         pass
-    _save_curriculum(gen.snapshots.get(args.steps, curriculum), curriculum_path)
+    last = int(ctx.store.get("last_step"))  # args.steps, or the step the trainers stopped at (drain)
+    _save_curriculum(gen.snapshots.get(last, curriculum), curriculum_path)
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
@@ -657,6 +696,7 @@ def poll(ctx, gen, apply=True):
     gen.last_poll = time.time()
     if ctx.store.get("stop") == b"1":
         raise Stopped
+    stop_requested(ctx)  # a signal to this generator: the trainers stop after their step under way
     version = int(ctx.store.get("version"))
     if apply and version > gen.version:  # trainer 0 is in the broadcast of `version`, waiting for us
         t0 = time.time()
@@ -671,7 +711,7 @@ def poll(ctx, gen, apply=True):
         if every and version // every > before // every:  # trainer 0 saved a checkpoint at step b since
             b = version // every * every  # (ppo_offpolicy's versions step by k and may pass over b)
             _save_curriculum(gen.snapshots.get(b, gen.curriculum), gen.curriculum_path)
-        gen.snapshots = {b: c for b, c in gen.snapshots.items() if b > version}  # later saves need later ones
+        gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}  # a stop at `version` needs it
     publish_stats(ctx, gen)
     return gen.version
 

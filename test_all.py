@@ -15,6 +15,7 @@ import os
 import random
 import re
 import runpy
+import shlex
 import shutil
 import signal
 import socket
@@ -2374,6 +2375,49 @@ def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path
     assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_continues_exactly(toy_dir, tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM mid-run: the step under way is abandoned, the last finished one saved, one
+    line gives the exact command that resumes, the exit status is 128 + the signal; the command it gives
+    repeats the uninterrupted run's steps exactly."""
+    flags = ["--model", toy_dir, "--steps", "6", "--save_every", "0", "--eval_every", "3"]
+    (full,) = launch(1, tmp_path / "full", *flags)  # side by side with the run that is stopped
+    cut = tmp_path / "cut"
+    (p,) = launch(1, cut, *flags)
+    wait_for_train_records(cut, 2, [p])
+    p.send_signal(sig)
+    assert p.wait(timeout=30) == 128 + sig  # seconds on an idle machine (README); CI machines are slower
+    done = len(train_records(cut))
+    ckpt = cut / f"ckpt-{done:06d}"
+    argv = ["--out", str(cut), *PIPE_FLAGS, *flags, "--resume"]
+    line = f"stopped by a signal after step {done}/6; saved {ckpt}; continue with: python {ROOT / 'train.py'} "
+    assert line + " ".join(map(shlex.quote, argv)) in Path(p.log).read_text().splitlines()
+    assert ckpt.is_dir() and done < 6
+    (p,) = launch(1, cut, *flags, "--resume")
+    (rc, rc_full), (out, out_full) = finish_all([p, full])
+    assert rc == 0 and rc_full == 0, out + out_full
+    records = [json.loads(ln) for ln in open(cut / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
+
+
+def test_pipeline_a_signal_to_one_rank_stops_every_rank_with_the_last_step_saved(tmp_path):
+    """Under torchrun a SIGTERM may reach one rank only (a scheduler, a kill): here the generator. It passes the
+    request on; the trainer stops after its step, saves it, says how to resume, and every rank exits with
+    128 + SIGTERM; the resumed run goes on from that step."""
+    procs = launch(2, tmp_path, "--steps", "40", "--save_every", "0")
+    wait_for_train_records(tmp_path, 2, procs)
+    procs[1].send_signal(signal.SIGTERM)
+    rcs, (out, _) = finish_all(procs, timeout=60)
+    assert rcs == [128 + signal.SIGTERM] * 2, out
+    done = len(train_records(tmp_path))
+    assert f"stopped by a signal after step {done}/40; saved {tmp_path / f'ckpt-{done:06d}'}; continue with: " \
+           "torchrun --nproc_per_node 2 " in out and (tmp_path / f"curriculum-rank1.pt").exists()
+    rcs, (out, _) = finish_all(launch(2, tmp_path, "--steps", str(done + 2), "--save_every", "0", "--resume"))
+    assert rcs == [0, 0] and f"resumed from {tmp_path / f'ckpt-{done:06d}'} at step {done}" in out, out
+    assert [r["step"] for r in train_records(tmp_path)] == list(range(1, done + 3))
+
+
 def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path):
     recs = run_train(toy_dir, tmp_path, "--data", f"toy,{FIXTURES / 'code_toy.jsonl'}", "--val_size", "30",
                      "--steps", "1", "--eval_every", "1", "--prompts", "8")
@@ -2547,13 +2591,44 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         train.get_args(["--resume", "--overwrite"])
 
 
+def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, tmp_path, capsys):
+    for argv, line in [(["--prompt", "8"], "train.py: error: unrecognized arguments: --prompt 8 (--prompt: did you "
+                                           "mean --prompts?) (--help lists the flags)"),
+                       (["--device", "cuda"], "train.py: error: --device cuda: this PyTorch build has no CUDA")]:
+        if argv[0] == "--device" and torch.cuda.is_available():
+            continue
+        with pytest.raises(SystemExit):
+            train.get_args(argv)
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and said[0].startswith(line), said
+    for flags, message in [(["--data", "no_such.jsonl"], "error: --data no_such.jsonl: No such file or directory"),
+                           (["--val_data", "none.jsonl"], "error: --val_data none.jsonl: No such file or directory")]:
+        with pytest.raises(SystemExit) as exit_:
+            run_train(toy_dir, tmp_path / "out", *flags)
+        assert exit_.value.code == message and not (tmp_path / "out").exists()
+    train_set, val = train.load_data(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl")]))
+    assert (len(train_set), len(val)) == (18, 2)  # the default split of a small data set: a tenth held out
+    help_ = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0 and "--build" in help_.stdout
+
+
+def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
+    run_train(toy_dir, tmp_path, "--steps", "1")
+    rcs, outs = finish_all(launch(2, tmp_path, "--steps", "1"))
+    assert rcs == [1, 1]
+    assert outs[0].strip().splitlines() == [f"error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
+                                            "pass --resume to continue it, --overwrite to start over, or another --out"]
+    assert outs[1].strip() == ""
+
+
 def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):
     recs = run_train(toy_dir, tmp_path / "run", "--steps", "2")
     out = capsys.readouterr().out
     assert recs[0]["ran"] == "one process, synchronous"
     assert "held-out pass rate" in out.split("done in")[1] and f"next: python fit.py {tmp_path / 'run'}" in out
-    with pytest.raises(SystemExit, match="--val_size 99999: val_size must be between 1 and"):
+    with pytest.raises(SystemExit, match="--val_size 99999: --data has 2204 problems, and some must be left"):
         run_train(toy_dir, tmp_path / "big", "--val_size", "99999")
+    assert not (tmp_path / "big").exists()  # checked before anything is made
     capsys.readouterr()
     train.main(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl"), "--out", str(tmp_path / "data"),
                                "--steps", "1", "--val_size", "4", "--prompts", "2", "--samples", "2",
@@ -2627,6 +2702,75 @@ def test_train_run_folders_are_never_silently_mixed_or_erased(toy_dir, tmp_path)
     (out / "ckpt-000099").mkdir()  # a stray folder of an older run
     recs = run_train(toy_dir, out, "--steps", "2", "--overwrite")
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2] and not (out / "ckpt-000099").exists()
+
+
+def test_train_deletes_and_prunes_only_what_a_run_of_it_wrote(toy_dir, tmp_path):
+    """--overwrite and checkpoint pruning touch only the names a run of train.py writes, in a folder that is
+    a run of train.py; a folder that is not one keeps everything, as do a user's copies beside the run."""
+    foreign = tmp_path / "experiments"
+    for d in ("wandb/run-1", "tb/other-experiment", "ckpt-best-model"):
+        (foreign / d).mkdir(parents=True)
+    for f in ("ckpt-notes.txt", "metrics.jsonl"):
+        (foreign / f).write_text("mine\n")
+    before = sorted(str(p.relative_to(foreign)) for p in foreign.rglob("*"))
+    for flag in ("--overwrite", "--resume"):
+        with pytest.raises(SystemExit, match="holds metrics.jsonl but is not a run of train.py"):
+            run_train(toy_dir, foreign, flag)
+    assert sorted(str(p.relative_to(foreign)) for p in foreign.rglob("*")) == before
+    out = tmp_path / "run"
+    run_train(toy_dir, out, "--steps", "4", "--save_every", "2", "--keep", "1")
+    shutil.copytree(out / "ckpt-000004", out / "ckpt-best-4")  # a user's copy, and notes, beside the run
+    (out / "ckpt-v2").mkdir()
+    (out / "ckpt-notes.txt").write_text("keep me")
+    (out / "wandb").mkdir()
+    run_train(toy_dir, out, "--steps", "6", "--save_every", "2", "--keep", "1", "--resume")
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000006", "ckpt-best-4", "ckpt-notes.txt", "ckpt-v2"]
+    run_train(toy_dir, out, "--steps", "2", "--overwrite")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "ckpt-000002", "ckpt-best-4", "ckpt-notes.txt", "ckpt-v2", "metrics.jsonl", "wandb"]  # wandb: not this run's
+    with pytest.raises(SystemExit, match="--model .*ckpt-000002 is inside --out .*which --overwrite would clear"):
+        run_train(str(out / "ckpt-000002"), out, "--steps", "2", "--overwrite")
+    assert (out / "ckpt-000002" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("where", [".", "toy_model", "fixtures/sub", "model"])
+def test_train_refuses_an_out_in_the_source_tree_or_a_model_folder(toy_dir, tmp_path, where):
+    out = Path(toy_dir) if where == "model" else ROOT / where
+    with pytest.raises(SystemExit, match="inside the source tree|the source tree or holds it|a model folder"):
+        run_train(toy_dir, out)
+    assert not (ROOT / "fixtures" / "sub").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_train_run_files_are_never_written_through_a_symlink(toy_dir, tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("precious")
+    out = tmp_path / "lock"
+    out.mkdir()
+    (out / ".lock").symlink_to(target)
+    with pytest.raises(SystemExit, match="symlink"):
+        run_train(toy_dir, out)
+    out = tmp_path / "run"
+    run_train(toy_dir, out)
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(SystemExit, match="symlink"):
+        run_train(toy_dir, out, "--resume", "--steps", "3")
+    assert target.read_text() == "precious"
+
+
+def test_train_resume_falls_back_past_a_checkpoint_without_config_and_names_bad_metrics_lines(toy_dir, tmp_path,
+                                                                                              capsys):
+    out = tmp_path / "run"
+    run_train(toy_dir, out, "--steps", "4", "--save_every", "2", "--keep", "2")
+    (out / "ckpt-000004" / "config.json").unlink()
+    recs = run_train(toy_dir, out, "--steps", "4", "--save_every", "2", "--resume")
+    assert "skipping" in capsys.readouterr().out and [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    for bad, why in (("[1, 2]", "not a metrics record"), ('"a string"', "not a metrics record"),
+                     ('{"kind": "eval", "step": 1, "pass_rate": 0.5}', "an eval record without its compute_s")):
+        (out / "metrics.jsonl").write_text("\n".join(lines[:2] + [bad] + lines[2:]) + "\n")
+        with pytest.raises(SystemExit, match=rf"metrics.jsonl:3: {why}"):
+            run_train(toy_dir, out, "--steps", "4", "--save_every", "2", "--resume")
 
 
 def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_dir, tmp_path, capsys):

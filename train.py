@@ -26,13 +26,17 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 
 import argparse
 import copy
+import difflib
+import errno
 import fcntl
 import glob
 import json
 import math
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -59,8 +63,24 @@ from sandbox import BWRAP_MISSING, bwrap_ready
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no abbreviations
+    (--prompt is not taken for --prompts), and under torchrun only rank 0 says it (the others exit quietly)."""
+
+    def __init__(self, **kw):
+        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+
+    def error(self, message):
+        if int(os.environ.get("RANK", "0")) != 0:
+            self.exit(2)
+        flags = [o for a in self._actions for o in a.option_strings]
+        typed = re.findall(r"(--[\w-]+)", message) if message.startswith("unrecognized arguments") else []
+        hints = [f"{t}: did you mean {close[0]}?" for t in typed if (close := difflib.get_close_matches(t, flags, 1))]
+        self.exit(2, f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} (--help lists the flags)\n")
+
+
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="ScaleRL training loop", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = FlagParser(prog="train.py", description="ScaleRL training loop")
     g = ap.add_argument_group("model and data")
     g.add_argument("--model", default="", help="HF model folder (Llama/Qwen2/Qwen3); empty = the embedded base model of the "
                    "--data preset")
@@ -70,7 +90,8 @@ def get_args(argv=None):
                    help="code problems: run programs with resource limits only when bubblewrap (bwrap) is missing; "
                         "a program can then forge its reward (sandbox.py)")
     g.add_argument("--val_data", default="", help="held-out jsonl; empty = hold out --val_size problems of --data")
-    g.add_argument("--val_size", type=int, default=200, help="held-out problems (paper: 1000)")
+    g.add_argument("--val_size", type=int, default=None, help="held-out problems (paper: 1000); None = 200, or a "
+                   "tenth of a --data of fewer than 2,000 problems")
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights dtype")
@@ -101,9 +122,9 @@ def get_args(argv=None):
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
                    help="drop prompts whose rewards are all equal")
     g.add_argument("--keep_truncated", action="store_true",
-                   help="keep truncated samples (no eos within the budget) in the loss with their reward; default: "
-                        "excluded from the loss and the group statistics (paper A.15's effective batch). Use it if "
-                        "trunc climbs: off-policy toy runs can collapse into all-truncated batches (BENCHMARKS 6)")
+                   help="an ablation: keep truncated samples (no eos within the budget) in the loss, with reward -1 "
+                        "(a truncated sample is never correct); default: excluded from the loss and the group "
+                        "statistics (paper A.15's effective batch)")
     g.add_argument("--no_positive_resampling", action=argparse.BooleanOptionalAction, default=True,
                    help="never resample a prompt once its pass rate reaches 0.9")
     g = ap.add_argument_group("optimization")
@@ -158,9 +179,14 @@ def check_args(args, error):
                  "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup", "max_empty_steps"):
         if getattr(args, name) <= 0:
             error(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("micro_prompts", "grad_clip", "save_every", "val_size"):  # 0 has a meaning (see --help)
+    for name in ("micro_prompts", "grad_clip", "save_every"):  # 0 has a meaning (see --help)
         if getattr(args, name) < 0:
             error(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.val_size is not None and args.val_size <= 0:
+        error(f"--val_size must be positive, got {args.val_size}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        error(f"--device {args.device}: " + ("this PyTorch build has no CUDA (a CPU wheel); install the CUDA build"
+                                             if torch.version.cuda is None else "no CUDA device is visible"))
     if args.resume and args.overwrite:
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
@@ -182,15 +208,67 @@ def check_model_dir(path, error):
         error(f"--model {path}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
 
 
-RUN_FILES = ("metrics.jsonl", "ckpt-*", "curriculum-rank*.pt", "tb", "wandb")  # what makes a folder a run's
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN_MARK = ".train-run.json"  # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
+RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.pt(\.tmp)?")  # the names it writes
+SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")  # the repository's own folders
 _LOCK = []  # the open lock file of this process's run
 
 
+def run_names(out):
+    """The entries of --out that a run of train.py wrote: its metrics, checkpoints and curriculum files, and tb/
+    or wandb/ when the folder's RUN_MARK says a run there used --tensorboard / --wandb. Nothing else."""
+    mark = read_mark(out)
+    trackers = [name for name in ("tb", "wandb") if mark.get(name)]
+    return sorted(n for n in os.listdir(out) if RUN_NAME.fullmatch(n) or n in trackers)
+
+
+def read_mark(out):
+    path = os.path.join(out, RUN_MARK)
+    if not os.path.isfile(path) or os.path.islink(path):
+        return {}
+    try:
+        with open(path) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return mark if isinstance(mark, dict) else {}
+
+
+def legacy_run(out):
+    """A run folder written before RUN_MARK existed: its metrics.jsonl opens with train.py's config line."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            first = json.loads(f.readline())
+        return isinstance(first, dict) and first.get("kind") == "config" and "ran" in first
+    except (OSError, ValueError):
+        return False
+
+
+def check_out_dir(args):
+    """--out may not be the source tree or a folder of it (the repo root, toy_model/, fixtures/, ...), a model
+    folder, or hold the --model that --overwrite would delete -> an error message, or None."""
+    out, here = os.path.realpath(args.out), os.path.realpath(HERE)
+    inside = os.path.relpath(out, here).split(os.sep)[0]
+    if os.path.commonpath([out, here]) == out or inside in SOURCE_DIRS:
+        return f"--out {args.out} is {'the source tree or holds it' if inside in ('.', '..') else 'inside the source tree'}" \
+               f" ({here}): give a folder under runs/ or outside the repository"
+    if os.path.isfile(os.path.join(out, "config.json")) and not read_mark(out):
+        return f"--out {args.out} holds a config.json that no run of train.py wrote (a model folder?): choose another --out"
+    if args.model and args.overwrite and os.path.commonpath([out, os.path.realpath(args.model)]) == out:
+        return f"--model {args.model} is inside --out {args.out}, which --overwrite would clear: copy it out first"
+    return None
+
+
 def prepare_out_dir(args, need_mb=100):
-    """Before any compute: --out must be writable with free space, and a folder that already holds a run is
-    refused unless --resume continues it or --overwrite clears it (rank 0 clears). Rank 0 holds --out/.lock
-    for the whole run, so a second run cannot write the same folder at once."""
+    """Before any compute: --out must be a safe place (check_out_dir), writable with free space, and a folder
+    that already holds a run is refused unless --resume continues it or --overwrite clears it (rank 0
+    clears, and only the names a run of train.py writes: run_names). Rank 0 holds --out/.lock for the whole
+    run, so a second run cannot write the same folder at once."""
     out = args.out
+    problem = check_out_dir(args)
+    if problem:
+        sys.exit(f"error: {problem}")
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, f".write-test-{os.getpid()}")
@@ -202,27 +280,53 @@ def prepare_out_dir(args, need_mb=100):
     free_mb = shutil.disk_usage(out).free / 2 ** 20
     if free_mb < need_mb:
         sys.exit(f"error: --out {out}: only {free_mb:.0f} MB free on its disk (checkpoints need more)")
-    held = sorted(p for pattern in RUN_FILES for p in glob.glob(os.path.join(out, pattern)))
+    held = run_names(out)
+    if held and not read_mark(out) and not legacy_run(out):
+        sys.exit(f"error: --out {out} holds {', '.join(held[:3])} but is not a run of train.py (no {RUN_MARK}): "
+                 "nothing there is deleted or resumed; move those files or choose another --out")
     if held and not (args.resume or args.overwrite):
-        sys.exit(f"error: --out {out} already holds a run ({', '.join(map(os.path.basename, held[:3]))}"
-                 f"{', ...' if len(held) > 3 else ''}): pass --resume to continue it, --overwrite to start over, "
-                 "or another --out")
+        sys.exit(f"error: --out {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                 "pass --resume to continue it, --overwrite to start over, or another --out")
     if int(os.environ.get("RANK", "0")) != 0:
         return
     lock_run(out)
-    for path in held if args.overwrite else []:
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for name in held if args.overwrite else []:
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    mark = {} if args.overwrite else read_mark(out)
+    write_file(os.path.join(out, RUN_MARK), json.dumps({"tb": mark.get("tb") or args.tensorboard,
+                                                      "wandb": mark.get("wandb") or bool(args.wandb)}))
+
+
+def open_run_file(path, mode):
+    """Open a file of the run folder for writing ("w" or "a") without following a symlink planted there."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    try:
+        return os.fdopen(os.open(path, flags, 0o644), mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            sys.exit(f"error: {path} is a symlink: a run writes its own files only, never through a link")
+        raise
+
+
+def write_file(path, text):
+    with open_run_file(path, "w") as f:
+        f.write(text)
 
 
 def lock_run(out):
     """Hold an exclusive lock on out/.lock until this process ends (or starts another run)."""
     while _LOCK:
         _LOCK.pop().close()  # a run of this process that ended without releasing it (tests call main again)
-    f = open(os.path.join(out, ".lock"), "a+")
+    path = os.path.join(out, ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        sys.exit(f"error: {path}: {'a symlink: the lock is never taken through a link' if err.errno == errno.ELOOP else err}")
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
         sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); wait for it to end "
@@ -245,12 +349,15 @@ def disk_error(path, err, out):
 
 def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
     """Sample one completion per prompt (keys: noise keys) and score it against its problem's answer or
-    tests -> (samples, texts, correct, seconds spent generating, seconds spent verifying)."""
+    tests -> (samples, texts, correct, seconds spent generating, seconds spent verifying); None when a
+    signal asked the run to stop meanwhile (the sampling is abandoned: nothing of it is used)."""
     t0 = time.time()
     samples = generate(model, prompt_ids, **special_tokens(tokenizer), think_budget=args.think_budget,
                        answer_budget=args.answer_budget, interrupt=args.length_control == "interrupt",
                        slots=args.slots, temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
-                       keys=keys, version=version)
+                       keys=keys, version=version, stop=lambda: bool(pipeline.STOP))
+    if samples is None:
+        return None
     t1 = time.time()
     texts, correct = score_samples(tokenizer, samples, problems, unsafe_code=args.unsafe_code_exec)
     return samples, texts, correct, t1 - t0, time.time() - t1
@@ -270,7 +377,10 @@ def evaluate(model, tokenizer, val_ids, val, args):
     """Held-out mean@k pass rate (and per domain); the same noise keys at every eval (less variance)."""
     k = args.eval_samples
     keys = [10**12 + i for i in range(len(val_ids) * k)]
-    samples, _, correct, _, _ = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
+    result = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
+    if result is None:  # stopped by a signal
+        return None
+    samples, _, correct, _, _ = result
     return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
             "intr": float(np.mean([0 in s.mask for s in samples])), "len": float(np.mean([len(s.tokens) for s in samples])),
             "n": len(correct), **domain_rates(val * k, correct)}
@@ -431,8 +541,10 @@ def step_of(ckpt):
 
 
 def checkpoints(out):
-    """The checkpoint folders in out, oldest step first."""
-    return sorted(glob.glob(os.path.join(out, "ckpt-*[0-9]")), key=step_of)
+    """The checkpoint folders a run wrote in out (ckpt- and a step number of 6 or more digits: never a user's
+    ckpt-best-4 or ckpt-v2), oldest step first."""
+    names = [n for n in os.listdir(out) if re.fullmatch(r"ckpt-\d{6,}", n)] if os.path.isdir(out) else []
+    return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))), key=step_of)
 
 
 def intact_checkpoint(out, quiet=False):
@@ -441,6 +553,8 @@ def intact_checkpoint(out, quiet=False):
     for path in reversed(checkpoints(out)):
         try:
             state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            with open(os.path.join(path, "config.json")) as f:
+                json.load(f)
             weights = glob.glob(os.path.join(path, "*.safetensors"))
             if not weights:
                 raise FileNotFoundError("no *.safetensors")
@@ -475,9 +589,8 @@ def start_metrics(args, run, ckpt, world):
         run.evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(path, run.step) if r["kind"] == "eval"]
         print(f"resumed from {ckpt} at step {run.step}")
         return
-    with open(path, "w") as f:
-        ran = "one process, synchronous" if world == 1 else args.mode  # what actually ran
-        f.write(json.dumps({"kind": "config", **vars(args), "ran": ran, "n_params": run.n_params, "world": world}) + "\n")
+    ran = "one process, synchronous" if world == 1 else args.mode  # what actually ran
+    write_file(path, json.dumps({"kind": "config", **vars(args), "ran": ran, "n_params": run.n_params, "world": world}) + "\n")
 
 
 def check_resume(saved, args):
@@ -511,10 +624,25 @@ def truncate_metrics(path, step):
             if i < len(lines) - 1:
                 sys.exit(f"error: {path}:{i + 1}: not a JSON line ({err}); only a half-written last line is dropped")
             print(f"--resume: dropped the half-written last line of {path}", flush=True)
+            continue
+        problem = metrics_problem(records[-1])
+        if problem:
+            sys.exit(f"error: {path}:{i + 1}: {problem} (a line edited by hand?); fix or delete it, then --resume")
     records = [r for r in records if r.get("step", -1) <= step]  # the config line has no step
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    write_file(path, "".join(json.dumps(r) + "\n" for r in records))
     return records
+
+
+def metrics_problem(r):
+    """What is wrong with one metrics.jsonl record for a resume (None if nothing): a JSON object with a known
+    kind, a whole step, and for an eval the numbers the live fit reads."""
+    if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval"):
+        return "not a metrics record (a JSON object whose kind is config, train or eval)"
+    if r["kind"] != "config" and not (isinstance(r.get("step"), int) and r["step"] >= 0):
+        return "no whole step number"
+    if r["kind"] == "eval" and not all(isinstance(r.get(k), (int, float)) for k in ("compute_s", "pass_rate")):
+        return "an eval record without its compute_s and pass_rate numbers"
+    return None
 
 # -----------------------------------------------------------------------------
 # data
@@ -523,24 +651,32 @@ def truncate_metrics(path, step):
 def load_data(args):
     """-> (train problems, held-out problems). --data: jsonl files, comma-separated; "toy" (or an empty
     --data) is the embedded task: the distinct problems among 4000 generated ones (about 2200)."""
-    problems = []
-    try:  # a bad record: one line naming file:line and the field, not a traceback
-        for path in (args.data or "toy").split(","):
-            if path in PRESETS:
-                seen = {}
-                for p in toy_problems(4000, args.seed + 12345, path):
-                    seen.setdefault(p["prompt"], dict(p, domain="math"))
-                problems += list(seen.values())
-            else:
-                problems += load_problems(path)
-        if args.val_data:
-            return problems, load_problems(args.val_data)
-    except (OSError, ValueError) as err:
-        sys.exit(f"error: {err}")
+    problems = [p for path in (args.data or "toy").split(",") for p in load_source("--data", path, args.seed)]
+    if args.val_data:
+        return problems, load_source("--val_data", args.val_data, args.seed)
+    if args.val_size is None:
+        return split_problems(problems, min(200, max(1, len(problems) // 10)), args.seed)
+    if args.val_size >= len(problems):
+        sys.exit(f"error: --val_size {args.val_size}: --data has {len(problems)} problems, and some must be left to "
+                 f"train on: give a smaller --val_size (e.g. {max(1, len(problems) // 10)}), or a --val_data file")
+    return split_problems(problems, args.val_size, args.seed)
+
+
+def load_source(flag, path, seed):
+    """The problems of one --data / --val_data source: a preset task ("toy": the distinct problems among 4000
+    generated ones, about 2200) or a jsonl file. A missing file or a bad record: one line naming the flag or
+    file:line and the field, not a traceback."""
+    if path in PRESETS:
+        seen = {}
+        for p in toy_problems(4000, seed + 12345, path):
+            seen.setdefault(p["prompt"], dict(p, domain="math"))
+        return list(seen.values())
     try:
-        return split_problems(problems, args.val_size, args.seed)
+        return load_problems(path)
+    except OSError as err:
+        sys.exit(f"error: {flag} {path}: {err.strerror or err}")
     except ValueError as err:
-        sys.exit(f"error: --val_size {args.val_size}: {err}")
+        sys.exit(f"error: {flag}: {err}")
 
 
 def log_line(m, steps):
@@ -560,12 +696,17 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
     """One process: sample G completions for the next prompts here, verify, record pass rates.
     -> (groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them,
     stats like receive_groups's: too_old, wait_s, gen_tokens, and seconds generating and verifying)."""
+    before = curriculum.state_dict()
     idx = curriculum.next_batch(args.prompts)
     prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
     problems = [train[i] for i in idx for _ in range(args.samples)]
     keys = [(step * args.prompts + j // args.samples) * 1000 + j % args.samples for j in range(len(prompt_ids))]
     model.eval()
-    samples, _, correct, gen_s, verify_s = rollout(model, tokenizer, prompt_ids, problems, args, keys, version=step)
+    result = rollout(model, tokenizer, prompt_ids, problems, args, keys, version=step)
+    if result is None:  # stopped by a signal: this step is not taken, and its prompts are not served
+        curriculum.load_state_dict(before)
+        return None, None
+    samples, _, correct, gen_s, verify_s = result
     groups = []
     for j, i in enumerate(idx):  # samples come in blocks of G per prompt
         block = slice(j * args.samples, (j + 1) * args.samples)
@@ -797,6 +938,8 @@ def run_eval(run, args, tokenizer, val_ids, val, log, ctx):
         pipeline.set_status(ctx, f"evaluating step {run.step}")
     run.full_model.eval()
     result = evaluate(run.full_model, tokenizer, val_ids, val, args)
+    if result is None:  # a signal stopped it: no eval line
+        return pipeline.done_evaluating(ctx, run.step) if ctx else None
     m = {"kind": "eval", "step": run.step, "compute_s": run.compute_s, "flops": run.flops, **result}
     run.evals.append((run.compute_s, result["pass_rate"]))
     C, R = np.array(run.evals).T
@@ -833,7 +976,7 @@ def metrics_log(args, rank0):
 
     def log(m):
         try:
-            with open(path, "a") as f:
+            with open_run_file(path, "a") as f:
                 f.write(json.dumps(m) + "\n")
         except OSError as err:
             raise disk_error(path, err, args.out) from None
@@ -850,15 +993,15 @@ def main(args):
         return eval_only(args)
     # ---- setup: output folder, data, ranks, device, model
     t_start = time.time()
-    prepare_out_dir(args)
-    log = metrics_log(args, int(os.environ.get("RANK", "0")) == 0)  # checks --wandb/--tensorboard before ranks wait
-    train, val = load_data(args)
-    note_toy_model(args, args.data, "--data", "trains")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    train, val = load_data(args)  # user errors first: nothing is made in --out before they are all checked
     check_code_rewards(args, train + val)
-    ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
-    rank0 = ctx is None or ctx.rank == 0
-    torch.manual_seed(args.seed)
+    prepare_out_dir(args)
+    log = metrics_log(args, rank0)  # checks --wandb/--tensorboard before ranks wait
+    note_toy_model(args, args.data, "--data", "trains")
     ckpt, state = resume_point(args, quiet=not rank0)
+    ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
+    torch.manual_seed(args.seed)
     model_dir = ckpt or args.model or base_model_dir(args)
     device = pick_device(args, ctx)
     tokenizer, model = load_model(model_dir, args, device)
@@ -883,7 +1026,11 @@ def main(args):
     if run.step == 0:
         run_eval(run, args, tokenizer, val_ids, val, log, ctx)
     evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
+    signaled = False
     while run.step < args.steps:
+        signaled = pipeline.all_reduce_stats(ctx, {"stop": pipeline.stop_requested(ctx)})[0]["stop"] > 0
+        if signaled:
+            break  # SIGINT / SIGTERM (any rank): save the last finished step below and say how to resume
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
         t0 = time.time()
         if ctx is None:
@@ -891,6 +1038,9 @@ def main(args):
                 groups, rstats = local_rollouts(model, tokenizer, train, train_ids, run.curriculum, run.step, args)
             except StopIteration as e:
                 print(f"stopping at step {run.step}: {e}")
+                break
+            if groups is None:
+                signaled = True
                 break
         else:
             groups, rstats = pipeline.receive_groups(ctx, run.step)
@@ -940,7 +1090,9 @@ def main(args):
                 print(stop, flush=True)
             break
 
-    # ---- the end: a run stopped early (every prompt retired) is saved and evaluated; ranks leave together
+    # ---- the end: a run stopped early (every prompt retired, a signal) is saved, and evaluated unless a signal
+    # asked it to stop; ranks leave together
+    evaluated_at = run.step if signaled else evaluated_at
     if run.forward is not None and (run.step != saved_at or run.step != evaluated_at):
         gather_shards(run, rank0, run.step != saved_at)
     if rank0 and run.step != saved_at:
@@ -948,12 +1100,26 @@ def main(args):
     if run.step != evaluated_at:
         run_eval(run, args, tokenizer, val_ids, val, log, ctx)
     if ctx:
-        pipeline.drain(ctx)
+        pipeline.drain(ctx, run.step)
         pipeline.finish(ctx)
-    if rank0:
+    if rank0 and signaled:
+        saved = checkpoints(args.out)[-1:] or ["nothing (no step finished yet)"]
+        print(f"stopped by a signal after step {run.step}/{args.steps}; saved {saved[0]}; continue with: "
+              f"{resume_command()}", flush=True)
+    elif rank0:
         summary(args, time.time() - t_start)
     while _LOCK:  # the run is over: --out is free again
         _LOCK.pop().close()
+
+
+def resume_command():
+    """This process's own command line with --resume (and without --overwrite): what continues the run."""
+    flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    launcher = ["python"] if world == 1 else ["torchrun", "--nproc_per_node", str(local)]
+    if world > local:
+        launcher[1:1] = ["--nnodes", str(world // local), "(and your rendezvous flags)"]
+    return " ".join(launcher + [sys.argv[0]] + [shlex.quote(a) for a in flags])
 
 
 def tracker(args):
@@ -992,13 +1158,22 @@ def summary(args, seconds):
 
 if __name__ == "__main__":
     args = get_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if not args.eval_only:  # an eval has nothing to save: a signal stops it at once
+        pipeline.stop_on_signals()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        main(args)
+    else:
         try:
             main(args)
+        except SystemExit as err:  # a user error: one line, said by rank 0 alone (every rank meets it)
+            if err.code not in (None, 0) and not isinstance(err.code, int) and int(os.environ["RANK"]) == 0:
+                print(err.code, file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(err.code if isinstance(err.code, int) else 1)
         except BaseException as err:  # one rank failing: print why, and exit without waiting on the others
             traceback.print_exc()
             pipeline.report_failure(err)
             sys.stderr.flush()
             os._exit(1)
-    else:
-        main(args)
+    if pipeline.STOP:  # stopped by a signal, its step saved: the status a signal gives
+        sys.exit(128 + signal.Signals[pipeline.STOP["name"]].value)
