@@ -155,6 +155,8 @@ def get_args(argv=None):
     g.add_argument("--slow", default="", help="testing: 'trainer=S' / 'generator=S': the last rank of that role sleeps S s per optimizer / decode step")
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
+    g.add_argument("--log_every", type=int, default=1, help="print the step line every N steps (and the last one); "
+                   "metrics.jsonl keeps every step")
     g.add_argument("--eval_samples", type=int, default=4, help="samples per held-out prompt, mean@k (paper: 16)")
     g.add_argument("--eval_only", action="store_true", help="only evaluate --model (default: the --data preset's base model) on "
                    "--val_data (default: the held-out split of --data), print the pass rate and exit")
@@ -176,7 +178,7 @@ def get_args(argv=None):
 def check_args(args, error):
     """Flag values that would fail late (after the model loads) or silently train wrong: error(message)."""
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every", "eval_samples", "slots",
-                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup", "max_empty_steps"):
+                 "max_lag", "timeout", "heartbeat_timeout", "bucket_mb", "warmup", "max_empty_steps", "log_every"):
         if getattr(args, name) <= 0:
             error(f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("micro_prompts", "grad_clip", "save_every"):  # 0 has a meaning (see --help)
@@ -692,6 +694,15 @@ def log_line(m, steps):
     return line
 
 
+def progress(run, args, loop_start):
+    """The end of a step line: the last held-out pass rate and the time left at this run's pace so far
+    (evals and checkpoints included)."""
+    t0, step0 = loop_start
+    left = (time.time() - t0) / max(run.step - step0, 1) * (args.steps - run.step)
+    held_out = f" | held-out {run.evals[-1][1]:.3f}" if run.evals else ""
+    return f"{held_out} | ETA {int(left // 60)}m{int(left % 60):02d}s"
+
+
 def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
     """One process: sample G completions for the next prompts here, verify, record pass rates.
     -> (groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them,
@@ -1026,7 +1037,7 @@ def main(args):
     if run.step == 0:
         run_eval(run, args, tokenizer, val_ids, val, log, ctx)
     evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
-    signaled = False
+    signaled, loop_start = False, (time.time(), run.step)
     while run.step < args.steps:
         signaled = pipeline.all_reduce_stats(ctx, {"stop": pipeline.stop_requested(ctx)})[0]["stop"] > 0
         if signaled:
@@ -1077,7 +1088,8 @@ def main(args):
             else:
                 m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
             log(m)
-            print(log_line(m, args.steps), flush=True)
+            if run.step % args.log_every == 0 or run.step == args.steps:
+                print(log_line(m, args.steps) + progress(run, args, loop_start), flush=True)
         stop = alarms(run, m, args, rank0)
 
         # ---- checkpoint, then eval (trainer 0; not counted as compute): an eval that fails loses no step
