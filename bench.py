@@ -1,6 +1,6 @@
 """
-bench.py: throughput, memory and numerics figures of the generator and the trainer (SCALERL.md
-section 4: the generator/trainer split; section 2: the FP32 LM head).
+bench.py: throughput, memory and numerics figures of the generator and the trainer (the paper, arXiv
+2510.13786: section 3.1's generator/trainer split; section 3.2's FP32 LM head).
 
 Figures, one printed line per measurement (--json adds one machine-readable dict as the last line):
 1. sampler: tokens/s of generate.generate (continuous batching, slots = batch) against transformers'

@@ -1,5 +1,6 @@
 """
-data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.md sections 2 and 5).
+data.py: problems in, prompts out, and the curriculum that picks them (arXiv 2510.13786: the
+reward and data of section 2, the curriculum of section 3.2).
 
 - read_jsonl(path): the (line number, JSON object) pairs of a jsonl file; errors name FILE:LINE
   (load_problems and fit.py's load_run read with it).
@@ -38,7 +39,7 @@ data.py: problems in, prompts out, and the curriculum that picks them (SCALERL.m
     python data.py                          # print the toy model's folder and a few toy problems
     python data.py --build                  # remake the shipped toy model (about 3 minutes on 2 cores)
     python data.py --build toy-hard         # remake toy-hard's base model (about 6 minutes)
-    python data.py ../shared/data/gsm8k_test.jsonl   # load a file, print counts and one example
+    python data.py fixtures/gsm8k_test_sample.jsonl  # load a file, print counts and one example
 """
 
 import json
@@ -57,7 +58,7 @@ TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `pyth
 TOY_DIRS = {"toy": TOY_DIR, "toy-hard": os.path.join(HERE, "toy_model_hard")}  # `--build toy-hard` remakes that one
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
 CODE_INSTRUCTION = "Think inside <think> </think>, then answer with a Python program in a ```python block."
-# forced in by the sampler at a sample's interruption point (generate.py, SCALERL.md section 2); it ends the thought
+# forced in by the sampler at a sample's interruption point (generate.py; the paper's interruptions, section 3.2); it ends the thought
 INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 
 # -----------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def split_problems(problems, val_size, seed=0):
 class Curriculum:
     """Serves prompt indices epoch by epoch in a seeded order and keeps each prompt's pass-rate history.
 
-    No-Positive-Resampling (SCALERL.md section 2): once a prompt's measured pass rate is >= threshold
+    No-Positive-Resampling (paper section 3.2, the data curriculum): once a prompt's measured pass rate is >= threshold
     it is retired and never sampled again: each epoch's order leaves out the prompts retired so far, and
     a prompt retired after its epoch's order was drawn is skipped when its turn comes.
     A batch that crosses an epoch boundary holds each prompt at most once (when at least k prompts are

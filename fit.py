@@ -1,6 +1,6 @@
 """
 Fit the ScaleRL compute-performance curve to a run's eval pass rates, extrapolate it, and
-compare runs. Implements SCALERL.md section 1 (paper arXiv 2510.13786, "The scaling curve"):
+compare runs. Implements the paper's compute-performance curve (arXiv 2510.13786, Eq. 1, section 2):
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B)     A ceiling, B efficiency, C_mid half-gain
 
@@ -173,7 +173,7 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
 
 def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
     """Grid over (A, C_mid) with the best B for each pair, then the lowest-SSE pair polished
-    by curve_fit (SCALERL.md section 1). A given: A stays fixed (used by compare).
+    by curve_fit (the paper's fitting procedure, section 2). A given: A stays fixed (used by compare).
     -> dict(A, B, C_mid, R0, sse)."""
     C, R, R0 = fit_points(C, R, R0, fit_from)
     if A is None:

@@ -1,5 +1,5 @@
 """
-generate.py: the generator's custom KV-cache sampler (SCALERL.md section 3), and the trainer's
+generate.py: the generator's custom KV-cache sampler (arXiv 2510.13786, section 3.1), and the trainer's
 log-probs of the same tokens with the same float32 LM head (section 2, "FP32 LM head").
 
 The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its own
@@ -191,7 +191,7 @@ def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
 
 
 def head_weight(model, fp32_head):
-    """The LM head weight the logits are computed with: in at least float32 when fp32_head (SCALERL.md section 2)."""
+    """The LM head weight the logits are computed with: in at least float32 when fp32_head (paper section 3.2)."""
     w = model.lm_head.weight
     return w.to(torch.promote_types(w.dtype, torch.float32)) if fp32_head else w
 

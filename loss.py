@@ -1,7 +1,8 @@
 """
 Policy-gradient losses for RL with verifiable rewards: ScaleRL's CISPO and the GRPO, DAPO and
 GSPO ablations, with their advantage normalizations, loss aggregations and batch hygiene.
-Implements SCALERL.md section 2 (paper arXiv 2510.13786, "The loss"). Pure functions of tensors.
+Implements the losses of arXiv 2510.13786, section 3.2 (loss type, aggregation, normalization, filtering)
+and CISPO as ScaleRL uses it (section 4). Pure functions of tensors.
 
     advantages(rewards, group, norm)          A_i = r_i - mean_{j in group(i)} r_j, then normalized
                                               (norm "batch": over every trainer's rows, given all_sum)

@@ -1,5 +1,6 @@
 """
-pipeline.py: generator ranks and trainer ranks under torch.distributed (SCALERL.md section 4).
+pipeline.py: generator ranks and trainer ranks under torch.distributed (arXiv 2510.13786,
+section 3.1: PPO-off-policy-k and PipelineRL-k).
 
 `torchrun --nproc_per_node W train.py` starts W ranks; train.py calls setup() here, which splits them:
 ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T..W-1 are generators

@@ -2,8 +2,8 @@
 sandbox.py: the code reward. Does the last Python block of a response pass every test, when it runs
 in a bubblewrap sandbox?
 
-Implements the code side of the reward of SCALERL.md section 2 ("+1 for a verified-correct final
-answer, -1 otherwise") for the math+code runs of sections 1 and 5 ("a code set with unit tests").
+Implements the code side of the reward of arXiv 2510.13786 (+1 for a verified-correct final answer, -1
+otherwise, section 2) for the math+code runs of section 5 (code problems judged by their unit tests).
 This file returns the bool; the caller maps it to +1 / -1 (verify.score_problems sends code
 problems here).
 

@@ -137,7 +137,7 @@ class Forked:
 
 # ---------------------------------------------------------------------------------------------
 # loss.py: independent slow references (Python loops over samples and tokens, written straight
-# from SCALERL.md section 2) and fixtures
+# from the paper, section 2) and fixtures
 
 
 def slow_advantages(rewards, group, norm):
@@ -374,8 +374,7 @@ def test_policy_loss_clipped_kinds_stay_finite_when_the_ratio_overflows(kind, hi
 # =============================================================================
 # verify.py: math answers extracted and checked for equivalence, and the routing of math and code rewards
 
-SHARED = Path(__file__).resolve().parent.parent / "shared" / "data"
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # what each file is, and its source: fixtures/README.md
 
 
 def _jsonl(path):
@@ -387,7 +386,7 @@ def _gsm8k_gold(row):
 
 
 def test_verify_math500_answers_verify_against_themselves():
-    rows = _jsonl(SHARED / "math500.jsonl")
+    rows = _jsonl(FIXTURES / "math500.jsonl")
     boxed = [f"<think>\nwork\n</think>\nSo the answer is $\\boxed{{{r['answer']}}}$." for r in rows]
     golds = [r["answer"] for r in rows]
     failed = [g for g, ok in zip(golds, score_batch(boxed, golds)) if not ok]
@@ -398,7 +397,7 @@ def test_verify_math500_answers_verify_against_themselves():
 
 
 def test_verify_math500_wrong_answers_do_not_verify():
-    golds = [r["answer"] for r in _jsonl(SHARED / "math500.jsonl")]
+    golds = [r["answer"] for r in _jsonl(FIXTURES / "math500.jsonl")]
     responses, targets = [], []
     for i, gold in enumerate(golds):
         for offset in (137, 251):                 # another problem's answer (checked: no
@@ -414,7 +413,7 @@ def test_verify_math500_wrong_answers_do_not_verify():
 
 
 def test_verify_gsm8k_answers_and_near_misses():
-    golds = [_gsm8k_gold(r) for r in _jsonl(SHARED / "gsm8k_test.jsonl")]
+    golds = [_gsm8k_gold(r) for r in _jsonl(FIXTURES / "gsm8k_test_sample.jsonl")]
     for i, gold in enumerate(golds):
         value = int(gold.replace(",", ""))
         other = int(golds[i - 1].replace(",", ""))              # another problem's answer
@@ -1138,14 +1137,15 @@ def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retire
 # data.py: problem files, prompts, the curriculum, the toy task and the embedded toy model
 
 
-def test_data_loads_the_shared_files_as_published():
-    gsm_train, gsm_test = data.load_problems(SHARED / "gsm8k_train.jsonl"), data.load_problems(SHARED / "gsm8k_test.jsonl")
-    math500 = data.load_problems(SHARED / "math500.jsonl")
-    assert (len(gsm_train), len(gsm_test), len(math500)) == (7473, 1319, 500)
-    assert gsm_train[0]["answer"] == "72" and gsm_train[0]["prompt"].startswith("Natalia sold clips")
-    rows = _jsonl(SHARED / "math500.jsonl")
+def test_data_loads_the_published_layouts_of_gsm8k_and_math500():
+    gsm, math500 = data.load_problems(FIXTURES / "gsm8k_test_sample.jsonl"), data.load_problems(FIXTURES / "math500.jsonl")
+    assert (len(gsm), len(math500)) == (264, 500)
+    assert gsm[0]["answer"] == "18" and gsm[0]["prompt"].startswith("Janet\u2019s ducks lay 16 eggs")
+    assert [p["answer"] for p in gsm] == [_gsm8k_gold(r) for r in _jsonl(FIXTURES / "gsm8k_test_sample.jsonl")]
+    rows = _jsonl(FIXTURES / "math500.jsonl")
     assert [p["answer"] for p in math500] == [r["answer"] for r in rows]
-    assert all(isinstance(p["prompt"], str) and isinstance(p["answer"], str) for p in gsm_train + math500)
+    assert [p["prompt"] for p in math500] == [r["problem"] for r in rows]
+    assert all(isinstance(p["prompt"], str) and isinstance(p["answer"], str) for p in gsm + math500)
 
 
 def test_data_layouts_and_clear_errors(tmp_path):
@@ -1662,7 +1662,7 @@ def test_generate_rope_tables_equal_the_models_rotary_module_per_position(kind, 
 # =============================================================================
 # fit.py: the sigmoid fit of pass rate against compute, its extrapolation and the command line
 
-# Published ScaleRL fits (SCALERL.md section 1): C_mid (GB200 GPU-hours), B, A
+# ScaleRL fits as the paper reports them: C_mid (GB200 GPU-hours), B, A
 PUBLISHED = {
     "8B batch 768": (2542, 1.92, 0.610),
     "8 generations": (2542, 2.44, 0.585),

@@ -1,5 +1,6 @@
 """
-train.py: the ScaleRL training loop (SCALERL.md sections 2, 4 and 5), one process, synchronous.
+train.py: the ScaleRL training loop (arXiv 2510.13786: section 2's setup,
+section 4's recipe, section 5's hyperparameters), one process, synchronous.
 
 Each step: take a batch of prompts from the curriculum, sample G completions per prompt with the
 KV-cache sampler (generate.py, forced interruptions), verify the final answers (verify.py; programs run
@@ -18,7 +19,7 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 
     python train.py                                  # the embedded toy task and model, CPU, a few minutes
     python train.py --loss dapo --no-fp32_head       # an ablation: one flag per ScaleRL choice
-    python train.py --model DIR --data ../shared/data/gsm8k_train.jsonl --val_data ../shared/data/gsm8k_test.jsonl \\
+    python train.py --model DIR --data gsm8k_train.jsonl --val_data gsm8k_test.jsonl \\
         --device cuda --dtype bfloat16 --prompts 48 --samples 16 --think_budget 12288 --answer_budget 2048 \\
         --lr 5e-7 --warmup 100 --eval_every 100 --eval_samples 16 --val_size 1000   # the paper's settings, one GPU
     python fit.py runs/toy                           # fit the sigmoid to the run's held-out curve
@@ -115,7 +116,7 @@ def get_args(argv=None):
     g.add_argument("--agg", default="prompt", choices=["prompt", "sample", "token"], help="loss aggregation")
     g.add_argument("--adv_norm", default="batch", choices=["batch", "prompt", "none"], help="advantage normalization")
     g.add_argument("--eps_low", type=float, default=None, help="None = the loss kind's default: cispo none, "
-                   "grpo/dapo 0.2, gspo 3e-3 (SCALERL.md)")
+                   "grpo/dapo 0.2, gspo 3e-3 (the paper, section 3.2)")
     g.add_argument("--eps_high", type=float, default=None, help="None = the loss kind's default: cispo 4 (the cap "
                    "on the IS weight), grpo 0.2, dapo 0.28, gspo 4e-3")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True, help="float32 LM head")

@@ -1,11 +1,11 @@
 """
 verify.py: the reward checker. Does a response's final answer equal the gold answer?
 
-Implements the reward of SCALERL.md section 2: "+1 for a verified-correct final answer, -1
-otherwise", checked by "a symbolic checker (sympy) on the final answer" (section 5). This
+Implements the reward of arXiv 2510.13786 (section 2): +1 for a verified-correct final answer, -1
+otherwise, the final answer checked symbolically (sympy here). This
 file returns the bool; the caller maps it to +1 / -1. score_problems is the reward entry point
 of train.py and pipeline.py: it judges math problems here and sends code problems (the
-math+code runs of sections 1 and 5) to sandbox.py, which runs their programs against their tests.
+math+code runs of section 5) to sandbox.py, which runs their programs against their tests.
 
 Readings chosen here:
 - The final answer is the last \\boxed{...} (also \\fbox{...} and `\\boxed 5`) after the
