@@ -1,6 +1,6 @@
 """
 generate.py: the generator's custom KV-cache sampler (arXiv 2510.13786, section 3.1), and the trainer's
-log-probs of the same tokens with the same float32 LM head (section 2, "FP32 LM head").
+log-probs of the same tokens with the same float32 LM head (section 3.2, the FP32 precision of the LM head).
 
 The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its own
 preallocated KV cache: the model's own weights and modules (projections, MLP, rotary frequencies, the
@@ -25,7 +25,7 @@ this file owns the cache, the attention call, the sampling and the batching. Wha
   paper's 2,048 is well beyond its answers: a change of format is scored, not truncated);
 - in-flight weight updates: between two sends the caller may copy new weights into the model in place
   and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
-  which is exactly PipelineRL's behaviour (section 4);
+  which is exactly PipelineRL's behaviour (paper section 3.1);
 - sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token (a
   sample's uniforms are hashed when it is admitted, a row of a table that the step reads), turned
   into a draw by a two-level float64 inverse CDF of softmax(logits / temperature), so a sample's result

@@ -13,8 +13,8 @@ ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T
 Three modes (--mode), one mechanism:
 - pipeline (PipelineRL-k, ScaleRL's choice): generators never stop. Between two decode steps a generator
   picks up new weights (the KV cache of its running sequences stays) and stamps every token with the
-  version that produced it. Paper, section 3.1: "the trainers wait if they get k steps ahead of the
-  generators" (k = --max_lag, 8 in ScaleRL). Every prompt group has a global index gi; batch s (the
+  version that produced it. As in the paper (section 3.1), the trainers wait if they get k steps ahead of
+  the generators (k = --max_lag, 8 in ScaleRL). Every prompt group has a global index gi; batch s (the
   batch trainer step s + 1 trains on) is groups s*B .. s*B + B - 1 (B = --prompts), and each trainer
   takes exactly its share of them, waiting for late ones. A generator with weights version v starts
   group gi only if gi // B <= v + k (admit_ok), so no token trained at version s is older than s - k:

@@ -137,7 +137,7 @@ class Forked:
 
 # ---------------------------------------------------------------------------------------------
 # loss.py: independent slow references (Python loops over samples and tokens, written straight
-# from the paper, section 2) and fixtures
+# from the paper, section 3.2: loss type, aggregation, advantage normalization) and fixtures
 
 
 def slow_advantages(rewards, group, norm):

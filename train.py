@@ -1,6 +1,6 @@
 """
 train.py: the ScaleRL training loop (arXiv 2510.13786: section 2's setup,
-section 4's recipe, section 5's hyperparameters), one process, synchronous.
+section 4's recipe, section 5's scaling axes), one process, synchronous.
 
 Each step: take a batch of prompts from the curriculum, sample G completions per prompt with the
 KV-cache sampler (generate.py, forced interruptions), verify the final answers (verify.py; programs run
