@@ -11,9 +11,11 @@ compare runs. Implements the paper's compute-performance curve (arXiv 2510.13786
     compare(fit_a, fit_b, data_a, data_b)   the +-0.02 rule on A, then compare B
     load_run(run_dir)                  (C, R, meta) from the eval lines of run_dir/metrics.jsonl
     predict_final(C, R, C_end)         live prediction for train.py (None while too few points)
+    train_curves(run_dir)              per-step series (reward, trunc, kept, drift, ..) of metrics.jsonl
+    plot_curves(run_dir)               run_dir/curves.png: those series against the step
 
 Usage (CPU only, seconds):
-    python fit.py runs/cpu                          # table, runs/cpu/fit.png, fit_linear.png
+    python fit.py runs/cpu                          # table, runs/cpu/fit.png, fit_linear.png, curves.png
     python fit.py runs/a runs/b --fit_until 600 --extrapolate_to 5000 --png out/ab.png
     python fit.py runs/gpu --compute flops --fit_from 1e15 --metric pass_rate/math
 Test: python -m pytest -q test_all.py -k fit
@@ -49,12 +51,16 @@ Procedure and the readings chosen:
 - Extrapolation check (the paper's test of predictability): fit on the first half of a run's
   compute, predict the pass rate at its last point, report the error (extrapolation_check).
 - Figures: C = 0 cannot sit on a log axis, so the R0 point is not drawn; hollow points are
-  the ones the fit did not use (before --fit_from or after --fit_until).
+  the ones the fit did not use (before --fit_from or after --fit_until). Every run also gets
+  its training curves, RUN/curves.png, drawn before the fit so that a run too short to fit
+  still gets them: per-step series as faint points under a short centered moving average,
+  values that are missing or not finite numbers skipped.
 """
 import argparse
 import itertools
 import math
 import os
+import sys
 
 import numpy as np
 from scipy.optimize import curve_fit
@@ -302,12 +308,18 @@ def eval_point(rec, compute, metric, where):
     return rec[compute], rec[metric]
 
 
-def load_run(run_dir, compute="compute_s", metric="pass_rate"):
-    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..). A bad value
-    (eval_point, check_points): ValueError naming the file and the line."""
+def metrics_file(run_dir):
+    """run_dir/metrics.jsonl, or FileNotFoundError saying what run_dir should be."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory of train.py?)")
+    return path
+
+
+def load_run(run_dir, compute="compute_s", metric="pass_rate"):
+    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..). A bad value
+    (eval_point, check_points): ValueError naming the file and the line."""
+    path = metrics_file(run_dir)
     C, R, lines, config = [], [], [], {}
     for lineno, rec in read_jsonl(path):
         if rec.get("kind") == "config":
@@ -323,6 +335,109 @@ def load_run(run_dir, compute="compute_s", metric="pass_rate"):
         raise ValueError(f"{path}: {e}") from None
     name = os.path.basename(os.path.normpath(run_dir))
     return C, R, dict(run=name, path=path, config=config, compute=compute, metric=metric)
+
+
+# ----------------------------------------------------------------------------- training curves
+
+TRAIN_SERIES = ("reward", "pass_rate", "trunc", "intr", "drift")  # train-line fields drawn as they are
+TRUNC_BAND = 0.10    # hard-truncation rate where the paper's instability band starts (train.py warns there)
+SMOOTH_MAX = 10      # the moving average spans at most 2 * SMOOTH_MAX + 1 steps
+PANELS = (           # curves.png, top to bottom: (y label, ((series, legend), ..))
+    ("reward, pass@1", (("reward", "reward (batch)"), ("pass_rate", "pass@1 (batch)"))),
+    ("fraction of samples", (("trunc", "hard-truncated (trunc)"), ("intr", "interrupted (intr)"))),
+    ("kept prompts", (("kept", "kept_prompts / prompts"),)),
+    ("held-out pass rate", (("eval_pass_rate", "held-out pass rate (eval)"),)),
+    ("drift", (("drift", "mean |log rho|, oldest lag"),)),
+)
+
+
+def number(rec, key):
+    """rec[key] as a float, or None where it is missing or not a finite number (a boolean is not one)."""
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def train_curves(run_dir):
+    """The series of run_dir/metrics.jsonl that curves.png draws -> {name: (steps (n,), values (n,))}:
+    TRAIN_SERIES of the train lines, "kept" = kept_prompts / prompts of the train lines (where prompts > 0)
+    and "eval_pass_rate" = pass_rate of the eval lines, in file order. A value missing or not a finite
+    number, or on a line without a step, is skipped (that series gets no point there)."""
+    points = {k: [] for k in (*TRAIN_SERIES, "kept", "eval_pass_rate")}
+    for _, rec in read_jsonl(metrics_file(run_dir)):
+        step, kind = number(rec, "step"), rec.get("kind")
+        if step is None or kind not in ("train", "eval"):
+            continue
+        if kind == "eval":
+            values = {"eval_pass_rate": number(rec, "pass_rate")}
+        else:
+            kept, prompts = number(rec, "kept_prompts"), number(rec, "prompts")
+            values = {k: number(rec, k) for k in TRAIN_SERIES}
+            values["kept"] = kept / prompts if kept is not None and prompts else None
+        for k, v in values.items():
+            if v is not None:
+                points[k].append((step, v))
+    return {k: tuple(np.array(p, dtype=float).reshape(-1, 2).T) for k, p in points.items()}
+
+
+def moving_average(y, half):
+    """Centered moving average of y (n,) over 2 * half + 1 points, the window cut at the ends -> (n,)."""
+    y = np.asarray(y, dtype=float)
+    c = np.concatenate([[0.0], np.cumsum(y)])
+    i = np.arange(len(y))
+    lo, hi = np.maximum(i - half, 0), np.minimum(i + half + 1, len(y))
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curves(run_dir):
+    """run_dir/curves.png: the PANELS against the step, sharing it. Per-step series: faint points under a
+    moving average over up to 2 * SMOOTH_MAX + 1 steps (1/10 of the longest per-step series; under 20
+    points they are drawn as they are); eval points joined as they are; a dashed line at the TRUNC_BAND
+    truncation rate. -> the path."""
+    curves, png = train_curves(run_dir), os.path.join(run_dir, "curves.png")
+    plt = pyplot()
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(6.5, 8.5), sharex=True)
+    half = min(SMOOTH_MAX, max(len(curves[k][0]) for k in TRAIN_SERIES) // 20)  # one window for every panel
+    for ax, (ylabel, series) in zip(axes, PANELS):
+        for k, (key, label) in enumerate(series):
+            (x, y), col = curves[key], f"C{k}"
+            if key == "eval_pass_rate":
+                ax.plot(x, y, "o-", ms=3, color=col, label=label)
+                continue
+            if not half:                                        # too few points to smooth: draw them as they are
+                ax.plot(x, y, ".-", ms=5, lw=1.2, color=col, label=label)
+                continue
+            ax.plot(x, y, ".", ms=3, alpha=0.3, color=col)
+            ax.plot(x, moving_average(y, half), color=col, lw=1.2, label=label)
+        if any(key == "trunc" for key, _ in series):
+            ax.axhline(TRUNC_BAND, ls="--", lw=0.8, color="C3", label=f"{TRUNC_BAND:.0%}: instability band starts")
+            ax.set_ylim(0, max(1.5 * TRUNC_BAND, 1.1 * max(curves[k][1].max(initial=0) for k, _ in series)))
+        if not any(len(curves[key][0]) for key, _ in series):
+            ax.text(0.5, 0.5, "not in metrics.jsonl", transform=ax.transAxes, ha="center", va="center", color="gray")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    steps = np.concatenate([x for x, _ in curves.values()])
+    if len(steps) and steps.min() == steps.max():               # one step: show it with its neighbours
+        axes[-1].set_xlim(steps[0] - 1, steps[0] + 1)
+    fig.suptitle(f"{os.path.basename(os.path.normpath(run_dir))}: training curves", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
 
 
 # ----------------------------------------------------------------------------- command line
@@ -371,9 +486,7 @@ def plot(runs, png, png_linear, extrapolate_to=None):
     """Two figures. png: pass rate vs compute (log x), points (hollow = not fitted), the fit,
     its dashed extrapolation and a +-0.02 band around A. png_linear: F(R) vs C on log-log
     axes, where the fit is the line F = C**B."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     (fig, ax), (fig_lin, ax_lin) = plt.subplots(figsize=(6, 4)), plt.subplots(figsize=(6, 4))
     for k, run in enumerate(runs):
         f, C, R, used, col = run["fit"], run["C"], run["R"], run["used"], f"C{k}"
@@ -420,7 +533,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.run_dirs:
         p.error("give run directories (each holding a metrics.jsonl)")
-    runs = [fit_run(d, args) for d in args.run_dirs]
+    curves = [plot_curves(d) for d in args.run_dirs]   # first: a run too short to fit still gets them
+    try:
+        runs = [fit_run(d, args) for d in args.run_dirs]
+    except ValueError:
+        print(f"wrote {', '.join(curves)}; the fit failed:", file=sys.stderr)
+        raise
     print_table(runs, args)
     for run in runs:
         x = extrapolation_check(*run["data"], fit_from=args.fit_from)
@@ -438,7 +556,7 @@ def main(argv=None):
     root, ext = os.path.splitext(png)
     png_linear = root + "_linear" + (ext or ".png")
     plot(runs, png, png_linear, args.extrapolate_to)
-    print(f"wrote {png} and {png_linear}")
+    print(f"wrote {png}, {png_linear} and the training curves {', '.join(curves)}")
 
 
 if __name__ == "__main__":

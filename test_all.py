@@ -1823,6 +1823,54 @@ def test_fit_cli_table_and_pngs(tmp_path, capsys):
     assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
 
 
+def test_fit_curves_png_and_its_series(tmp_path, capsys):
+    train = []
+    for s in range(1, 21):
+        rec = {"kind": "train", "step": s, "compute_s": 2.0 * s, "reward": 0.05 * s - 0.5,
+               "pass_rate": 0.025 * s + 0.25, "trunc": 0.01 * (s % 7), "intr": 0.2 / s, "prompts": 16,
+               "kept_prompts": s % 9, "drift": 0.001 * s}
+        if s % 4 == 0:
+            del rec["drift"]                            # a step that trained nothing logs no drift
+        if s == 5:
+            del rec["trunc"], rec["prompts"]            # no kept fraction either
+        if s == 6:
+            rec.update(reward=None, intr=float("nan"))  # not numbers: skipped as well
+        train.append(rec)
+    evals = [{"kind": "eval", "step": s, "compute_s": 2.0 * s, "pass_rate": r}
+             for s, r in ((0, 0.3), (10, 0.5), (20, 0.62))]
+    write_eval_lines(tmp_path / "run", evals[:1] + train[:10] + evals[1:2] + train[10:] + evals[2:])
+    c = fit.train_curves(str(tmp_path / "run"))
+    every = list(range(1, 21))
+    assert c["kept"][0].tolist() == [s for s in every if s != 5]
+    assert c["kept"][1].tolist() == [(s % 9) / 16 for s in every if s != 5]
+    assert c["drift"][0].tolist() == [s for s in every if s % 4]
+    assert c["drift"][1].tolist() == [0.001 * s for s in every if s % 4]
+    assert c["trunc"][1].tolist() == [0.01 * (s % 7) for s in every if s != 5]
+    assert c["reward"][0].tolist() == c["intr"][0].tolist() == [s for s in every if s != 6]
+    assert c["pass_rate"][1].tolist() == [0.025 * s + 0.25 for s in every]
+    assert c["eval_pass_rate"][0].tolist() == [0, 10, 20] and c["eval_pass_rate"][1].tolist() == [0.3, 0.5, 0.62]
+    assert np.allclose(fit.moving_average([1.0, 2, 3, 10], 1), [1.5, 2, 5, 6.5])
+    with pytest.raises(ValueError, match="need at least 4"):    # 3 evals are too few to fit: the curves still come
+        fit.main([str(tmp_path / "run")])
+    png = tmp_path / "run" / "curves.png"
+    assert f"wrote {png}; the fit failed" in capsys.readouterr().err
+    data = png.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    C = np.linspace(0, 1200, 25)                        # a run that fits: the path is printed with the others
+    write_run(tmp_path / "a", C, fit.sigmoid(C, 0.60, 1.8, 300, 0.30))
+    write_run(tmp_path / "b", C, fit.sigmoid(C, 0.61, 1.4, 400, 0.30))
+    fit.main([str(tmp_path / "a"), str(tmp_path / "b")])
+    a, b = tmp_path / "a", tmp_path / "b"
+    wrote = f"wrote {a / 'fit.png'}, {a / 'fit_linear.png'} and the training curves {a / 'curves.png'}, "
+    wrote += str(b / "curves.png")
+    assert wrote in capsys.readouterr().out
+    write_eval_lines(tmp_path / "one", train[:1])       # 1 step, no eval line
+    write_eval_lines(tmp_path / "bare", [{"kind": "train", "step": 1}, {"kind": "eval"}])  # nothing to draw
+    for run in ("one", "bare"):
+        assert fit.plot_curves(str(tmp_path / run)) == str(tmp_path / run / "curves.png")
+        assert (tmp_path / run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_fit_steep_rise_fits_with_ceiling_at_one():
     # a live fit from train.py that once failed: the grid's best A sat a rounding error above 1.0
     C = np.array([0.0, 4.07, 7.23, 9.64, 13.8, 17.38, 20.31, 23.77])
