@@ -14,6 +14,11 @@ reward and data of section 2, the curriculum of section 3.2).
                         TACO/APPS/DeepCoder, or asserts as in MBPP) -> {"prompt", "tests",
                         "domain": "code"}, scored by sandbox.score_code; fixtures/code_toy.jsonl
                         has 20 tiny ones. An explicit "domain" ("math" or "code") is honoured.
+- problems_of_records: the mapping itself, for jsonl lines and Hugging Face dataset rows alike.
+- The Hugging Face Hub, through its standard caches (nothing here works around them):
+  resolve_model("Qwen/Qwen3-0.6B") -> a local folder (huggingface_hub.snapshot_download; a local folder is
+  returned as is); load_source_problems("openai/gsm8k:main:test") -> problems (datasets.load_dataset, syntax
+  owner/name[:config[:split]]; an existing path is a jsonl file). Failures: one line saying what to do.
 - format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
   otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
 - special_tokens(tokenizer): the sampler's token ids (eos, "</think>", INTERRUPT_PHRASE) as keyword
@@ -40,12 +45,14 @@ reward and data of section 2, the curriculum of section 3.2).
     python data.py --build                  # remake the shipped toy model (about 3 minutes on 2 cores)
     python data.py --build toy-hard         # remake toy-hard's base model (about 6 minutes)
     python data.py fixtures/gsm8k_test_sample.jsonl  # load a file, print counts and one example
+    python data.py openai/gsm8k:main:test            # a Hugging Face dataset (pip install datasets; cached)
 """
 
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -148,25 +155,123 @@ def load_problems(path):
     or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before in
     the file is skipped too (counted, one summary line on stderr). Anything else wrong: ValueError naming
     file:line and the field."""
-    problems, first_line, duplicates = [], {}, 0
-    for lineno, rec in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    return problems_of_records(((f"{path}:{lineno}", rec) for lineno, rec in read_jsonl(path)), path)
+
+
+def problems_of_records(records, source):
+    """(where, record dict) pairs, from a jsonl file or a Hugging Face dataset, -> problems in the layouts of the
+    docstring (load_problems). A prompt seen before is skipped (counted, one summary line on stderr); a bad
+    record: ValueError 'WHERE: what is wrong'; no record at all: ValueError naming `source`."""
+    problems, seen, duplicates = [], set(), 0
+    for where, rec in records:
         key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
         if key is None:
             raise ValueError(f"{where}: missing field 'prompt' (or 'problem' / 'question')")
         if not isinstance(rec[key], str) or not rec[key].strip():
             raise ValueError(f"{where}: field '{key}' must be a non-empty string")
         problem = _problem_of(rec, where, key)
-        if problem["prompt"] in first_line:
+        if problem["prompt"] in seen:
             duplicates += 1
             continue
-        first_line[problem["prompt"]] = lineno
+        seen.add(problem["prompt"])
         problems.append(problem)
     if not problems:
-        raise ValueError(f"{path}: no problems in file")
+        raise ValueError(f"{source}: no problems")
     if duplicates:
-        print(f"{path}: skipped {duplicates} duplicate prompt(s); each is kept at its first line", file=sys.stderr)
+        print(f"{source}: skipped {duplicates} duplicate prompt(s); each is kept where it first occurs", file=sys.stderr)
     return problems
+
+# -----------------------------------------------------------------------------
+# the Hugging Face Hub: --model Qwen/Qwen3-0.6B, --data openai/gsm8k:main, read through the standard caches
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells repositories
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")  # a missing file's name, not a Hub id
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # config, tokenizer, weights
+
+
+def _one_line(err):
+    return " ".join(str(err).split())[:400]
+
+
+def hub_id(text):
+    """Whether a --model / --data value that is not an existing path names a Hub repository: shaped owner/name,
+    and neither a data file's name (x/train.jsonl) nor a path into a folder that exists (fixtures/missing)."""
+    return (bool(HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
+            and not os.path.isdir(text.split("/")[0]))
+
+
+def resolve_model(name):
+    """--model NAME -> the local folder to load: NAME itself when it exists; else a Hugging Face Hub id (owner/name,
+    e.g. Qwen/Qwen3-0.6B) -> its snapshot folder in the Hugging Face cache: huggingface_hub.snapshot_download of the
+    config, tokenizer and *.safetensors files (MODEL_FILES; not *.bin), downloaded once and then read from the
+    cache; HF_HUB_OFFLINE, HF_HOME and HF_HUB_CACHE are honoured. Otherwise: ValueError, one line that starts with
+    NAME and says what to do."""
+    if os.path.exists(name):
+        return name
+    if not hub_id(name):
+        raise ValueError(f"{name}: no such folder (and not a Hugging Face Hub id, owner/name)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    try:
+        return snapshot_download(name, allow_patterns=MODEL_FILES)
+    except GatedRepoError:
+        why = f"it is gated on the Hub: accept its terms at https://huggingface.co/{name}, then log in (hf auth login)"
+    except RepositoryNotFoundError:
+        why = "there is no such model on the Hugging Face Hub (or it is private: log in with hf auth login)"
+    except LocalEntryNotFoundError as err:  # offline or unreachable, and not in the cache
+        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else (
+            f"{type(err.__cause__ or err).__name__}: {_one_line(err.__cause__ or err)}")
+        why = (f"not in the Hugging Face cache (HF_HUB_CACHE={constants.HF_HUB_CACHE}); the Hub could not be reached "
+               f"({reason}): download it once with network access (hf download {name}) or give a local folder")
+    except Exception as err:  # a Hub error, a full disk, an incomplete cached snapshot, ...
+        why = f"the Hugging Face Hub download failed ({type(err).__name__}: {_one_line(err)})"
+    raise ValueError(f"{name}: not a local folder, and {why}")
+
+
+def hub_dataset_spec(text):
+    """'owner/name[:config[:split]]' -> (repo id, config or None, split or None); None when text is not shaped so.
+    The split may be a datasets slice (train[:1000])."""
+    repo, *rest = text.split(":", 2)
+    if not hub_id(repo):
+        return None
+    config, split = (rest + ["", ""])[:2]
+    return repo, config or None, split or None
+
+
+def load_hub_problems(spec, split="train"):
+    """A Hugging Face dataset 'owner/name[:config[:split]]' (the split defaults to `split`) -> problems: loaded
+    with datasets.load_dataset (downloaded once, then read from HF_DATASETS_CACHE; HF_HUB_OFFLINE and
+    HF_DATASETS_OFFLINE are honoured), its records mapped as a jsonl file's are (problems_of_records; a None field
+    counts as absent). A bad record: ValueError 'owner/name:config:split row I: ...', I its index in the split. A
+    dataset that cannot be loaded: OSError, one line saying why and what to do."""
+    repo, config, named_split = hub_dataset_spec(spec)
+    split = named_split or split
+    label = f"{repo}:{config or ''}:{split}"
+    try:
+        import datasets
+    except ImportError:
+        raise OSError("a Hugging Face dataset id needs the datasets package: pip install datasets "
+                      "(or give a jsonl file)") from None
+    try:
+        ds = datasets.load_dataset(repo, config, split=split)
+    except ConnectionError as err:  # offline or unreachable, and not in the cache
+        raise OSError(f"not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
+                      f"{datasets.config.HF_DATASETS_CACHE}); the Hub could not be reached ({_one_line(err)}): run "
+                      "this once with network access (it is cached then) or give a jsonl file") from None
+    except Exception as err:  # no such dataset, a config or split it lacks, ...
+        raise OSError(f"not a file, and the Hugging Face dataset {repo} (config {config}, split {split}) could not "
+                      f"be loaded ({type(err).__name__}: {_one_line(err)}); the syntax is "
+                      "owner/name[:config[:split]]") from None
+    records = ((f"{label} row {i}", {k: v for k, v in rec.items() if v is not None}) for i, rec in enumerate(ds))
+    return problems_of_records(records, label)
+
+
+def load_source_problems(source, split="train"):
+    """--data / --val_data: a jsonl file (an existing path, or a name not shaped as a Hub id: FileNotFoundError) or a
+    Hugging Face dataset 'owner/name[:config[:split]]' whose split defaults to `split` -> problems."""
+    if os.path.exists(source) or hub_dataset_spec(source) is None:
+        return load_problems(source)
+    return load_hub_problems(source, split)
 
 
 def format_prompt(tokenizer, problem, domain="math"):
@@ -421,7 +526,8 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="the embedded tasks and the problem loader (see the docstring)",
                                  allow_abbrev=False)
-    ap.add_argument("file", nargs="?", help="a jsonl of problems: load it, print the count and the first one")
+    ap.add_argument("file", nargs="?", help="a jsonl of problems or a Hugging Face dataset "
+                    "owner/name[:config[:split]] (split: train): load it, print the count and the first one")
     ap.add_argument("--build", nargs="?", const="toy", choices=list(PRESETS),
                     help="remake a shipped base model from fixed seeds (toy: toy_model/, toy-hard: toy_model_hard/)")
     cli = ap.parse_args()
@@ -429,7 +535,7 @@ if __name__ == "__main__":
         build_toy_model(preset=cli.build)
     elif cli.file:
         try:
-            probs = load_problems(cli.file)
+            probs = load_source_problems(cli.file)
         except OSError as err:
             sys.exit(f"error: {cli.file}: {err.strerror or err}")
         except ValueError as err:

@@ -42,10 +42,12 @@ the same temperature. At temperature 0 (greedy) they are plain log_softmax(logit
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
     python generate.py --model DIR --prompt "What is 2+2?" --think_budget 512
+    python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512   # a Hub id: cached
 """
 
 import argparse
 import random
+import sys
 from collections import deque
 from dataclasses import dataclass
 
@@ -536,12 +538,13 @@ def sequence_logprobs(model, ids, attention_mask, fp32_head=True, temperature=1.
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import completion_text, format_prompt, special_tokens, toy_model_dir, toy_problems
+    from data import completion_text, format_prompt, resolve_model, special_tokens, toy_model_dir, toy_problems
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint runs/toy/ckpt-000150; empty = "
-                    "the embedded toy model")
+    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint runs/toy/ckpt-000150, or a Hugging "
+                    "Face Hub id (Qwen/Qwen3-0.6B: downloaded once into the Hugging Face cache); empty = the embedded "
+                    "toy model")
     ap.add_argument("--prompt", default="", help="a problem; empty = three toy problems")
     ap.add_argument("--n", type=int, default=1, help="samples per problem")
     ap.add_argument("--seed", type=int, default=0, help="sampling noise seed")
@@ -550,7 +553,10 @@ if __name__ == "__main__":
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     args = ap.parse_args()
     transformers.utils.logging.disable_progress_bar()
-    path = args.model or toy_model_dir()
+    try:
+        path = resolve_model(args.model) if args.model else toy_model_dir()
+    except ValueError as err:
+        sys.exit(f"error: --model {err}")
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]

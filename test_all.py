@@ -8,6 +8,7 @@ from pathlib import Path
 import ast
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import multiprocessing
@@ -1186,6 +1187,136 @@ def test_data_non_utf8_duplicates_and_a_clean_exit_from_train(tmp_path, capsys):
     assert "skipped 1 duplicate" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"error: .*bad.jsonl:2: not UTF-8"):
         train.load_data(train.get_args(["--data", str(bad)]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Hugging Face Hub (--model Qwen/Qwen3-0.6B, --data openai/gsm8k:main). Nothing here reaches the Hub: the tests
+# build in tmp_path what a first online use leaves on disk, huggingface_hub's cache of a model repo (refs/main names
+# the commit; snapshots/<commit>/ holds symlinks into blobs/) and datasets' cache of a loaded dataset
+# (owner___name/config/0.0.0/<hash>/: the arrow files and dataset_info.json its real Parquet builder writes), then
+# load offline (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1) through the real code: snapshot_download, load_dataset.
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_model_cache(hub, repo_id, folder):
+    """huggingface_hub's cache layout of a model repo holding the files of `folder` -> its snapshot folder."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / HUB_COMMIT
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in sorted(Path(folder).iterdir()):
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / blob)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    return snapshot
+
+
+def hub_dataset_cache(cache, repo_id, config, splits):
+    """What `datasets.load_dataset(repo_id, config)` online leaves in HF_DATASETS_CACHE, for splits {name: records}:
+    prepared by datasets' own Parquet builder (as a Hub dataset of parquet files is), placed at owner___name/config."""
+    import datasets
+    from datasets.packaged_modules.parquet.parquet import Parquet
+    owner, name = repo_id.split("/")
+    src = cache.parent / "hub-src" / repo_id
+    src.mkdir(parents=True)
+    for split, records in splits.items():
+        datasets.Dataset.from_list(records).to_parquet(str(src / f"{split}.parquet"))
+    builder = Parquet(cache_dir=str(cache.parent / "staging"), dataset_name=name, config_name=config, hash="c0ffee",
+                      data_files={split: str(src / f"{split}.parquet") for split in splits})
+    builder.download_and_prepare()
+    shutil.copytree(builder.cache_dir, cache / f"{owner}___{name}" / config / "0.0.0" / "c0ffee")
+
+
+def gsm8k_record(i):
+    return {"question": f"Tom has {i} apples and buys 2 more. How many apples does he have?",
+            "answer": f"He has {i} + 2 = <<{i}+2={i + 2}>>{i + 2} apples.\n#### {i + 2}"}
+
+
+def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at its import:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the env, as a fresh process reads it
+    snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
+    args = train.get_args(["--eval_only", "--model", "org/toy", "--val_size", "8", "--eval_samples", "1"])
+    assert (args.model, args.model_dir) == ("org/toy", str(snapshot))  # as typed (--resume compares it); what loads
+    assert train.main(args)["n"] == 8 and "eval org/toy on 8 held-out problems" in capsys.readouterr().out
+    assert data.resolve_model(str(ROOT / "toy_model")) == str(ROOT / "toy_model")  # a local folder: as is
+    for argv, said in [(["--model", "org/none"], "train.py: error: --model org/none: not a local folder, and not in "
+                         f"the Hugging Face cache (HF_HUB_CACHE={tmp_path / 'hub'}); the Hub could not be reached "
+                         "(HF_HUB_OFFLINE is set): download it once with network access (hf download org/none) or "
+                         "give a local folder"),
+                       (["--model", "no/such/dir"], "train.py: error: --model no/such/dir: no such folder (and not a "
+                        "Hugging Face Hub id, owner/name)")]:
+        with pytest.raises(SystemExit):
+            train.get_args(argv)
+        assert capsys.readouterr().err.strip().splitlines() == [said + " (--help lists the flags)"]
+    (snapshot / "model.safetensors").unlink()  # a snapshot cached without its weights: the folder checks still apply
+    with pytest.raises(SystemExit):
+        train.get_args(["--model", "org/toy"])
+    assert f"--model org/toy ({snapshot}): no weights" in capsys.readouterr().err
+
+
+HUB_DATA_SCRIPT = """
+import json, train, data
+out = {}
+train_set, val = train.load_data(train.get_args(["--data", "org/gsm:main", "--val_data", "org/gsm:main:test"]))
+out["gsm"] = [len(train_set), train_set[0], len(val), val[0]]
+out["math500"] = data.load_source_problems("org/math500", "test")
+out["errors"] = []
+for flag, spec in [("--data", "org/bad"), ("--data", "org/gsm:other"), ("--val_data", "org/gsm:main:validation"),
+                   ("--val_data", "org/none"), ("--data", "fixtures/none.jsonl")]:
+    try:
+        train.load_source(flag, spec, 0)
+    except SystemExit as e:
+        out["errors"].append(e.code)
+print(json.dumps(out))
+train.main(train.get_args(["--eval_only", "--model", "org/toy", "--data", "org/gsm:main", "--val_data",
+                           "org/math500", "--eval_samples", "1"]))
+"""
+
+
+def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monkeypatch):
+    hf = tmp_path / "hf"
+    hub_model_cache(hf / "hub", "org/toy", ROOT / "toy_model")
+    math500 = _jsonl(FIXTURES / "math500.jsonl")[:5]  # its Hub layout: problem, solution, answer, subject, level, unique_id
+    hub_dataset_cache(hf / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(8)],
+                                                           "test": [gsm8k_record(i) for i in range(8, 10)]})
+    hub_dataset_cache(hf / "datasets", "org/math500", "default", {"test": math500})
+    hub_dataset_cache(hf / "datasets", "org/bad", "default", {"train": [gsm8k_record(0), {"question": "q", "answer": "x ####"}]})
+    env = dict(os.environ, HF_HOME=str(hf), HF_HUB_CACHE=str(hf / "hub"), HF_DATASETS_CACHE=str(hf / "datasets"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", HUB_DATA_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    out = json.loads(lines[0])
+    assert out["gsm"] == [8, {"prompt": gsm8k_record(0)["question"], "answer": "2", "domain": "math"},
+                          2, {"prompt": gsm8k_record(8)["question"], "answer": "10", "domain": "math"}]
+    assert out["math500"] == [{"prompt": r["problem"], "answer": r["answer"], "domain": "math"} for r in math500]
+    bad, config, split, missing, no_file = out["errors"]
+    assert bad == "error: --data: org/bad::train row 1: field 'answer' is empty after its last '####'"
+    assert config.startswith("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm (config "
+                             "other, split train) could not be loaded (")  # then datasets' own words
+    assert "Unknown split \"validation\"" in split and split.endswith("the syntax is owner/name[:config[:split]]")
+    assert missing.startswith("error: --val_data org/none: not a file, and not in the Hugging Face datasets cache "
+                              f"(HF_DATASETS_CACHE={hf / 'datasets'}); the Hub could not be reached (Couldn't reach")
+    assert missing.endswith("): run this once with network access (it is cached then) or give a jsonl file")
+    assert no_file == "error: --data fixtures/none.jsonl: No such file or directory"  # a path, not a Hub id
+    assert lines[-1].startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in lines[-1]
+
+
+def test_hub_dataset_id_without_the_datasets_package_says_pip_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    with pytest.raises(SystemExit) as exit_:
+        train.load_source("--val_data", "HuggingFaceH4/MATH-500", 0)
+    assert exit_.value.code == ("error: --val_data HuggingFaceH4/MATH-500: a Hugging Face dataset id needs the "
+                                "datasets package: pip install datasets (or give a jsonl file)")
+    assert data.hub_dataset_spec("openai/gsm8k:main:train[:100]") == ("openai/gsm8k", "main", "train[:100]")
+    assert data.hub_dataset_spec("HuggingFaceH4/MATH-500::test") == ("HuggingFaceH4/MATH-500", None, "test")
+    assert [data.hub_dataset_spec(s) for s in ("gsm8k.jsonl", "x/test.jsonl", "fixtures/none", "/abs/a")] == [None] * 4
 
 
 def test_format_prompt_plain_and_chat_template(toy_dir):

@@ -52,8 +52,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, Curriculum, format_prompt, load_problems, read_jsonl, score_samples, special_tokens,
-                  split_problems, toy_model_dir, toy_problems)
+from data import (PRESETS, Curriculum, format_prompt, load_source_problems, read_jsonl, resolve_model, score_samples,
+                  special_tokens, split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
@@ -83,14 +83,19 @@ class FlagParser(argparse.ArgumentParser):
 def get_args(argv=None):
     ap = FlagParser(prog="train.py", description="ScaleRL training loop")
     g = ap.add_argument_group("model and data")
-    g.add_argument("--model", default="", help="HF model folder (Llama/Qwen2/Qwen3); empty = the embedded base model of the "
-                   "--data preset")
-    g.add_argument("--data", default="", help="training jsonl, or several comma-separated (math and code mix); "
-                   "'toy' or empty = the embedded toy task; 'toy-hard' = the study's harder one (data.PRESETS)")
+    g.add_argument("--model", default="", help="HF model folder or Hugging Face Hub id, e.g. Qwen/Qwen3-0.6B (Llama/Qwen2/"
+                   "Qwen3; a Hub id is downloaded once into the Hugging Face cache, HF_HOME / HF_HUB_CACHE / "
+                   "HF_HUB_OFFLINE apply); empty = the embedded base model of the --data preset")
+    g.add_argument("--data", default="", help="training jsonl or Hugging Face dataset owner/name[:config[:split]] "
+                   "(split default train; e.g. openai/gsm8k:main; pip install datasets), or several comma-separated "
+                   "(math and code mix); 'toy' or empty = the embedded toy task; 'toy-hard' = the study's harder one "
+                   "(data.PRESETS)")
     g.add_argument("--unsafe_code_exec", action="store_true",
                    help="code problems: run programs with resource limits only when bubblewrap (bwrap) is missing; "
                         "a program can then forge its reward (sandbox.py)")
-    g.add_argument("--val_data", default="", help="held-out jsonl; empty = hold out --val_size problems of --data")
+    g.add_argument("--val_data", default="", help="held-out jsonl or Hugging Face dataset owner/name[:config[:split]] "
+                   "(split default test; e.g. openai/gsm8k:main, HuggingFaceH4/MATH-500); empty = hold out --val_size "
+                   "problems of --data")
     g.add_argument("--val_size", type=int, default=None, help="held-out problems (paper: 1000); None = 200, or a "
                    "tenth of a --data of fewer than 2,000 problems")
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
@@ -194,21 +199,31 @@ def check_args(args, error):
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
         error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
-    check_model_dir(args.model, error)
+    args.model_dir = check_model_dir(args.model, error)  # what loads; args.model stays as typed (--resume compares it)
 
 
 def check_model_dir(path, error):
-    """A model folder the sampler can run, checked before any process group waits on another."""
+    """--model: a local folder, or a Hugging Face Hub id resolved to its folder in the Hugging Face cache (downloaded
+    there once: data.resolve_model) -> the folder to load ("" without --model), checked to be one the sampler can
+    run. At argument parsing: before any process group waits on another."""
     if not path:
-        return
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        error(f"--model {path}: no config.json there (a Hugging Face model folder is expected)")
-    if not glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin")):
-        error(f"--model {path}: no weights (*.safetensors or *.bin) in the folder")
-    with open(os.path.join(path, "config.json")) as f:
+        return ""
+    try:
+        folder = resolve_model(path)
+    except ValueError as err:
+        error(f"--model {err}")
+        return ""
+    name = path if folder == path else f"{path} ({folder})"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        error(f"--model {name}: no config.json there (a Hugging Face model folder is expected)")
+        return folder
+    if not glob.glob(os.path.join(folder, "*.safetensors")) + glob.glob(os.path.join(folder, "*.bin")):
+        error(f"--model {name}: no weights (*.safetensors or *.bin) in the folder")
+    with open(os.path.join(folder, "config.json")) as f:
         model_type = json.load(f).get("model_type")
     if model_type not in SUPPORTED:
-        error(f"--model {path}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
+        error(f"--model {name}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
+    return folder
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -258,7 +273,7 @@ def check_out_dir(args):
                f" ({here}): give a folder under runs/ or outside the repository"
     if os.path.isfile(os.path.join(out, "config.json")) and not read_mark(out):
         return f"--out {args.out} holds a config.json that no run of train.py wrote (a model folder?): choose another --out"
-    if args.model and args.overwrite and os.path.commonpath([out, os.path.realpath(args.model)]) == out:
+    if args.model_dir and args.overwrite and os.path.commonpath([out, os.path.realpath(args.model_dir)]) == out:
         return f"--model {args.model} is inside --out {args.out}, which --overwrite would clear: copy it out first"
     return None
 
@@ -413,12 +428,12 @@ def eval_only(args):
         sys.exit("error: --eval_only runs as one process: python train.py --eval_only ..., not under torchrun")
     _, val = load_data(args)
     note_toy_model(args, args.val_data, "--val_data", "evaluates")
-    model_dir = args.model or base_model_dir(args)
+    model_dir = args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
     t0 = time.time()
     r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items() if k.startswith("pass_rate/"))
-    print(f"eval {model_dir} on {args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
+    print(f"eval {args.model or model_dir} on {args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
           f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, {r['n']} samples){per_domain} | "
           f"trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
     return r
@@ -605,7 +620,7 @@ def check_resume(saved, args):
     if identity:
         sys.exit("error: --resume: " + "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
                  " (start another --out for another run)")
-    ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "slow", "nan_at"}
+    ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "slow", "nan_at", "model_dir"}
     changed = [k for k in sorted(now) if k in saved and k not in ignore and saved[k] != now[k]]
     if changed:
         print("--resume: changed since the run started (the new values apply from here): " +
@@ -652,7 +667,7 @@ def metrics_problem(r):
 
 
 def load_data(args):
-    """-> (train problems, held-out problems). --data: jsonl files, comma-separated; "toy" (or an empty
+    """-> (train problems, held-out problems). --data: jsonl files or Hugging Face datasets, comma-separated; "toy" (or an empty
     --data) is the embedded task: the distinct problems among 4000 generated ones (about 2200)."""
     problems = [p for path in (args.data or "toy").split(",") for p in load_source("--data", path, args.seed)]
     if args.val_data:
@@ -667,15 +682,16 @@ def load_data(args):
 
 def load_source(flag, path, seed):
     """The problems of one --data / --val_data source: a preset task ("toy": the distinct problems among 4000
-    generated ones, about 2200) or a jsonl file. A missing file or a bad record: one line naming the flag or
-    file:line and the field, not a traceback."""
+    generated ones, about 2200), a jsonl file or a Hugging Face dataset owner/name[:config[:split]] (data.py; the
+    split defaults to train for --data, test for --val_data). A missing file, a dataset that does not load or a bad
+    record: one line naming the flag, or file:line (dataset row) and the field, not a traceback."""
     if path in PRESETS:
         seen = {}
         for p in toy_problems(4000, seed + 12345, path):
             seen.setdefault(p["prompt"], dict(p, domain="math"))
         return list(seen.values())
     try:
-        return load_problems(path)
+        return load_source_problems(path, "test" if flag == "--val_data" else "train")
     except OSError as err:
         sys.exit(f"error: {flag} {path}: {err.strerror or err}")
     except ValueError as err:
@@ -1014,7 +1030,7 @@ def main(args):
     ckpt, state = resume_point(args, quiet=not rank0)
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
     torch.manual_seed(args.seed)
-    model_dir = ckpt or args.model or base_model_dir(args)
+    model_dir = ckpt or args.model_dir or base_model_dir(args)
     device = pick_device(args, ctx)
     tokenizer, model = load_model(model_dir, args, device)
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
