@@ -58,7 +58,7 @@ import sys
 import time
 
 from sandbox import split_asserts
-from verify import last_boxed, score_problems
+from verify import last_boxed, prompt_opens_think, score_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
@@ -111,7 +111,7 @@ def _tests_of(rec, where):
         raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of assert "
                          "strings or one string of asserts")
     try:
-        split_asserts("\n".join(asserts))  # the parent must be able to evaluate every assert itself
+        split_asserts("\n".join(asserts))  # the parent evaluates every assert; they must call the solution
     except (SyntaxError, ValueError) as err:
         raise ValueError(f"{where}: field 'tests': {err}") from None
     return tests
@@ -300,11 +300,16 @@ def score_samples(tokenizer, samples, problems, unsafe_code=False):
     """-> (texts, correct): a sample is correct only if it finished and verify.py accepts its answer. A
     truncated sample (no eos within the budget) never gave its answer, so it is not correct, whatever its
     text holds: for the reward, No-Positive-Resampling's pass rates, pass@1 and held-out evals alike (the
-    paper's evals count a sample that never answers as wrong). Truncated samples are not even scored."""
+    paper's evals count a sample that never answers as wrong). Truncated samples are not even scored. Where
+    the chat template ends the prompt with an opened <think> (DeepSeek-R1), an answer counts only after </think>."""
     texts = [completion_text(tokenizer, s) for s in samples]
     done = [i for i, s in enumerate(samples) if s.finish != "truncated"]
     correct = [False] * len(samples)
-    for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done], unsafe_code=unsafe_code)):
+    keys = {(p["prompt"], p.get("domain")) for p in problems}
+    opens = {key: prompt_opens_think(format_prompt(tokenizer, *key)) for key in keys}  # the prompts as sampled
+    think_open = [opens[problems[i]["prompt"], problems[i].get("domain")] for i in done]
+    for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done], unsafe_code=unsafe_code,
+                                         think_open=think_open)):
         correct[i] = bool(v)
     return texts, correct
 

@@ -22,23 +22,51 @@ strings, containers), the values of its leaves: the calls of the solution's func
 `abs(v - 2.0) < 1e-6` in the parent: a program that patches builtins or math, or returns an object
 whose __sub__, __eq__ or __len__ lies, changes nothing but its own value, and an object is not plain
 data. An early exit leaves an assert unreported: it fails. Asserts that would need the sandbox to
-compute more (a helper or variable of the tests, another builtin) are refused when the data is
-loaded (data.py).
-Each run is a fresh `python -I` in its own bubblewrap (bwrap) sandbox: every namespace unshared (no
-network; its own PID namespace, so nothing outside is visible or killable and every process in it
-dies with it; its own mount namespace with /usr, /lib and the interpreter read-only and nothing else
-of the machine, no /etc, no home, no data), a fresh 64 MiB tmpfs /tmp as the only writable place and
-its cwd, uid 65534 inside, --die-with-parent, a new session, an environment of PATH, HOME, LANG; and
-limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s; RLIMIT_AS `memory` (1 GiB);
-RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC = 32 tasks more than its
-user is counted for now (a non-root caller's sandbox is a user namespace of its own, counted apart on
-Linux >= 5.14: there, its own tasks); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess,
-multiprocessing are removed first (a naive fork bomb fails at once). The program reaches the parent
-only through its stdin, the stdout and assert-value files it writes (read back capped) and its exit code.
+compute more (a helper or variable of the tests, another builtin), or that never call the solution
+(`assert sum([1, 2]) == 3`, `assert True` alone: the parent alone would pass any program), are
+refused when the data is loaded (data.py). The parent's side runs in a checker process of its own,
+under 2 s and 512 MiB: a value that an assert turns into a long loop (`max(range(f(3)))` with
+f(3) = 10**18) or a huge object scores False and costs the caller nothing.
+Each run is a fresh `python -I` in its own bubblewrap (bwrap) sandbox: every namespace unshared (its
+own user namespace, for root's sandboxes too; no network; its own PID namespace, so nothing outside
+is visible or killable and every process in it dies with it; its own mount namespace with /usr, /lib
+and the interpreter read-only and nothing else of the machine: no /etc, no home, no data, no /proc), a
+fresh 64 MiB tmpfs /tmp as the only writable place and its cwd, uid 65534 inside (root's sandboxes:
+the real uid 65534), --die-with-parent, a new session, an environment of PATH, HOME, LANG; a seccomp
+filter (seccomp_filter: built with libseccomp, loaded by bwrap; without libseccomp code rewards refuse
+to run, as without bwrap); and limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s;
+RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC
+= 32 tasks more than the sandbox's user namespace counts (Linux >= 5.14; before, than its uid counts
+on the machine); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess, multiprocessing are
+removed first (a naive fork bomb fails at once).
+
+What this guarantees: the program reaches the parent only through its stdin, the stdout and
+assert-value files it writes (read back capped) and its exit code; it reads nothing of the machine
+but the read-only system files; nothing of it outlives the run (processes, files, its user namespace
+with its keyring, IPC objects, sockets); and it cannot hand an answer to another sample through
+state the kernel keeps for everyone, because the filter refuses (EPERM): evicting pages of the shared
+files from the page cache (fadvise, readahead, madvise COLD/PAGEOUT) and asking which are cached
+(mincore, cachestat, preadv2 flags such as RWF_NOWAIT, Linux AIO, io_uring, the fault counters of
+getrusage and wait4; /proc is absent), the kernel keyring, file locks and inotify/fanotify/dnotify
+events on the shared files, the kernel log, machine-wide counters (sysinfo), sockets other than
+AF_UNIX/AF_INET/AF_INET6 (netlink; vsock, which network namespaces do not separate), ptrace,
+process_vm_*, perf_event_open, bpf, userfaultfd, new namespaces and mounts, personality. Other
+architectures' system-call ABIs (x32, int 0x80) kill the program.
+What remains possible in principle is timing, which no filter can refuse. (1) Page-cache latency, from
+one run to a later one: reading a page that is not cached waits for the disk (about 45 us against
+0.7 us cached, on the SSD this was measured on), and reading caches it. A solver can set bits by
+reading cold pages of some large system file that nobody reads, and a later copier on the same input
+can read them by timing its own reads: each bit can be read once (the read sets it) and only while
+the page stays cold, but tens of bits take a few milliseconds, so this can carry a short answer
+between two samples of one group reliably. Closing it needs a sandbox that sees only files whose
+pages are always resident (e.g. a tmpfs copy of the interpreter and its libraries, made once per
+trainer), which this file does not do. The dentry cache (lookups of never-seen names) is the same
+channel at a smaller contrast. (2) Contention between runs at the same moment (CPU, memory bandwidth,
+CPU caches, per-uid counts such as pipe buffers): noisy, and live only for the seconds both run.
 Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
-the limits alone, in a temp dir, as `nobody` when root can drop to it: it can then read and write what
-that user can, use the network, and leave processes behind (setsid past the removed functions).
-Linux only (bwrap, /proc, os.waitid).
+the limits alone (no filter), in a temp dir, as `nobody` when root can drop to it: it can then read
+and write what that user can, use the network, and leave processes behind (setsid past the removed
+functions). Linux only (bwrap, seccomp, /proc, os.waitid).
 
 Usage:
     from sandbox import score_code, score_code_batch
@@ -46,12 +74,15 @@ Usage:
                {"inputs": ["1 2"], "outputs": ["3"]})                            # True
     score_code(response, ["assert add(1, 2) == 3"])                            # MBPP-style asserts
     score_code_batch(responses, tests_list, workers=8)                         # list of bools
-    python -c "import sandbox; print(sandbox.bwrap_ready())"   # True once bwrap works here (apt-get install bubblewrap)
-    python -m pytest test_all.py -k code                      # the sandbox tests (skip with the reason without bwrap)
+    python -c "import sandbox; print(sandbox.bwrap_ready())"   # True once bwrap and libseccomp work here
+                                           # (apt-get install bubblewrap libseccomp2)
+    python -m pytest test_all.py -k code                      # the sandbox tests (skip with the reason without them)
 """
 import ast
 import builtins
 import contextlib
+import ctypes
+import errno
 import functools
 import itertools
 import json
@@ -71,13 +102,21 @@ from concurrent.futures import ThreadPoolExecutor
 CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per stdin case, one for asserts)
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
 CODE_MAX_OUTPUT = 16 << 20 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
-CODE_MAX_REPORT = 64 << 10 # characters of one assert's reported values that the parent will parse
+CODE_MAX_REPORT = 64 << 10 # characters of one assert's reported values that the checker will parse
+CODE_CHECK_TIMEOUT = 2.0   # wall-clock seconds for the checker process that evaluates the asserts' reports
+CODE_CHECK_MEMORY = 512 << 20  # its RLIMIT_AS: past either limit the response scores False
 CODE_TMPFS = 64 << 20      # the sandbox's only writable place: a fresh tmpfs of this size
 CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to what its uid is counted for
 SANDBOX_UID = 65534        # the unprivileged uid inside the sandbox ('nobody')
+SANDBOX_TASKS = 2          # RLIMIT_NPROC's count in a fresh sandbox's user namespace, at most: bwrap init, program
+LIBSECCOMP = "libseccomp.so.2"
 BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written programs: install it "
                  "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), or pass "
                  "--unsafe_code_exec to run them with resource limits only (a program can then forge its reward)")
+SECCOMP_MISSING = (f"code rewards need libseccomp ({LIBSECCOMP}) to filter the system calls of model-written programs "
+                   "(without it, programs can pass answers to each other): install it (Debian/Ubuntu: apt-get install "
+                   "libseccomp2; Fedora: dnf install libseccomp), or pass --unsafe_code_exec to run them with resource "
+                   "limits only (a program can then forge its reward)")
 
 # Runs in the child, before the program: lower the limits, remove the process-making and process-killing
 # functions (a naive fork bomb fails at once), define _record (the values of an assert's leaves, written
@@ -87,20 +126,11 @@ BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written 
 _PRELUDE = """
 import json, os, posix, resource, sys
 limits, source_fd, results_fd, uid = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-tasks = int(sys.argv[5])  # what RLIMIT_NPROC counts now, or -1: count here (a user namespace counted apart)
 if uid >= 0:  # root's sandbox: become the unprivileged uid (RLIMIT_NPROC does not bind root)
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
-if tasks < 0:  # the sandbox's own tasks: everything in its PID namespace (its /proc), threads included
-    tasks = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                tasks += int(f.read().split("Threads:")[1].split()[0])
-        except OSError:
-            pass
-limits["RLIMIT_NPROC"] += tasks
+limits["RLIMIT_NPROC"] += int(sys.argv[5])  # what RLIMIT_NPROC counts for this uid now
 for name, value in limits.items():
     resource.setrlimit(getattr(resource, name), (value, value))
 with os.fdopen(source_fd, encoding="utf-8", errors="replace") as f:
@@ -241,21 +271,29 @@ def split_asserts(tests):
     assert itself; the sandbox evaluates only its leaves, the calls of the solution's functions (or of a
     test function's parameter: HumanEval's candidate) and names the solution defines, and `assert E`
     becomes `_record(k, (leaf, leaf, ...))`: the sandbox reports the leaves' values as plain data and
-    check k (a function of that tuple) computes E from them, so expected values never enter the sandbox
-    and nothing the program patches (builtins, math, the tests' own names) takes part in the verdict.
-    Asserts may sit in helper functions. Every leaf of an assert is evaluated, before the parent's
-    expression (no short-circuit inside the sandbox). An assert that needs anything else computed in the
-    sandbox (a test-defined helper or variable, another builtin, a comprehension) raises ValueError."""
-    tree, checks = ast.parse(tests), []
+    check k (the source of an expression on that tuple, `_v`) computes E from them, so expected values
+    never enter the sandbox and nothing the program patches (builtins, math, the tests' own names) takes
+    part in the verdict. Asserts may sit in helper functions. Every leaf of an assert is evaluated, before
+    the parent's expression (no short-circuit inside the sandbox). Raises ValueError for an assert that
+    needs anything else computed in the sandbox (a test-defined helper or variable, another builtin, a
+    comprehension), for one that computes something without calling the solution (`assert sum([1, 2]) ==
+    3`: the parent's own sum would pass any program), and for tests where no assert calls the solution
+    (`assert True` alone)."""
+    tree, checks, leaves = ast.parse(tests), [], 0
     bound, params = _names_bound(tree)
 
     class Rewrite(ast.NodeTransformer):
         def visit_Assert(self, node):
-            split = _Split(bound, params, node.lineno)
-            expression = ast.fix_missing_locations(ast.Expression(split.visit(node.test)))
-            code = compile(expression, f"assert {len(checks)}", "eval")
-            checks.append(lambda values, code=code: bool(eval(code, {"__builtins__": {}, **_PARENT_NAMES,
-                                                                     "math": _PARENT_MATH, "_v": values})))
+            nonlocal leaves
+            split, text = _Split(bound, params, node.lineno), ast.unparse(node)
+            expression = split.visit(node.test)
+            if not split.leaves and not isinstance(node.test, ast.Constant):
+                raise ValueError(f"line {node.lineno}: {text!r} never calls the solution: the parent alone would "
+                                 "evaluate it and any program would pass (a solution function named like a "
+                                 "builtin is not supported)")
+            checks.append(ast.unparse(expression))
+            compile(checks[-1], "assert", "eval")
+            leaves += len(split.leaves)
             report = ast.Call(ast.Name("_record", ast.Load()),
                               [ast.Constant(len(checks) - 1), ast.Tuple(split.leaves, ast.Load())], [])
             return ast.copy_location(ast.Expr(report), node)
@@ -263,25 +301,51 @@ def split_asserts(tests):
     tree = ast.fix_missing_locations(Rewrite().visit(tree))
     if not checks:
         raise ValueError("no assert statement")
+    if not leaves:
+        raise ValueError("no assert calls the solution: any program would pass")
     return ast.unparse(tree), checks
 
 
+# The checker: a fresh interpreter under RLIMIT_AS and RLIMIT_CPU (and the caller's wall-clock bound) that
+# parses the reports as plain data and evaluates each check on them with the parent's names alone; its exit
+# code is the verdict. A process of its own, so that no report costs the caller more than CODE_CHECK_MEMORY
+# and CODE_CHECK_TIMEOUT: a huge value, or one that the check turns into a long loop (max(range(10**18)))
+# or a huge object ([0] * 10**12), which no signal could interrupt inside one builtin call.
+_CHECKER = """
+import ast, builtins, json, math, resource, sys, types
+head = json.loads(sys.stdin.buffer.readline())
+resource.setrlimit(resource.RLIMIT_AS, (head["memory"], head["memory"]))
+resource.setrlimit(resource.RLIMIT_CPU, (head["seconds"], head["seconds"]))
+names = {name: getattr(builtins, name) for name in head["builtins"]}
+names["math"] = types.SimpleNamespace(**{name: getattr(math, name) for name in head["math"]})
+checks = [compile(source, f"assert {k}", "eval") for k, source in enumerate(head["checks"])]
+seen = set()
+for line in sys.stdin.buffer.read().decode("utf-8", "replace").splitlines():
+    k, _, text = line.partition("\\t")
+    if not k.isdigit() or int(k) >= len(checks) or len(text) > head["max_report"]:
+        sys.exit(1)
+    values = ast.literal_eval(text)  # plain data, or it raises: exit code 1
+    if type(values) is not tuple or not eval(checks[int(k)], {"__builtins__": {}, **names, "_v": values}):
+        sys.exit(1)
+    seen.add(int(k))
+sys.exit(0 if len(seen) == len(checks) else 1)
+"""
+
+
 def _asserts_pass(results, checks):
-    """Every assert reported at least once, every report a tuple of plain data (its repr at most
-    CODE_MAX_REPORT characters: the parent parses it) whose check passes."""
-    seen = set()
-    for line in results.splitlines():
-        k, _, text = line.partition("\t")
-        if not k.isdigit() or int(k) >= len(checks) or len(text) > CODE_MAX_REPORT:
-            return False
-        try:
-            values = ast.literal_eval(text)
-            if type(values) is not tuple or not checks[int(k)](values):
-                return False
-        except Exception:                       # not plain data, or a check that raises
-            return False
-        seen.add(int(k))
-    return len(seen) == len(checks)
+    """Whether every assert was reported and every report passes its check, as the checker process finds
+    within CODE_CHECK_TIMEOUT and CODE_CHECK_MEMORY (False past them): each report a tuple of plain data,
+    its repr at most CODE_MAX_REPORT characters. results: the sandbox's report lines (bytes or str)."""
+    head = {"checks": checks, "builtins": list(_PARENT_NAMES), "math": list(vars(_PARENT_MATH)),
+            "memory": CODE_CHECK_MEMORY, "seconds": math.ceil(CODE_CHECK_TIMEOUT), "max_report": CODE_MAX_REPORT}
+    data = json.dumps(head).encode() + b"\n" + (results.encode("utf-8", "replace") if isinstance(results, str)
+                                                else results)
+    try:
+        run = subprocess.run([sys.executable, "-I", "-S", "-c", _CHECKER], input=data, env={}, cwd="/",
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=CODE_CHECK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return False
+    return run.returncode == 0
 
 # -----------------------------------------------------------------------------
 # Public API
@@ -327,15 +391,124 @@ def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, mem
                              zip(responses, tests_list)))
 
 
-
 @functools.cache
 def bwrap_ready():
-    """Whether bubblewrap can start a sandbox here (installed, and namespaces allowed)."""
+    """Whether a sandbox starts here: bwrap installed, namespaces allowed, libseccomp there to build the
+    system-call filter (not_ready_reason() says what is missing)."""
     if shutil.which("bwrap") is None:
         return False
-    probe = subprocess.run(_bwrap_args() + ["/bin/true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=60)
-    return probe.returncode == 0
+    try:
+        probe, _ = _start_sandbox(["/bin/true"], subprocess.DEVNULL, subprocess.DEVNULL, ())
+    except RuntimeError:  # no libseccomp
+        return False
+    try:
+        return probe.wait(timeout=60) == 0
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        probe.wait()
+        return False
+
+
+def not_ready_reason():
+    """The one-line error for when bwrap_ready() is False: libseccomp is missing, or else bubblewrap."""
+    try:
+        seccomp_filter()
+    except RuntimeError as err:
+        return str(err)
+    return BWRAP_MISSING
+
+# -----------------------------------------------------------------------------
+# The system-call filter: what the sandboxed program may not ask the kernel
+
+# Calls that fail with EPERM, by what they would let one program pass to another or reach outside. The files
+# under /usr are shared by every sandbox, and so is their page cache: a program must not evict pages of them,
+# nor learn which are cached other than by timing a read.
+_DENIED = {
+    "page cache: eviction; residency (mincore, cachestat, AIO and io_uring's nowait reads, fault counters, "
+    "the NUMA calls that report whether a page is present)": (
+        "fadvise64", "fadvise64_64", "arm_fadvise64_64", "readahead", "process_madvise", "mincore", "cachestat",
+        "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy", "io_uring_setup",
+        "io_uring_enter", "io_uring_register", "getrusage", "move_pages", "migrate_pages", "get_mempolicy", "mbind"),
+    "the kernel keyring": ("add_key", "keyctl", "request_key"),
+    "other processes, kernel tracing, exploit aids": (
+        "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "perf_event_open", "bpf",
+        "userfaultfd"),
+    "new namespaces and mounts (a /proc of its own)": (
+        "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "open_tree_attr", "move_mount",
+        "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "name_to_handle_at", "open_by_handle_at"),
+    "machine-wide counters, the kernel log, events on and locks of the shared files": (
+        "sysinfo", "syslog", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark",
+        "flock"),
+    "the machine's own settings": (
+        "personality", "acct", "swapon", "swapoff", "reboot", "kexec_load", "kexec_file_load", "init_module",
+        "finit_module", "delete_module", "quotactl", "quotactl_fd", "settimeofday", "clock_settime",
+        "clock_adjtime", "iopl", "ioperm", "vhangup", "lookup_dcookie", "uselib", "ustat", "sysfs", "_sysctl",
+        "nfsservctl"),
+}
+# Numbers from 424 on are the same on every architecture: used when this libseccomp predates a name.
+_NEW_SYSCALLS = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
+                 "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435,
+                 "pidfd_getfd": 438, "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443,
+                 "cachestat": 451, "open_tree_attr": 467}
+_CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
+_NE, _EQ, _GE, _MASKED_EQ = 1, 4, 5, 7  # libseccomp's enum scmp_compare
+
+
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp: argument `arg` `op` a; MASKED_EQ: & a == b
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+def _seccomp_rules():
+    """(system call, errno, [argument conditions, all of which must hold]) for each refused use."""
+    int_is = lambda value: (_MASKED_EQ, 0xFFFFFFFF, value)  # an int argument: the kernel reads the low 32 bits
+    rules = [(name, errno.EPERM, []) for names in _DENIED.values() for name in names]
+    rules += [(name, errno.EPERM, [(1, *int_is(cmd))]) for name in ("fcntl", "fcntl64")  # POSIX and OFD locks,
+              for cmd in (5, 6, 7, 36, 37, 38, 1024, 1026)]                              # leases, dnotify
+    rules += [("madvise", errno.EPERM, [(2, *int_is(advice))]) for advice in (20, 21)]  # MADV_COLD, MADV_PAGEOUT
+    rules += [(name, errno.EPERM, [(5, _NE, 0, 0)]) for name in ("preadv2", "pwritev2")]  # any RWF_* flag
+    rules += [("wait4", errno.EPERM, [(3, _NE, 0, 0)]), ("waitid", errno.EPERM, [(4, _NE, 0, 0)])]  # a child's rusage
+    rules += [(name, errno.EPERM, [(0, op, domain, 0)]) for name in ("socket", "socketpair")  # AF_UNIX, AF_INET and
+              for op, domain in [(_EQ, 0), *((_EQ, d) for d in range(3, 10)), (_GE, 11)]]    # AF_INET6 only
+    if os.uname().machine not in ("s390", "s390x"):  # elsewhere clone's flags are its first argument
+        rules += [("clone", errno.EPERM, [(0, _MASKED_EQ, flag, flag)]) for flag in _CLONE_NEW]
+    return rules + [("clone3", errno.ENOSYS, [])]  # its flags are out of reach: libc falls back to clone
+
+
+@functools.cache
+def seccomp_filter():
+    """The system-call filter that bwrap loads (--seccomp) before the program starts, a BPF program compiled by
+    libseccomp (through ctypes): each rule of _seccomp_rules() makes its call fail with its errno, anything
+    else is allowed, and a call through another architecture's ABI (i386's int 0x80, x32) kills the program.
+    Raises RuntimeError(SECCOMP_MISSING) when libseccomp cannot be loaded."""
+    try:
+        lib = ctypes.CDLL(LIBSECCOMP)
+    except OSError:
+        raise RuntimeError(SECCOMP_MISSING) from None
+    lib.seccomp_init.restype, lib.seccomp_init.argtypes = ctypes.c_void_p, [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    context = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW by default
+    if not context:
+        raise RuntimeError("libseccomp: seccomp_init failed")
+    try:
+        for name, error, conditions in _seccomp_rules():
+            number = lib.seccomp_syscall_resolve_name(name.encode())
+            number = _NEW_SYSCALLS.get(name, number) if number == -1 else number
+            if number < 0:  # not a system call of this architecture
+                continue
+            args = (_ArgCmp * len(conditions))(*conditions)
+            if (rc := lib.seccomp_rule_add_array(context, 0x00050000 | error, number, len(conditions), args)) < 0:
+                raise RuntimeError(f"libseccomp: a rule for {name}: {os.strerror(-rc)}")
+        with tempfile.TemporaryFile() as f:
+            if (rc := lib.seccomp_export_bpf(context, f.fileno())) < 0:
+                raise RuntimeError(f"libseccomp: seccomp_export_bpf: {os.strerror(-rc)}")
+            f.seek(0)
+            return f.read()
+    finally:
+        lib.seccomp_release(context)
 
 
 # -----------------------------------------------------------------------------
@@ -343,19 +516,19 @@ def bwrap_ready():
 
 
 def _bwrap_args():
-    """bwrap with every namespace unshared (no network, its own PID and mount namespaces: nothing outside is
-    visible or killable, everything in it dies with it), system folders and the interpreter's prefix
-    read-only, a fresh size-limited tmpfs as the only writable place, an unprivileged uid inside. As root,
-    no user namespace: a uid mapped to root stays exempt from RLIMIT_NPROC, so the prelude itself drops to
-    SANDBOX_UID (bwrap keeps it only the two capabilities that needs); otherwise a user namespace maps the
-    caller to SANDBOX_UID."""
+    """bwrap with every namespace unshared (its own user namespace; no network; its own PID and mount
+    namespaces: nothing outside is visible or killable, everything in it dies with it), system folders and
+    the interpreter's prefix read-only, no /proc, a fresh size-limited tmpfs as the only writable place, an
+    unprivileged uid inside. As root, the user namespace maps root and SANDBOX_UID to themselves
+    (_start_sandbox writes the maps): the program must run as the real SANDBOX_UID, since root's uid is
+    exempt from RLIMIT_NPROC, so the prelude drops to it (bwrap keeps it only the two capabilities that
+    needs, in its namespace); otherwise the user namespace maps the caller to SANDBOX_UID."""
     if os.geteuid() == 0:
-        isolation = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                     "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        isolation = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                     "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         isolation = ["--unshare-all", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-    args = ["bwrap", *isolation, "--die-with-parent", "--new-session",
-            "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
+    args = ["bwrap", *isolation, "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr", "--dev", "/dev",
             "--perms", "1777", "--size", str(CODE_TMPFS), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
     for top in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):
@@ -372,13 +545,13 @@ def _bwrap_args():
 
 def _run_program(program, tests, stdin, timeout, memory, unsafe):
     """Run `program` then `tests` (asserts rewritten by split_asserts, or "") under the limits, in a fresh
-    bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody) -> (exit code, stdout, results);
-    the exit code is None when it ran out of time or wrote more than CODE_MAX_OUTPUT."""
+    bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody) -> (exit code, stdout, results as
+    bytes); the exit code is None when it ran out of time or wrote more than CODE_MAX_OUTPUT."""
     if not unsafe and not bwrap_ready():
-        raise RuntimeError(BWRAP_MISSING)
+        raise RuntimeError(not_ready_reason())
     uid = _sandbox_uid() if unsafe else SANDBOX_UID if os.geteuid() == 0 else None  # who the program runs as
-    own_namespace = not unsafe and uid is None and _nproc_per_user_namespace()  # its count starts inside
-    tasks = -1 if own_namespace else _tasks_of(os.getuid() if uid is None else uid)  # -1: the prelude counts
+    own_namespace = not unsafe and _nproc_per_user_namespace()  # a user namespace of its own: its count starts there
+    tasks = SANDBOX_TASKS if own_namespace else _tasks_of(os.getuid() if uid is None else uid)
     limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_CORE": 0,
               "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": CODE_NPROC_MARGIN}  # + tasks
     folder = tempfile.mkdtemp(prefix="sandbox-") if unsafe else None
@@ -400,12 +573,7 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
                                      stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=fds, **user)
         else:
             cmd[0] = os.path.realpath(sys.executable)  # a venv's interpreter is a link into its base prefix
-            info_r, info_w = os.pipe()
-            child = subprocess.Popen(_bwrap_args() + ["--info-fd", str(info_w)] + cmd, env={}, stdin=stdin_file,
-                                     stdout=stdout_file, stderr=subprocess.DEVNULL, start_new_session=True,
-                                     pass_fds=(*fds, info_w))
-            os.close(info_w)
-            namespace = _pid_namespace(info_r)
+            child, namespace = _start_sandbox(cmd, stdin_file, stdout_file, fds)
         finished = _wait_without_reaping(child.pid, timeout)
         with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
             os.killpg(child.pid, signal.SIGKILL)       # group id still names only its group
@@ -420,19 +588,55 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
         if folder:
             _remove_tree(folder)
     if not finished or len(out) > CODE_MAX_OUTPUT or len(results) > CODE_MAX_OUTPUT:
-        return None, "", ""
-    return child.returncode, out.decode("utf-8", errors="replace"), results.decode("utf-8", errors="replace")
+        return None, "", b""
+    return child.returncode, out.decode("utf-8", errors="replace"), results
 
 
-def _pid_namespace(info_fd):
-    """The PID namespace (e.g. 'pid:[4026532641]') of the sandbox that bwrap reports on info_fd, read while
-    its first process is alive; None when bwrap failed before starting one."""
+def _start_sandbox(cmd, stdin, stdout, fds):
+    """Start cmd in a fresh bwrap sandbox under the system-call filter, passing it fds -> (the bwrap process,
+    the sandbox's PID namespace or None). As root, bwrap waits (--userns-block-fd) while this process writes
+    the uid and gid maps of the sandbox's user namespace: root (bwrap sets the sandbox up as the namespace's
+    root) and SANDBOX_UID (the prelude drops to it), each to itself."""
+    program = seccomp_filter()  # RuntimeError without libseccomp, before anything starts
+    bpf, (info_r, info_w) = os.memfd_create("seccomp"), os.pipe()
+    block_r, block_w = os.pipe() if os.geteuid() == 0 else (None, None)
+    passed = [fd for fd in (bpf, info_w, block_r) if fd is not None]
+    try:
+        os.write(bpf, program)
+        os.lseek(bpf, 0, os.SEEK_SET)
+        args = _bwrap_args() + ["--seccomp", str(bpf), "--info-fd", str(info_w)]
+        args += [] if block_r is None else ["--userns-block-fd", str(block_r)]
+        child = subprocess.Popen(args + cmd, env={}, stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL,
+                                 start_new_session=True, pass_fds=(*fds, *passed))
+    finally:
+        for fd in passed:
+            os.close(fd)
+    info = _read_info(info_r)
+    if block_w is not None:
+        with contextlib.suppress(OSError, KeyError):  # bwrap failed before its child: it exits on its own
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{info['child-pid']}/{name}", "w") as f:
+                    f.write(f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n")
+        os.close(block_w)  # bwrap goes on
+    return child, _pid_namespace(info)
+
+
+def _read_info(info_fd):
+    """What bwrap reports on its --info-fd ({"child-pid": ...}), or {} when it failed before writing it."""
     with os.fdopen(info_fd, "rb") as f:
         ready, _, _ = select.select([f], [], [], 10)
         info = f.read() if ready else b""
+    with contextlib.suppress(ValueError):
+        return dict(json.loads(info))
+    return {}
+
+
+def _pid_namespace(info):
+    """The PID namespace (e.g. 'pid:[4026532641]') of the sandbox whose bwrap reported info, read while its
+    first process is alive; None when bwrap failed before starting one."""
     try:
-        return os.readlink(f"/proc/{json.loads(info)['child-pid']}/ns/pid")
-    except (ValueError, KeyError, OSError):  # no child, or it is gone already (then so is its namespace's init)
+        return os.readlink(f"/proc/{info['child-pid']}/ns/pid")
+    except (KeyError, OSError):  # no child, or it is gone already (then so is its namespace's init)
         return None
 
 
@@ -466,9 +670,9 @@ def _wait_without_reaping(pid, timeout):
 
 
 def _nproc_per_user_namespace():
-    """Linux >= 5.14 counts RLIMIT_NPROC per user namespace: a non-root caller's sandbox, a user namespace
-    of its own, starts from its own few tasks there, not from the caller's tasks outside (older kernels
-    count the caller's uid across namespaces)."""
+    """Linux >= 5.14 counts RLIMIT_NPROC per user namespace: a sandbox, a user namespace of its own, starts
+    from its own few tasks there (SANDBOX_TASKS), not from its uid's tasks outside (older kernels count the
+    uid across namespaces)."""
     version = re.match(r"(\d+)\.(\d+)", os.uname().release)
     return version is not None and (int(version[1]), int(version[2])) >= (5, 14)
 

@@ -724,7 +724,7 @@ def test_verify_rational_gold_is_compared_exactly():
              ("0.3333333333333", r"\frac13", False),
              ("2/6", r"\frac13", True), (r"\dfrac{1}{3}", r"\frac13", True),
              (r"\frac{1}{\sqrt{9}}", r"\frac13", True), (r"\sqrt{3+2\sqrt{2}}-\sqrt{2}", "1", True),
-             (r"\sin^2 x+\cos^2 x", "1", True), (r"\sin^2 x+\cos^2 x-1", "0", True),
+             (r"\sin^2 x+\cos^2 x", "1", False), (r"\sin^2 x+\cos^2 x-1", "0", False),   # x: no number
              (r"\cos(\pi/3)", "0.5", True), (r"\frac{\sqrt2}{2}", r"\frac{1}{\sqrt2}", True)]
     assert _verdicts(cases) == [expected for _, _, expected in cases]
 
@@ -737,12 +737,76 @@ def test_verify_negated_or_hedged_text_is_not_a_unit():
              (r"5\text{ or }6", "6, 5", True), (r"5 \text{ OR } 6", "5, 6", True)]
     assert _verdicts(cases) == [expected for _, _, expected in cases]
 
+# -----------------------------------------------------------------------------
+# math: forged answers (a reward the policy can forge is a wrong reward)
+
+
+FORGED_MATH = [  # (answer, gold): each scored True by fixed sample points x, y > 1 or a 1e-9 tolerance
+    ("x", "|x|"), ("y-x", "|x-y|"), (r"\frac{|x|}{x}", "1"), ("4 + (97x-100)(97x-137)(97x-174)", "4"),
+    (r"x + 10^{12} + 1", r"x + 10^{12}"), (r"y = 10^{12}x + 7", r"y = 10^{12}x + 5"),
+    (r"\sqrt{x^2}", "x"), ("|x+y|", "x+y"), (r"\sqrt{x} + 10^{12} + 1", r"\sqrt{x} + 10^{12}"),
+    (r"2^{40}x + 1", r"2^{40}x"), (r"\frac{x^2-1}{x-1} + 10^{-15}", "x+1"), (r"\ln(x^2)", r"2\ln x"),
+    (r"\sin^2 x + \cos^2 x", "1"), (r"|(97x-100)(97x-137)|", "(97x-100)(97x-137)"),
+]
+GENUINE_MATH = [  # (answer, gold): exact rewrites that must stay True
+    ("|x|", "|x|"), ("x+1", "1+x"), (r"\frac{1}{2}", "0.5"), ("y = 2x+5", "y=5+2x"), ("|-x|", "|x|"),
+    (r"\sqrt{x^2}", "|x|"), ("|x|^2", "x^2"), (r"\frac{x^2-1}{x-1}", "x+1"), (r"10^{12}x + 5", r"5 + 10^{12}x"),
+    (r"2x(\sin^2 x + \cos^2 x)", "2x"), (r"(\sqrt3+1)^2", r"4+2\sqrt3"), (r"\sqrt{10^{24}}", r"10^{12}"),
+    ("2x + 4y = 6", "x + 2y = 3"), (r"\frac{\sqrt{x}}{2}", r"\sqrt{x}/2"), (r"|x-y|", "|y-x|"),
+]
+HEDGED = [  # (answer, gold): a qualifier or a negation changes the claim
+    (r"\not= 5", "5"), (r"\neq=5", "5"), (r"\wrong=5", "5"), (r"5 \text{ maybe}", "5"), ("5 probably", "5"),
+    (r"\text{approximately } 5", "5"), (r"5 \text{ guess}", "5"), ("5 max", "5"), (r"\text{minimum } 5", "5"),
+    (r"5 \text{ upper bound}", "5"), (r"\text{about } 5", "5"), (r"\text{maybe } 5", "5"),
+    (r"5\text{ is my guess}", "5"), ("5 maximum", "5"), (r"5 \text{ (lower bound)}", "5"),
+]
+PLAIN = [  # (answer, gold): forms Math-Verify accepts, kept
+    ("x = 5", "5"), (r"5 \text{ cm}", "5"), (r"\text{(A)}", "A"), (r"\dfrac{1}{2}", "0.5"), ("1,000", "1000"),
+    (r"\alpha = 5", "5"), (r"\theta=5", "5"), (r"5 \text{ min}", "5"), (r"5 \text{ apples}", "5"),
+]
+
+
+def test_verify_forged_math_is_false_and_exact_rewrites_true():
+    verdicts = _verdicts([(a, g, False) for a, g in FORGED_MATH] + [(a, g, True) for a, g in GENUINE_MATH])
+    assert [pair for pair, ok in zip(FORGED_MATH, verdicts) if ok] == []
+    assert [pair for pair, ok in zip(GENUINE_MATH, verdicts[len(FORGED_MATH):]) if not ok] == []
+
+
+def test_verify_hedged_or_negated_answers_are_false():
+    verdicts = _verdicts([(a, g, False) for a, g in HEDGED] + [(a, g, True) for a, g in PLAIN])
+    assert [pair for pair, ok in zip(HEDGED, verdicts) if ok] == []
+    assert [pair for pair, ok in zip(PLAIN, verdicts[len(HEDGED):]) if not ok] == []
+
+
+def test_verify_thinking_opened_by_the_prompt_must_close():
+    """DeepSeek-R1 templates end the prompt with "<think>\\n": the completion holds no <think>, so it answers
+    only after a </think>; a box inside thoughts it never closed is no answer (math and code alike)."""
+    assert verify.prompt_opens_think("<|User|>Add 3 and 4.<|Assistant|><think>\n")
+    assert not verify.prompt_opens_think(f"{data.INSTRUCTION}\nProblem: 3+4\nSolution: ")   # names, opens nothing
+    assert not verify.prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")   # Qwen3, thinking off
+    thoughts = "Let me add: 3 + 4 = 7, so \\boxed{7}. Let me check"
+    answered = thoughts + "</think> The answer is \\boxed{7}."
+    assert score(thoughts, "7") is True and score(thoughts, "7", think_open=True) is False
+    assert score(answered, "7", think_open=True) is True
+    assert score_batch([thoughts, answered], ["7", "7"], think_open=True) == [False, True]
+    code = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    problems = [{"answer": "7"}, {"answer": "7"}, {"tests": SUM, "domain": "code"}, {"tests": SUM, "domain": "code"}]
+    responses = [thoughts, thoughts, "Let me think.\n" + code, "Let me think.\n" + code]
+    assert verify.score_problems(responses, problems, think_open=[True, False, False, True]) == [False, True, True, False]
+    tok = AutoTokenizer.from_pretrained(data.toy_model_dir())   # the wiring: score_samples reads the template
+    samples = [gen.Sample(0, ids_of(tok, text) + [tok.eos_token_id], [], [], [], "eos") for text in (thoughts, answered)]
+    problem = {"prompt": "Compute 3+4.", "answer": "7", "domain": "math"}
+    assert data.score_samples(tok, samples, [problem] * 2)[1] == [True, True]
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|><think>\n"
+    assert data.score_samples(tok, samples, [problem] * 2)[1] == [False, True]
+
 
 # =============================================================================
 # sandbox.py: code extraction and the sandboxed test runs
 
-BWRAP = pytest.mark.skipif(not sandbox.bwrap_ready(), reason="bubblewrap (bwrap) is not installed or cannot make "
-                           "namespaces here; .ci/run installs it")
+BWRAP = pytest.mark.skipif(not sandbox.bwrap_ready(), reason="bubblewrap (bwrap) or libseccomp is not installed, or "
+                           "namespaces cannot be made here; .ci/run installs them")
+RAN, RUN = "\n\ndef ran():\n    return 1", ["assert ran() == 1"]  # a program + RAN passes RUN when it runs to its end
 
 
 def nproc_binds():
@@ -837,7 +901,7 @@ def test_code_infinite_loop_is_killed_on_time():
         assert score_code(fenced(program), {"inputs": [""], "outputs": ["x"]}, timeout=1.0) is False
         assert time.perf_counter() - start < 8.0, program        # 1 s + start-up, generous for CI
     start = time.perf_counter()
-    assert score_code(fenced("while True:\n    pass"), ["assert True"], timeout=1.0) is False
+    assert score_code(fenced("while True:\n    pass" + RAN), RUN, timeout=1.0) is False
     assert 1.0 <= time.perf_counter() - start < 8.0
 
 
@@ -847,16 +911,16 @@ def test_code_memory_limit():
     start = time.perf_counter()
     assert score_code(fenced(alloc.format(10 << 30)), {"inputs": [""], "outputs": [str(10 << 30)]}) is False
     grow = "x = []\nwhile True:\n    x.append(bytearray(50 << 20))"      # 50 MB at a time, forever
-    assert score_code(fenced(grow), ["assert True"]) is False
+    assert score_code(fenced(grow + RAN), RUN) is False
     assert time.perf_counter() - start < 15.0
     assert score_code(fenced(alloc.format(600 << 20)), ["assert x"], memory=256 << 20) is False
 
 
 def test_code_output_flood_is_cut():
     start = time.perf_counter()
-    flood = fenced("while True:\n    print('x' * 100000)")
+    flood = fenced("while True:\n    print('x' * 100000)" + RAN)
     assert score_code(flood, {"inputs": [""], "outputs": ["x"]}) is False
-    assert score_code(flood, ["assert True"]) is False
+    assert score_code(flood, RUN) is False
     assert time.perf_counter() - start < 15.0
     assert score_code(fenced("print('y' * 1000000)"), {"inputs": [""], "outputs": ["y" * 1000000]})
 
@@ -866,7 +930,7 @@ def test_code_naive_fork_bomb_fails_at_once_and_the_parent_is_fine():
                  "import subprocess\nsubprocess.Popen(['sleep', '100'])",
                  "import multiprocessing\nmultiprocessing.Process(target=print).start()"):
         start = time.perf_counter()
-        assert score_code(fenced(bomb), ["assert True"], timeout=5.0) is False, bomb
+        assert score_code(fenced(bomb + RAN), RUN, timeout=5.0) is False, bomb
         assert time.perf_counter() - start < 5.0, bomb              # removed: fails, no timeout
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
@@ -924,7 +988,7 @@ def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox():
     before = set(sandbox_processes())  # another run's sandboxes on this machine, if any
     for program, timeout in ((bomb, 3.0), (daemon, 6.0)):
         start = time.perf_counter()
-        score_code(fenced(program), ["assert True"], timeout=timeout)
+        score_code(fenced(program + RAN), RUN, timeout=timeout)
         assert time.perf_counter() - start < 15.0
         assert set(sandbox_processes()) <= before, program  # the PID namespace died with the sample
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
@@ -968,7 +1032,7 @@ def ask(expression):  # the sandbox reports the value of a call of the program's
         checks = ["assert ask('sorted(os.environ)') == ['HOME', 'LANG', 'PATH', 'PWD']",
                   "assert ask('os.getcwd()') == '/tmp'", "assert ask('sys.flags.isolated') == 1",
                   "assert ask('os.getuid()') == 65534", "assert ask('os.getppid()') == 1",
-                  "assert ask('len([p for p in os.listdir(\"/proc\") if p.isdigit()])') <= 3",
+                  "assert not ask('os.path.exists(\"/proc\")')",  # no /proc: its counters leak the page cache
                   "assert not ask('os.path.exists(\"/etc/shadow\")')",
                   f'assert not ask("os.path.exists({str(secret)!r})")',
                   f'assert not ask("os.path.exists({str(ROOT / "sandbox.py")!r})")',
@@ -1022,6 +1086,11 @@ def test_code_wrong_solutions_cannot_forge_their_reward(tmp_path):
     assert score_code(fenced("def add(a, b):\n    return a + b"), ["assert add(1, 2) == 3"]) is True
 
 
+def passes(check, values):
+    """One check on one report of its leaves' values, as the checker process judges it."""
+    return sandbox._asserts_pass(f"0\t{values!r}\n", [check])
+
+
 def test_code_split_asserts_keeps_expected_values_out():
     """The sandbox runs only the calls of the solution's functions; the parent evaluates the rest."""
     source, checks = sandbox.split_asserts("assert f(1) == [1, (2, 'x')]\nassert not g(2)\nassert h(3)\n"
@@ -1030,11 +1099,11 @@ def test_code_split_asserts_keeps_expected_values_out():
     assert all(text not in source for text in ("[1, (2, 'x')]", "{4, 5}", "abs", "isclose", "2.0", "3.0"))
     assert source.count("_record(") == 5 and "_record(4, (f(5), g(6)))" in source
     reports = [([1, (2, "x")],), (0,), (7,), (5,), (2.0, 3.0)]
-    assert [check(values) for check, values in zip(checks, reports)] == [True] * 5
+    assert [passes(check, values) for check, values in zip(checks, reports)] == [True] * 5
     wrong = [([1, (2, "y")],), (1,), (0,), (6,), (2.0, 3.1)]
-    assert [check(values) for check, values in zip(checks, wrong)] == [False] * 5
-    assert sandbox.split_asserts("assert f(1) is None")[1][0]((None,)) is True
-    assert sandbox.split_asserts("assert 0 < f(1) < 2")[1][0]((1,)) is True
+    assert [passes(check, values) for check, values in zip(checks, wrong)] == [False] * 5
+    assert passes(sandbox.split_asserts("assert f(1) is None")[1][0], (None,)) is True
+    assert passes(sandbox.split_asserts("assert 0 < f(1) < 2")[1][0], (1,)) is True
     for bad in ("x = 1", "expected = 3\nassert f(1) == expected", "def ref(a):\n    return a\nassert f(1) == ref(1)",
                 "assert print(f(1)) is None", "assert [f(i) for i in range(3)] == [0, 1, 4]", "assert 2 ** f(1) == 4",
                 "import numpy as np\nassert np.allclose(f(1), [1.0])", "def check(c):\n    assert c\ncheck(f)"):
@@ -1042,13 +1111,45 @@ def test_code_split_asserts_keeps_expected_values_out():
             sandbox.split_asserts(bad)
 
 
-def test_code_reported_values_are_capped_before_parsing(monkeypatch):
-    """A report longer than CODE_MAX_REPORT fails unread: parsing 16 MiB of it would take the parent gigabytes."""
+def test_code_asserts_that_never_call_the_solution_are_refused(tmp_path):
+    """An assert that the parent alone evaluates (no call of the solution: `assert sum([1, 2, 3]) == 6` for a
+    problem "write sum", `assert True` alone) would pass any program: refused by split_asserts, so scored
+    False and refused at load time with file:line and the field. A constant assert beside real ones
+    (HumanEval's `assert True, "..."`) decides nothing and is kept."""
+    for tests in (["assert sum([1, 2, 3]) == 6"], ["assert True"], "assert True\nassert True, 'twice'",
+                  ["assert add(1, 2) == 3", "assert sum([1, 2, 3]) == 6"],
+                  "def check(c):\n    assert True\ncheck(add)"):
+        with pytest.raises(ValueError, match="never calls the solution|no assert calls the solution"):
+            sandbox.split_asserts(tests if isinstance(tests, str) else "\n".join(tests))
+        assert score_code(fenced("pass"), tests) is False, tests
+    add = fenced("def add(a, b):\n    return a + b")
+    assert score_code(add, ["assert add(1, 2) == 3", "assert True, 'debugging aid'"]) is True
+    assert score_code(fenced("def add(a, b):\n    return 0"), ["assert add(1, 2) == 3", "assert True"]) is False
+    cases = {'{"prompt": "write sum", "tests": ["assert sum([1, 2, 3]) == 6"]}\n':
+             ":1: field 'tests': line 1: 'assert sum([1, 2, 3]) == 6' never calls the solution",
+             '{"prompt": "p", "answer": "1"}\n{"prompt": "q", "tests": "assert True"}\n':
+             ":2: field 'tests': no assert calls the solution"}
+    assert_load_errors(tmp_path, cases)
+
+
+def test_code_the_parents_evaluation_of_asserts_is_bounded():
+    """The checker, a process of its own, parses the reports and evaluates the asserts within CODE_CHECK_TIMEOUT
+    and CODE_CHECK_MEMORY: a value that the assert turns into a long loop or a huge object, or a report over
+    CODE_MAX_REPORT characters, scores False in bounded time and costs the caller no memory."""
+    import resource
     _, checks = sandbox.split_asserts("assert len(f(1)) > 0")
     short, long = f"0\t({[1] * 10},)\n", f"0\t({[1] * sandbox.CODE_MAX_REPORT},)\n"
-    assert sandbox._asserts_pass(short, checks) is True
-    monkeypatch.setattr(sandbox.ast, "literal_eval", lambda text: pytest.fail("a long report was parsed"))
-    assert sandbox._asserts_pass(long, checks) is False
+    assert sandbox._asserts_pass(short, checks) is True and sandbox._asserts_pass(long, checks) is False
+    count = fenced("def count(n):\n    return 10 ** 18 if n == 3 else n\ndef text(n):\n    return 'x' * n")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for tests in (["assert max(range(count(3))) == 2"], ["assert sum(range(count(3))) == 3"],
+                  ["assert len([0] * count(3)) == 3"], ["assert len(text(50000) * count(30000)) == 3"],
+                  ["assert len(text(10 ** 7)) == 10 ** 7"]):
+        start = time.perf_counter()
+        assert score_code(count, tests) is False, tests
+        assert time.perf_counter() - start < sandbox.CODE_CHECK_TIMEOUT + 5.0, tests
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100 << 10  # KiB: not 100 MiB more
+    assert score_code(count, ["assert max(range(count(2))) == 1", "assert len(text(5)) == 5"]) is True
 
 
 def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch, capsys):
@@ -1068,15 +1169,159 @@ def test_code_unsafe_path_temp_dir_is_removed_even_when_locked(shared_dir):
     messy = (f"import os\nopen({str(shared_dir / 'cwd')!r}, 'w').write(os.getcwd())\n"
              "os.makedirs('a/b/c')\nopen('a/b/c/f.txt', 'w').write('x')\n"
              "os.symlink('/', 'a/root')\nos.chmod('a/b', 0)\nos.chmod('a', 0o500)")
-    assert score_code(fenced(messy), ["assert True"], unsafe=True) is True
+    assert score_code(fenced(messy + RAN), RUN, unsafe=True) is True
     cwd = (shared_dir / "cwd").read_text()
     assert cwd and not os.path.exists(cwd) and os.path.exists("/")
 
 
 def test_code_unsafe_path_files_outside_are_capped(shared_dir):
     big = f"f = open({str(shared_dir / 'big')!r}, 'wb')\nf.write(b'x' * (64 << 20))\nf.close()"
-    assert score_code(fenced(big), ["assert True"], unsafe=True) is False                     # RLIMIT_FSIZE
+    assert score_code(fenced(big + RAN), RUN, unsafe=True) is False                           # RLIMIT_FSIZE
     assert (shared_dir / "big").stat().st_size <= sandbox.CODE_MAX_OUTPUT
+
+# -----------------------------------------------------------------------------
+# code: nothing outlives a sandbox for the next one to read (the system-call filter, a user namespace each)
+
+ADD = {"inputs": ["20 22\n"], "outputs": ["42"]}  # 42 = 0b101010: 8 bits of answer to pass on
+PAGE_CACHE = """import os
+def pages():  # 8 pages of a read-only file every sandbox sees, read one at a time (no readahead)
+    fd = os.open({path!r}, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+"""
+PAGE_SOLVER = """a, b = map(int, input().split())
+try:  # bit i clear: page i evicted; set: cached
+    fd = pages()
+    for i in range(8):
+        os.pread(fd, 1, 4096 * i)
+        if not (a + b) >> i & 1:
+            os.posix_fadvise(fd, 4096 * i, 4096, os.POSIX_FADV_DONTNEED)
+except OSError:
+    pass
+print(a + b)
+"""
+PAGE_COPIER = """input()
+def cached(fd, i):  # reads only a cached page
+    try:
+        return os.preadv(fd, [bytearray(1)], 4096 * i, os.RWF_NOWAIT) == 1
+    except OSError:
+        return False
+fd = pages()
+print(sum(1 << i for i in range(8) if cached(fd, i)))
+"""
+
+
+@BWRAP
+def test_code_page_cache_carries_no_answer_between_samples():
+    """A solver marks its answer in the page cache of a file under the interpreter's prefix (posix_fadvise evicts
+    a page, a read caches it) and a copier with no solving logic reads it back with preadv(RWF_NOWAIT), which
+    succeeds on cached pages alone: the copier would score True once a sibling has solved the same input."""
+    path = os.path.realpath(os.path.join(os.path.dirname(os.__file__), "pydoc_data", "topics.py"))
+    solver, copier = (fenced(PAGE_CACHE.format(path=path) + body) for body in (PAGE_SOLVER, PAGE_COPIER))
+    with open(path, "rb") as f:
+        f.read()  # every page cached: the copier alone reads 255
+    assert score_code(copier, ADD) is False
+    assert score_code(solver, ADD) is True
+    assert score_code(copier, ADD) is False
+
+
+KEYRING = """import sys
+for name in ("ctypes", "_ctypes"):
+    sys.modules.pop(name, None)
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ADD_KEY, REQUEST_KEY, KEYCTL = {numbers}
+def put(value):  # add_key("user", name, value, KEY_SPEC_USER_KEYRING)
+    data = str(value).encode()
+    libc.syscall(ADD_KEY, b"user", {name!r}, data, len(data), -4)
+def get():  # request_key, then keyctl(KEYCTL_READ)
+    key = libc.syscall(REQUEST_KEY, b"user", {name!r}, None, -4)
+    buffer = ctypes.create_string_buffer(64)
+    n = libc.syscall(KEYCTL, 11, ctypes.c_long(key), buffer, 64) if key >= 0 else -1
+    return buffer.raw[:n].decode() if n >= 0 else ""
+"""
+
+
+@BWRAP
+@pytest.mark.skipif(os.geteuid() != 0, reason="a non-root caller's sandboxes each have a user namespace (and user "
+                    "keyring) of their own through bwrap alone; as root they were all uid 65534 of one namespace")
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="keyring call numbers of x86_64, arm64")
+def test_code_kernel_keyring_carries_no_answer_between_samples():
+    numbers = (248, 249, 250) if os.uname().machine == "x86_64" else (217, 218, 219)
+    keyring = KEYRING.format(numbers=numbers, name=f"scalerl-test-{os.getpid()}-{time.time_ns()}".encode())
+    solver = fenced(keyring + "a, b = map(int, input().split())\nput(a + b)\nprint(a + b)")
+    copier = fenced(keyring + "input()\nprint(get())")
+    assert score_code(copier, ADD) is False
+    assert score_code(solver, ADD) is True
+    assert score_code(copier, ADD) is False
+
+
+@BWRAP
+def test_code_the_system_call_filter_refuses_cross_sample_channels():
+    """Asked from inside: what the filter refuses (EPERM) and what it leaves alone."""
+    path = os.path.realpath(os.__file__)
+    probe = fenced(f"""import errno, fcntl, os, resource, socket, threading
+fd = os.open({path!r}, os.O_RDONLY)
+def refused(expression):
+    try:
+        eval(expression)
+    except OSError as err:
+        return errno.errorcode.get(err.errno)
+    return "allowed"
+""")
+    denied = ["os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)", "os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)",
+              "fcntl.flock(fd, fcntl.LOCK_SH)", "resource.getrusage(resource.RUSAGE_SELF)",
+              "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)", "socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)"]
+    allowed = ["os.pread(fd, 1, 0)", "os.preadv(fd, [bytearray(1)], 0)", "socket.socket().close()",
+               "socket.socketpair()", "threading.Thread(target=print).start()", "fcntl.fcntl(fd, fcntl.F_GETFL)"]
+    checks = [f"assert refused({e!r}) == 'EPERM'" for e in denied]
+    checks += [f"assert refused({e!r}) == 'allowed'" for e in allowed]
+    for check in checks:
+        assert score_code(probe, [check]) is True, check
+
+
+@BWRAP
+def test_code_each_sandbox_has_its_own_user_namespace():
+    """Two samples at once, seen from outside: each program in a user namespace of its own (as root too, so that
+    the keyring and the uid's other state are not shared), as the unprivileged uid (root's sandbox: uid 65534)."""
+    sleeper = fenced("import time\ntime.sleep(3)" + RAN)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (score_code_batch([sleeper] * 2, [RUN] * 2, workers=2), done.set()))
+    thread.start()
+    uid = sandbox.SANDBOX_UID if os.geteuid() == 0 else os.getuid()  # the program's uid, seen from outside
+    namespaces, deadline = {}, time.monotonic() + 10
+    while len(namespaces) < 2 and not done.is_set() and time.monotonic() < deadline:
+        for pid in sandbox_processes():
+            with contextlib.suppress(OSError):
+                if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0] != b"bwrap" and \
+                        f"\nUid:\t{uid}\t" in open(f"/proc/{pid}/status").read():
+                    namespaces[pid] = os.readlink(f"/proc/{pid}/ns/user")
+        time.sleep(0.05)
+    thread.join()
+    assert len(namespaces) >= 2 and len(set(namespaces.values())) == len(namespaces)
+    assert os.readlink("/proc/self/ns/user") not in namespaces.values()
+
+
+def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
+    """No libseccomp, no system-call filter: code rewards refuse to run (one clear line) unless unsafe."""
+    caches = (sandbox.bwrap_ready, sandbox.seccomp_filter)
+    monkeypatch.setattr(sandbox, "LIBSECCOMP", "libseccomp-missing.so.0")
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        assert sandbox.bwrap_ready() is False and "apt-get install libseccomp2" in sandbox.not_ready_reason()
+        with pytest.raises(RuntimeError, match="need libseccomp.*--unsafe_code_exec"):
+            sandbox._run_program("print(1)", "", "", 6.0, 1 << 30, False)
+        add = fenced("def add(a, b):\n    return a + b")
+        assert score_code(add, ["assert add(1, 2) == 3"]) is False
+        assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
+        with pytest.raises(SystemExit, match="^error: code rewards need libseccomp.*--unsafe_code_exec"):
+            train.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
+    finally:
+        monkeypatch.undo()
+        for cache in caches:
+            cache.cache_clear()
 
 
 def test_code_batch_equals_one_by_one_and_uses_workers():

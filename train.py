@@ -58,7 +58,7 @@ import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
 from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
-from sandbox import BWRAP_MISSING, bwrap_ready
+from sandbox import bwrap_ready, not_ready_reason
 
 # -----------------------------------------------------------------------------
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
@@ -409,7 +409,7 @@ def check_code_rewards(args, problems):
     if not any(p.get("domain") == "code" for p in problems):
         return
     if not args.unsafe_code_exec and not bwrap_ready():
-        sys.exit(f"error: {BWRAP_MISSING}")
+        sys.exit(f"error: {not_ready_reason()}")
     print("code rewards: " + ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its "
                               "reward" if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
 

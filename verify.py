@@ -10,21 +10,34 @@ math+code runs of section 5) to sandbox.py, which runs their programs against th
 Readings chosen here:
 - The final answer is the last \\boxed{...} (also \\fbox{...} and `\\boxed 5`) after the
   last </think>; without a think block the whole text is searched. A <think> that never
-  closes means the response was cut off before it answered: no answer, score False.
+  closes means the response was cut off before it answered: no answer, score False. Where the
+  prompt opened the block (think_open=True; prompt_opens_think: DeepSeek-R1 chat templates end
+  the prompt with "<think>\n"), the completion starts inside it and must close it to answer.
 - Without a box: the rest of the line after the last "####", "Final Answer:", "Answer:" or
   "the answer is"; else the text itself when it is one short line (`</think> 42`).
 - Equal means one of: the same string after normalization (\\dfrac -> \\frac, \\left/\\right,
   spacing, $, units in \\text{} or after a number ("3\\text{ m/s}", "5 ft^2"), degrees ^\\circ,
   percent signs, thousands separators "1,000" and "1{,}000", the same variable before each
   item ("x = -1, x = 2", "x \\in [1, 2]"), a trailing period); the same plain number, exactly
-  (0.5 = 1/2 = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value,
-  exact for rationals, to 1e-40 relative (at 60 digits) between a rational and another form
-  of it, and to 1e-9 relative otherwise (expressions in variables are compared at three
-  rational points; i is the imaginary unit, e is Euler's number). So 50\\% counts as 50 (not
-  0.5) and 30^\\circ as 30 (not \\pi/6). A word of 2+ letters (east, \\text{Evelyn}) is compared
-  as a word, case-insensitively, not as a product of variables. Words go as units or as
-  "and"/"or" between items, but not a phrase with a negation or hedge ("\\text{not } 5",
-  "5 or more", "5 \\text{ or perhaps } 6"): it stays in the answer, which then matches nothing.
+  (0.5 = 1/2 = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value
+  for all real values of the variables (i is the imaginary unit, e is Euler's number). That is
+  decided exactly where sympy can: a rational function with rational coefficients by cancel(),
+  anything else when simplify() brings the difference to a constant; only where it cannot do
+  the values at sample points decide (_points: both signs, beyond every constant and below its
+  reciprocal, seeded random ones, both sides of the roots under |.|, roots and logs), to 1e-40
+  relative at 60 digits. So 50\\% counts as 50 (not 0.5) and 30^\\circ as 30 (not \\pi/6). A
+  word of 2+ letters (east, \\text{Evelyn}) is compared as a word, case-insensitively, not as a
+  product of variables. Words go as units or as "and"/"or" between items, but not a phrase
+  with a negation or hedge ("\\text{not } 5", "5 or more", "5 \\text{ or perhaps } 6", "5 maybe",
+  "\\text{approximately } 5", "5 \\text{ upper bound}"): it stays in the answer, which then
+  matches nothing.
+- Departures from a lenient checker, each closing a way to forge the reward:
+  an answer with a variable the gold lacks never matches (4 + (x-1)(x-2) is not 4, nor is
+  \\sin^2 x + \\cos^2 x 1); variables are real, of either sign (x is not |x|, y - x is not |x - y|,
+  \\frac{|x|}{x} is not 1); a nearly equal value is not equal (x + 10^{12} + 1 is not x + 10^{12});
+  hedges and qualifiers are no units (above); only a letter or a Greek letter names a variable
+  before "=" (x = 5, \\theta = 5 are 5; \\not= 5, \\neq=5 are nothing); a box inside thoughts the
+  prompt opened and the completion never closed is no answer (think_open).
 - Shapes: "(a, b)" and "[a, b)" are ordered tuples/intervals whose brackets must match;
   "\\{a, b\\}", a bare list "a, b" and "a \\pm b" are unordered sets; \\cup joins intervals in
   any order; matrices compare entry by entry; an equation "lhs = rhs" equals a nonzero
@@ -43,16 +56,18 @@ Workers start on first need (~1 s), stay for later calls, and exit when the call
 digits. Unix only (select.poll, resource).
 
 Usage:
-    from verify import score, score_batch, score_problems
+    from verify import prompt_opens_think, score, score_batch, score_problems
     score("<think>...</think> The area is $\\boxed{\\frac{1}{2}}$.", "0.5")    # True
     score_batch(responses, golds, workers=8)                                  # list of bools
     score_problems(responses, problems, workers=8)     # data.py's dicts, math and code mixed
+    score("7 \\boxed{7}", "7", think_open=prompt_opens_think("...<think>\\n"))   # False: never closed
     python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'         # prints True
     python verify.py --bench        # verifications/s on a batch of 768 (BENCHMARKS.md section 8)
 """
 import contextlib
 import json
 import os
+import random
 import re
 import resource
 import select
@@ -146,9 +161,15 @@ _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|~|\\q?quad(?![a-zA-Z])")
 _TEXT = re.compile(r"\\(text\w*|mbox|math\w+|operatorname)\s*\{([^{}]*)\}(\^\{?\d\}?)?")
 _UNIT_TEXT = re.compile(r"[a-zA-Z .]*(?:/ *[a-zA-Z][a-zA-Z .]*)*")     # \text{ km/h}: no digits
 _UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")  # 18 km/h
-_HEDGE = re.compile(r"\b(?:not|no|nor|never|except|or|and|least|most|than|wrong|incorrect)\b",
-                    re.IGNORECASE)                                 # "5 or more" is no unit
-_VAR_PREFIX = re.compile(r"(?:[a-zA-Z](?:_\w)?|\\[a-z]+)(?:=|\\in(?![a-zA-Z]))")
+_HEDGE = re.compile(r"\b(?:not|no|nor|never|except|or|and|least|most|than|wrong|incorrect|maybe|perhaps|"
+                    r"possibly|probably|likely|unlikely|approx\w*|about|around|roughly|nearly|almost|"
+                    r"circa|guess\w*|estimat\w*|max\w*|minimum|minimal|upper|lower|bound\w*|unsure|"
+                    r"uncertain)\b", re.IGNORECASE)    # "5 or more", "5 maybe" are no units ("5 min" is)
+_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa "
+             "lambda mu nu xi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta "
+             "Theta Lambda Xi Sigma Phi Psi Omega".split())
+_VAR_PREFIX = re.compile(r"(?:[a-zA-Z](?:_\w)?|\\(?:%s)(?![a-zA-Z]))(?:=|\\in(?![a-zA-Z]))"
+                         % "|".join(sorted(_GREEK)))            # x=, \theta=, not \neq= or \not=
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _DECIMAL = re.compile(r"-?(?:\d+\.?\d*|\.\d+|\d+/\d+)")             # 12, -3.5, .25, 3/4
 _PM = re.compile(r"\\(?:pm|mp)(?![a-zA-Z])")
@@ -332,7 +353,7 @@ def _same(x, y):
 
 
 def _same_value(a, b):
-    """Two normalized scalars: same string or same sympy value (to 1e-40 against a rational)."""
+    """Two normalized scalars, answer a and gold b: the same string or the same sympy value."""
     if a == b:
         return True
     u, v = to_sympy(a), to_sympy(b)
@@ -340,36 +361,102 @@ def _same_value(a, b):
         return True
     if (u.is_Rational and v.is_Rational) or any(e.has(*_INFINITE) for e in (u, v)):
         return False
-    symbols = sorted(u.free_symbols | v.free_symbols, key=str)
-    digits, tolerance = (60, 1e-40) if u.is_Rational or v.is_Rational else (30, 1e-9)
-    pairs = zip(_values(u, symbols, digits), _values(v, symbols, digits))
-    return all(_close(p, q, tolerance) for p, q in pairs)
+    return _identical(u, v)
 
 
 def _same_equation(x, y):
     """lhs1 = rhs1 and lhs2 = rhs2 are the same when lhs - rhs are nonzero multiples."""
     d1 = to_sympy(x[1]) - to_sympy(x[2])
     d2 = to_sympy(y[1]) - to_sympy(y[2])
-    symbols = sorted(d1.free_symbols | d2.free_symbols, key=str)
-    pairs = list(zip(_values(d1, symbols), _values(d2, symbols)))
-    if any(q == 0 for _, q in pairs) or pairs[0][0] == 0:
+    return d1 != 0 and d2 != 0 and _identical(d1, d2, multiple=True)
+
+
+def _identical(u, v, multiple=False):
+    """Whether answer u equals gold v (multiple: c * v, c a nonzero constant) for all real values
+    of the variables. Never when u has a variable that v lacks. Exact where sympy decides: a
+    rational function with rational coefficients in lowest terms (cancel) is constant only when
+    free of variables, and simplify() may prove u - v (u / v) constant; where it cannot, the
+    values at the sample points decide. Those points go first: a difference there rejects cheaply."""
+    if u.free_symbols - v.free_symbols or not _agree_at_points(u, v, multiple):
         return False
-    return all(_close(p / q, pairs[0][0] / pairs[0][1]) for p, q in pairs)
+    gap = u / v if multiple else u - v
+    rational = _rational_function(gap)
+    simple = sympy.cancel(gap) if rational else sympy.simplify(gap)
+    if simple.free_symbols:
+        return not rational                   # sympy cannot tell: the sample points agreed
+    zero = simple.is_zero                     # None: sympy cannot tell
+    return (zero is not True) if multiple else (zero is not False)
 
 
-def _values(expr, symbols, digits=30):
-    """expr at three fixed rational points (one if it has no symbols), as `digits`-digit numbers."""
-    values = []
-    for point in range(3 if symbols else 1):
-        subs = {s: sympy.Rational(100 + 37 * (3 * k + point), 97) for k, s in enumerate(symbols)}
-        value = expr.subs(subs).evalf(digits)
-        if not (value.is_number and value.is_finite):
-            raise ValueError(f"{expr} is not a finite number at {subs}")
-        values.append(value)
-    return values
+def _rational_function(e):
+    """Whether e is built from variables and rational numbers by + - * / and integer powers."""
+    if e.is_Symbol or e.is_Rational:
+        return True
+    if e.is_Pow:
+        return e.exp.is_Integer and _rational_function(e.base)
+    return (e.is_Add or e.is_Mul) and all(map(_rational_function, e.args))
 
 
-def _close(u, v, tolerance=1e-9):
+def _agree_at_points(u, v, multiple):
+    """u equals v (multiple: u / v is the same number) at every point of _points, to 1e-40 relative
+    (60 digits: an offset of 1 on a value of 10^12 is a difference)."""
+    pairs = [(_value(u, point), _value(v, point)) for point in _points(u, v)]
+    if multiple:
+        if any(q == 0 for _, q in pairs):
+            return False
+        pairs = [(p / q, pairs[0][0] / pairs[0][1]) for p, q in pairs]
+    return all(_close(p, q) for p, q in pairs)
+
+
+def _points(u, v, count=8):
+    """Values for the variables of v, real numbers: all of one sign beyond every constant in u and
+    v or below its reciprocal (\\sqrt{10^{100}x^2+1} is not 10^{50}|x| at x = 10^{-101}), increasing
+    at the positive points and decreasing at the negative ones; `count` random ones
+    (seeded by u and v) of random signs and sizes 10^-6..10^4; and points on each side of every real
+    root of a one-variable polynomial under an |.|, a root or a log (|(x-1)(x-2)| between 1 and 2).
+    The random denominator 997 * 10^k keeps the points off the poles of answers (1/(x-1))."""
+    symbols = sorted(v.free_symbols, key=str)
+    if not symbols:
+        return [{}]
+    rng = random.Random(f"{u} {v}")
+    big = 10 * max([1] + [abs(n) for n in (u.atoms(sympy.Rational) | v.atoms(sympy.Rational))]) + _odd(rng)
+    points = [{s: sign * scale * (k + 1) for k, s in enumerate(symbols)}
+              for sign in (1, -1) for scale in (big, 1 / big)]
+    points += [{s: rng.choice((-1, 1)) * _odd(rng) for s in symbols} for _ in range(count)]
+    for s in symbols:
+        points += [{**rng.choice(points[4:]), s: value} for value in _sides_of_roots(u, v, s)]
+    return points
+
+
+def _odd(rng):
+    """A random positive rational of size 10^-6..10^4 and denominator 997 * 10^k."""
+    return sympy.Rational(rng.randint(1, 10**7), 997 * rng.choice((1, 10, 100, 1000)))
+
+
+def _sides_of_roots(u, v, s):
+    """A value of s below, between and above the real roots of each argument of an |.|, a root or
+    a log in u and v that is a polynomial in s alone with rational coefficients, degree <= 20."""
+    roots = set()
+    for f in (u.atoms(sympy.Abs, sympy.Pow, sympy.log) | v.atoms(sympy.Abs, sympy.Pow, sympy.log)):
+        arg = f.base if f.is_Pow else f.args[0]
+        if (f.is_Pow and f.exp.is_Integer) or arg.free_symbols != {s} or not arg.is_polynomial(s):
+            continue
+        poly = sympy.Poly(arg, s)
+        if poly.domain in (sympy.ZZ, sympy.QQ) and poly.degree() <= 20:
+            roots.update(r.evalf(60) for r in poly.real_roots())
+    roots = sorted(roots)
+    return [a + (b - a) / 2 for a, b in zip(roots, roots[1:])] + ([roots[0] - 1, roots[-1] + 1] if roots else [])
+
+
+def _value(expr, point):
+    """expr at point (variables -> numbers) as a 60-digit number, maybe complex (\\sqrt{x} at x < 0)."""
+    value = expr.evalf(60, subs=point)
+    if not (value.is_number and value.is_finite):
+        raise ValueError(f"{expr} is not a finite number at {point}")
+    return value
+
+
+def _close(u, v, tolerance=1e-40):
     """Equal to `tolerance` relative, or to 1e-16 times it absolute (sympy floats: no overflow
     at 10^400)."""
     return bool(abs(u - v) <= tolerance * (max(abs(u), abs(v)) + 1e-16))
@@ -386,9 +473,6 @@ _FUNCTIONS = {"\\sin": sympy.sin, "\\cos": sympy.cos, "\\tan": sympy.tan, "\\cot
               "\\arccos": sympy.acos, "\\arctan": sympy.atan, "\\sinh": sympy.sinh,
               "\\cosh": sympy.cosh, "\\tanh": sympy.tanh, "\\exp": sympy.exp,
               "\\ln": sympy.log, "\\log": sympy.log}
-_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa "
-             "lambda mu nu xi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta "
-             "Theta Lambda Xi Sigma Phi Psi Omega".split())
 _CLOSER = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -534,7 +618,7 @@ def _atom(tokens):
         return _CONSTANTS[t]
     if _is_symbol(t):                  # a variable (x, \\theta, a_1, x_{12}), or i or e
         name = t.lstrip("\\").replace("{", "").replace("}", "")
-        return {"i": sympy.I, "e": sympy.E}.get(name, sympy.Symbol(name))
+        return {"i": sympy.I, "e": sympy.E}.get(name, sympy.Symbol(name, real=True))
     raise ValueError(f"cannot read {t!r}")
 
 
@@ -647,20 +731,38 @@ def _try_quick(response, gold):
         return None, False
 
 
-def score(response, gold, timeout=TIMEOUT):
-    """True when the final answer of `response` equals `gold`. Thread-safe, never raises
-    on any input, returns within about `timeout` seconds once a sympy worker runs (starting
-    one takes ~1 s; one that has not said "ready" after WORKER_START_TIMEOUT s is a fault of
-    the machine, not of the input: RuntimeError)."""
-    answer, verdict = _try_quick(response, gold)
+def prompt_opens_think(prompt):
+    """Whether a prompt ends inside a <think> it opened (DeepSeek-R1 chat templates end with
+    "<think>\\n"): then the completion holds no <think>, and only what follows its </think> counts."""
+    return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+
+
+def _opened(responses, think_open):
+    """The responses with the prompt's "<think>" put back where think_open (a bool, or one per
+    response) says the prompt opened the block: the rules on <think> then apply as written."""
+    flags = think_open if isinstance(think_open, (list, tuple)) else [think_open] * len(responses)
+    if len(flags) != len(responses):
+        raise ValueError(f"{len(responses)} responses but {len(flags)} think_open flags")
+    return ["<think>" + r if flag and isinstance(r, str) else r for r, flag in zip(responses, flags)]
+
+
+def score(response, gold, timeout=TIMEOUT, think_open=False):
+    """True when the final answer of `response` equals `gold`. think_open: the prompt ended with
+    an opened <think> (prompt_opens_think), so an answer counts only after a </think>. Thread-safe,
+    never raises on any input, returns within about `timeout` seconds once a sympy worker runs
+    (starting one takes ~1 s; one that has not said "ready" after WORKER_START_TIMEOUT s is a
+    fault of the machine, not of the input: RuntimeError)."""
+    answer, verdict = _try_quick(_opened([response], think_open)[0], gold)
     return verdict if verdict is not None else _ask_worker(answer, gold, timeout)
 
 
-def score_batch(responses, golds, workers=2, timeout=TIMEOUT):
-    """[score(r, g) for r, g in zip(responses, golds)], the sympy cases spread over
-    `workers` worker processes, each case still limited to `timeout` seconds."""
+def score_batch(responses, golds, workers=2, timeout=TIMEOUT, think_open=False):
+    """[score(r, g, think_open=t) for r, g, t in zip(responses, golds, think_open)] (think_open:
+    a bool or one per response), the sympy cases spread over `workers` worker processes, each
+    case still limited to `timeout` seconds."""
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+    responses = _opened(responses, think_open)
     checked = [_try_quick(response, gold) for response, gold in zip(responses, golds)]
     results = [verdict for _, verdict in checked]
     pending = [i for i, verdict in enumerate(results) if verdict is None]
@@ -671,9 +773,11 @@ def score_batch(responses, golds, workers=2, timeout=TIMEOUT):
     return results
 
 
-def score_problems(responses, problems, workers=2, unsafe_code=False):
+def score_problems(responses, problems, workers=2, unsafe_code=False, think_open=False):
     """Rewards for a batch mixing domains: problems are data.py's dicts, a math problem is judged
-    on its "answer" (score_batch), a code problem on its "tests" (sandbox.py's score_code_batch)."""
+    on its "answer" (score_batch), a code problem on its "tests" (sandbox.py's score_code_batch).
+    think_open (a bool, or one per response): the prompt opened a <think> (prompt_opens_think)."""
+    responses = _opened(responses, think_open)
     results = [False] * len(responses)
     judges = (("math", score_batch, "answer", {}), ("code", score_code_batch, "tests", {"unsafe": unsafe_code}))
     for domain, judge, field, extra in judges:
