@@ -560,4 +560,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError) as err:  # a run that cannot be read or fitted: one line, not a traceback
+        sys.exit(f"error: {err}")

@@ -2260,6 +2260,10 @@ def test_fit_errors(tmp_path):
     write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
     with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):
         fit.main([str(tmp_path / "short"), "--png", str(tmp_path / "x.png")])
+    for run in ("short", "missing"):  # the command line: one error line, no traceback
+        cli = subprocess.run([sys.executable, str(ROOT / "fit.py"), str(tmp_path / run)], capture_output=True, text=True)
+        assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+        assert cli.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path / run}"), cli.stderr
     good = json.dumps({"kind": "eval", "step": 0, "compute_s": 0.0, "pass_rate": 0.2})
     lines = [good, good.replace("0.0", "1.0"), '{"kind": "eval",']
     write_run(tmp_path / "bad", [], [], lines=lines)
