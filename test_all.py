@@ -40,6 +40,7 @@ import data
 from data import INTERRUPT_PHRASE
 import generate as gen
 import pipeline
+import runs
 import train
 from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
 from sandbox import extract_code, score_code, score_code_batch
@@ -3011,10 +3012,10 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     locked.chmod(0o500)
     if os.geteuid() != 0:  # root writes anywhere: the check cannot fail there
         with pytest.raises(SystemExit, match="not writable"):
-            train.prepare_out_dir(train.get_args(["--out", str(locked / "run")]))
+            runs.prepare_out_dir(train.get_args(["--out", str(locked / "run")]))
     with pytest.raises(SystemExit, match="not writable"):
         (tmp_path / "file.txt").write_text("x")
-        train.prepare_out_dir(train.get_args(["--out", str(tmp_path / "file.txt" / "run")]))
+        runs.prepare_out_dir(train.get_args(["--out", str(tmp_path / "file.txt" / "run")]))
     with pytest.raises(SystemExit):
         train.get_args(["--resume", "--overwrite"])
 
@@ -3209,9 +3210,9 @@ def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_d
         shutil.copytree(out / "ckpt-000004", out / f"ckpt-{step:06d}")
     fake = dict(model=types.SimpleNamespace(save_pretrained=os.makedirs),
                 tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={}, keep=2)
-    train.save_checkpoint(str(out), 1000001, **fake)
+    runs.save_checkpoint(str(out), 1000001, **fake)
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-1000000", "ckpt-1000001"]
-    train.save_checkpoint(str(out), 7, **fake)  # a later step's leftovers are not this run's: left alone
+    runs.save_checkpoint(str(out), 7, **fake)  # a later step's leftovers are not this run's: left alone
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000007", "ckpt-1000000", "ckpt-1000001"]
     run_train(toy_dir, out, "--steps", "4", "--save_every", "1", "--keep", "2", "--overwrite")
     (out / "ckpt-000004" / "state.pt").write_bytes(b"half a file")  # the newest is broken

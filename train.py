@@ -11,7 +11,8 @@ recorded log-probs, take an AdamW step (eps 1e-15, weight decay 0.01, linear war
 (fit.py). Every ScaleRL choice is a flag whose default is ScaleRL's; the sizes default to the tiny CPU run.
 
 Outputs in --out: metrics.jsonl (one JSON object per step and per eval; fit.py reads it), one log line
-per step, checkpoints ckpt-STEP/ (a from_pretrained-able model folder + state.pt) and --resume.
+per step, checkpoints ckpt-STEP/ (a from_pretrained-able model folder + state.pt) and --resume; what is done
+to the folder itself (checks, lock, pruning, resume) is in runs.py.
 
 Compute is counted as device-seconds of the training loop (wall-clock x devices; evaluation and
 checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prompt token plus
@@ -28,17 +29,12 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 import argparse
 import copy
 import difflib
-import errno
-import fcntl
 import glob
 import json
 import math
 import os
 import re
-import shlex
-import shutil
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -48,7 +44,6 @@ from functools import partial
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -58,6 +53,8 @@ import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
 from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command, resume_point, save_checkpoint,
+                  truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
 
 # -----------------------------------------------------------------------------
@@ -225,141 +222,6 @@ def check_model_dir(path, error):
         error(f"--model {name}: model_type {model_type!r} is not supported by the sampler ({', '.join(SUPPORTED)})")
     return folder
 
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-RUN_MARK = ".train-run.json"  # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
-RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.pt(\.tmp)?")  # the names it writes
-SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")  # the repository's own folders
-_LOCK = []  # the open lock file of this process's run
-
-
-def run_names(out):
-    """The entries of --out that a run of train.py wrote: its metrics, checkpoints and curriculum files, and tb/
-    or wandb/ when the folder's RUN_MARK says a run there used --tensorboard / --wandb. Nothing else."""
-    mark = read_mark(out)
-    trackers = [name for name in ("tb", "wandb") if mark.get(name)]
-    return sorted(n for n in os.listdir(out) if RUN_NAME.fullmatch(n) or n in trackers)
-
-
-def read_mark(out):
-    path = os.path.join(out, RUN_MARK)
-    if not os.path.isfile(path) or os.path.islink(path):
-        return {}
-    try:
-        with open(path) as f:
-            mark = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return mark if isinstance(mark, dict) else {}
-
-
-def legacy_run(out):
-    """A run folder written before RUN_MARK existed: its metrics.jsonl opens with train.py's config line."""
-    try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            first = json.loads(f.readline())
-        return isinstance(first, dict) and first.get("kind") == "config" and "ran" in first
-    except (OSError, ValueError):
-        return False
-
-
-def check_out_dir(args):
-    """--out may not be the source tree or a folder of it (the repo root, toy_model/, fixtures/, ...), a model
-    folder, or hold the --model that --overwrite would delete -> an error message, or None."""
-    out, here = os.path.realpath(args.out), os.path.realpath(HERE)
-    inside = os.path.relpath(out, here).split(os.sep)[0]
-    if os.path.commonpath([out, here]) == out or inside in SOURCE_DIRS:
-        return f"--out {args.out} is {'the source tree or holds it' if inside in ('.', '..') else 'inside the source tree'}" \
-               f" ({here}): give a folder under runs/ or outside the repository"
-    if os.path.isfile(os.path.join(out, "config.json")) and not read_mark(out):
-        return f"--out {args.out} holds a config.json that no run of train.py wrote (a model folder?): choose another --out"
-    if args.model_dir and args.overwrite and os.path.commonpath([out, os.path.realpath(args.model_dir)]) == out:
-        return f"--model {args.model} is inside --out {args.out}, which --overwrite would clear: copy it out first"
-    return None
-
-
-def prepare_out_dir(args, need_mb=100):
-    """Before any compute: --out must be a safe place (check_out_dir), writable with free space, and a folder
-    that already holds a run is refused unless --resume continues it or --overwrite clears it (rank 0
-    clears, and only the names a run of train.py writes: run_names). Rank 0 holds --out/.lock for the whole
-    run, so a second run cannot write the same folder at once."""
-    out = args.out
-    problem = check_out_dir(args)
-    if problem:
-        sys.exit(f"error: {problem}")
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("x")
-        os.remove(probe)
-    except OSError as err:
-        sys.exit(f"error: --out {out} is not writable: {err}")
-    free_mb = shutil.disk_usage(out).free / 2 ** 20
-    if free_mb < need_mb:
-        sys.exit(f"error: --out {out}: only {free_mb:.0f} MB free on its disk (checkpoints need more)")
-    held = run_names(out)
-    if held and not read_mark(out) and not legacy_run(out):
-        sys.exit(f"error: --out {out} holds {', '.join(held[:3])} but is not a run of train.py (no {RUN_MARK}): "
-                 "nothing there is deleted or resumed; move those files or choose another --out")
-    if held and not (args.resume or args.overwrite):
-        sys.exit(f"error: --out {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
-                 "pass --resume to continue it, --overwrite to start over, or another --out")
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    lock_run(out)
-    for name in held if args.overwrite else []:
-        path = os.path.join(out, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
-    mark = {} if args.overwrite else read_mark(out)
-    write_file(os.path.join(out, RUN_MARK), json.dumps({"tb": mark.get("tb") or args.tensorboard,
-                                                      "wandb": mark.get("wandb") or bool(args.wandb)}))
-
-
-def open_run_file(path, mode):
-    """Open a file of the run folder for writing ("w" or "a") without following a symlink planted there."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
-    try:
-        return os.fdopen(os.open(path, flags, 0o644), mode)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            sys.exit(f"error: {path} is a symlink: a run writes its own files only, never through a link")
-        raise
-
-
-def write_file(path, text):
-    with open_run_file(path, "w") as f:
-        f.write(text)
-
-
-def lock_run(out):
-    """Hold an exclusive lock on out/.lock until this process ends (or starts another run)."""
-    while _LOCK:
-        _LOCK.pop().close()  # a run of this process that ended without releasing it (tests call main again)
-    path = os.path.join(out, ".lock")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as err:
-        sys.exit(f"error: {path}: {'a symlink: the lock is never taken through a link' if err.errno == errno.ELOOP else err}")
-    f = os.fdopen(fd, "r+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = f.read().strip() or "another process"
-        f.close()
-        sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); wait for it to end "
-                 "or choose another --out")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    f.flush()
-    _LOCK.append(f)
-
-
-def disk_error(path, err, out):
-    """A write that failed (disk full, ...): one line naming the path and the last good checkpoint."""
-    ckpt = (checkpoints(out) or [None])[-1]
-    return SystemExit(f"error: writing {path} failed: {err.strerror or err}; the last good checkpoint is "
-                      f"{ckpt or 'none (no checkpoint yet)'}")
 
 # -----------------------------------------------------------------------------
 # rollouts: sample, decode, verify
@@ -529,74 +391,7 @@ def lag_drift(parts):
     return {"log_rho_by_lag": by_lag, "drift": next((v for v in reversed(by_lag) if v is not None), 0.0)}
 
 # -----------------------------------------------------------------------------
-# checkpoints
-
-
-def save_checkpoint(out, step, model, tokenizer, state, keep):
-    """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep` of this run:
-    older steps are pruned by step number, never the one just written. A failed write (disk full) leaves the
-    earlier checkpoints as they were and exits with one line."""
-    final = os.path.join(out, f"ckpt-{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save(state, os.path.join(tmp, "state.pt"))
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise disk_error(tmp, err, out) from None
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    older = [p for p in checkpoints(out) if step_of(p) < step]
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old)
-    return final
-
-
-def step_of(ckpt):
-    return int(ckpt.rsplit("-", 1)[1])
-
-
-def checkpoints(out):
-    """The checkpoint folders a run wrote in out (ckpt- and a step number of 6 or more digits: never a user's
-    ckpt-best-4 or ckpt-v2), oldest step first."""
-    names = [n for n in os.listdir(out) if re.fullmatch(r"ckpt-\d{6,}", n)] if os.path.isdir(out) else []
-    return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))), key=step_of)
-
-
-def intact_checkpoint(out, quiet=False):
-    """The newest checkpoint whose state and weight headers load -> (path, state), or (None, {}). A newer
-    broken one (a crash mid-copy, a bad disk) is skipped and named."""
-    for path in reversed(checkpoints(out)):
-        try:
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-            with open(os.path.join(path, "config.json")) as f:
-                json.load(f)
-            weights = glob.glob(os.path.join(path, "*.safetensors"))
-            if not weights:
-                raise FileNotFoundError("no *.safetensors")
-            for w in weights:
-                with safe_open(w, "pt"):
-                    pass
-            return path, state
-        except Exception as err:  # any failure to read it means it cannot be resumed from
-            if not quiet:
-                print(f"--resume: skipping {path}, it does not load ({type(err).__name__}: {err})", flush=True)
-    return None, {}
-
-
-def resume_point(args, quiet):
-    """--resume: the newest intact checkpoint -> (its folder, its state), checked against the flags; else
-    (None, {})."""
-    if not args.resume:
-        return None, {}
-    ckpt, state = intact_checkpoint(args.out, quiet)
-    if ckpt is None and not quiet:
-        print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
-    if ckpt:
-        check_resume(state.get("args", {}), args)
-    return ckpt, state
+# the run's metrics file (the folder itself: runs.py)
 
 
 def start_metrics(args, run, ckpt, world):
@@ -610,57 +405,6 @@ def start_metrics(args, run, ckpt, world):
     ran = "one process, synchronous" if world == 1 else args.mode  # what actually ran
     write_file(path, json.dumps({"kind": "config", **vars(args), "ran": ran, "n_params": run.n_params, "world": world}) + "\n")
 
-
-def check_resume(saved, args):
-    """--resume with other flags than the run was started with: a different data set, held-out split (its
-    size or the seed) or model is refused (it would be another run), other recipe flags are logged and the
-    new values apply from here."""
-    now = vars(args)
-    identity = [k for k in ("data", "val_data", "val_size", "seed", "model") if saved.get(k, now[k]) != now[k]]
-    if identity:
-        sys.exit("error: --resume: " + "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
-                 " (start another --out for another run)")
-    ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "slow", "nan_at", "model_dir"}
-    changed = [k for k in sorted(now) if k in saved and k not in ignore and saved[k] != now[k]]
-    if changed:
-        print("--resume: changed since the run started (the new values apply from here): " +
-              ", ".join(f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed), flush=True)
-
-
-def truncate_metrics(path, step):
-    """On resume: drop metrics lines written after the checkpoint, so no step appears twice, and a
-    half-written last line (a crash or a full disk mid-write), saying so. -> the records kept."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = [ln for ln in f.read().split("\n") if ln.strip()]
-    records = []
-    for i, ln in enumerate(lines):
-        try:
-            records.append(json.loads(ln))
-        except json.JSONDecodeError as err:
-            if i < len(lines) - 1:
-                sys.exit(f"error: {path}:{i + 1}: not a JSON line ({err}); only a half-written last line is dropped")
-            print(f"--resume: dropped the half-written last line of {path}", flush=True)
-            continue
-        problem = metrics_problem(records[-1])
-        if problem:
-            sys.exit(f"error: {path}:{i + 1}: {problem} (a line edited by hand?); fix or delete it, then --resume")
-    records = [r for r in records if r.get("step", -1) <= step]  # the config line has no step
-    write_file(path, "".join(json.dumps(r) + "\n" for r in records))
-    return records
-
-
-def metrics_problem(r):
-    """What is wrong with one metrics.jsonl record for a resume (None if nothing): a JSON object with a known
-    kind, a whole step, and for an eval the numbers the live fit reads."""
-    if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval"):
-        return "not a metrics record (a JSON object whose kind is config, train or eval)"
-    if r["kind"] != "config" and not (isinstance(r.get("step"), int) and r["step"] >= 0):
-        return "no whole step number"
-    if r["kind"] == "eval" and not all(isinstance(r.get(k), (int, float)) for k in ("compute_s", "pass_rate")):
-        return "an eval record without its compute_s and pass_rate numbers"
-    return None
 
 # -----------------------------------------------------------------------------
 # data
@@ -996,21 +740,6 @@ def save(run, args, tokenizer):
     print(f"saved {save_checkpoint(args.out, run.step, run.full_model, tokenizer, state, args.keep)}", flush=True)
 
 
-def metrics_log(args, rank0):
-    """-> log(m): rank 0 appends m to --out/metrics.jsonl (and sends it to --wandb / --tensorboard)."""
-    if not rank0:
-        return lambda m: None
-    path, track = os.path.join(args.out, "metrics.jsonl"), tracker(args)
-
-    def log(m):
-        try:
-            with open_run_file(path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-        except OSError as err:
-            raise disk_error(path, err, args.out) from None
-        track(m)
-    return log
-
 # -----------------------------------------------------------------------------
 # the training loop
 
@@ -1137,38 +866,7 @@ def main(args):
               f"{resume_command()}", flush=True)
     elif rank0:
         summary(args, time.time() - t_start)
-    while _LOCK:  # the run is over: --out is free again
-        _LOCK.pop().close()
-
-
-def resume_command():
-    """This process's own command line with --resume (and without --overwrite): what continues the run."""
-    flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    launcher = ["python"] if world == 1 else ["torchrun", "--nproc_per_node", str(local)]
-    if world > local:
-        launcher[1:1] = ["--nnodes", str(world // local), "(and your rendezvous flags)"]
-    return " ".join(launcher + [sys.argv[0]] + [shlex.quote(a) for a in flags])
-
-
-def tracker(args):
-    """--wandb / --tensorboard: -> track(m), which sends the numbers of a metrics dict there too (keys
-    "train/..." and "eval/...", at m["step"]); without either flag it does nothing. Neither is required."""
-    numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
-                         if k not in ("kind", "step") and isinstance(v, (int, float))}
-    try:
-        if args.wandb:
-            import wandb
-            run = wandb.init(project=args.wandb, dir=args.out, config=vars(args))
-            return lambda m: run.log(numbers(m), step=m["step"])
-        if args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            writer = SummaryWriter(os.path.join(args.out, "tb"))
-            return lambda m: ([writer.add_scalar(k, v, m["step"]) for k, v in numbers(m).items()], writer.flush())
-    except ImportError as err:
-        sys.exit(f"error: --{'wandb' if args.wandb else 'tensorboard'} needs a package that is not installed ({err}); "
-                 f"pip install {'wandb' if args.wandb else 'tensorboard'}, or run without the flag")
-    return lambda m: None
+    release_lock()  # the run is over: --out is free again
 
 
 def summary(args, seconds):
