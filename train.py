@@ -52,7 +52,8 @@ from data import (PRESETS, Curriculum, format_prompt, load_source_problems, read
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
-from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats,
+                  zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command, resume_point, save_checkpoint,
                   truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
@@ -113,10 +114,10 @@ def get_args(argv=None):
     g.add_argument("--l_max", type=int, default=0, help="length penalty L_max; 0 = think_budget + answer_budget")
     g.add_argument("--l_cache", type=int, default=0, help="length penalty L_cache; 0 = l_max // 7 (paper: 2k of 14k)")
     g = ap.add_argument_group("loss (loss.py)")
-    g.add_argument("--loss", default="cispo", choices=["cispo", "dapo", "gspo", "grpo"],
+    g.add_argument("--loss", default="cispo", choices=list(EPS_DEFAULTS),
                    help="policy loss: CISPO is ScaleRL's; the others are ablations (loss.py)")
-    g.add_argument("--agg", default="prompt", choices=["prompt", "sample", "token"], help="loss aggregation")
-    g.add_argument("--adv_norm", default="batch", choices=["batch", "prompt", "none"], help="advantage normalization")
+    g.add_argument("--agg", default="prompt", choices=AGGS, help="loss aggregation")
+    g.add_argument("--adv_norm", default="batch", choices=NORMS, help="advantage normalization")
     g.add_argument("--eps_low", type=float, default=None, help="None = the loss kind's default: cispo none, "
                    "grpo/dapo 0.2, gspo 3e-3 (the paper, section 3.2)")
     g.add_argument("--eps_high", type=float, default=None, help="None = the loss kind's default: cispo 4 (the cap "
@@ -153,9 +154,10 @@ def get_args(argv=None):
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
     g.add_argument("--fsdp", action="store_true", help="shard the trainers' model and optimizer state over the trainer "
                    "ranks (FSDP2); rank 0 keeps one unsharded copy to evaluate and save")
-    g = ap.add_argument_group("testing hooks")
-    g.add_argument("--nan_at", default="", help="testing: comma-separated steps whose gradients are made NaN")
-    g.add_argument("--slow", default="", help="testing: 'trainer=S' / 'generator=S': the last rank of that role sleeps S s per optimizer / decode step")
+    # test hooks, left out of --help: --nan_at "2,3" makes those steps' gradients NaN; --slow trainer=S / generator=S
+    # makes the last rank of that role sleep S s per optimizer / decode step
+    ap.add_argument("--nan_at", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--slow", default="", help=argparse.SUPPRESS)
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--log_every", type=int, default=1, help="print the step line every N steps (and the last one); "
