@@ -29,44 +29,45 @@ under 2 s and 512 MiB: a value that an assert turns into a long loop (`max(range
 f(3) = 10**18) or a huge object scores False and costs the caller nothing.
 Each run is a fresh `python -I` in its own bubblewrap (bwrap) sandbox: every namespace unshared (its
 own user namespace, for root's sandboxes too; no network; its own PID namespace, so nothing outside
-is visible or killable and every process in it dies with it; its own mount namespace with /usr, /lib
-and the interpreter read-only and nothing else of the machine: no /etc, no home, no data, no /proc), a
-fresh 64 MiB tmpfs /tmp as the only writable place and its cwd, uid 65534 inside (root's sandboxes:
-the real uid 65534), --die-with-parent, a new session, an environment of PATH, HOME, LANG; a seccomp
-filter (seccomp_filter: built with libseccomp, loaded by bwrap; without libseccomp code rewards refuse
-to run, as without bwrap); and limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s;
-RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and the output read back 16 MiB; no core files; RLIMIT_NPROC
-= 32 tasks more than the sandbox's user namespace counts (Linux >= 5.14; before, than its uid counts
-on the machine); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess, multiprocessing are
-removed first (a naive fork bomb fails at once).
+is visible or killable and every process in it dies with it; its own mount namespace whose only files
+are its own copies, made by bwrap into the sandbox's fresh root tmpfs, of the interpreter, the libraries
+it loads and the standard library (_runtime; ~45 MB, ~20 ms a run): no file of the machine at all, no
+/usr, no /etc, no home, no data, no /proc), a fresh 64 MiB tmpfs /tmp as the only writable place and its
+cwd, uid 65534 inside (root's sandboxes: the real uid 65534), --die-with-parent, a new session, an
+environment of HOME, LANG, LD_LIBRARY_PATH; a seccomp filter (seccomp_filter: built with libseccomp,
+loaded by bwrap; without libseccomp code rewards refuse to run, as without bwrap); and limits: wall
+clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s; RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and
+the output read back 16 MiB; no core files; RLIMIT_NPROC = 32 tasks more than the sandbox's user
+namespace counts (Linux >= 5.14; before, than its uid counts on the machine); os.fork/system/kill/
+setsid/posix_spawn and ctypes, subprocess, multiprocessing are removed first (a naive fork bomb fails at
+once). score_code_batch never runs two samples with the same tests at the same moment.
 
 What this guarantees: the program reaches the parent only through its stdin, the stdout and
-assert-value files it writes (read back capped) and its exit code; it reads nothing of the machine
-but the read-only system files; nothing of it outlives the run (processes, files, its user namespace
-with its keyring, IPC objects, sockets); and it cannot hand an answer to another sample through
-state the kernel keeps for everyone, because the filter refuses (EPERM): evicting pages of the shared
-files from the page cache (fadvise, readahead, madvise COLD/PAGEOUT) and asking which are cached
-(mincore, cachestat, preadv2 flags such as RWF_NOWAIT, Linux AIO, io_uring, the fault counters of
-getrusage and wait4; /proc is absent), the kernel keyring, file locks and inotify/fanotify/dnotify
-events on the shared files, the kernel log, machine-wide counters (sysinfo), sockets other than
-AF_UNIX/AF_INET/AF_INET6 (netlink; vsock, which network namespaces do not separate), ptrace,
-process_vm_*, perf_event_open, bpf, userfaultfd, new namespaces and mounts, personality. Other
-architectures' system-call ABIs (x32, int 0x80) kill the program.
-What remains possible in principle is timing, which no filter can refuse. (1) Page-cache latency, from
-one run to a later one: reading a page that is not cached waits for the disk (about 45 us against
-0.7 us cached, on the SSD this was measured on), and reading caches it. A solver can set bits by
-reading cold pages of some large system file that nobody reads, and a later copier on the same input
-can read them by timing its own reads: each bit can be read once (the read sets it) and only while
-the page stays cold, but tens of bits take a few milliseconds, so this can carry a short answer
-between two samples of one group reliably. Closing it needs a sandbox that sees only files whose
-pages are always resident (e.g. a tmpfs copy of the interpreter and its libraries, made once per
-trainer), which this file does not do. The dentry cache (lookups of never-seen names) is the same
-channel at a smaller contrast. (2) Contention between runs at the same moment (CPU, memory bandwidth,
-CPU caches, per-uid counts such as pipe buffers): noisy, and live only for the seconds both run.
+assert-value files it writes (read back capped) and its exit code; it reads nothing of the machine;
+nothing of it outlives the run (processes, files, its user namespace with its keyring, IPC objects,
+sockets); and it cannot hand an answer to a later sample through state the kernel keeps:
+- the page cache: every page it can read is its own copy in memory, made for this run alone, so there
+  is no cold page to warm and no shared page to evict or time (measured inside: the first read of every
+  7th page of its libpython takes 0.73 us at the median, as a cached read of the machine's files does,
+  against ~50 us for a cold page of the machine's disk);
+- the filter refuses (EPERM) what would reach state outside its copies: page-cache eviction and
+  residency calls (fadvise, readahead, madvise COLD/PAGEOUT, mincore, cachestat, preadv2 flags such as
+  RWF_NOWAIT, Linux AIO, io_uring, the fault counters of getrusage and wait4), the kernel keyring, file
+  locks and inotify/fanotify/dnotify, the kernel log, machine-wide counters (sysinfo), sockets other
+  than AF_UNIX/AF_INET/AF_INET6 (netlink; vsock, which network namespaces do not separate), ptrace,
+  process_vm_*, perf_event_open, bpf, userfaultfd, new namespaces and mounts, personality. Other
+  architectures' system-call ABIs (x32, int 0x80) kill the program.
+What remains possible in principle is timing through state no filter names: (1) contention between runs
+at the same moment (CPU, memory bandwidth, caches): score_code_batch never runs two samples of one
+problem at once, and a program that carried an answer to a sample of another problem gains nothing;
+(2) micro-architectural state one run leaves for the next on the same core (branch predictors, CPU
+caches): bwrap's 45 MB copy between two runs overwrites the caches, and such channels carry a few noisy
+bits at best, far from the tens of reliable bits an answer needs; (3) a swap device, where the kernel
+may page the copies out under memory pressure (none on the machines this was measured on).
 Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
 the limits alone (no filter), in a temp dir, as `nobody` when root can drop to it: it can then read
 and write what that user can, use the network, and leave processes behind (setsid past the removed
-functions). Linux only (bwrap, seccomp, /proc, os.waitid).
+functions). Linux only (bwrap, seccomp, ldd, /proc, os.waitid).
 
 Usage:
     from sandbox import score_code, score_code_batch
@@ -84,8 +85,9 @@ import contextlib
 import ctypes
 import errno
 import functools
-import itertools
+import importlib.util
 import json
+import marshal
 import math
 import os
 import re
@@ -95,9 +97,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
-from concurrent.futures import ThreadPoolExecutor
+import zipfile
 
 CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per stdin case, one for asserts)
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
@@ -383,12 +386,36 @@ def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe
 
 
 def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
-    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time."""
+    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time but never two
+    with the same tests at once: two samples of one problem never run side by side, so contention (CPU,
+    memory bandwidth) cannot carry one's answer to the other."""
     if len(responses) != len(tests_list):
         raise ValueError(f"{len(responses)} responses but {len(tests_list)} tests")
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda rt: score_code(*rt, timeout=timeout, memory=memory, unsafe=unsafe),
-                             zip(responses, tests_list)))
+    keys = [repr(t) for t in tests_list]
+    results, pending, running, changed = [None] * len(responses), list(range(len(responses))), set(), threading.Condition()
+
+    def work():
+        while True:
+            with changed:
+                while (i := next((i for i in pending if keys[i] not in running), None)) is None and pending:
+                    changed.wait()
+                if i is None:
+                    return
+                pending.remove(i)
+                running.add(keys[i])
+            try:
+                results[i] = score_code(responses[i], tests_list[i], timeout=timeout, memory=memory, unsafe=unsafe)
+            finally:
+                with changed:
+                    running.discard(keys[i])
+                    changed.notify_all()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(workers, len(responses))))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 @functools.cache
@@ -398,7 +425,8 @@ def bwrap_ready():
     if shutil.which("bwrap") is None:
         return False
     try:
-        probe, _ = _start_sandbox(["/bin/true"], subprocess.DEVNULL, subprocess.DEVNULL, ())
+        probe, _ = _start_sandbox([os.path.realpath(sys.executable), "-I", "-c", "pass"], subprocess.DEVNULL,
+                                  subprocess.DEVNULL, ())
     except RuntimeError:  # no libseccomp
         return False
     try:
@@ -420,9 +448,9 @@ def not_ready_reason():
 # -----------------------------------------------------------------------------
 # The system-call filter: what the sandboxed program may not ask the kernel
 
-# Calls that fail with EPERM, by what they would let one program pass to another or reach outside. The files
-# under /usr are shared by every sandbox, and so is their page cache: a program must not evict pages of them,
-# nor learn which are cached other than by timing a read.
+# Calls that fail with EPERM, by what they would let one program pass to another or reach outside. A sandbox's
+# files are its own copies, but the page cache, the keyring and the rest are the kernel's: a second line of
+# defence, should a file of the machine ever be visible (a bind added to _bwrap_args, a device node).
 _DENIED = {
     "page cache: eviction; residency (mincore, cachestat, AIO and io_uring's nowait reads, fault counters, "
     "the NUMA calls that report whether a page is present)": (
@@ -436,7 +464,7 @@ _DENIED = {
     "new namespaces and mounts (a /proc of its own)": (
         "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "open_tree_attr", "move_mount",
         "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "name_to_handle_at", "open_by_handle_at"),
-    "machine-wide counters, the kernel log, events on and locks of the shared files": (
+    "machine-wide counters, the kernel log, events on and locks of files": (
         "sysinfo", "syslog", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark",
         "flock"),
     "the machine's own settings": (
@@ -515,10 +543,74 @@ def seccomp_filter():
 # One run: bwrap, the limits, and waiting until nothing of the sandbox is left
 
 
-def _bwrap_args():
+# -----------------------------------------------------------------------------
+# The sandbox's files: a private copy of the interpreter per run, and nothing of the machine
+
+# Left out of the copy: what needs a display, a terminal, a database, OpenSSL, or is a test of CPython itself.
+# ctypes stays (the prelude removes it, but a program can load it again): the filter and the namespaces, not a
+# missing module, are what stand between a program and the system calls.
+_LEFT_OUT = {"test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "turtle.py", "ensurepip", "lib2to3",
+             "site-packages", "dist-packages", "pydoc_data", "venv", "sqlite3", "curses", "dbm",
+             "__phello__", "lib-dynload", "__pycache__"}
+_LEFT_OUT_EXTENSIONS = re.compile(r"(_tkinter|_curses|_curses_panel|readline|_test\w*|_ctypes_test|xx\w*|_xx\w*|nis|"
+                                  r"spwd|ossaudiodev|_crypt|_sqlite3|_ssl|_hashlib|_dbm|_gdbm)\.")
+
+
+@functools.cache
+def _runtime():
+    """What each sandbox gets as its own files -> ([(path inside, path outside, mode)], LD_LIBRARY_PATH): the
+    interpreter, the shared libraries it and the standard library's extension modules load (as `ldd` finds
+    them), those modules, the standard library's .py files compiled into one zip held in memory (at
+    pythonXY.zip, where the interpreter looks first) and os.py (the landmark by which it finds its prefix).
+    bwrap copies each into the sandbox's own root tmpfs (--ro-bind-data): a program reads no file of the
+    machine, and no page it reads is shared with another run. About 45 MB per run (~10 ms)."""
+    stdlib = os.path.dirname(os.__file__)
+    exe = os.path.realpath(sys.executable)
+    modules = sorted(os.path.join(folder, f) for folder in {p for p in sys.path if p.endswith("/lib-dynload")}
+                     if os.path.isdir(folder) for f in os.listdir(folder)
+                     if f.endswith(".so") and not _LEFT_OUT_EXTENSIONS.match(f))
+    files = {exe: exe, **{m: m for m in modules}}
+    try:
+        found = subprocess.run(["ldd", exe, *modules], capture_output=True, text=True, timeout=60,
+                               env={"LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"code rewards need ldd (Debian/Ubuntu: libc-bin) to list the interpreter's libraries: {err}")
+    for line in found.splitlines():  # "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)", "\t/lib64/ld-... (0x...)"
+        match = re.match(r"\s+\S+ => (/\S+) \(", line) or re.match(r"\s+(/\S+) \(", line)
+        if match:
+            files[match[1]] = os.path.realpath(match[1])
+    zipped = os.memfd_create("stdlib")
+    with os.fdopen(os.dup(zipped), "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+        for root, dirs, names in os.walk(stdlib):
+            dirs[:] = sorted(d for d in dirs if d not in _LEFT_OUT and not d.startswith("config-"))
+            for name in sorted(n for n in names if n.endswith(".py") and n not in _LEFT_OUT):
+                source = os.path.join(root, name)
+                arcname = os.path.relpath(source, stdlib)[:-3] + ".pyc"
+                z.writestr(arcname, _compiled(source))
+    inside_zip = os.path.join(sys.base_prefix, sys.platlibdir, f"python{sys.version_info[0]}{sys.version_info[1]}.zip")
+    copies = [(inside, outside, 0o755 if os.access(outside, os.X_OK) else 0o644) for inside, outside in files.items()]
+    copies += [(inside_zip, f"/proc/self/fd/{zipped}", 0o644), (os.__file__, os.__file__, 0o644)]
+    libraries = sorted({os.path.dirname(inside) for inside in files if ".so" in os.path.basename(inside)})
+    return copies, ":".join(libraries)
+
+
+def _compiled(source):
+    """The .pyc bytes of a standard-library file: its cached .pyc when that is newer, else compiled here."""
+    cached = importlib.util.cache_from_source(source)
+    with contextlib.suppress(OSError):
+        if os.stat(cached).st_mtime >= os.stat(source).st_mtime:
+            with open(cached, "rb") as f:
+                return f.read()
+    with open(source, "rb") as f:
+        code = compile(f.read(), source, "exec", dont_inherit=True)
+    return importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code)  # flags 0, no source mtime and size
+
+
+def _bwrap_args(fds):
     """bwrap with every namespace unshared (its own user namespace; no network; its own PID and mount
-    namespaces: nothing outside is visible or killable, everything in it dies with it), system folders and
-    the interpreter's prefix read-only, no /proc, a fresh size-limited tmpfs as the only writable place, an
+    namespaces: nothing outside is visible or killable, everything in it dies with it), the files of
+    _runtime() copied into its own root tmpfs (the fds it reads them from are opened here and appended to
+    `fds`; the caller closes them), no /proc, a fresh size-limited tmpfs as the only writable place, an
     unprivileged uid inside. As root, the user namespace maps root and SANDBOX_UID to themselves
     (_start_sandbox writes the maps): the program must run as the real SANDBOX_UID, since root's uid is
     exempt from RLIMIT_NPROC, so the prelude drops to it (bwrap keeps it only the two capabilities that
@@ -528,18 +620,13 @@ def _bwrap_args():
                      "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         isolation = ["--unshare-all", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-    args = ["bwrap", *isolation, "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr", "--dev", "/dev",
-            "--perms", "1777", "--size", str(CODE_TMPFS), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
-    for top in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    prefix = os.path.realpath(sys.base_prefix)
-    if not prefix.startswith("/usr/"):  # e.g. a pyenv Python under /root: its folders made traversable
-        parents = [p for p in itertools.accumulate(prefix.split("/")[1:-1], lambda a, b: f"{a}/{b}", initial="")][1:]
-        args += [x for p in parents for x in ("--perms", "0755", "--dir", p)] + ["--ro-bind", prefix, prefix]
+    copies, libraries = _runtime()
+    args = ["bwrap", *isolation, "--die-with-parent", "--new-session", "--dev", "/dev", "--perms", "1777",
+            "--size", str(CODE_TMPFS), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv", "--setenv", "HOME", "/tmp",
+            "--setenv", "LANG", "C.UTF-8", "--setenv", "LD_LIBRARY_PATH", libraries]
+    for inside, outside, mode in copies:
+        fds.append(os.open(outside, os.O_RDONLY | os.O_CLOEXEC))  # its own offset: runs may start at once
+        args += ["--perms", f"{mode:04o}", "--ro-bind-data", str(fds[-1]), inside]
     return args
 
 
@@ -604,7 +691,7 @@ def _start_sandbox(cmd, stdin, stdout, fds):
     try:
         os.write(bpf, program)
         os.lseek(bpf, 0, os.SEEK_SET)
-        args = _bwrap_args() + ["--seccomp", str(bpf), "--info-fd", str(info_w)]
+        args = _bwrap_args(passed) + ["--seccomp", str(bpf), "--info-fd", str(info_w)]
         args += [] if block_r is None else ["--userns-block-fd", str(block_r)]
         child = subprocess.Popen(args + cmd, env={}, stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL,
                                  start_new_session=True, pass_fds=(*fds, *passed))

@@ -6,6 +6,7 @@ test_all.py: every test of the project, fast, on CPU.
 
 from pathlib import Path
 import ast
+import collections
 import contextlib
 import errno
 import hashlib
@@ -1030,7 +1031,14 @@ def fill():
 def ask(expression):  # the sandbox reports the value of a call of the program's own functions
     return eval(expression)
 """)
-        checks = ["assert ask('sorted(os.environ)') == ['HOME', 'LANG', 'PATH', 'PWD']",
+        # every file it can read (outside /dev and its own /tmp) is a copy in its own root tmpfs: none is a
+        # file of the machine, whose page cache another run could have warmed or left cold
+        own_files = ("{os.stat(os.path.join(r, f)).st_dev for r, _, fs in os.walk('/') "
+                     "if not r.startswith(('/dev', '/tmp')) for f in fs}")
+        checks = ["assert ask('sorted(os.environ)') == ['HOME', 'LANG', 'LD_LIBRARY_PATH', 'PWD']",
+                  f"assert ask({own_files!r}) == {{ask('os.stat(\"/\").st_dev')}}",
+                  f"assert ask('os.stat(sys.executable).st_dev') != {os.stat(os.path.realpath(sys.executable)).st_dev}",
+                  "assert not ask('os.path.exists(\"/usr\")') and not ask('os.path.exists(\"/etc\")')",
                   "assert ask('os.getcwd()') == '/tmp'", "assert ask('sys.flags.isolated') == 1",
                   "assert ask('os.getuid()') == 65534", "assert ask('os.getppid()') == 1",
                   "assert not ask('os.path.exists(\"/proc\")')",  # no /proc: its counters leak the page cache
@@ -1038,7 +1046,7 @@ def ask(expression):  # the sandbox reports the value of a call of the program's
                   f'assert not ask("os.path.exists({str(secret)!r})")',
                   f'assert not ask("os.path.exists({str(ROOT / "sandbox.py")!r})")',
                   f"assert reach({server.getsockname()[1]}) == 'refused'",
-                  "assert not writable('/usr/x')", "assert writable('/tmp/x')",
+                  "assert not writable(sys.executable)", "assert writable('/tmp/x')",
                   f"assert fill() <= {sandbox.CODE_TMPFS // (8 << 20)}"]
         for check in checks:
             assert score_code(probe, [check]) is True, check
@@ -1288,7 +1296,8 @@ def test_code_each_sandbox_has_its_own_user_namespace():
     the keyring and the uid's other state are not shared), as the unprivileged uid (root's sandbox: uid 65534)."""
     sleeper = fenced("import time\ntime.sleep(3)" + RAN)
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (score_code_batch([sleeper] * 2, [RUN] * 2, workers=2), done.set()))
+    both = [RUN, ["assert ran() >= 1"]]  # two problems: two samples of one problem never run at once
+    thread = threading.Thread(target=lambda: (score_code_batch([sleeper] * 2, both, workers=2), done.set()))
     thread.start()
     uid = sandbox.SANDBOX_UID if os.geteuid() == 0 else os.getuid()  # the program's uid, seen from outside
     namespaces, deadline = {}, time.monotonic() + 10
@@ -1333,11 +1342,33 @@ def test_code_batch_equals_one_by_one_and_uses_workers():
     assert [score_code(r, t) for r, t in zip(responses, tests)] == expected
     slow = [fenced("import time\ntime.sleep(1)\nprint(3)")] * 4
     start = time.perf_counter()
-    assert score_code_batch(slow, [{"inputs": [""], "outputs": ["3"]}] * 4, workers=4) == [True] * 4
+    four = [{"inputs": [str(k)], "outputs": ["3"]} for k in range(4)]        # four problems
+    assert score_code_batch(slow, four, workers=4) == [True] * 4
     assert time.perf_counter() - start < 3.5                                 # 4 x 1 s in parallel
     assert score_code_batch(responses, tests, workers=2) == expected
     with pytest.raises(ValueError, match="2 responses but 1 tests"):
         score_code_batch(["a", "b"], [SUM])
+
+
+def test_code_batch_never_runs_two_samples_of_one_problem_at_once(monkeypatch):
+    """Samples of one problem take turns (no contention channel between a solver and a copier); samples of
+    different problems still run side by side."""
+    running, most_of_one, most_at_once, lock = collections.Counter(), [0], [0], threading.Lock()
+
+    def fake_score(response, tests, **_):
+        with lock:
+            running[repr(tests)] += 1
+            most_of_one[0] = max(most_of_one[0], running[repr(tests)])
+            most_at_once[0] = max(most_at_once[0], sum(running.values()))
+        time.sleep(0.05)
+        with lock:
+            running[repr(tests)] -= 1
+        return response
+
+    monkeypatch.setattr(sandbox, "score_code", fake_score)
+    tests = [["assert a() == 1"], ["assert b() == 1"]] * 4
+    assert score_code_batch(list(range(8)), tests, workers=4) == list(range(8))
+    assert most_of_one == [1] and most_at_once == [2]
 
 
 def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
@@ -2841,7 +2872,7 @@ def test_pipeline_a_signal_to_one_rank_stops_every_rank_with_the_last_step_saved
     assert rcs == [128 + signal.SIGTERM] * 2, out
     done = len(train_records(tmp_path))
     assert f"stopped by a signal after step {done}/40; saved {tmp_path / f'ckpt-{done:06d}'}; continue with: " \
-           "torchrun --nproc_per_node 2 " in out and (tmp_path / f"curriculum-rank1.pt").exists()
+           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.pt").exists()
     rcs, (out, _) = finish_all(launch(2, tmp_path, "--steps", str(done + 2), "--save_every", "0", "--resume"))
     assert rcs == [0, 0] and f"resumed from {tmp_path / f'ckpt-{done:06d}'} at step {done}" in out, out
     assert [r["step"] for r in train_records(tmp_path)] == list(range(1, done + 3))
