@@ -1,88 +1,151 @@
 """
 The miniature ScaleRL study: ScaleRL and the paper's variants trained on the embedded toy-hard task
-under torchrun (1 generator + 1 trainer rank, PipelineRL-8 unless the variant says otherwise), every
-run's sigmoid fitted, and a report of which of the paper's findings the miniature reproduces.
+under torchrun (1 generator + 1 trainer rank, PipelineRL-8 unless the variant says otherwise), 3 seeds
+each, every run's sigmoid fitted (arXiv 2510.13786, Eq. 1), and a report of which of the paper's findings
+the miniature reproduces, with the margin that decided each.
 
-    python study.py runs/study              # every variant x its seeds; resumes (a finished run is kept)
-    python study.py runs/study --report     # only fit the runs there and write the report
-    python study.py runs/study --quick      # 2 variants x 1 seed x a few steps: the test's form
+    python study.py runs/study                   # the variants in priority order, within --budget minutes; resumes
+    python study.py runs/study --assets assets   # also copy study_report.json and the figures there
+    python study.py runs/study --report          # only fit the runs there and write the report
+    python study.py runs/study --quick           # 2 variants x 1 seed x a few steps: the test's form
 
-Writes runs/study/report.md (and report.json, the same numbers), study.png (pass rate vs
-device-seconds, seed-averaged, with the fits) and study_extrap.png (each variant fitted on the first
-half of its compute, extrapolated to its end).
+Writes runs/study/report.md, study_report.json ({"runs", "findings", "minutes", ...}), study.png (pass
+rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run fitted on the first half of
+its compute, extrapolated to its end).
 
-The readings:
-- Compute is device-seconds (training wall-clock x the 2 processes, idle time included, as the paper's
-  GPU-hours count idle GPUs; evals excluded): the findings and figures use it. FLOPs (estimated) get a
-  table of their own; they cannot show an idle rank, so the off-policy finding is read in seconds only.
-- The runs train float32 weights (the CPU's native type), where the float32 head changes nothing; the
-  precision finding is read on a bf16 pair: bf16 weights with and without the float32 head.
-- Per variant: A is the mean (and spread) of its seeds' own fits; B and C_mid come from the paper's
+The design, and why:
+- One task, one held-out set. The problems are toy-hard's, drawn once with a fixed seed and split once
+  (problems/train.jsonl, problems/val.jsonl): every run is evaluated on the same 2000 held-out prompts
+  x 1 sample (the paper: 1000 x 16), so runs differ by their seed's curriculum and sampling noise, not
+  by which prompts they were scored on. Each eval logs its standard error over the prompts
+  (pass_rate_se: the spread of the per-prompt means / sqrt(prompts), about 0.011 at a pass rate of 0.5).
+  One sample of 2000 prompts costs what two of 1000 do, and its standard error is lower (0.011 against
+  0.015 measured): the prompts differ more than two samples of one prompt do.
+- Runs long enough to bend. lr 2.5e-4 and 200 steps with an eval every 10: ScaleRL rises from 0.15 to
+  about 0.49 by step 100 and holds ~0.50-0.52 after (one seed measured before the study), so the first
+  half of the compute already shows the bend and the ceiling A is constrained by the data, not by the
+  fit's cap. (At lr 1.5e-4 the bend came at step ~130 and a first-half fit overshot the end by 0.08; at
+  3e-4, the earlier study's settings, toy-hard peaked near step 80 and declined.)
+- Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the synchronous
+  loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock x the 2
+  processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded). Every other
+  finding, the extrapolation test and the figures use FLOPs (estimated from the tokens), which do not
+  move with the machine's load.
+- The float32 runs make the float32 LM head a no-op, so the precision finding is read on a bf16 pair:
+  bf16 weights with and without the float32 head.
+- Per variant: A is the mean (and sd) of its seeds' own fits; B and C_mid come from the paper's
   comparison rule: every run refitted with A fixed to the mean A of all runs, B averaged over seeds.
-- Extrapolation test, every run: fit on the points with C <= half its compute, predict R at its last
-  point; the report counts the runs that land within 0.02. Predictability is reproduced when at least half
-  of the checked runs land within it, not reproduced when under a third do, and inconclusive in between or
-  when no run could be checked (too few points in every first half).
-- A finding compares the variant the paper expects to be better (X) with the other (Y). The seed margin
-  on A is max(0.02, sd_X + sd_Y) (the paper's 0.02, or the seeds' own spread if larger); on B it is
-  sd_X + sd_Y of the per-seed B. "A": X's A above Y's by more than the margin -> reproduced, below by
-  more -> not reproduced, else inconclusive. "B": similar A (within the margin) and a higher B. "A or B":
-  a higher A, or a similar A and a higher B (the leave-one-out reading: the choice is kept because
-  ScaleRL is at least as good). "early": X's seed-averaged pass rate is higher at a quarter of the
-  shortest run's compute.
+- Margin of a finding on A: the largest of 0.02 (the paper's), the seeds' spread sd_X + sd_Y, and the
+  eval's own noise, 2 x sqrt(se_X^2 / n_X + se_Y^2 / n_Y) with se the runs' last-eval standard error.
+  On B: sd_X + sd_Y of the per-seed B. "A": X's A above Y's by more than the margin -> reproduced,
+  below by more -> not reproduced, else inconclusive. "B": a similar A and a higher B. "A or B": a
+  higher A, or a similar A and a higher B (a leave-one-out: the paper keeps the choice, so ScaleRL must
+  be at least as good). "early": X's seed-averaged pass rate is higher at a quarter of the compute, by
+  more than the eval margin (at least 0.02).
+- Collapse: a run whose last eval is more than COLLAPSE_DROP below its own best has collapsed; it is
+  reported apart and left out of the extrapolation test (a collapse is a finding, not noise).
+- Extrapolation (the paper's predictability test), every run that did not collapse: fit on the points
+  with C <= half its compute, predict its last eval, report the error. Predictability is reproduced
+  when at least 80% of the checked runs land within 0.02, not reproduced under half, else inconclusive.
+- Budget: the variants run in the order of VARIANTS, all seeds of one before the next, and a variant
+  starts only if its runs fit in what is left of --budget minutes (the study folder's finished runs count,
+  so a resumed study keeps to the same budget) at the pace measured so far; the report names the
+  variants left out.
 """
 import argparse
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from data import read_jsonl
-from fit import (NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_start, load_run, plot, sigmoid)
+from data import read_jsonl, toy_model_dir, toy_problems
+from fit import NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_start, load_run, plot, sigmoid
 
-TASK = ["--data", "toy-hard", "--think_budget", "32", "--eval_every", "5", "--save_every", "0", "--eval_samples", "4"]
-VARIANTS = {  # name: (train.py flags on top of ScaleRL's defaults, seeds)
-    "scalerl": ([], 3),
-    "ppo_offpolicy": (["--mode", "ppo_offpolicy"], 2),
-    "sync": (["--mode", "sync"], 2),
-    "loss_dapo": (["--loss", "dapo"], 2),
-    "loss_grpo": (["--loss", "grpo"], 2),
-    "bf16": (["--dtype", "bfloat16"], 2),  # bf16 weights, float32 head (ScaleRL's precision on GPUs)
-    "bf16_no_fp32_head": (["--dtype", "bfloat16", "--no-fp32_head"], 2),
-    "agg_sample": (["--agg", "sample"], 2),
-    "adv_prompt": (["--adv_norm", "prompt"], 2),
-    "no_zero_var": (["--no-zero_var_filter"], 2),
-    "no_npr": (["--no-no_positive_resampling"], 2),
-    "length_penalty": (["--length_control", "penalty"], 2),
-    "batch8": (["--prompts", "8"], 2),
-    "batch32": (["--prompts", "32"], 2),
+SEEDS = 3
+HELD_OUT = 2000       # held-out prompts, the same for every run
+COLLAPSE_DROP = 0.05  # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
+STEPS = 200
+TASK = ["--think_budget", "32", "--lr", "2.5e-4", "--eval_every", "10", "--eval_samples", "1", "--save_every", "0"]
+VARIANTS = {  # name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget
+    "scalerl": [],
+    "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
+    "loss_dapo": ["--loss", "dapo"],
+    "no_zero_var": ["--no-zero_var_filter"],
+    "length_penalty": ["--length_control", "penalty"],
+    "batch8": ["--prompts", "8"],
+    "no_npr": ["--no-no_positive_resampling"],
+    "agg_sample": ["--agg", "sample"],
+    "adv_prompt": ["--adv_norm", "prompt"],
+    "loss_grpo": ["--loss", "grpo"],
+    "bf16": ["--dtype", "bfloat16"],  # bf16 weights, float32 head (ScaleRL's precision on GPUs)
+    "bf16_no_fp32_head": ["--dtype", "bfloat16", "--no-fp32_head"],
+    "sync": ["--mode", "sync"],
+    "batch32": ["--prompts", "32"],
 }
-FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule)
+FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule, compute unit)
     ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL has the higher B "
-     "(Fig. 4a)", "scalerl", "ppo_offpolicy", "B"),
-    ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading", "scalerl", "sync", "B"),
-    ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)", "scalerl", "loss_dapo", "A"),
-    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)", "scalerl", "loss_grpo", "A"),
+     "(Fig. 4a)", "scalerl", "ppo_offpolicy", "B", "compute_s"),
+    ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading", "scalerl", "sync", "B",
+     "compute_s"),
+    ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)", "scalerl", "loss_dapo", "A", "flops"),
+    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)", "scalerl", "loss_grpo", "A", "flops"),
     ("FP32 head", "with bf16 weights, the float32 LM head raises A (Fig. 5b: 0.52 -> 0.61)", "bf16",
-     "bf16_no_fp32_head", "A"),
-    ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)", "batch32", "scalerl", "A"),
-    ("batch size", "a smaller batch (8 vs 16 prompts) looks better early (section 5)", "batch8", "scalerl", "early"),
-    ("zero-variance filtering", "ScaleRL with it is at least as good as without", "scalerl", "no_zero_var", "A or B"),
-    ("No-Positive-Resampling", "ScaleRL with it is at least as good as without", "scalerl", "no_npr", "A or B"),
-    ("length control", "interruptions are at least as good as a length penalty", "scalerl", "length_penalty", "A or B"),
-    ("loss aggregation", "prompt-level is at least as good as sample-level", "scalerl", "agg_sample", "A or B"),
-    ("advantage normalization", "batch-level is at least as good as prompt-level", "scalerl", "adv_prompt", "A or B"),
+     "bf16_no_fp32_head", "A", "flops"),
+    ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)", "batch32", "scalerl", "A", "flops"),
+    ("batch size", "a smaller batch (8 vs 16 prompts) looks better early (section 5)", "batch8", "scalerl", "early",
+     "flops"),
+    ("zero-variance filtering", "ScaleRL with it is at least as good as without", "scalerl", "no_zero_var", "A or B",
+     "flops"),
+    ("No-Positive-Resampling", "ScaleRL with it is at least as good as without", "scalerl", "no_npr", "A or B", "flops"),
+    ("length control", "interruptions are at least as good as a length penalty", "scalerl", "length_penalty", "A or B",
+     "flops"),
+    ("loss aggregation", "prompt-level is at least as good as sample-level", "scalerl", "agg_sample", "A or B", "flops"),
+    ("advantage normalization", "batch-level is at least as good as prompt-level", "scalerl", "adv_prompt", "A or B",
+     "flops"),
 ]
+UNIT_NAMES = {"compute_s": "device-seconds", "flops": "FLOPs"}
+QUICK_NOTE = "QUICK STUDY: a few tiny steps per run, to test the machinery; these numbers mean nothing."
 
 # -----------------------------------------------------------------------------
-# training the runs
+# the problems and the runs
+
+
+def make_problems(out, held_out=HELD_OUT):
+    """out/problems/{train,val}.jsonl: the distinct toy-hard problems among 20000 drawn with a fixed seed,
+    shuffled once, `held_out` of them held out (kept when already there) -> (train path, val path)."""
+    folder = os.path.join(out, "problems")
+    paths = os.path.join(folder, "train.jsonl"), os.path.join(folder, "val.jsonl")
+    if all(os.path.exists(p) for p in paths):
+        return paths
+    os.makedirs(folder, exist_ok=True)
+    distinct = {}
+    for p in toy_problems(20000, 777, "toy-hard"):
+        distinct.setdefault(p["prompt"], {"prompt": p["prompt"], "answer": p["answer"]})
+    problems = list(distinct.values())
+    random.Random(0).shuffle(problems)
+    for path, rows in zip(paths, (problems[held_out:], problems[:held_out])):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(path + ".tmp", path)
+    return paths
 
 
 def run_dir(out, name, seed):
     return os.path.join(out, f"{name}-s{seed}")
+
+
+def run_minutes(path):
+    """The wall-clock minutes train_all measured for a run (evals included), 0 when it did not."""
+    try:
+        with open(os.path.join(path, "study_minutes.json")) as f:
+            return float(json.load(f))
+    except (OSError, ValueError):
+        return 0.0
 
 
 def finished(path, steps):
@@ -94,24 +157,48 @@ def finished(path, steps):
         return False
 
 
-def train_all(out, variants, steps, extra=(), ranks=2):
-    """Train every (variant, seed) not finished yet: torchrun with `ranks` processes, one run at a time."""
+def train_all(out, variants, seeds, steps, budget_min, extra=(), ranks=2, held_out=HELD_OUT):
+    """Train every (variant, seed) not finished yet, variant by variant in priority order, one run at a time
+    (torchrun, `ranks` processes), while the variant's runs fit in the budget (the minutes of the runs
+    finished in `out`, plus the variant's runs at their mean pace) -> the variants left out."""
     here = os.path.dirname(os.path.abspath(__file__))
-    todo = [(n, s) for n, (_, seeds) in variants.items() for s in range(seeds) if not finished(run_dir(out, n, s), steps)]
-    t0 = time.time()
-    for i, (name, seed) in enumerate(todo):
-        path = run_dir(out, name, seed)
-        print(f"study: [{i + 1}/{len(todo)}] {name} seed {seed} -> {path} ({(time.time() - t0) / 60:.1f} min so far)",
-              flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               os.path.join(here, "train.py"), "--out", path, "--overwrite", "--seed", str(seed), "--steps", str(steps),
-               *TASK, *extra, *variants[name][0]]
-        with open(os.path.join(out, f"{name}-s{seed}.log"), "w") as log:
-            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
-                sys.exit(f"study: {name} seed {seed} failed; its log: {log.name}")
+    train_path, val_path = make_problems(out, held_out)
+    t0, left_out = time.time(), []
+    done = [run_minutes(run_dir(out, n, s)) for n in variants for s in range(seeds) if finished(run_dir(out, n, s), steps)]
+    for name, flags in variants.items():
+        todo = [s for s in range(seeds) if not finished(run_dir(out, name, s), steps)]
+        timed = [m for m in done if m > 0]
+        if todo and timed and sum(done) + len(todo) * np.mean(timed) > budget_min:
+            left_out.append(name)
+            continue
+        for seed in todo:
+            path = run_dir(out, name, seed)
+            print(f"study: [{name} seed {seed}] -> {path} ({(time.time() - t0) / 60:.1f} min so far, "
+                  f"budget {budget_min:g} min)", flush=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   os.path.join(here, "train.py"), "--out", path, "--overwrite", "--seed", str(seed),
+                   "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"), "--data", train_path,
+                   "--val_data", val_path, *TASK, *extra, *flags]
+            start = time.time()
+            with open(os.path.join(out, f"{name}-s{seed}.log"), "w") as log:
+                if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
+                    sys.exit(f"study: {name} seed {seed} failed; its log: {log.name}")
+            done.append((time.time() - start) / 60)
+            with open(os.path.join(path, "study_minutes.json"), "w") as f:  # the run's whole wall-clock, evals included
+                json.dump(done[-1], f)
+    if left_out:
+        print(f"study: over the budget of {budget_min:g} min, left out: {', '.join(left_out)} "
+              f"(a larger --budget runs them; finished runs are kept)", flush=True)
+    return left_out
 
 # -----------------------------------------------------------------------------
 # fitting and judging
+
+
+def last_eval_se(path):
+    """The standard error of the run's last eval (pass_rate_se), NaN when the run did not log one."""
+    evals = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl")) if r.get("kind") == "eval"]
+    return float(evals[-1].get("pass_rate_se", float("nan"))) if evals else float("nan")
 
 
 def seed_average(runs):
@@ -120,16 +207,19 @@ def seed_average(runs):
     return np.mean([r[0][:n] for r in runs], 0), np.mean([r[1][:n] for r in runs], 0)
 
 
-def analyze(out, variants, compute):
-    """Fit every run in one compute unit -> {variant: dict(runs=[per-run dict], A, A_sd, B, B_sd, C_mid, ...)}
-    plus the shared A of the comparison rule."""
+def analyze(out, names, seeds, compute):
+    """Fit every run in one compute unit -> ({variant: dict(runs=[per-run dict], A, A_sd, B, B_sd, C_mid,
+    se, ...)}, the shared A of the comparison rule)."""
     fits = {}
-    for name, (_, seeds) in variants.items():
+    for name in names:
         runs = []
         for s in range(seeds):
-            C, R, _ = load_run(run_dir(out, name, s), compute)
+            path = run_dir(out, name, s)
+            C, R, _ = load_run(path, compute)
             C, R = check_points(C, R)
-            runs.append(dict(seed=s, C=C, R=R, fit=fit_sigmoid(C, R), extrap=extrapolation_check(C, R)))
+            collapsed = bool(R[-1] < R.max() - COLLAPSE_DROP)
+            runs.append(dict(seed=s, C=C, R=R, fit=fit_sigmoid(C, R), se=last_eval_se(path), collapsed=collapsed,
+                             extrap=None if collapsed else extrapolation_check(C, R)))
         fits[name] = runs
     shared_A = float(np.mean([r["fit"]["A"] for runs in fits.values() for r in runs]))
     table = {}
@@ -141,23 +231,35 @@ def analyze(out, variants, compute):
         C_avg, R_avg = seed_average([(r["C"], r["R"]) for r in runs])
         table[name] = dict(runs=runs, A=float(np.mean(A)), A_sd=float(np.std(A)), B=float(np.mean(B)),
                            B_sd=float(np.std(B)), C_mid=float(np.mean([r["refit"]["C_mid"] for r in runs])),
-                           R0=float(np.mean([r["fit"]["R0"] for r in runs])), R_last=float(R_avg[-1]),
-                           C_last=float(C_avg[-1]), curve=(C_avg, R_avg))
+                           se=float(np.nanmean([r["se"] for r in runs])) if any(np.isfinite(r["se"]) for r in runs)
+                           else float("nan"), R0=float(np.mean([r["fit"]["R0"] for r in runs])),
+                           R_last=float(R_avg[-1]), C_last=float(C_avg[-1]), curve=(C_avg, R_avg))
     return table, shared_A
 
 
+def eval_margin(a, b):
+    """2 x the standard error of the difference of two variants' seed means, from their last evals'
+    standard errors (0 when a run logged none)."""
+    se = [t["se"] ** 2 / len(t["runs"]) for t in (a, b) if np.isfinite(t["se"])]
+    return 2 * float(np.sqrt(sum(se))) if len(se) == 2 else 0.0
+
+
 def judge(x, y, rule, table):
-    """One finding: 'reproduced', 'not reproduced' or 'inconclusive', and the numbers behind it."""
+    """One finding -> ('reproduced' | 'not reproduced' | 'inconclusive', the margin on the deciding quantity,
+    the numbers behind it)."""
     a, b = table[x], table[y]
-    dA, margin_A = a["A"] - b["A"], max(NOISE_A, a["A_sd"] + b["A_sd"])
+    noise = eval_margin(a, b)
+    dA, margin_A = a["A"] - b["A"], max(NOISE_A, a["A_sd"] + b["A_sd"], noise)
     dB, margin_B = a["B"] - b["B"], a["B_sd"] + b["B_sd"]
     similar = abs(dA) <= margin_A
-    why = f"A {a['A']:.3f} vs {b['A']:.3f} (margin {margin_A:.3f}); B {a['B']:.2f} vs {b['B']:.2f} (margin {margin_B:.2f})"
+    why = (f"A {a['A']:.3f} vs {b['A']:.3f} (margin {margin_A:.3f}: seeds {a['A_sd'] + b['A_sd']:.3f}, "
+           f"eval {noise:.3f}); B {a['B']:.2f} vs {b['B']:.2f} (margin {margin_B:.2f})")
     if rule == "early":
-        C_q = 0.25 * min(a["C_last"], b["C_last"])
+        C_q, margin = 0.25 * min(a["C_last"], b["C_last"]), max(NOISE_A, noise)
         ra, rb = (float(np.interp(C_q, *t["curve"])) for t in (a, b))
-        why = f"pass rate at C = {C_q:.3g}: {ra:.3f} vs {rb:.3f} (margin {NOISE_A})"
-        return ("reproduced" if ra - rb > NOISE_A else "not reproduced" if rb - ra > NOISE_A else "inconclusive"), why
+        why = f"pass rate at C = {C_q:.3g}: {ra:.3f} vs {rb:.3f} (margin {margin:.3f})"
+        return ("reproduced" if ra - rb > margin else "not reproduced" if rb - ra > margin else "inconclusive"), \
+            margin, why
     if rule == "A":
         verdict = "reproduced" if dA > margin_A else "not reproduced" if dA < -margin_A else "inconclusive"
     elif rule == "B":
@@ -166,19 +268,35 @@ def judge(x, y, rule, table):
     else:  # "A or B"
         verdict = ("reproduced" if dA > margin_A or (similar and dB > margin_B) else
                    "not reproduced" if dA < -margin_A or (similar and dB < -margin_B) else "inconclusive")
-    return verdict, why
+    return verdict, (margin_B if rule == "B" or (rule == "A or B" and similar) else margin_A), why
+
+
+def extrapolation_count(table):
+    """(runs whose half-compute prediction lands within 0.02 of their last eval, runs checked)."""
+    errors = [r["extrap"]["error"] for t in table.values() for r in t["runs"] if r["extrap"]]
+    return sum(abs(e) <= NOISE_A for e in errors), len(errors)
+
+
+def judge_predictability(within, n):
+    """The predictability finding from `within` of `n` checked runs landing within 0.02: reproduced for at
+    least 80%, not reproduced for under half, else (and when no run could be checked) inconclusive."""
+    if not n:
+        return "inconclusive", "no run could be checked: none has enough points in its first half to fit"
+    verdict = "reproduced" if within >= 0.8 * n else "not reproduced" if within * 2 < n else "inconclusive"
+    return verdict, f"{within} of {n} runs within 0.02"
 
 # -----------------------------------------------------------------------------
 # the report
 
 
 def variant_rows(table):
-    rows = ["| variant | flags | seeds | A mean | A sd | B (shared A) | B sd | C_mid (shared A) | R0 | R last |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | flags | seeds | A mean | A sd | eval se | B (shared A) | B sd | C_mid (shared A) | R0 | "
+            "R last | collapsed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
-        flags = " ".join(VARIANTS.get(name, ([], 0))[0]) or "(ScaleRL)"
-        rows.append(f"| {name} | `{flags}` | {len(t['runs'])} | {t['A']:.3f} | {t['A_sd']:.3f} | {t['B']:.2f} | "
-                    f"{t['B_sd']:.2f} | {t['C_mid']:.3g} | {t['R0']:.3f} | {t['R_last']:.3f} |")
+        flags = " ".join(VARIANTS.get(name, [])) or "(ScaleRL)"
+        rows.append(f"| {name} | `{flags}` | {len(t['runs'])} | {t['A']:.3f} | {t['A_sd']:.3f} | {t['se']:.3f} | "
+                    f"{t['B']:.2f} | {t['B_sd']:.2f} | {t['C_mid']:.3g} | {t['R0']:.3f} | {t['R_last']:.3f} | "
+                    f"{sum(r['collapsed'] for r in t['runs'])} |")
     return rows
 
 
@@ -188,62 +306,68 @@ def extrapolation_rows(table):
         for r in t["runs"]:
             x = r["extrap"]
             rows.append(f"| {name}-s{r['seed']} | " + (f"{x['C_half']:.3g} | {x['n']} | {x['predicted']:.3f} | "
-                        f"{x['measured']:.3f} | {x['error']:+.3f} |" if x else "too few points | | | | |"))
+                        f"{x['measured']:.3f} | {x['error']:+.3f} |" if x else
+                        ("collapsed | | | | |" if r["collapsed"] else "too few points | | | | |")))
     return rows
 
 
-def extrapolation_count(table):
-    errors = [r["extrap"]["error"] for t in table.values() for r in t["runs"] if r["extrap"]]
-    return sum(abs(e) <= NOISE_A for e in errors), len(errors)
-
-
-def judge_predictability(within, n):
-    """The predictability finding from `within` of `n` checked runs landing within 0.02: reproduced for at
-    least half, not reproduced for under a third, else (and when no run could be checked) inconclusive."""
-    if not n:
-        return "inconclusive", "no run could be checked: none has enough points in its first half to fit"
-    verdict = "reproduced" if within * 2 >= n else "not reproduced" if within * 3 < n else "inconclusive"
-    return verdict, f"{within} of {n} runs within 0.02"
-
-
-def write_report(out, variants, steps, elapsed=None):
-    """Fit every run (device-seconds and FLOPs), judge the findings, write report.md / report.json and the
-    two figures -> the report's text."""
-    table, shared_A = analyze(out, variants, "compute_s")
-    table_f, shared_A_f = analyze(out, variants, "flops")
-    found = [(f, claim, x, y, rule, *judge(x, y, rule, table)) for f, claim, x, y, rule in FINDINGS
-             if x in table and y in table]
+def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=False):
+    """Fit every run (FLOPs and device-seconds), judge the findings each in its unit, write report.md,
+    study_report.json and the two figures -> the report's text."""
+    tables = {unit: analyze(out, names, seeds, unit) for unit in ("flops", "compute_s")}
+    found = []
+    for finding, claim, x, y, rule, unit in FINDINGS:
+        if x in names and y in names:
+            verdict, margin, why = judge(x, y, rule, tables[unit][0])
+            found.append(dict(name=f"{finding}: {x} vs {y}", paper=claim, verdict=verdict, margin=margin,
+                              unit=UNIT_NAMES[unit], why=why))
+    table = tables["flops"][0]
     within, n = extrapolation_count(table)
-    found.append(("predictability", "a fit on the first half of the compute predicts the end within 0.02",
-                  "", "", "", *judge_predictability(within, n)))
-    runs = sum(len(t["runs"]) for t in table.values())
-    lines = [f"# The miniature ScaleRL study: {len(table)} variants, {runs} runs of {steps} steps on toy-hard", "",
-             f"Written by `python study.py {out}`" + (f" ({elapsed / 60:.0f} min of training on this machine)."
-                                                    if elapsed else "."), "",
-             "## The paper's findings", "", "| finding | the paper | here | numbers (device-seconds) |",
-             "|---|---|---|---|"]
-    lines += [f"| {f} | {claim} | **{v}** | {why} |" for f, claim, _, _, _, v, why in found]
-    lines += ["", f"## Per variant, compute in device-seconds (shared A = {shared_A:.3f})", ""]
-    lines += variant_rows(table)
-    lines += ["", f"## Per variant, compute in FLOPs (shared A = {shared_A_f:.3f})", ""] + variant_rows(table_f)
-    lines += ["", f"## Extrapolation test (device-seconds): {within} of {n} runs within 0.02", ""]
-    lines += extrapolation_rows(table)
+    verdict, why = judge_predictability(within, n)
+    found.append(dict(name="predictability", paper="a fit on the first half of the compute predicts the end "
+                      "within 0.02 (Fig. 1)", verdict=verdict, margin=NOISE_A, unit="FLOPs", why=why))
+    runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
+    collapsed = [f"{r['variant']}-s{r['seed']}" for r in runs if r["collapsed"]]
+    scalerl = table.get("scalerl")
+    decided = sum(f["verdict"] != "inconclusive" for f in found)
+    lines = ([QUICK_NOTE, ""] if quick else []) + [
+        f"# The miniature ScaleRL study: {len(table)} variants x {seeds} seeds, {len(runs)} runs of {steps} steps "
+        "on toy-hard", "", f"Written by `python study.py {out}`" +
+        (f": {minutes:.0f} min of runs on this machine." if minutes else "."), "",
+        f"{decided} of {len(found)} findings decided. " +
+        (f"ScaleRL's A over its seeds: {scalerl['A']:.3f} +- {scalerl['A_sd']:.3f} (sd), the eval's own "
+         f"standard error {scalerl['se']:.3f}. " if scalerl else "") +
+        f"Half-compute extrapolation: {within} of {n} non-collapsed runs within 0.02. "
+        f"Collapsed runs: {', '.join(collapsed) or 'none'}." +
+        (f" Left out over the budget: {', '.join(left_out)}." if left_out else ""), "",
+        "## The paper's findings", "", "| finding | the paper | here | margin | numbers |", "|---|---|---|---|---|"]
+    lines += [f"| {f['name']} ({f['unit']}) | {f['paper']} | **{f['verdict']}** | {f['margin']:.3f} | {f['why']} |"
+              for f in found]
+    for unit, (t, shared_A) in tables.items():
+        lines += ["", f"## Per variant, compute in {UNIT_NAMES[unit]} (shared A = {shared_A:.3f})", ""]
+        lines += variant_rows(t)
+    lines += ["", f"## Extrapolation test (FLOPs): {within} of {n} runs within 0.02", ""] + extrapolation_rows(table)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
-    numbers = {name: {k: v for k, v in t.items() if k not in ("runs", "curve")} | {"runs": [
-        {"seed": r["seed"], "fit": r["fit"], "refit": r["refit"], "extrap": r["extrap"],
-         "C_last": float(r["C"][-1]), "R_last": float(r["R"][-1])} for r in t["runs"]]} for name, t in table.items()}
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump({"shared_A": shared_A, "variants": numbers, "extrapolation_within": [within, n],
-                   "findings": [dict(zip(("finding", "claim", "x", "y", "rule", "verdict", "why"), row)) for row in found]},
-                  f, indent=1)
+    summary = {"runs": [{"variant": r["variant"], "seed": r["seed"], "A": r["fit"]["A"], "B": r["fit"]["B"],
+                         "C_mid": r["fit"]["C_mid"], "final": float(r["R"][-1]),
+                         "extrap_error": r["extrap"]["error"] if r["extrap"] else None, "collapsed": r["collapsed"],
+                         "eval_se": r["se"], "compute": "FLOPs"} for r in runs],
+               "findings": [{k: f[k] for k in ("name", "paper", "verdict", "margin", "unit", "why")} for f in found],
+               "minutes": round(minutes, 1) if minutes else None, "steps": steps, "seeds": seeds,
+               "left_out": list(left_out), "extrapolation_within": [within, n], "quick": quick}
+    if quick:
+        summary = {"note": QUICK_NOTE, **summary}
+    with open(os.path.join(out, "study_report.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=lambda v: None if v != v else v)
     draw(out, table)
     return text
 
 
 def draw(out, table):
-    """study.png: the seed-averaged curves and their fits; study_extrap.png: each fitted on its first half."""
+    """study.png: the seed-averaged curves and their fits (FLOPs); study_extrap.png: each run fitted on the
+    first half of its compute."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -251,21 +375,20 @@ def draw(out, table):
     for name, t in table.items():
         C, R = t["curve"]
         pooled.append(dict(run=name, C=C, R=R, used=(C > 0) & (C >= fit_start(C)), data=(C, R), fit=fit_sigmoid(C, R),
-                           compute="compute_s", metric="held-out pass rate (mean@4)"))
+                           compute="flops", metric=f"held-out pass rate ({HELD_OUT} prompts)"))
     plot(pooled, os.path.join(out, "study.png"), os.path.join(out, "study_linear.png"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (name, t) in enumerate(table.items()):
-        C, R = t["curve"]
-        x = extrapolation_check(C, R)
-        ax.scatter(C[C > 0], R[C > 0], s=8, color=f"C{k % 10}", alpha=0.6)
-        if x:
-            half = fit_sigmoid(C[C <= x["C_half"]], R[C <= x["C_half"]])
-            grid = np.geomspace(C[C > 0][0], C[-1], 100)
-            ax.plot(grid, sigmoid(grid, half["A"], half["B"], half["C_mid"], half["R0"]), "--", color=f"C{k % 10}",
-                    label=f"{name}: predicted {x['predicted']:.3f}, measured {x['measured']:.3f}")
-            ax.axvline(x["C_half"], color=f"C{k % 10}", lw=0.5, alpha=0.4)
-    ax.set(xscale="log", xlabel="compute (device-seconds: training wall-clock x processes)",
-           ylabel="held-out pass rate", title="fitted on the first half of each curve's compute (before the line)")
+        for r in t["runs"]:
+            C, R, x = r["C"], r["R"], r["extrap"]
+            ax.scatter(C[C > 0], R[C > 0], s=4, color=f"C{k % 10}", alpha=0.4)
+            if x:
+                half = fit_sigmoid(C[C <= x["C_half"]], R[C <= x["C_half"]])
+                grid = np.geomspace(C[C > 0][0], C[-1], 100)
+                ax.plot(grid, sigmoid(grid, half["A"], half["B"], half["C_mid"], half["R0"]), "--", lw=0.8,
+                        color=f"C{k % 10}", label=name if r["seed"] == 0 else None)
+    ax.set(xscale="log", xlabel="compute (FLOPs)", ylabel="held-out pass rate",
+           title="each run fitted on the first half of its compute, extrapolated to its end")
     if ax.get_legend_handles_labels()[0]:  # none when no run had enough points in its first half
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -277,21 +400,32 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="The miniature ScaleRL study on the toy-hard task.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="the study's folder (one sub-folder per run)")
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
+    p.add_argument("--budget", type=float, default=90, help="minutes of training: variants that would not fit are "
+                   "left out (priority order: study.VARIANTS)")
+    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run")
     p.add_argument("--report", action="store_true", help="only fit the runs in the folder and write the report")
+    p.add_argument("--assets", default="", help="also copy study_report.json, study.png, study_extrap.png here")
     p.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 10 tiny steps (the test's form)")
     args = p.parse_args(argv)
-    variants, extra, steps = VARIANTS, [], args.steps
+    variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
     if args.quick:
-        variants = {"scalerl": ([], 1), "loss_dapo": (["--loss", "dapo"], 1)}
-        extra, steps = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_every", "2",
-                        "--eval_samples", "1"], 10
+        variants, seeds, steps, held_out = {"scalerl": [], "loss_dapo": ["--loss", "dapo"]}, 1, 10, 16
+        extra = ["--prompts", "4", "--samples", "4", "--eval_every", "2", "--eval_samples", "1"]
     os.makedirs(args.out, exist_ok=True)
-    t0 = time.time()
     if not args.report:
-        train_all(args.out, variants, steps, extra)
-    print(write_report(args.out, variants, steps, None if args.report else time.time() - t0))
-    print(f"wrote {args.out}/report.md, report.json, study.png, study_extrap.png")
+        train_all(args.out, variants, seeds, steps, args.budget, extra, held_out=held_out)
+    names = [n for n in variants if all(finished(run_dir(args.out, n, s), steps) for s in range(seeds))]
+    if not names:
+        sys.exit(f"study: no variant has all {seeds} seeds finished in {args.out}")
+    minutes = sum(run_minutes(run_dir(args.out, n, s)) for n in names for s in range(seeds))
+    print(write_report(args.out, names, seeds, steps, minutes, [n for n in variants if n not in names], args.quick))
+    written = ["report.md", "study_report.json", "study.png", "study_extrap.png"]
+    if args.assets:
+        os.makedirs(args.assets, exist_ok=True)
+        for name in written[1:]:
+            shutil.copyfile(os.path.join(args.out, name), os.path.join(args.assets, name))
+    print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}" +
+          (f"; copied the last three to {args.assets}" if args.assets else ""))
 
 
 if __name__ == "__main__":

@@ -2088,15 +2088,16 @@ def fit_curve(C_mid, B, A, seed=0, noise=0.003, n=61, span=4.0):
     return C, R
 
 
-def write_run(run_dir, C, R, lines=None):
-    """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s)."""
+def write_run(run_dir, C, R, lines=None, se=None):
+    """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s; se: the evals'
+    standard error, pass_rate_se)."""
     os.makedirs(run_dir, exist_ok=True)
     recs = [{"kind": "config", "loss": "cispo", "batch": 8}]
     for step, (c, r) in enumerate(zip(C, R)):
         recs.append({"kind": "train", "step": step, "compute_s": c, "flops": c * 1e9,
                      "reward": 2 * r - 1, "pass_rate": r})
         recs.append({"kind": "eval", "step": step, "compute_s": c, "flops": c * 1e9,
-                     "pass_rate": r, "pass_rate/math": r, "n": 800})
+                     "pass_rate": r, "pass_rate/math": r, "n": 800, **({} if se is None else {"pass_rate_se": se})})
     text = lines if lines is not None else [json.dumps(x) for x in recs]
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         f.write("\n".join(text) + "\n")
@@ -2376,41 +2377,51 @@ def test_fit_predict_final_is_none_while_the_cut_leaves_too_few_points():
 
 
 def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolation_by_hand(tmp_path):
-    """Synthetic runs with known curves: the report's A, shared-A B, verdicts and extrapolation numbers are
-    recomputed here from the written numbers and the sigmoid formula written out."""
+    """Synthetic runs with known curves: the report's A, shared-A B, margins, verdicts, collapses and
+    extrapolation numbers are recomputed here from the written numbers and the sigmoid formula written out."""
     C = np.linspace(0, 100, 21)
     curves = {"scalerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
-              "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0)}  # C_mid 30, R0 0.3
-    variants = {name: ([], 3 if name == "scalerl" else 2) for name in curves}
+              "loss_grpo": (0.74, 2.0), "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0),
+              "no_zero_var": (0.80, 2.0)}  # C_mid 30, R0 0.3
     for name, (A, B) in curves.items():
-        for seed in range(variants[name][1]):
+        for seed in range(3):
             wobble = 0.01 * np.sin(C * (seed + 1)) * (C > 0)  # the seeds differ a little
-            write_run(tmp_path / f"{name}-s{seed}", C, fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble)
-    text = study.write_report(str(tmp_path), variants, 20)
-    rep = json.loads((tmp_path / "report.json").read_text())
-    v = {f["y"]: f["verdict"] for f in rep["findings"] if f["y"]}
-    assert v["ppo_offpolicy"] == "reproduced"  # the same A, a lower B
-    assert v["loss_dapo"] == "reproduced" and v["bf16_no_fp32_head"] == "not reproduced"
-    assert v["no_npr"] == "inconclusive"  # A and B within the seeds' margin
-    runs = [r for t in rep["variants"].values() for r in t["runs"]]
-    assert rep["shared_A"] == pytest.approx(np.mean([r["fit"]["A"] for r in runs]))
-    for name, t in rep["variants"].items():
-        assert t["A"] == pytest.approx(np.mean([r["fit"]["A"] for r in t["runs"]]))
-        assert t["A_sd"] == pytest.approx(np.std([r["fit"]["A"] for r in t["runs"]]))
-        assert t["B"] == pytest.approx(np.mean([r["refit"]["B"] for r in t["runs"]]))
-        assert all(r["refit"]["A"] == pytest.approx(rep["shared_A"]) for r in t["runs"])
-        assert t["A"] == pytest.approx(curves[name][0], abs=0.02)
+            R = fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble
+            if name == "no_zero_var" and seed == 0:
+                R[-1] = R.max() - 0.06  # a collapse at the end
+            # loss_grpo's and scalerl's evals are noisy: the eval margin 2 sqrt(2 x 0.04^2 / 3) = 0.065 > 0.06
+            write_run(tmp_path / f"{name}-s{seed}", C, R, se=0.04 if name in ("loss_grpo", "scalerl") else 0.001)
+    text = study.write_report(str(tmp_path), list(curves), 3, 20)
+    rep = json.loads((tmp_path / "study_report.json").read_text())
+    assert set(rep) >= {"runs", "findings", "minutes"} and len(rep["runs"]) == 3 * len(curves)
+    assert set(rep["runs"][0]) >= {"variant", "seed", "A", "B", "C_mid", "final", "extrap_error", "collapsed"}
+    assert set(rep["findings"][0]) >= {"name", "paper", "verdict", "margin"}
+    v = {f["name"].split(" vs ")[1]: f for f in rep["findings"] if " vs " in f["name"]}
+    assert v["ppo_offpolicy"]["verdict"] == "reproduced"  # the same A, a lower B
+    assert v["loss_dapo"]["verdict"] == "reproduced" and v["bf16_no_fp32_head"]["verdict"] == "not reproduced"
+    assert v["no_npr"]["verdict"] == "inconclusive"  # A and B within the seeds' margin
+    assert v["loss_grpo"]["verdict"] == "inconclusive"  # 0.06 apart, within the eval's own noise
+    A = {name: [r["A"] for r in rep["runs"] if r["variant"] == name] for name in curves}
+    assert v["loss_grpo"]["margin"] == pytest.approx(2 * math.sqrt(2 * 0.04 ** 2 / 3))
+    assert v["loss_dapo"]["margin"] == pytest.approx(max(0.02, np.std(A["scalerl"]) + np.std(A["loss_dapo"]),
+                                                         2 * math.sqrt(0.04 ** 2 / 3 + 0.001 ** 2 / 3)))
+    for name in curves:
+        assert np.mean(A[name]) == pytest.approx(curves[name][0], abs=0.02)
+    collapsed = [(r["variant"], r["seed"]) for r in rep["runs"] if r["collapsed"]]
+    assert collapsed == [("no_zero_var", 0)] and "Collapsed runs: no_zero_var-s0." in text
     within = 0
-    for name, t in rep["variants"].items():
-        for r in t["runs"]:
-            C_run, R_run, _ = fit.load_run(str(tmp_path / f"{name}-s{r['seed']}"))
-            half = C_run <= C_run[-1] / 2
-            f = fit.fit_sigmoid(C_run[half], R_run[half])
-            by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
-            assert r["extrap"]["predicted"] == pytest.approx(by_hand) and r["extrap"]["measured"] == R_run[-1]
-            within += abs(by_hand - R_run[-1]) <= 0.02
-    assert rep["extrapolation_within"] == [within, len(runs)]
-    assert f"{within} of {len(runs)} runs within 0.02" in text and "| ppo_offpolicy | `` | 2 |" not in text
+    for r in rep["runs"]:
+        if r["collapsed"]:
+            assert r["extrap_error"] is None
+            continue
+        C_run, R_run, _ = fit.load_run(str(tmp_path / f"{r['variant']}-s{r['seed']}"), "flops")
+        half = C_run <= C_run[-1] / 2
+        f = fit.fit_sigmoid(C_run[half], R_run[half])
+        by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
+        assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1]) and r["final"] == R_run[-1]
+        within += abs(by_hand - R_run[-1]) <= 0.02
+    assert rep["extrapolation_within"] == [within, len(rep["runs"]) - 1]
+    assert f"{within} of {len(rep['runs']) - 1} runs within 0.02" in text
     for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
                     "## Extrapolation test"):
         assert section in text
@@ -2420,17 +2431,41 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
 
 def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys):
     out = tmp_path / "study"
-    study.main([str(out), "--quick"])
+    study.main([str(out), "--quick", "--assets", str(tmp_path / "assets")])
     first = capsys.readouterr().out
     assert first.count("study: [") == 2 and "## The paper's findings" in first
-    rep = json.loads((out / "report.json").read_text())
-    assert set(rep["variants"]) == {"scalerl", "loss_dapo"}
-    assert [f["finding"] for f in rep["findings"]] == ["loss type", "predictability"]
+    assert (out / "report.md").read_text().splitlines()[0] == study.QUICK_NOTE
+    rep = json.loads((tmp_path / "assets" / "study_report.json").read_text())
+    assert rep["note"] == study.QUICK_NOTE and {r["variant"] for r in rep["runs"]} == {"scalerl", "loss_dapo"}
+    assert [f["name"] for f in rep["findings"]] == ["loss type: scalerl vs loss_dapo", "predictability"]
+    assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
-    assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2 and recs[0]["data"] == "toy-hard"
+    assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2
+    assert recs[0]["val_data"] == str(out / "problems" / "val.jsonl")  # every run scored on the same prompts
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert all(r["n"] == 16 and 0 <= r["pass_rate_se"] < 0.2 for r in evals)
     assert sum(r["kept_prompts"] for r in recs if r["kind"] == "train") > 0  # it trained: not every group dropped
     study.main([str(out), "--quick"])  # finished runs are kept, not trained again
     assert "study: [" not in capsys.readouterr().out
+
+
+def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monkeypatch):
+    """Variants run in priority order; one starts only if its seeds fit in what is left at the pace so far."""
+    clock = [0.0]
+
+    def fake_run(cmd, **_):  # a run: 10 minutes, and a metrics file with its last eval
+        out, steps = cmd[cmd.index("--out") + 1], int(cmd[cmd.index("--steps") + 1])
+        write_eval_lines(out, [{"kind": "eval", "step": steps, "compute_s": 1.0, "flops": 1.0, "pass_rate": 0.5}])
+        clock[0] += 600
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study.time, "time", lambda: clock[0])
+    variants = {"scalerl": [], "loss_dapo": ["--loss", "dapo"], "no_npr": ["--no-no_positive_resampling"]}
+    assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
+    assert clock[0] == 6 * 600  # loss_dapo ends at 60 min <= 65; no_npr would end at 90
+    assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
+    assert clock[0] == 6 * 600  # finished runs cost nothing and are not run again; no pace measured, none started
 
 
 def test_study_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_path):
@@ -2439,14 +2474,14 @@ def test_study_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_pat
         R = fit.sigmoid(C, A, 2.0, 30, 0.3)
         write_eval_lines(tmp_path / f"{name}-s0", [{"kind": "eval", "step": i, "compute_s": c, "flops": c * 1e9,
                                                     "pass_rate": r} for i, (c, r) in enumerate(zip(C, R))])
-    text = study.write_report(str(tmp_path), {"scalerl": ([], 1), "loss_dapo": ([], 1)}, 6)
-    rep = json.loads((tmp_path / "report.json").read_text())
-    (pred,) = [f for f in rep["findings"] if f["finding"] == "predictability"]
+    text = study.write_report(str(tmp_path), ["scalerl", "loss_dapo"], 1, 6)
+    rep = json.loads((tmp_path / "study_report.json").read_text())
+    (pred,) = [f for f in rep["findings"] if f["name"] == "predictability"]
     assert rep["extrapolation_within"] == [0, 0] and pred["verdict"] == "inconclusive"
-    assert pred["why"].startswith("no run could be checked") and "**inconclusive** | no run could be checked" in text
-    assert study.judge_predictability(2, 4) == ("reproduced", "2 of 4 runs within 0.02")
-    assert study.judge_predictability(1, 4)[0] == "not reproduced"
-    assert study.judge_predictability(3, 8)[0] == "inconclusive"
+    assert pred["why"].startswith("no run could be checked") and "**inconclusive** | 0.020 | no run could be" in text
+    assert study.judge_predictability(4, 5) == ("reproduced", "4 of 5 runs within 0.02")  # 80% or more
+    assert study.judge_predictability(1, 4)[0] == "not reproduced"  # under half
+    assert study.judge_predictability(3, 5)[0] == "inconclusive"
 
 # =============================================================================
 # pipeline.py: generator and trainer ranks (gloo, spawned processes)

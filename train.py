@@ -256,14 +256,17 @@ def domain_rates(problems, correct):
 
 
 def evaluate(model, tokenizer, val_ids, val, args):
-    """Held-out mean@k pass rate (and per domain); the same noise keys at every eval (less variance)."""
+    """Held-out mean@k pass rate (and per domain) and its standard error over the prompts (the spread of the
+    per-prompt means / sqrt(prompts): the noise of the eval itself); the same noise keys at every eval."""
     k = args.eval_samples
     keys = [10**12 + i for i in range(len(val_ids) * k)]
     result = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
     if result is None:  # stopped by a signal
         return None
     samples, _, correct, _, _ = result
-    return {"pass_rate": float(np.mean(correct)), "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
+    per_prompt = np.reshape(np.asarray(correct, dtype=float), (k, len(val_ids))).mean(0)  # sample i: prompt i % n
+    se = float(per_prompt.std(ddof=1) / np.sqrt(len(per_prompt))) if len(per_prompt) > 1 else float("nan")
+    return {"pass_rate": float(np.mean(correct)), "pass_rate_se": se, "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
             "intr": float(np.mean([0 in s.mask for s in samples])), "len": float(np.mean([len(s.tokens) for s in samples])),
             "n": len(correct), **domain_rates(val * k, correct)}
 
@@ -728,8 +731,9 @@ def run_eval(run, args, tokenizer, val_ids, val, log, ctx):
     fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s -> predicted "
                f"{pred['R_end']:.3f} at step {args.steps}") if pred else ""
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items() if k.startswith("pass_rate/"))
-    print(f"eval step {run.step} | held-out pass rate {result['pass_rate']:.3f} (mean@{args.eval_samples}, "
-          f"n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}", flush=True)
+    print(f"eval step {run.step} | held-out pass rate {result['pass_rate']:.3f} +- {result['pass_rate_se']:.3f} "
+          f"(mean@{args.eval_samples}, n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | "
+          f"intr {result['intr']:.3f}{fit_txt}", flush=True)
     if ctx:
         pipeline.done_evaluating(ctx, run.step)
 
