@@ -6,7 +6,8 @@ and CISPO as ScaleRL uses it (section 4). Pure functions of tensors.
 
     advantages(rewards, group, norm)          A_i = r_i - mean_{j in group(i)} r_j, then normalized
                                               (norm "batch": over every trainer's rows, given all_sum)
-    policy_loss(logp, gen_logp, adv, mask, group, kind, agg)    scalar to MINIMIZE
+    policy_loss(logp, gen_logp, adv, mask, group, kind, agg)    scalar to MINIMIZE (kind: a LOSSES entry)
+    agg_counts(group, mask)                   what each aggregation divides by: micro-batch and trainer weights
     zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and truncated samples
     length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
     ratio_stats(logp, gen_logp, mask)         generator/trainer mismatch, for logging
@@ -54,12 +55,6 @@ import torch
 
 NORMS = ("batch", "prompt", "none")
 AGGS = ("prompt", "sample", "token")
-EPS_DEFAULTS = {  # kind -> (eps_low, eps_high); absolute ratio bounds for cispo, 1 -/+ eps otherwise
-    "cispo": (None, 4.0),
-    "grpo": (0.2, 0.2),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-3, 4e-3),
-}
 MAX_LOG_RATIO = 20.0  # clipped losses: log rho clamped here before exp; far above log(1 + eps_high), below overflow
 
 
@@ -114,6 +109,36 @@ def aggregate(obj, keep, group, agg):
     return (group_token_sum / group_token_count.clamp(min=1)).mean()
 
 
+def cispo_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
+    """CISPO (ScaleRL): sg(clamp(rho, eps_low, eps_high)) * A * logp per token; the eps are absolute bounds."""
+    weight = log_ratio.exp().clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
+    return weight * adv * logp  # (N, T)
+
+
+def token_clipped_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
+    """GRPO / DAPO: the PPO-clipped objective per token."""
+    return clipped_objective(log_ratio.clamp(max=MAX_LOG_RATIO).exp(), adv, eps_low, eps_high)  # (N, T)
+
+
+def gspo_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
+    """GSPO: the clipped objective of the length-normalized sequence ratio, copied onto its tokens."""
+    seq_log_ratio = log_ratio.sum(1) / keep.sum(1).clamp(min=1)  # (N,)
+    seq_ratio = seq_log_ratio.clamp(max=MAX_LOG_RATIO).exp()[:, None]  # (N, 1)
+    return clipped_objective(seq_ratio, adv, eps_low, eps_high).expand_as(logp)  # (N, T)
+
+
+# The losses: name -> (per-token objective, default (eps_low, eps_high), the rho above which a token's weight
+# is capped or clipped, from eps_high). A new loss is one objective function and one entry here; --loss
+# offers every name.
+LOSSES = {
+    "cispo": (cispo_objective, (None, 4.0), lambda eps_high: eps_high),  # absolute ratio bounds
+    "grpo": (token_clipped_objective, (0.2, 0.2), lambda eps_high: 1 + eps_high),
+    "dapo": (token_clipped_objective, (0.2, 0.28), lambda eps_high: 1 + eps_high),
+    "gspo": (gspo_objective, (3e-3, 4e-3), lambda eps_high: 1 + eps_high),  # per sequence, logged per token
+}
+EPS_DEFAULTS = {kind: eps for kind, (_, eps, _) in LOSSES.items()}
+
+
 def clip_eps(kind, eps_low=None, eps_high=None):
     """The (eps_low, eps_high) a loss kind runs with: the flags' values, or the kind's defaults."""
     default_low, default_high = EPS_DEFAULTS[kind]
@@ -123,24 +148,23 @@ def clip_eps(kind, eps_low=None, eps_high=None):
 def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
                 eps_low=None, eps_high=None):
     """Scalar loss to minimize: -(aggregated per-token objective). See the module docstring."""
-    if kind not in EPS_DEFAULTS:
-        raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(EPS_DEFAULTS)}")
+    if kind not in LOSSES:
+        raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(LOSSES)}")
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; allowed: {', '.join(AGGS)}")
     eps_low, eps_high = clip_eps(kind, eps_low, eps_high)
     keep = mask.bool()  # (N, T)
-    adv = adv.detach()[:, None]  # (N, 1)
     log_ratio = torch.where(keep, logp - gen_logp.detach(), 0.0)  # (N, T)
-    if kind == "cispo":
-        weight = log_ratio.exp().clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
-        obj = weight * adv * logp  # (N, T)
-    elif kind == "gspo":
-        seq_log_ratio = log_ratio.sum(1) / keep.sum(1).clamp(min=1)  # (N,)
-        seq_ratio = seq_log_ratio.clamp(max=MAX_LOG_RATIO).exp()[:, None]  # (N, 1)
-        obj = clipped_objective(seq_ratio, adv, eps_low, eps_high).expand_as(logp)  # (N, T)
-    else:  # grpo, dapo
-        obj = clipped_objective(log_ratio.clamp(max=MAX_LOG_RATIO).exp(), adv, eps_low, eps_high)  # (N, T)
+    obj = LOSSES[kind][0](log_ratio, logp, adv.detach()[:, None], keep, eps_low, eps_high)
     return -aggregate(obj, keep, group, agg)
+
+
+def agg_counts(group, mask):
+    """What each aggregation averages over, for a set of rows: {"prompt": groups, "sample": sequences,
+    "token": masked tokens}. A batch split into micro-batches (and over trainers) gives the full-batch
+    gradient when each part's policy_loss is weighted by its count / the whole batch's count (the counts
+    summed over every trainer): train.train_batch does that, train.make_batch sums the counts."""
+    return {"prompt": len(torch.unique(group)), "sample": len(group), "token": int(mask.bool().sum())}
 
 
 def zero_variance_keep(rewards, group, valid=None):
@@ -161,13 +185,12 @@ def length_penalty(lengths, l_max=14336, l_cache=2048):
 @torch.no_grad()
 def ratio_stats(logp, gen_logp, mask, kind="cispo", eps_high=None):
     """Generator/trainer mismatch over masked tokens: mean and max |logp - gen_logp|, and the fraction
-    of tokens whose rho exceeds the loss's upper bound (cispo: the cap eps_high; the clipped losses:
+    of tokens whose rho exceeds the loss's upper bound (LOSSES: cispo the cap eps_high, the clipped losses
     1 + eps_high, per token also for gspo): the tokens whose weight is truncated or clipped."""
     diff = (logp - gen_logp)[mask.bool()]  # (K,) masked tokens only
     if diff.numel() == 0:
         return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "frac_above_cap": 0.0}
-    high = clip_eps(kind, None, eps_high)[1]
-    cap = high if kind == "cispo" else 1 + high
+    cap = LOSSES[kind][2](clip_eps(kind, None, eps_high)[1])
     return {
         "abs_diff_mean": diff.abs().mean().item(),
         "abs_diff_max": diff.abs().max().item(),

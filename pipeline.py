@@ -240,13 +240,6 @@ def device_plan(world, local_world, n_gpus, trainers, gens):
     return plan
 
 
-def slow_seconds(args, ctx, role):
-    """--slow ROLE=S (a test hook): S for the last rank of ROLE (the one process counts as a trainer), else 0."""
-    last = {"trainer": ctx.n_trainers - 1, "generator": ctx.world - 1}[role] if ctx else 0
-    hit = args.slow.startswith(f"{role}=") and (ctx is None or ctx.rank == last)
-    return float(args.slow.split("=")[1]) if hit else 0.0
-
-
 def role_of(ctx, r):
     return f"rank {r} ({'trainer' if r < ctx.n_trainers else 'generator'})"
 
@@ -610,7 +603,6 @@ class Generator:
     curriculum_path: str
     start_version: int  # the weights version it started from (the resumed step)
     version: int  # the weights version now in its model
-    slow: float  # --slow generator=S (a test hook): seconds to sleep per poll
     steps: object = None  # the sampler: steps.send((new items, version)) -> (finished, free slots)
     free: int = 0  # free sampler slots
     admitted: int = 0  # groups started since start_version
@@ -637,7 +629,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
         curriculum.npr = args.no_positive_resampling  # as the flag says now (check_resume printed a change)
     gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, curriculum_path,
-                    start_version, start_version, slow_seconds(args, ctx, "generator"), pruned=[0] * ctx.n_trainers)
+                    start_version, start_version, pruned=[0] * ctx.n_trainers)
     gen.steps = sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
                         answer_budget=args.answer_budget, max_prompt_len=max(len(p) for p in prompt_ids),
                         interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
@@ -690,8 +682,6 @@ def generate_frozen(ctx, gen):
 def poll(ctx, gen, apply=True):
     """Stop? New weights? (reads the store at most every 10 ms) -> the weights version in the model. New
     weights are received into the model's own parameters, between two sampler steps."""
-    if gen.slow:
-        time.sleep(gen.slow)
     if time.time() - gen.last_poll < 0.01:
         return gen.version
     gen.last_poll = time.time()

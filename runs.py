@@ -242,7 +242,7 @@ def check_resume(saved, args):
     if identity:
         sys.exit("error: --resume: " + "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
                  " (start another --out for another run)")
-    ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "slow", "nan_at", "model_dir"}
+    ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "model_dir"}
     changed = [k for k in sorted(now) if k in saved and k not in ignore and saved[k] != now[k]]
     if changed:
         print("--resume: changed since the run started (the new values apply from here): " +

@@ -89,10 +89,13 @@ FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
 
 
-def run_train_py(argv, env, log):
-    """In a forked process: `python train.py *argv` with env added to the environment, output to log."""
+def run_train_py(argv, env, log, slow=None):
+    """In a forked process: `python train.py *argv` with env added to the environment, output to log;
+    slow=(role, seconds): this rank, the last of its role, sleeps that long before each of its steps."""
     os.chdir(ROOT)
     os.environ.update(env)
+    if slow:
+        slow_down(*slow)
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 would in a fresh process: ranks share the cores
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
@@ -101,11 +104,22 @@ def run_train_py(argv, env, log):
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
 
+def slow_down(role, seconds):
+    """A straggler, for the lag tests: the last trainer sleeps before each weight broadcast (after its optimizer
+    step), the last rank (a generator) before each of its polls (between two decode steps)."""
+    rank, world, name = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), {"trainer": "publish_weights",
+                                                                                 "generator": "poll"}[role]
+    last = world - 1 if role == "generator" else 0  # the tests run one trainer
+    if rank == last:
+        real = getattr(pipeline, name)
+        setattr(pipeline, name, lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1])
+
+
 class Forked:
     """One forked train.py process, with the subprocess.Popen calls the tests make."""
 
-    def __init__(self, argv, env, log):
-        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log)))
+    def __init__(self, argv, env, log, slow=None):
+        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow))
         self.proc.start()
         self.pid = self.proc.pid
 
@@ -2579,9 +2593,9 @@ PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_sa
               "--timeout", "120"]
 
 
-def launch(world, out, *flags, torchrun=False):
+def launch(world, out, *flags, torchrun=False, slow=None):
     """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> a list of Popen, or of
-    Forked (same interface) where no torchrun is asked for."""
+    Forked (same interface) where no torchrun is asked for; slow: see slow_down (forked ranks only)."""
     argv = ["--out", str(out), *PIPE_FLAGS, *flags]
     if torchrun:
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
@@ -2590,7 +2604,7 @@ def launch(world, out, *flags, torchrun=False):
     port = bench.free_port()
     env = lambda r: dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log") for r in range(world)]
+    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log", slow) for r in range(world)]
 
 
 def finish_all(procs, timeout=240):
@@ -2618,7 +2632,7 @@ def wait_for_train_records(out, n, procs, timeout=180):
 def test_pipeline_two_ranks_train_exit_cleanly_and_bound_the_lag_under_a_slow_trainer(tmp_path):
     """(Under torchrun, from a fresh interpreter: test_study_quick_trains_under_torchrun_resumes_and_reports
     runs two such runs to a clean exit.)"""
-    procs = launch(2, tmp_path, "--steps", "6", "--max_lag", "2", "--slow", "trainer=0.6")
+    procs = launch(2, tmp_path, "--steps", "6", "--max_lag", "2", slow=("trainer", 0.6))
     rcs, (out, _) = finish_all(procs)
     assert rcs == [0, 0], out
     recs = train_records(tmp_path)
@@ -2635,7 +2649,7 @@ def test_pipeline_two_ranks_train_exit_cleanly_and_bound_the_lag_under_a_slow_tr
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
     """A straggler generator (the last one) decodes slowly while the other runs ahead: the trainer waits
     for the straggler's groups of each batch (nothing is dropped) and the fast one stops k batches ahead."""
-    procs = launch(3, tmp_path, "--steps", "5", "--max_lag", "1", "--gen_ranks", "2", "--slow", "generator=0.02")
+    procs = launch(3, tmp_path, "--steps", "5", "--max_lag", "1", "--gen_ranks", "2", slow=("generator", 0.02))
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0, 0], outs
     recs = train_records(tmp_path)
@@ -2923,14 +2937,31 @@ def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path
     assert tr and "pass_rate/math" in tr[0]
 
 
-def test_train_skips_a_nan_step_and_stops_after_too_many(toy_dir, tmp_path):
-    recs = run_train(toy_dir, tmp_path / "one", "--steps", "3", "--nan_at", "2", "--eval_every", "3", "--no-zero_var_filter")
+def nan_gradients_at(monkeypatch, steps):
+    """Make the gradients of these optimizer steps (1-based) NaN, just before train.py clips them."""
+    clip, calls = torch.nn.utils.clip_grad_norm_, [0]
+
+    def poisoned(params, *a, **k):
+        params = list(params)
+        calls[0] += 1
+        if calls[0] in steps:
+            for p in params:
+                p.grad.fill_(float("nan"))
+        return clip(params, *a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+
+
+def test_train_skips_a_nan_step_and_stops_after_too_many(toy_dir, tmp_path, monkeypatch):
+    nan_gradients_at(monkeypatch, {2})
+    recs = run_train(toy_dir, tmp_path / "one", "--steps", "3", "--eval_every", "3", "--no-zero_var_filter")
     tr = [r for r in recs if r.get("kind") == "train"]
     assert [r["skipped_bad"] for r in tr] == [False, True, False]
     assert tr[2]["lr"] == tr[1]["lr"] == 2 * tr[0]["lr"]  # the skipped step did not advance the schedule
     assert [r["lr"] for r in tr] == pytest.approx(warmed_up(recs, 3e-4))
+    nan_gradients_at(monkeypatch, {2, 3, 4})
     with pytest.raises(SystemExit, match="3 consecutive steps with a non-finite"):
-        run_train(toy_dir, tmp_path / "many", "--steps", "5", "--nan_at", "2,3,4", "--max_bad_steps", "3", "--no-zero_var_filter")
+        run_train(toy_dir, tmp_path / "many", "--steps", "5", "--max_bad_steps", "3", "--no-zero_var_filter")
 
 
 def chain_model(tokenizer, successors):
@@ -3056,7 +3087,7 @@ def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
 
 def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, capsys):
     for argv, msg in [(["--loss", "ppo"], "invalid choice"), (["--think_budget", "-4"], "must be positive"),
-                      (["--model", str(tmp_path)], "no config.json"), (["--slow", "fast"], "--slow must look like"),
+                      (["--model", str(tmp_path)], "no config.json"),
                       (["--warmup", "0"], "must be positive"), (["--grad_clip", "-1"], "must be >= 0"),
                       (["--micro_prompts", "-1"], "must be >= 0")]:
         with pytest.raises(SystemExit):

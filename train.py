@@ -52,7 +52,7 @@ from data import (PRESETS, Curriculum, format_prompt, load_source_problems, read
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
-from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats,
+from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, drift_by_lag, length_penalty, policy_loss, ratio_stats,
                   zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command, resume_point, save_checkpoint,
                   truncate_metrics, write_file)
@@ -154,10 +154,6 @@ def get_args(argv=None):
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
     g.add_argument("--fsdp", action="store_true", help="shard the trainers' model and optimizer state over the trainer "
                    "ranks (FSDP2); rank 0 keeps one unsharded copy to evaluate and save")
-    # test hooks, left out of --help: --nan_at "2,3" makes those steps' gradients NaN; --slow trainer=S / generator=S
-    # makes the last rank of that role sleep S s per optimizer / decode step
-    ap.add_argument("--nan_at", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--slow", default="", help=argparse.SUPPRESS)
     g = ap.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--log_every", type=int, default=1, help="print the step line every N steps (and the last one); "
@@ -196,8 +192,6 @@ def check_args(args, error):
                                              if torch.version.cuda is None else "no CUDA device is visible"))
     if args.resume and args.overwrite:
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
-    if args.slow and not re.fullmatch(r"(trainer|generator)=[0-9.]+", args.slow):
-        error(f"--slow must look like trainer=0.5 or generator=0.01, got {args.slow!r}")
     args.model_dir = check_model_dir(args.model, error)  # what loads; args.model stays as typed (--resume compares it)
 
 
@@ -370,14 +364,14 @@ def train_batch(model, batch, args, n_groups, total=None, forward=None):
     ids, attn, mask, gen_logp, adv, group, lag = batch
     per = args.micro_prompts or n_groups
     uniq = group.unique()
-    total = total or {"prompt": len(uniq), "sample": len(group), "token": mask.sum().item()}[args.agg]
+    total = total or agg_counts(group, mask)[args.agg]
     loss_sum, stats, drift = 0.0, [], []
     for a in range(0, len(uniq), per):
         rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
         logp = (forward or partial(sequence_logprobs, model))(ids[rows], attn[rows], args.fp32_head, args.temperature)
         loss = policy_loss(logp, gen_logp[rows], adv[rows], mask[rows], group[rows], kind=args.loss,
                            agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high)
-        share = {"prompt": len(uniq[a:a + per]), "sample": len(rows), "token": mask[rows].sum().item()}[args.agg]
+        share = agg_counts(group[rows], mask[rows])[args.agg]
         (loss * share / total).backward()
         loss_sum += loss.item() * share / total
         stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows], args.loss, args.eps_high))
@@ -580,8 +574,8 @@ def make_batch(groups, args, ctx):
     rows = keep.nonzero().squeeze(1).tolist()
     adv = advantages(rewards[rows], group[rows], args.adv_norm,
                      all_sum=(lambda d: pipeline.all_reduce_stats(ctx, d)[0]) if ctx else None)
-    sums, _ = pipeline.all_reduce_stats(ctx, {"prompt": len(set(group[rows].tolist())), "sample": len(rows),
-                                              "token": sum(sum(samples[r].mask) for r in rows)})
+    masks = [torch.tensor(samples[r].mask) for r in rows]
+    sums, _ = pipeline.all_reduce_stats(ctx, agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
     return Batch([g["prompt"] for g in groups for _ in g["samples"]], samples, correct, rewards, group, truncated,
                  valid, rows, adv, sums)
 
@@ -607,9 +601,6 @@ def optimize(run, batch, args, ctx, device, pad_id):
         (forward(ids, torch.ones_like(ids), args.fp32_head, args.temperature).sum() * 0).backward()
     if ctx and forward is None:
         pipeline.all_reduce_grads(ctx, model)
-    if str(run.step + 1) in args.nan_at.split(","):
-        for p in model.parameters():
-            p.grad.fill_(float("nan"))
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
     grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
     if math.isfinite(grad_norm) and math.isfinite(loss_value):  # grads are all-reduced: all trainers agree
@@ -817,7 +808,6 @@ def main(args):
         t_train, run.lr = time.time(), run.opt.param_groups[0]["lr"]  # the rate this step trains with
         loss_value, mismatch, grad_norm = (optimize(run, batch, args, ctx, device, tokenizer.pad_token_id or 0)
                                            if batch.sums["sample"] else (0.0, {}, 0.0))
-        time.sleep(pipeline.slow_seconds(args, ctx, "trainer"))
         t_train = time.time() - t_train
         run.step += 1
         sync_s, sync_bytes = pipeline.publish_weights(ctx, model, run.step, run.step == args.steps, args.bucket_mb)
