@@ -488,15 +488,16 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             finished.append((tag, sample))
 
 
-def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, **settings):
+def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None, **settings):
     """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
     keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws, whatever the
     batching. stop: a callable polled between decode steps; once it returns true, generate gives up and
-    returns None (a Ctrl-C under way). settings: the sampler's (eos_id, think_end, interrupt_ids, the
-    budgets, ...)."""
+    returns None (a Ctrl-C under way). max_prompt_len: sizes the cache (default: the longest prompt).
+    settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
     keys = range(len(prompts)) if keys is None else keys
     results = [None] * len(prompts)
-    steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max(map(len, prompts), default=1),
+    max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
+    steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
                     version=version, **settings)
     next(steps)
     new, left = list(zip(prompts, keys, range(len(prompts)))), len(prompts)

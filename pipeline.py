@@ -319,6 +319,19 @@ def wait_until(ctx, ready, what):
     return time.time() - t0
 
 
+def on_trainer0(ctx, step, evaluate):
+    """A held-out eval of `step`: trainer 0 runs evaluate() (one process: it is trainer 0); the other
+    trainers wait for it on the store, not in a collective, and meanwhile trainer 0's status keeps every
+    rank's wait from running out (wait_until), however long the eval takes."""
+    if ctx is None:
+        return evaluate()
+    if ctx.rank != 0:
+        return wait_for_eval(ctx, step)
+    set_status(ctx, f"evaluating step {step}")
+    evaluate()
+    done_evaluating(ctx, step)
+
+
 def done_evaluating(ctx, step):
     """Trainer 0, after its held-out eval of `step` (meanwhile its status said "evaluating", which keeps the
     other ranks' waits from running out: wait_until): the other trainers may go on (wait_for_eval)."""
@@ -431,6 +444,22 @@ def broadcast_weights(ctx, model, bucket_mb, tensors=None):
     return nbytes
 
 
+def batch_grads(ctx, model, forward, n_micro, passes, pad_id, fp32_head, temperature):
+    """Run this trainer's n_micro forward/backward passes (passes() -> what it returns) so that its gradient
+    ends as the whole batch's. One process: it is. Replicated trainers: all_reduce_grads after. FSDP2
+    (forward: the sharded LogProbs): every pass is a chain of collectives, so a trainer with fewer
+    micro-batches than another first runs passes that add nothing, until their counts match."""
+    if ctx is not None and forward is not None:
+        n_all = int(all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
+        for _ in range(n_micro, n_all):
+            ids = torch.full((1, 2), pad_id, device=ctx.device)
+            (forward(ids, torch.ones_like(ids), fp32_head, temperature).sum() * 0).backward()
+    result = passes()
+    if ctx is not None and forward is None:
+        all_reduce_grads(ctx, model)
+    return result
+
+
 def all_reduce_grads(ctx, model):
     """Sum the trainers' gradients (each already scaled by its share of the global batch)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -525,6 +554,22 @@ class LogProbs(torch.nn.Module):
         return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature)
 
 
+def trainer_model(ctx, model, fsdp, rank0):
+    """The trainer's three views of its model -> (the model trained, the model evaluated and saved, the
+    loss's forward). Replicated (one process, or trainers without --fsdp): the model itself, and forward None
+    (generate.sequence_logprobs). --fsdp: the model sharded in place (shard_trainer), its LogProbs wrapper,
+    and rank 0's unsharded copy to evaluate and save (None on the other trainers)."""
+    if ctx is None or not fsdp:
+        return model, model, None
+    full = copy.deepcopy(model) if rank0 else None
+    forward = shard_trainer(model, ctx.trainers, ctx.device)
+    if rank0:
+        local = sum(p.to_local().numel() for p in model.parameters())
+        total = sum(p.numel() for p in full.parameters())
+        print(f"FSDP2: trainer 0 holds {local} of {total} parameters (and their AdamW state)", flush=True)
+    return model, full, forward
+
+
 def shard_trainer(model, trainers, device):
     """--fsdp: shard the model over the process group `trainers` with FSDP2 (each decoder layer one unit, the
     rest one unit) -> the LogProbs module to call for the loss. Gradients are summed across trainers, not
@@ -561,8 +606,14 @@ def generator_stats(ctx):
     return out
 
 
-def busy_metrics(ctx, dt, wait_s, train_s, sync_s, sync_bytes):
-    """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed, tokens/s."""
+def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
+    """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed, tokens/s.
+    One process alternates: busy generating and verifying (rstats' seconds), then training."""
+    if ctx is None:
+        return {"retired": rstats["retired"], "epoch": rstats["epoch"], "gen_busy": (dt - train_s) / dt,
+                "train_busy": train_s / dt, "sync_ms": 0.0, "generate_ms": rstats["gen_s"] * 1000,
+                "verify_ms": rstats["verify_s"] * 1000, "train_ms": train_s * 1000}
+    wait_s = rstats["wait_s"]
     now = generator_stats(ctx)
     before = ctx.genstats_before or [{}] * len(now)
     ctx.genstats_before = now
@@ -573,6 +624,14 @@ def busy_metrics(ctx, dt, wait_s, train_s, sync_s, sync_bytes):
             "wait_ms": wait_s * 1000, "sync_ms": sync_s * 1000, "sync_MBps": sync_bytes / 1e6 / sync_s if sync_s else 0.0,
             "gen_tok_s": sum(x["tokens"] / x["wall"] for x in d if x["wall"] > 0),
             "retired": sum(s.get("retired", 0) for s in now), "epoch": max((s.get("epoch", 0) for s in now), default=0)}
+
+
+def end_trainer(ctx, step):
+    """A trainer after its last step (`step`): drain the generators (drain), then leave with the other ranks
+    (finish). One process: nothing to do."""
+    if ctx is not None:
+        drain(ctx, step)
+        finish(ctx)
 
 
 def drain(ctx, step):
@@ -623,8 +682,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     """A generator rank's whole life: sample groups, verify them, send them, take new weights; until the
     trainers say stop. Then it saves its curriculum and waits until its last sends are received."""
     g = ctx.rank - ctx.n_trainers
-    mine = list(range(g, len(problems), ctx.n_gens))
-    curriculum = Curriculum(len(mine), args.seed + 1 + g, npr=args.no_positive_resampling)
+    mine, curriculum = problems_of(len(problems), g, ctx.n_gens, args.seed, args.no_positive_resampling)
     if args.resume and os.path.exists(curriculum_path):
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
         curriculum.npr = args.no_positive_resampling  # as the flag says now (check_resume printed a change)
@@ -718,6 +776,21 @@ def publish_stats(ctx, gen, force=False):
             "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch}))
 
 
+def problems_of(n_problems, g, n_gens, seed, npr):
+    """Generator g's share of the training problems (every n_gens-th) and the curriculum that picks among them
+    -> (their indices, Curriculum). The one-process loop is generator 0 of 1: with one generator, `python
+    train.py` and `torchrun ... --mode sync` serve the same prompts in the same order."""
+    mine = list(range(g, n_problems, n_gens))
+    return mine, Curriculum(len(mine), seed + 1 + g, npr=npr)
+
+
+def group_items(prompt, gi, G):
+    """The sampler items of group gi (the run's gi-th group: step * prompts + its place in the batch): its
+    prompt G times, sample j with the noise key gi * 1024 + j, tagged (gi, j). Every layout of the ranks
+    draws a group's samples from these keys, so a group's noise does not depend on who samples it."""
+    return [(prompt, gi * 1024 + j, (gi, j)) for j in range(G)]
+
+
 def next_groups(ctx, gen, n_groups, version):
     """pipeline: the global indices of this generator's next groups (every n_gens-th; batches before the
     resumed version are done), as many as n_groups and as the lag rule allows at `version`."""
@@ -743,7 +816,7 @@ def admit(ctx, gen, gis):
             break
         gen.admitted += 1
         gen.open[gi] = {"c": c, "samples": [None] * G}
-        items += [(gen.prompt_ids[gen.mine[c]], gi * 1024 + j, (gi, j)) for j in range(G)]  # noise key per sample
+        items += group_items(gen.prompt_ids[gen.mine[c]], gi, G)
     return items
 
 

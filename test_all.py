@@ -89,13 +89,16 @@ FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
 
 
-def run_train_py(argv, env, log, slow=None):
+def run_train_py(argv, env, log, slow=None, record=None):
     """In a forked process: `python train.py *argv` with env added to the environment, output to log;
-    slow=(role, seconds): this rank, the last of its role, sleeps that long before each of its steps."""
+    slow=(role, seconds): this rank, the last of its role, sleeps that long before each of its steps;
+    record: a file that every group's sampler items are appended to (record_groups)."""
     os.chdir(ROOT)
     os.environ.update(env)
     if slow:
         slow_down(*slow)
+    if record:
+        pipeline.group_items = record_groups(record)
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 would in a fresh process: ranks share the cores
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
@@ -115,11 +118,22 @@ def slow_down(role, seconds):
         setattr(pipeline, name, lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1])
 
 
+def record_groups(path, real=pipeline.group_items):
+    """pipeline.group_items, also appending each item it makes to `path` as a JSON line [gi, noise key,
+    prompt ids]: what a run sampled from, whichever process sampled it."""
+    def recording(prompt, gi, G):
+        items = real(prompt, gi, G)
+        with open(path, "a") as f:
+            f.writelines(json.dumps([gi, key, list(p)]) + "\n" for p, key, _ in items)
+        return items
+    return recording
+
+
 class Forked:
     """One forked train.py process, with the subprocess.Popen calls the tests make."""
 
-    def __init__(self, argv, env, log, slow=None):
-        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow))
+    def __init__(self, argv, env, log, slow=None, record=None):
+        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow, record))
         self.proc.start()
         self.pid = self.proc.pid
 
@@ -2593,9 +2607,10 @@ PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_sa
               "--timeout", "120"]
 
 
-def launch(world, out, *flags, torchrun=False, slow=None):
+def launch(world, out, *flags, torchrun=False, slow=None, record=None):
     """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> a list of Popen, or of
-    Forked (same interface) where no torchrun is asked for; slow: see slow_down (forked ranks only)."""
+    Forked (same interface) where no torchrun is asked for; slow: see slow_down, record: see record_groups
+    (forked ranks only)."""
     argv = ["--out", str(out), *PIPE_FLAGS, *flags]
     if torchrun:
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
@@ -2604,7 +2619,8 @@ def launch(world, out, *flags, torchrun=False, slow=None):
     port = bench.free_port()
     env = lambda r: dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log", slow) for r in range(world)]
+    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log", slow, record)
+            for r in range(world)]
 
 
 def finish_all(procs, timeout=240):
@@ -2644,6 +2660,32 @@ def test_pipeline_two_ranks_train_exit_cleanly_and_bound_the_lag_under_a_slow_tr
     lags = [r["lag_max"] for r in recs]
     assert max(lags) <= 2
     assert max(lags) >= 1  # the generator really ran ahead of the slow trainer
+
+
+def test_one_process_and_torchrun_sync_are_the_same_experiment(tmp_path, monkeypatch):
+    """`python train.py` is generator 0 of 1 under `--mode sync`: one process and two ranks (1 trainer,
+    1 generator) sample every step's groups from the same prompts in the same order with the same noise
+    keys, and where the arithmetic is the same (one thread each, one trainer) they log the same metrics."""
+    flags = ["--steps", "3", "--seed", "5", "--eval_every", "3", "--log_every", "1"]
+    rcs, outs = finish_all(launch(2, tmp_path / "ranks", "--mode", "sync", *flags, record=tmp_path / "ranks.jsonl"))
+    assert rcs == [0, 0], outs
+    monkeypatch.setattr(pipeline, "group_items", record_groups(tmp_path / "one.jsonl"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.main(train.get_args(["--out", str(tmp_path / "one"), *PIPE_FLAGS, *flags]))
+    finally:
+        torch.set_num_threads(threads)
+    one, ranks = ([json.loads(x) for x in open(tmp_path / f"{name}.jsonl")] for name in ("one", "ranks"))
+    assert len(one) == 3 * 4 * 4 and sorted(ranks) == sorted(one)  # 3 steps x 4 prompts x 4 samples
+    assert len({tuple(p) for _, _, p in one}) > 1 and len({k for _, k, _ in one}) == len(one)
+    keys = ("pass_rate", "reward", "len", "trunc", "intr", "kept_prompts", "loss", "grad_norm")
+    logged = [[{k: r[k] for k in ("step", *keys) if k in r} | {"eval": r["kind"] == "eval"}
+               for r in map(json.loads, open(path)) if r["kind"] != "config"]
+              for path in (tmp_path / "one" / "metrics.jsonl", tmp_path / "ranks" / "metrics.jsonl")]
+    assert [r["step"] for r in logged[0] if not r["eval"]] == [1, 2, 3] and len(logged[0]) == len(logged[1])
+    for a, b in zip(*logged):  # the same samples; the loss's sum runs in another order (float rounding)
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-9)
 
 
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
@@ -3048,7 +3090,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     args = train.get_args(["--prompts", "2", "--samples", "4"])
     train_set = [dict(problem, prompt=f"?{i}") for i in range(2)]
     curriculum = train.Curriculum(2, 0)
-    groups, _ = train.local_rollouts(model, tok, train_set, [ids_of(tok, "?")] * 2, curriculum, 0, args)
+    groups, _ = train.local_rollouts(model, tok, train_set, [ids_of(tok, "?")] * 2, curriculum, args, 0)
     assert all(s.finish == "truncated" for g in groups for s in g["samples"])
     assert "\\boxed{7}" in data.completion_text(tok, groups[0]["samples"][0])
     assert [c for g in groups for c in g["correct"]] == [False] * 8
@@ -3352,9 +3394,9 @@ def test_train_stopped_early_saves_and_evaluates_its_last_step(tmp_path, monkeyp
     learning rate is the one each step trained with."""
     real, calls = train.Curriculum.next_batch, []
 
-    def next_batch(self, k):
+    def next_batch(self, k):  # called once per prompt, 4 per step
         calls.append(k)
-        if len(calls) > 2:
+        if len(calls) > 2 * 4:
             raise StopIteration("every training prompt is retired (pass rate >= 0.9): nothing left to train on")
         return real(self, k)
     monkeypatch.setattr(train.Curriculum, "next_batch", next_batch)

@@ -27,7 +27,6 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 """
 
 import argparse
-import copy
 import difflib
 import glob
 import json
@@ -78,9 +77,8 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} (--help lists the flags)\n")
 
 
-def get_args(argv=None):
-    ap = FlagParser(prog="train.py", description="ScaleRL training loop")
-    g = ap.add_argument_group("model and data")
+def model_flags(g):
+    """The flags of --help's group "model and data"."""
     g.add_argument("--model", default="", help="HF model folder or Hugging Face Hub id, e.g. Qwen/Qwen3-0.6B (Llama/Qwen2/"
                    "Qwen3; a Hub id is downloaded once into the Hugging Face cache, HF_HOME / HF_HUB_CACHE / "
                    "HF_HUB_OFFLINE apply); empty = the embedded base model of the --data preset")
@@ -100,7 +98,10 @@ def get_args(argv=None):
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights dtype")
     g.add_argument("--seed", type=int, default=0, help="seeds the split, the curriculum and the sampling noise")
-    g = ap.add_argument_group("rollouts")
+
+
+def rollout_flags(g):
+    """The flags of --help's group "rollouts"."""
     g.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step (paper: 48)")
     g.add_argument("--samples", type=int, default=8, help="completions per prompt, G (paper: 16)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
@@ -113,7 +114,10 @@ def get_args(argv=None):
                    help="interrupt = forced interruption (ScaleRL); penalty = length penalty on correct answers")
     g.add_argument("--l_max", type=int, default=0, help="length penalty L_max; 0 = think_budget + answer_budget")
     g.add_argument("--l_cache", type=int, default=0, help="length penalty L_cache; 0 = l_max // 7 (paper: 2k of 14k)")
-    g = ap.add_argument_group("loss (loss.py)")
+
+
+def loss_flags(g):
+    """The flags of --help's group "loss (loss.py)"."""
     g.add_argument("--loss", default="cispo", choices=list(EPS_DEFAULTS),
                    help="policy loss: CISPO is ScaleRL's; the others are ablations (loss.py)")
     g.add_argument("--agg", default="prompt", choices=AGGS, help="loss aggregation")
@@ -131,7 +135,10 @@ def get_args(argv=None):
                         "statistics (paper A.15's effective batch)")
     g.add_argument("--no_positive_resampling", action=argparse.BooleanOptionalAction, default=True,
                    help="never resample a prompt once its pass rate reaches 0.9")
-    g = ap.add_argument_group("optimization")
+
+
+def optimization_flags(g):
+    """The flags of --help's group "optimization"."""
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-4, help="paper: 5e-7 for an 8B model")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (paper: 100)")
@@ -144,7 +151,10 @@ def get_args(argv=None):
                    "(each skipped) before the run stops")
     g.add_argument("--max_empty_steps", type=int, default=10, help="consecutive steps that keep no prompt (every "
                    "group all truncated or with equal rewards: nothing to train on) before the run stops and says why")
-    g = ap.add_argument_group("ranks (pipeline.py; under torchrun only)")
+
+
+def rank_flags(g):
+    """The flags of --help's group "ranks (pipeline.py; under torchrun only)"."""
     g.add_argument("--mode", default="pipeline", choices=["pipeline", "ppo_offpolicy", "sync"],
                    help="pipeline = PipelineRL-k (ScaleRL); ppo_offpolicy = PPO-off-policy-k; sync = k of 1")
     g.add_argument("--max_lag", type=int, default=8, help="k: no token trained on is more than k versions old")
@@ -154,7 +164,10 @@ def get_args(argv=None):
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
     g.add_argument("--fsdp", action="store_true", help="shard the trainers' model and optimizer state over the trainer "
                    "ranks (FSDP2); rank 0 keeps one unsharded copy to evaluate and save")
-    g = ap.add_argument_group("evaluation, logging, checkpoints")
+
+
+def logging_flags(g):
+    """The flags of --help's group "evaluation, logging, checkpoints"."""
     g.add_argument("--eval_every", type=int, default=10, help="steps between held-out evals (paper: 100)")
     g.add_argument("--log_every", type=int, default=1, help="print the step line every N steps (and the last one); "
                    "metrics.jsonl keeps every step")
@@ -171,6 +184,16 @@ def get_args(argv=None):
     g.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a run: its metrics, checkpoints and curriculum files "
                         "are deleted first (without it or --resume such an --out is refused)")
+
+
+def get_args(argv=None):
+    ap = FlagParser(prog="train.py", description="ScaleRL training loop")
+    model_flags(ap.add_argument_group("model and data"))
+    rollout_flags(ap.add_argument_group("rollouts"))
+    loss_flags(ap.add_argument_group("loss (loss.py)"))
+    optimization_flags(ap.add_argument_group("optimization"))
+    rank_flags(ap.add_argument_group("ranks (pipeline.py; under torchrun only)"))
+    logging_flags(ap.add_argument_group("evaluation, logging, checkpoints"))
     args = ap.parse_args(argv)
     check_args(args, ap.error)
     return args
@@ -223,7 +246,7 @@ def check_model_dir(path, error):
 # rollouts: sample, decode, verify
 
 
-def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
+def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0, max_prompt_len=None):
     """Sample one completion per prompt (keys: noise keys) and score it against its problem's answer or
     tests -> (samples, texts, correct, seconds spent generating, seconds spent verifying); None when a
     signal asked the run to stop meanwhile (the sampling is abandoned: nothing of it is used)."""
@@ -231,7 +254,7 @@ def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0):
     samples = generate(model, prompt_ids, **special_tokens(tokenizer), think_budget=args.think_budget,
                        answer_budget=args.answer_budget, interrupt=args.length_control == "interrupt",
                        slots=args.slots, temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
-                       keys=keys, version=version, stop=lambda: bool(pipeline.STOP))
+                       keys=keys, version=version, stop=lambda: bool(pipeline.STOP), max_prompt_len=max_prompt_len)
     if samples is None:
         return None
     t1 = time.time()
@@ -463,17 +486,26 @@ def progress(run, args, loop_start):
     return f"{held_out} | ETA {int(left // 60)}m{int(left % 60):02d}s"
 
 
-def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
-    """One process: sample G completions for the next prompts here, verify, record pass rates.
-    -> (groups, each dict(index, prompt, samples, correct) as pipeline.receive_groups returns them,
-    stats like receive_groups's: too_old, wait_s, gen_tokens, and seconds generating and verifying)."""
+def local_rollouts(model, tokenizer, train, train_ids, curriculum, args, step):
+    """One process, as generator 0 of 1 under --mode sync: the step's groups (step * prompts + p), one
+    prompt each from the curriculum, their G samples drawn with pipeline.group_items' noise keys, verified,
+    their pass rates recorded. -> (groups, each dict(index, prompt, samples, correct) as
+    pipeline.receive_groups returns them; stats like receive_groups's: too_old, wait_s, gen_tokens, and
+    seconds generating and verifying, the curriculum's retired prompts and epoch). No groups when the
+    curriculum has retired every prompt; None when a signal stopped the sampling."""
     before = curriculum.state_dict()
-    idx = curriculum.next_batch(args.prompts)
-    prompt_ids = [train_ids[i] for i in idx for _ in range(args.samples)]
+    try:
+        idx = [i for _ in range(args.prompts) for i in curriculum.next_batch(1)]  # as pipeline.admit picks them
+    except StopIteration as err:
+        print(err, flush=True)
+        return [], None
+    items = [it for p, i in enumerate(idx) for it in pipeline.group_items(train_ids[i], step * args.prompts + p,
+                                                                          args.samples)]
+    prompt_ids = [prompt for prompt, _, _ in items]
     problems = [train[i] for i in idx for _ in range(args.samples)]
-    keys = [(step * args.prompts + j // args.samples) * 1000 + j % args.samples for j in range(len(prompt_ids))]
     model.eval()
-    result = rollout(model, tokenizer, prompt_ids, problems, args, keys, version=step)
+    result = rollout(model, tokenizer, prompt_ids, problems, args, [key for _, key, _ in items], version=step,
+                     max_prompt_len=max(map(len, train_ids)))
     if result is None:  # stopped by a signal: this step is not taken, and its prompts are not served
         curriculum.load_state_dict(before)
         return None, None
@@ -483,8 +515,8 @@ def local_rollouts(model, tokenizer, train, train_ids, curriculum, step, args):
         block = slice(j * args.samples, (j + 1) * args.samples)
         curriculum.record(i, float(np.mean(correct[block])))
         groups.append({"index": i, "prompt": train_ids[i], "samples": samples[block], "correct": correct[block]})
-    stats = {"too_old": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s,
-             "gen_tokens": sum(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))}
+    stats = {"too_old": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s, "retired": len(curriculum.retired),
+             "epoch": curriculum.epoch, "gen_tokens": sum(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))}
     return groups, stats
 
 # -----------------------------------------------------------------------------
@@ -517,17 +549,12 @@ def new_run(args, ctx, model, train, state, rank0):
     """The trainer's state: AdamW, the warm-up schedule, the curriculum, FSDP2 shards (--fsdp), and on
     --resume everything the checkpoint saved."""
     n_params = sum(p.numel() for p in model.parameters())
-    full_model, forward = model, None
-    if ctx and args.fsdp:
-        full_model = copy.deepcopy(model) if rank0 else None
-        forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device)
-        if rank0:
-            local = sum(p.to_local().numel() for p in model.parameters())
-            print(f"FSDP2: trainer 0 holds {local} of {n_params} parameters (and their AdamW state)", flush=True)
+    model, full_model, forward = pipeline.trainer_model(ctx, model, args.fsdp, rank0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / args.warmup)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    run = Run(model, full_model, forward, opt, sched, Curriculum(len(train), args.seed, npr=args.no_positive_resampling),
+    _, curriculum = pipeline.problems_of(len(train), 0, 1, args.seed, args.no_positive_resampling)  # generator 0 of 1
+    run = Run(model, full_model, forward, opt, sched, curriculum,
               n_params, sorted({p.get("domain", "math") for p in train}), state.get("step", 0),
               state.get("compute_s", 0.0), state.get("flops", 0.0))
     if state:
@@ -586,21 +613,17 @@ def optimize(run, batch, args, ctx, device, pad_id):
     model, forward, rows = run.model, run.forward, batch.rows
     model.train()
     n_local = len(set(batch.group[rows].tolist()))
-    n_micro = n_all = math.ceil(n_local / (args.micro_prompts or max(n_local, 1)))
-    if forward is not None:  # FSDP2: every trainer runs as many forward/backward passes (collectives)
-        n_all = int(pipeline.all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
-    loss_value, mismatch = 0.0, {}
-    if rows:
+
+    def passes():  # the loss and backward over this trainer's micro-batches -> (loss, mismatch stats)
+        if not rows:
+            return 0.0, {}
         ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[r] for r in rows],
                                                  [batch.samples[r] for r in rows], pad_id, device, run.step)
-        loss_value, mismatch = train_batch(model, (ids, attn, mask, gen_logp, batch.adv.to(device),
-                                                   batch.group[rows].to(device), lag),
-                                           args, n_local, total=batch.sums[args.agg], forward=forward)
-    for _ in range(n_micro, n_all):  # FSDP2 only: passes that add nothing, to match the other trainers'
-        ids = torch.full((1, 2), pad_id, device=device)
-        (forward(ids, torch.ones_like(ids), args.fp32_head, args.temperature).sum() * 0).backward()
-    if ctx and forward is None:
-        pipeline.all_reduce_grads(ctx, model)
+        return train_batch(model, (ids, attn, mask, gen_logp, batch.adv.to(device), batch.group[rows].to(device), lag),
+                           args, n_local, total=batch.sums[args.agg], forward=forward)
+    n_micro = math.ceil(n_local / (args.micro_prompts or max(n_local, 1)))
+    loss_value, mismatch = pipeline.batch_grads(ctx, model, forward, n_micro, passes, pad_id, args.fp32_head,
+                                                args.temperature)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
     grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
     if math.isfinite(grad_norm) and math.isfinite(loss_value):  # grads are all-reduced: all trainers agree
@@ -696,18 +719,13 @@ def gather_shards(run, rank0, with_optimizer):
         run.full_opt = pipeline.full_optimizer_state(run.model, run.opt)
 
 
-def run_eval(run, args, tokenizer, val_ids, val, log, ctx):
-    """Trainer 0: the held-out pass rate now, the live fit of the curve so far, one log line. The other
-    trainers wait for it on the store, not in a collective, and every rank's wait keeps no deadline
-    meanwhile (pipeline.wait_until), however long the eval takes."""
-    if ctx and ctx.rank != 0:
-        return pipeline.wait_for_eval(ctx, run.step)
-    if ctx:
-        pipeline.set_status(ctx, f"evaluating step {run.step}")
+def run_eval(run, args, tokenizer, val_ids, val, log):
+    """Trainer 0 (pipeline.on_trainer0): the held-out pass rate now, the live fit of the curve so far, one log
+    line."""
     run.full_model.eval()
     result = evaluate(run.full_model, tokenizer, val_ids, val, args)
     if result is None:  # a signal stopped it: no eval line
-        return pipeline.done_evaluating(ctx, run.step) if ctx else None
+        return
     m = {"kind": "eval", "step": run.step, "compute_s": run.compute_s, "flops": run.flops, **result}
     run.evals.append((run.compute_s, result["pass_rate"]))
     C, R = np.array(run.evals).T
@@ -725,8 +743,6 @@ def run_eval(run, args, tokenizer, val_ids, val, log, ctx):
     print(f"eval step {run.step} | held-out pass rate {result['pass_rate']:.3f} +- {result['pass_rate_se']:.3f} "
           f"(mean@{args.eval_samples}, n={result['n']}){per_domain} | trunc {result['trunc']:.3f} | "
           f"intr {result['intr']:.3f}{fit_txt}", flush=True)
-    if ctx:
-        pipeline.done_evaluating(ctx, run.step)
 
 
 def save(run, args, tokenizer):
@@ -777,8 +793,11 @@ def main(args):
                  if ctx else "one process, synchronous")
         print(f"model {model_dir} ({run.n_params / 1e6:.2f}M params, {model.config.model_type}) on {device} | "
               f"{roles} | {len(train)} train / {len(val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
+    held_out_eval = lambda: pipeline.on_trainer0(ctx, run.step, partial(run_eval, run, args, tokenizer, val_ids, val, log))
+    rollouts = (partial(local_rollouts, model, tokenizer, train, train_ids, run.curriculum, args) if ctx is None
+                else partial(pipeline.receive_groups, ctx))  # step -> (groups, stats): sampled here or by generators
     if run.step == 0:
-        run_eval(run, args, tokenizer, val_ids, val, log, ctx)
+        held_out_eval()
     evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
     signaled, loop_start = False, (time.time(), run.step)
     while run.step < args.steps:
@@ -787,20 +806,12 @@ def main(args):
             break  # SIGINT / SIGTERM (any rank): save the last finished step below and say how to resume
         # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the generators
         t0 = time.time()
-        if ctx is None:
-            try:
-                groups, rstats = local_rollouts(model, tokenizer, train, train_ids, run.curriculum, run.step, args)
-            except StopIteration as e:
-                print(f"stopping at step {run.step}: {e}")
-                break
-            if groups is None:
-                signaled = True
-                break
-        else:
-            groups, rstats = pipeline.receive_groups(ctx, run.step)
-        t_gen = time.time() - t0
+        groups, rstats = rollouts(run.step)
+        if groups is None:  # one process: a signal stopped the sampling under way
+            signaled = True
+            break
         if pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})[0]["short"]:
-            print(f"stopping at step {run.step}: the generators ran out of prompts (every prompt retired)")
+            print(f"stopping at step {run.step}: out of prompts (No-Positive-Resampling retired every one)")
             break
 
         # ---- batch, then train: loss, backward, (all-reduce), clip, AdamW step
@@ -816,20 +827,14 @@ def main(args):
         dt = time.time() - t0
         run.compute_s += dt * world  # every device, busy or not
         m = step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, mismatch, dt)
-        evaluate_now = run.step % args.eval_every == 0 or run.step == args.steps
+        eval_now = run.step % args.eval_every == 0 or run.step == args.steps
         save_now = (args.save_every and run.step % args.save_every == 0) or run.step == args.steps
-        evaluated_at = run.step if evaluate_now else evaluated_at
+        evaluated_at = run.step if eval_now else evaluated_at
         saved_at = run.step if save_now else saved_at
-        if run.forward is not None and (evaluate_now or save_now):
+        if run.forward is not None and (eval_now or save_now):
             gather_shards(run, rank0, save_now)
         if rank0:
-            if ctx is None:  # one device alternates: busy generating, then busy training
-                m.update(retired=len(run.curriculum.retired), epoch=run.curriculum.epoch, gen_busy=t_gen / dt,
-                         train_busy=t_train / dt, sync_ms=0.0, generate_ms=rstats["gen_s"] * 1000,
-                         verify_ms=rstats["verify_s"] * 1000, train_ms=t_train * 1000)
-            else:
-                m.update(pipeline.busy_metrics(ctx, dt, rstats["wait_s"], t_train, sync_s, sync_bytes))
-            log(m)
+            log(m | pipeline.busy_metrics(ctx, dt, rstats, t_train, sync_s, sync_bytes))
             if run.step % args.log_every == 0 or run.step == args.steps:
                 print(log_line(m, args.steps) + progress(run, args, loop_start), flush=True)
         stop = alarms(run, m, args, rank0)
@@ -837,8 +842,8 @@ def main(args):
         # ---- checkpoint, then eval (trainer 0; not counted as compute): an eval that fails loses no step
         if rank0 and save_now:
             save(run, args, tokenizer)
-        if evaluate_now:
-            run_eval(run, args, tokenizer, val_ids, val, log, ctx)
+        if eval_now:
+            held_out_eval()
         if stop:
             if rank0:
                 print(stop, flush=True)
@@ -852,10 +857,8 @@ def main(args):
     if rank0 and run.step != saved_at:
         save(run, args, tokenizer)
     if run.step != evaluated_at:
-        run_eval(run, args, tokenizer, val_ids, val, log, ctx)
-    if ctx:
-        pipeline.drain(ctx, run.step)
-        pipeline.finish(ctx)
+        held_out_eval()
+    pipeline.end_trainer(ctx, run.step)
     if rank0 and signaled:
         saved = checkpoints(args.out)[-1:] or ["nothing (no step finished yet)"]
         print(f"stopped by a signal after step {run.step}/{args.steps}; saved {saved[0]}; continue with: "
