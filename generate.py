@@ -1,11 +1,13 @@
 """
-generate.py: the generator's custom KV-cache sampler (arXiv 2510.13786, section 3.1), and the trainer's
-log-probs of the same tokens with the same float32 LM head (section 3.2, the FP32 precision of the LM head).
+generate.py: the generator's custom KV-cache sampler (arXiv 2510.13786, section 3.1), and the
+trainer's log-probs of the same tokens with the same float32 LM head (section 3.2, the FP32
+precision of the LM head).
 
-The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its own
-preallocated KV cache: the model's own weights and modules (projections, MLP, rotary frequencies, the
-projections called as functions), the norms and rotary embedding in fewer ops (the same arithmetic);
-this file owns the cache, the attention call, the sampling and the batching. What it adds over `model.generate`:
+The sampler runs the decoder layers of a Hugging Face Llama / Qwen2 / Qwen3 / Mistral model with its
+own preallocated KV cache: the model's own weights and modules (projections, MLP, rotary
+frequencies, the projections called as functions), the norms and rotary embedding in fewer ops (the
+same arithmetic); this file owns the cache, the attention call, the sampling and the batching. What
+it adds over `model.generate`:
 - continuous batching: `slots` rows decode together; a finished row's slot is refilled with the next
   prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler` is the
   sampler as a Python generator that the caller drives, sending new prompts and taking finished
@@ -18,26 +20,28 @@ this file owns the cache, the attention call, the sampling and the batching. Wha
   (float32 LM head), a loss mask (0 on forced tokens), the policy version that produced each token,
   and the finish reason ("eos", "interrupted", "truncated");
 - forced interruption: each sample gets a cut point drawn uniformly in the last ~1/6 of its thinking
-  budget; if it is still thinking there, the interruption phrase (the caller's interrupt_ids: the tokens
-  of data.INTERRUPT_PHRASE, ending in </think>) is forced in token by token (mask 0), then the answer
-  budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens (cut at 10k-12k); the toy
-  defaults in train.py are 48 + 64 (the answer budget well beyond the toy answer's 11 tokens, as the
-  paper's 2,048 is well beyond its answers: a change of format is scored, not truncated);
-- in-flight weight updates: between two sends the caller may copy new weights into the model in place
-  and send the new policy version. The KV cache is kept (entries computed by the old weights stay),
-  which is exactly PipelineRL's behaviour (paper section 3.1);
+  budget; if it is still thinking there, the interruption phrase (the caller's interrupt_ids: the
+  tokens of data.INTERRUPT_PHRASE, ending in </think>) is forced in token by token (mask 0), then
+  the answer budget applies. Paper budgets: 12,288 thinking + 2,048 answer tokens (cut at 10k-12k);
+  the toy defaults in train.py are 48 + 64 (the answer budget well beyond the toy answer's 11
+  tokens, as the paper's 2,048 is well beyond its answers: a change of format is scored, not
+  truncated);
+- in-flight weight updates: between two sends the caller may copy new weights into the model in
+  place and send the new policy version. The KV cache is kept (entries computed by the old weights
+  stay), which is exactly PipelineRL's behaviour (paper section 3.1);
 - sampling noise is a counter-based hash of (seed, sample key, position): one uniform per token (a
   sample's uniforms are hashed when it is admitted, a row of a table that the step reads), turned
-  into a draw by a two-level float64 inverse CDF of softmax(logits / temperature), so a sample's result
-  does not depend on which slot or batch it was decoded in. Equal logits give equal tokens; logits that
-  differ in the last bits (other kernels, batch sizes, thread counts) change a token when its uniform
-  lies that close to a CDF boundary (odds ~ vocab x the difference per token).
+  into a draw by a two-level float64 inverse CDF of softmax(logits / temperature), so a sample's
+  result does not depend on which slot or batch it was decoded in. Equal logits give equal tokens;
+  logits that differ in the last bits (other kernels, batch sizes, thread counts) change a token
+  when its uniform lies that close to a CDF boundary (odds ~ vocab x the difference per token).
 
 Attention is torch's scaled_dot_product_attention over the first L cache positions, L the smallest
-bucket (64, 128, 256, ...) that holds every running row, so its cost follows the real context, not the
-cache size; it is the sampler's one attention path (flash-attn is not used). Supported: model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of
-softmax(logits / temperature), the distribution actually sampled; the trainer divides its logits by
-the same temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
+bucket (64, 128, 256, ...) that holds every running row, so its cost follows the real context, not
+the cache size; it is the sampler's one attention path (flash-attn is not used). Supported:
+model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of softmax(logits /
+temperature), the distribution actually sampled; the trainer divides its logits by the same
+temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
@@ -75,60 +79,67 @@ def check_supported(model):
     if cfg.model_type not in SUPPORTED:
         raise ValueError(f"model_type '{cfg.model_type}' is not supported by the sampler; "
                          f"supported: {', '.join(SUPPORTED)}")
-    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        raise ValueError("sliding-window attention is not supported by the sampler (full attention only)")
+    if (getattr(cfg, "use_sliding_window", False)
+            or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])):
+        raise ValueError("sliding-window attention is not supported by the sampler "
+                         "(full attention only)")
     rope = model.model.rotary_emb.rope_type
     if "dynamic" in rope or rope == "longrope":  # their frequencies change with the sequence length
-        raise ValueError(f"rope_type '{rope}' is not supported by the sampler (its rotary tables are fixed)")
+        raise ValueError(f"rope_type '{rope}' is not supported by the sampler "
+                         "(its rotary tables are fixed)")
 
 # -----------------------------------------------------------------------------
 # the forward pass with a preallocated cache
 
 
 def new_cache(model, slots, max_len):
-    """One (k, v) pair per layer, each (slots, n_kv_heads, max_len, head_dim): SDPA's layout, so a decode
-    step reads keys 0..L-1 of every row as a view with contiguous rows."""
+    """One (k, v) pair per layer, each (slots, n_kv_heads, max_len, head_dim): SDPA's layout, so a
+    decode step reads keys 0..L-1 of every row as a view with contiguous rows."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     p = next(model.parameters())
     shape = (slots, cfg.num_key_value_heads, max_len, head_dim)
-    return [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+    return [(torch.zeros(shape, dtype=p.dtype, device=p.device),
+             torch.zeros(shape, dtype=p.dtype, device=p.device))
             for _ in range(cfg.num_hidden_layers)]
 
 
 def rope_tables(model, n):
-    """The rotary embedding's cos and signed sin (n, D) of positions 0..n-1, from the model's own rotary
-    module, made once: a step looks its rows' positions up (the same values as the module gives per
-    position). The sin's first half is negated for _rope."""
+    """The rotary embedding's cos and signed sin (n, D) of positions 0..n-1, from the model's own
+    rotary module, made once: a step looks its rows' positions up (the same values as the module
+    gives per position). The sin's first half is negated for _rope."""
     p = next(model.parameters())
-    cos, sin = model.model.rotary_emb(p[:0], torch.arange(n, device=p.device)[None])  # (1, n, D) each
+    cos, sin = model.model.rotary_emb(p[:0],
+                                      torch.arange(n, device=p.device)[None])  # (1, n, D) each
     half = cos.size(-1) // 2
     return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
 
 
 def _linear(module, x):
-    """A projection with the module's own weight and bias, called as a function: in a decode step of a small
-    model, a module call's overhead is a sizeable part of the step."""
+    """A projection with the module's own weight and bias, called as a function: in a decode step of
+    a small model, a module call's overhead is a sizeable part of the step."""
     return F.linear(x, module.weight, module.bias)
 
 
 def _norm(module, x):
-    """A decoder RMSNorm as the model computes it (float32 statistics, the weight applied in the model's
-    dtype), in 2-4 ops instead of its module's 8: the step's op count is what a decode step costs."""
-    return module.weight * F.rms_norm(x.float(), x.shape[-1:], eps=module.variance_epsilon).to(x.dtype)
+    """A decoder RMSNorm as the model computes it (float32 statistics, the weight applied in the
+    model's dtype), in 2-4 ops instead of its module's 8: the step's op count is what a decode step
+    costs."""
+    return module.weight * F.rms_norm(x.float(), x.shape[-1:],
+                                      eps=module.variance_epsilon).to(x.dtype)
 
 
 def _rope(x, cos, sin_signed):
-    """The rotary embedding of x (R, T, H, D): x cos + rotate_half(x) sin, where rotate_half(x) sin equals
-    roll(x, D/2) times sin with its first half negated (sin_signed): the same products and sum as the
-    model's, bit for bit. (A fused addcmul rounds once less, and in bf16 that moved the toy's
-    generator/trainer log-prob agreement from 1e-5 to 8e-3 mean.)"""
+    """The rotary embedding of x (R, T, H, D): x cos + rotate_half(x) sin, where rotate_half(x) sin
+    equals roll(x, D/2) times sin with its first half negated (sin_signed): the same products and
+    sum as the model's, bit for bit. (A fused addcmul rounds once less, and in bf16 that moved the
+    toy's generator/trainer log-prob agreement from 1e-5 to 8e-3 mean.)"""
     return x * cos + x.roll(x.size(-1) // 2, -1) * sin_signed
 
 
 def _keys(attn, x, cos, sin, cache, pos, rows):
-    """The keys and values of x (R, T, d), tokens at positions pos (R, T), written into cache rows `rows` (R,)
-    -> k, v (R, T, Hkv, D)."""
+    """The keys and values of x (R, T, d), tokens at positions pos (R, T), written into cache rows
+    `rows` (R,) -> k, v (R, T, Hkv, D)."""
     shape = (*x.shape[:2], -1, attn.head_dim)
     k, v = _linear(attn.k_proj, x).view(shape), _linear(attn.v_proj, x).view(shape)
     if hasattr(attn, "k_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
@@ -141,24 +152,28 @@ def _keys(attn, x, cos, sin, cache, pos, rows):
 
 
 def _attention(attn, x, cos, sin, cache, pos, rows, mask):
-    """x (R, T, d): new tokens at positions pos (R, T) of cache rows `rows` (R,); their k, v are written into
-    the cache. mask None: a prefill from position 0, attending causally to the new keys alone; mask
-    (R, 1, 1, S), 0 or -inf: a decode step (T = 1) of cache rows 0..R-1 over their first S keys (a view
-    of the cache)."""
+    """x (R, T, d): new tokens at positions pos (R, T) of cache rows `rows` (R,); their k, v are
+    written into the cache. mask None: a prefill from position 0, attending causally to the new keys
+    alone; mask (R, 1, 1, S), 0 or -inf: a decode step (T = 1) of cache rows 0..R-1 over their first
+    S keys (a view of the cache)."""
     R, T, _ = x.shape
     q = _linear(attn.q_proj, x).view(R, T, -1, attn.head_dim)
     if hasattr(attn, "q_norm"):
         q = _norm(attn.q_norm, q)
     q = _rope(q, cos, sin)  # (R, T, H, D)
     k, v = _keys(attn, x, cos, sin, cache, pos, rows)
-    if mask is None:  # prefill: causal over the new keys; right padding comes after every real token
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             scale=attn.scaling, enable_gqa=True)  # (R, H, T, D)
+    if mask is None:  # prefill: causal over the new keys;
+                      # right padding comes after every real token
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True, scale=attn.scaling,
+                                             enable_gqa=True)  # (R, H, T, D)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(R, T, -1))
     k_cache, v_cache = cache
-    Hkv, S = k_cache.size(1), mask.size(-1)  # decode: the query heads of one kv head are its rows; no repeat
-    out = F.scaled_dot_product_attention(q.view(R, Hkv, -1, attn.head_dim), k_cache[:R, :, :S], v_cache[:R, :, :S],
-                                         attn_mask=mask, scale=attn.scaling)  # (R, Hkv, H/Hkv, D)
+    Hkv, S = k_cache.size(1), mask.size(-1)  # decode: the query heads of one kv head are its
+                                             # rows; no repeat
+    out = F.scaled_dot_product_attention(q.view(R, Hkv, -1, attn.head_dim), k_cache[:R, :, :S],
+                                         v_cache[:R, :, :S], attn_mask=mask,
+                                         scale=attn.scaling)  # (R, Hkv, H/Hkv, D)
     return _linear(attn.o_proj, out.reshape(R, 1, -1))
 
 
@@ -168,19 +183,21 @@ def _mlp(mlp, x):
 
 @torch.no_grad()
 def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
-    """Run new tokens ids (R, T) at positions pos (R, T). rows None: a decode step of cache rows 0..R-1
-    (T = 1) over keys 0..n_keys-1 -> hidden (R, T, d). rows (R,): a prefill of those rows, pos 0..T-1,
-    which only fills the cache (of the last layer it computes just the keys and values) -> None.
-    rope: rope_tables(model, cache length). The model's own weights and modules (projections called as
-    functions: _linear, MLP, rotary frequencies); the norms and the rotary embedding in fewer ops (_norm,
-    _rope), the same arithmetic."""
+    """Run new tokens ids (R, T) at positions pos (R, T). rows None: a decode step of cache rows
+    0..R-1 (T = 1) over keys 0..n_keys-1 -> hidden (R, T, d). rows (R,): a prefill of those rows,
+    pos 0..T-1, which only fills the cache (of the last layer it computes just the keys and values)
+    -> None. rope: rope_tables(model, cache length). The model's own weights and modules
+    (projections called as functions: _linear, MLP, rotary frequencies); the norms and the rotary
+    embedding in fewer ops (_norm, _rope), the same arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]  # (R, T, 1, D): over heads
     mask, last = None, inner.layers[-1]
     if rows is None:  # (R, 1, 1, S): 0 for each row's keys so far, -inf after
-        keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)  # one arange: the rows and the key positions
-        rows, mask = keys[:ids.size(0)], torch.zeros(ids.size(0), 1, 1, n_keys, dtype=x.dtype, device=x.device)
+        keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)  # one arange: the rows and
+                                                                         # the key positions
+        rows, mask = keys[:ids.size(0)], torch.zeros(ids.size(0), 1, 1, n_keys, dtype=x.dtype,
+                                                     device=x.device)
         mask.masked_fill_(keys[:n_keys] > pos[:, :, None, None], float("-inf"))
     for layer, layer_cache in zip(inner.layers, cache):
         h = _norm(layer.input_layernorm, x)
@@ -193,14 +210,16 @@ def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
 
 
 def head_weight(model, fp32_head):
-    """The LM head weight the logits are computed with: in at least float32 when fp32_head (paper section 3.2)."""
+    """The LM head weight the logits are computed with: in at least float32 when fp32_head (paper
+    section 3.2)."""
     w = model.lm_head.weight
     return w.to(torch.promote_types(w.dtype, torch.float32)) if fp32_head else w
 
 
 def logits_of(hidden, weight):
     """Logits in at least float32 for the softmax, whatever the weights' dtype."""
-    return F.linear(hidden.to(weight.dtype), weight).to(torch.promote_types(weight.dtype, torch.float32))
+    return (F.linear(hidden.to(weight.dtype), weight)
+            .to(torch.promote_types(weight.dtype, torch.float32)))
 
 # -----------------------------------------------------------------------------
 # sampling: a pure function of (logits, temperature, counter-based noise)
@@ -219,13 +238,15 @@ def _mix(x):
 
 
 def noise_stream(seed, keys):
-    """(B,) int64: the hash state of each sample, (seed, key) mixed in turn, each added with splitmix64's
-    increment (the finalizer alone maps 0 to 0, so seed 0 / key 0 / position 0 would be special)."""
+    """(B,) int64: the hash state of each sample, (seed, key) mixed in turn, each added with
+    splitmix64's increment (the finalizer alone maps 0 to 0, so seed 0 / key 0 / position 0 would be
+    special)."""
     return _mix(_mix(torch.full_like(keys, seed) + GOLDEN) + keys + GOLDEN)
 
 
 def uniforms(stream, positions):
-    """(B,) float64 uniforms in (0, 1) of noise streams at token positions: the top 53 bits of one more mix."""
+    """(B,) float64 uniforms in (0, 1) of noise streams at token positions: the top 53 bits of one
+    more mix."""
     x = _mix(stream + positions + GOLDEN)  # (B,) int64
     return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / (1 << 53)
 
@@ -236,21 +257,22 @@ def uniform_noise(seed, keys, positions):
 
 
 def cdf_block(vocab):
-    """The block size of the two-level inverse CDF: the largest divisor of vocab up to 256 (128 at Qwen2's
-    151,936; a prime vocab gives 1, i.e. one flat float64 CDF)."""
+    """The block size of the two-level inverse CDF: the largest divisor of vocab up to 256 (128 at
+    Qwen2's 151,936; a prime vocab gives 1, i.e. one flat float64 CDF)."""
     return max(d for d in range(1, 257) if vocab % d == 0)
 
 
 def sample(logits, temperature, u):
-    """logits (B, V) float32, u (B,) float64 uniforms (uniform_noise) -> (tokens (B,), log-probs (B,) of the
-    sampling distribution). Temperature 0: the argmax, u unused.
+    """logits (B, V) float32, u (B,) float64 uniforms (uniform_noise) -> (tokens (B,), log-probs
+    (B,) of the sampling distribution). Temperature 0: the argmax, u unused.
 
-    An inverse-CDF draw: the first token whose cumulative probability reaches u x (total mass), u the row's
-    uniform. Two levels, both summed in float64 (a float32 running sum would shift interval ends by
-    ~sqrt(V) ulps: ~2e-5 at V = 152k): the CDF of the blocks' masses picks the block, the CDF inside that
-    block picks the token. The block's own sum may differ from its float64 block mass in the last bit; the
-    leftover is clamped to the block's total, so the token drawn always has nonzero probability. Passes
-    over the (B, V) logits: max, exp, block sums; everything after touches (B, V / block) or (B, block)."""
+    An inverse-CDF draw: the first token whose cumulative probability reaches u x (total mass), u
+    the row's uniform. Two levels, both summed in float64 (a float32 running sum would shift
+    interval ends by ~sqrt(V) ulps: ~2e-5 at V = 152k): the CDF of the blocks' masses picks the
+    block, the CDF inside that block picks the token. The block's own sum may differ from its
+    float64 block mass in the last bit; the leftover is clamped to the block's total, so the token
+    drawn always has nonzero probability. Passes over the (B, V) logits: max, exp, block sums;
+    everything after touches (B, V / block) or (B, block)."""
     B, V = logits.shape
     z = logits / temperature if temperature not in (0, 1) else logits
     m = z.amax(-1, keepdim=True)  # (B, 1)
@@ -261,12 +283,15 @@ def sample(logits, temperature, u):
     else:
         block = cdf_block(V)
         blocks = p.view(B, V // block, block)
-        mass = F.pad(blocks.sum(-1, dtype=torch.float64), (1, 0)).cumsum(-1)  # (B, 1 + nb) mass before each block
+        mass = F.pad(blocks.sum(-1, dtype=torch.float64),
+                     (1, 0)).cumsum(-1)  # (B, 1 + nb) mass before each block
         total = mass[:, -1]  # and after the last one
         u = (u * total)[:, None]  # (B, 1) <= total: a block always reaches it; > 0 = mass[:, 0]
-        b = torch.searchsorted(mass, u) - 1  # (B, 1) the first block whose cumulative mass reaches u
+        b = torch.searchsorted(mass, u) - 1  # (B, 1) the first block whose
+                                             # cumulative mass reaches u
         inside = blocks[torch.arange(B, device=z.device), b[:, 0]].double().cumsum(-1)  # (B, block)
-        j = torch.searchsorted(inside, torch.minimum(u - mass.gather(1, b), inside[:, -1:]))  # (B, 1)
+        j = torch.searchsorted(inside,
+                               torch.minimum(u - mass.gather(1, b), inside[:, -1:]))  # (B, 1)
         tokens = (b * block + j)[:, 0]
     logp = z.gather(-1, tokens[:, None])[:, 0] - m[:, 0] - total.log().float()
     return tokens, logp
@@ -282,7 +307,8 @@ def cut_point(seed, key, think_budget):
 
 def bucket_sizes(cap, smallest):
     """The sizes a captured step comes in: powers of two from `smallest` below cap, then cap."""
-    return [2 ** i for i in range(smallest.bit_length() - 1, cap.bit_length()) if smallest <= 2 ** i < cap] + [cap]
+    return [2 ** i for i in range(smallest.bit_length() - 1, cap.bit_length())
+            if smallest <= 2 ** i < cap] + [cap]
 
 
 def bucket(n, sizes):
@@ -291,72 +317,91 @@ def bucket(n, sizes):
 
 
 class Decoder:
-    """The sampler's device side: the KV cache, every slot's state as (slots,) tensors, and the decode step.
+    """The sampler's device side: the KV cache, every slot's state as (slots,) tensors, and the
+    decode step.
 
-    A decode step runs all of rows 0..R-1 over cache keys 0..L-1 (R, L from a few buckets) with no host
-    sync and no per-slot Python: the policy samples one token in every live row, forced-phrase tokens
-    replace the draw where a row is being interrupted, and eos / </think> / budgets update the row's state
-    and its finish code. Rows that are not live compute garbage that is never kept: they write only at
-    their own next cache position and output column, which a live row rewrites before reading. On CUDA
-    each (R, L) step is captured once as a CUDA graph and replayed (graphs=True); elsewhere it runs eagerly.
-    In-flight weight updates copy into the same parameter storage; the float32 head copy is refreshed by
-    new_weights(), so a captured graph reads the new weights."""
+    A decode step runs all of rows 0..R-1 over cache keys 0..L-1 (R, L from a few buckets) with no
+    host sync and no per-slot Python: the policy samples one token in every live row, forced-phrase
+    tokens replace the draw where a row is being interrupted, and eos / </think> / budgets update
+    the row's state and its finish code. Rows that are not live compute garbage that is never kept:
+    they write only at their own next cache position and output column, which a live row rewrites
+    before reading. On CUDA each (R, L) step is captured once as a CUDA graph and replayed
+    (graphs=True); elsewhere it runs eagerly. In-flight weight updates copy into the same parameter
+    storage; the float32 head copy is refreshed by new_weights(), so a captured graph reads the new
+    weights."""
 
-    def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids, think_budget,
-                 answer_budget, interrupt, temperature, fp32_head, seed, version, graphs):
+    def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids,
+                 think_budget, answer_budget, interrupt, temperature, fp32_head, seed,
+                 version, graphs):
         dev = next(model.parameters()).device
         self.model, self.max_len, self.device = model, max_len, dev
         self.eos_id, self.think_budget, self.answer_budget = eos_id, think_budget, answer_budget
         self.interrupt, self.temperature, self.seed = interrupt, temperature, seed
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)  # (E,)
-        self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)  # (P,); unused without interrupt
+        self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long,
+                                   device=dev)  # (P,); unused without interrupt
         self.cache = new_cache(model, slots, max_len)
-        self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a float32 copy of it
+        self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a
+                                                              # float32 copy of it
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
         flag = lambda: torch.zeros(slots, dtype=torch.bool, device=dev)
         self.rope = rope_tables(model, max_len)
         self.last, self.pos, self.n, self.cut, self.limit, self.finish = (long() for _ in range(6))
-        self.live, self.thinking, self.interrupted, self.off = flag(), flag(), flag(), flag()  # off: all False
+        # off: all False
+        self.live, self.thinking, self.interrupted, self.off = flag(), flag(), flag(), flag()
         self.cols = cols = max_new + 1  # one spare column: rows that are not live write there
         self.tokens = torch.zeros(slots, cols, dtype=torch.long, device=dev)
-        self.logps = torch.zeros(slots, cols, dtype=torch.promote_types(self.weight.dtype, torch.float32), device=dev)
-        self.mask = torch.ones(slots, cols, dtype=torch.bool, device=dev)  # only forced tokens write (a 0)
+        self.logps = torch.zeros(slots, cols,
+                                 dtype=torch.promote_types(self.weight.dtype, torch.float32),
+                                 device=dev)
+        self.mask = torch.ones(slots, cols, dtype=torch.bool,
+                               device=dev)  # only forced tokens write (a 0)
         self.versions = torch.zeros(slots, cols, dtype=torch.long, device=dev)
-        self.noise = torch.full((slots, cols), 0.5, dtype=torch.float64, device=dev)  # each row's uniforms, by position
+        self.noise = torch.full((slots, cols), 0.5, dtype=torch.float64,
+                                device=dev)  # each row's uniforms, by position
         self.version = torch.tensor(version, device=dev)  # () the policy version in the weights
         self.graphs = {} if graphs else None
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
 
     def new_weights(self, version):
-        """After new weights were copied into the model: the new version, and the head copy refreshed."""
+        """After new weights were copied into the model: the new version, and the head copy
+        refreshed."""
         self.version.fill_(version)
         if self.weight is not self.model.lm_head.weight:
             self.weight.copy_(self.model.lm_head.weight)
 
     def admit(self, slots, prompts, keys):
-        """Start samples in free slots: prefill each prompt but its last token (which the next decode step
-        feeds), all of them in one forward padded to a multiple of 16 tokens."""
+        """Start samples in free slots: prefill each prompt but its last token (which the next
+        decode step feeds), all of them in one forward padded to a multiple of 16 tokens."""
         dev, n = self.device, len(slots)
         rows = torch.tensor(slots, device=dev)
         lens = [len(p) for p in prompts]
         width = min(-(-(max(lens) - 1) // 16) * 16, self.max_len)
         if width:
-            ids = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts], device=dev)  # (n, width)
-            forward(self.model, ids, torch.arange(width, device=dev).expand(n, width), self.cache, self.rope, rows=rows)
-        cut = [cut_point(self.seed, k, self.think_budget) if self.interrupt else self.max_len for k in keys]
-        state = torch.tensor([[p[-1] for p in prompts], [m - 1 for m in lens], keys, cut], device=dev)  # (4, n)
+            ids = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts],
+                               device=dev)  # (n, width)
+            forward(self.model, ids, torch.arange(width, device=dev).expand(n, width), self.cache,
+                    self.rope, rows=rows)
+        cut = [cut_point(self.seed, k, self.think_budget) if self.interrupt else self.max_len
+               for k in keys]
+        state = torch.tensor([[p[-1] for p in prompts], [m - 1 for m in lens], keys, cut],
+                             device=dev)  # (4, n)
         self.last[rows], self.pos[rows], self.cut[rows] = state[0], state[1], state[3]
-        self.noise[rows] = uniforms(noise_stream(self.seed, state[2])[:, None], torch.arange(self.cols, device=dev))
-        self.n[rows], self.limit[rows], self.finish[rows] = 0, self.think_budget + self.answer_budget, 0
+        self.noise[rows] = uniforms(noise_stream(self.seed, state[2])[:, None],
+                                    torch.arange(self.cols, device=dev))
+        self.n[rows], self.limit[rows], self.finish[rows] = (
+            0, self.think_budget + self.answer_budget, 0)
         self.live[rows], self.thinking[rows], self.interrupted[rows] = True, True, False
 
     def step(self, R, L):
-        """One decode step of rows 0..R-1 over cache keys 0..L-1: a graph replay on CUDA, else eager."""
+        """One decode step of rows 0..R-1 over cache keys 0..L-1: a graph replay on CUDA, else
+        eager."""
         if self.graphs is None:
             return self._step(R, L, self.live[:R])
         graph = self.graphs.get((R, L))
         if graph is None:
-            stream = torch.cuda.Stream()  # warm up off the capture (lazy inits), with every row masked off
+            stream = torch.cuda.Stream()  # warm up off the capture (lazy inits), with
+                                          # every row masked off
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._step(R, L, self.off[:R])
@@ -367,14 +412,17 @@ class Decoder:
         graph.replay()
 
     def _step(self, R, L, live):
-        """The static decode step; live (R,) picks the rows whose state it advances. Without interruption
-        the phrase and the thinking state play no part, and their ops are left out."""
+        """The static decode step; live (R,) picks the rows whose state it advances. Without
+        interruption the phrase and the thinking state play no part, and their ops are left out."""
         n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
-        hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope, n_keys=L)[:, 0]  # (R, d)
-        tok, logp = sample(logits_of(hidden, self.weight), self.temperature, self.noise[:R].gather(1, n[:, None])[:, 0])
+        hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
+                         n_keys=L)[:, 0]  # (R, d)
+        tok, logp = sample(logits_of(hidden, self.weight), self.temperature,
+                           self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
         if self.interrupt:  # a row still thinking at its cut point takes the phrase, token by token
-            P, thinking, at = self.phrase.numel(), self.thinking[:R], n - self.cut[:R]  # at: index into the phrase
+            # at: index into the phrase
+            P, thinking, at = self.phrase.numel(), self.thinking[:R], n - self.cut[:R]
             interrupted |= live & thinking & (at == 0)
             forced = interrupted & (at < P)
             tok = torch.where(forced, self.phrase[at.clamp(0, P - 1)], tok)
@@ -389,15 +437,19 @@ class Decoder:
             pending = forced & (at < P - 1)  # more phrase tokens to come
             eos &= ~pending
             E = self.think_end.numel()
-            tail = self.tokens[:R].gather(1, (col - E + 1 + torch.arange(E, device=self.device)).clamp_min(0))
+            tail = self.tokens[:R].gather(
+                1, (col - E + 1 + torch.arange(E, device=self.device)).clamp_min(0))
             said = (n + 1 >= E) & (tail == self.think_end).all(-1)  # the last E tokens are </think>
-            ends = live & thinking & ~pending & ~eos & (forced | said)  # forced here: the phrase's last token
-            limit.copy_(torch.where(ends, n + 1 + self.answer_budget, limit))  # the answer budget starts now
+            ends = live & thinking & ~pending & ~eos & (forced | said)  # forced here: the phrase's
+                                                                        # last token
+            limit.copy_(torch.where(ends, n + 1 + self.answer_budget, limit))  # the answer budget
+                                                                               # starts now
             thinking &= ~ends
             over = ~pending & (n + 1 >= limit)
         else:
             over = n + 1 >= limit
-        code = torch.where(eos, 1 + interrupted.long(), torch.where(over, 3, 0)) * live  # 0 in rows not live
+        code = torch.where(eos, 1 + interrupted.long(),
+                           torch.where(over, 3, 0)) * live  # 0 in rows not live
         self.finish[:R] += code  # a live row's finish is 0 until it finishes
         self.last[:R] = torch.where(live, tok, self.last[:R])
         n += live
@@ -405,8 +457,8 @@ class Decoder:
         self.live[:R] &= code == 0  # rows that finished leave
 
     def collect(self, R):
-        """The rows among 0..R-1 that finished: {slot: Sample}, read with one host sync (plus one per copy
-        when some did); their slots are then free."""
+        """The rows among 0..R-1 that finished: {slot: Sample}, read with one host sync (plus one
+        per copy when some did); their slots are then free."""
         finish = self.finish[:R].tolist()
         done = [s for s in range(R) if finish[s]]
         if not done:
@@ -414,10 +466,13 @@ class Decoder:
         rows = torch.tensor(done, device=self.device)
         lens = self.n[rows].tolist()
         width = max(lens)
-        tokens, logps, mask, versions = (x[rows, :width].tolist() for x in (self.tokens, self.logps, self.mask, self.versions))
+        tokens, logps, mask, versions = (x[rows, :width].tolist()
+                                         for x in (self.tokens, self.logps, self.mask,
+                                                   self.versions))
         self.finish[rows] = 0
-        return {s: Sample(None, tokens[i][:m], logps[i][:m], [int(b) for b in mask[i][:m]], versions[i][:m],
-                          FINISH[finish[s] - 1]) for i, (s, m) in enumerate(zip(done, lens))}
+        return {s: Sample(None, tokens[i][:m], logps[i][:m], [int(b) for b in mask[i][:m]],
+                          versions[i][:m], FINISH[finish[s] - 1])
+                for i, (s, m) in enumerate(zip(done, lens))}
 
 # -----------------------------------------------------------------------------
 # the continuous-batching loop
@@ -425,8 +480,8 @@ class Decoder:
 
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
-            interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=None,
-            sync_every=None):
+            interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
+            graphs=None, sync_every=None):
     """The continuous-batching sampler as a Python generator, driven by the caller:
 
         steps = sampler(model, ...)
@@ -435,13 +490,14 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
     new: prompts to queue, [(prompt ids, noise key, tag)]; version: the policy version now in the
     model's weights (the caller may copy new weights in between two sends; the cache stays). A send
-    admits queued prompts into free slots (one batched prefill), runs sync_every decode steps (default:
-    8 on CUDA, where a host sync drains the GPU's queue; 1 elsewhere), then yields the samples that
-    finished, [(tag, Sample)], and how many slots are free for more prompts. With nothing running or
-    queued it yields ([], slots) at once. Without interruption (interrupt=False) a sample is simply cut
-    at think_budget + answer_budget tokens. eos_id, think_end (the token ids of "</think>") and
-    interrupt_ids (the interruption phrase's): data.special_tokens(tokenizer) gives all three. max_prompt_len
-    sizes the cache; a longer prompt is an error. graphs: capture decode steps as CUDA graphs (default: on CUDA).
+    admits queued prompts into free slots (one batched prefill), runs sync_every decode steps
+    (default: 8 on CUDA, where a host sync drains the GPU's queue; 1 elsewhere), then yields the
+    samples that finished, [(tag, Sample)], and how many slots are free for more prompts. With
+    nothing running or queued it yields ([], slots) at once. Without interruption (interrupt=False)
+    a sample is simply cut at think_budget + answer_budget tokens. eos_id, think_end (the token ids
+    of "</think>") and interrupt_ids (the interruption phrase's): data.special_tokens(tokenizer)
+    gives all three. max_prompt_len sizes the cache; a longer prompt is an error. graphs: capture
+    decode steps as CUDA graphs (default: on CUDA).
     """
     check_supported(model)
     if interrupt and not interrupt_ids:
@@ -450,10 +506,12 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
     graphs = device.type == "cuda" if graphs is None else graphs
     sync_every = (8 if device.type == "cuda" else 1) if sync_every is None else sync_every
     max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
-    max_len = max_prompt_len + max_new  # the last completion token never enters the cache: one spare
-    dec = Decoder(model, slots, max_len, max_new, eos_id=eos_id, think_end=think_end, interrupt_ids=interrupt_ids,
-                  think_budget=think_budget, answer_budget=answer_budget, interrupt=interrupt,
-                  temperature=temperature, fp32_head=fp32_head, seed=seed, version=version, graphs=graphs)
+    max_len = max_prompt_len + max_new  # the last completion token never enters the
+                                        # cache: one spare
+    dec = Decoder(model, slots, max_len, max_new, eos_id=eos_id, think_end=think_end,
+                  interrupt_ids=interrupt_ids, think_budget=think_budget,
+                  answer_budget=answer_budget, interrupt=interrupt, temperature=temperature,
+                  fp32_head=fp32_head, seed=seed, version=version, graphs=graphs)
     row_sizes = bucket_sizes(slots, 8)  # a step decodes rows 0..R-1, R one of these
     len_sizes = bucket_sizes(max_len, 64)  # and attends over cache keys 0..L-1, L one of these
     pending = deque()  # (prompt ids, key, tag) waiting for a slot
@@ -465,7 +523,8 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         finished = []
         for p, key, tag in new:
             if not 0 < len(p) <= max_prompt_len:
-                raise ValueError(f"prompt of {len(p)} tokens: a prompt needs 1 to max_prompt_len = {max_prompt_len}")
+                raise ValueError(f"prompt of {len(p)} tokens: a prompt needs 1 to "
+                                 f"max_prompt_len = {max_prompt_len}")
             pending.append((p, key, tag))
         if new_version != version:  # in-flight update: weights changed, the cache stays
             version = new_version
@@ -488,12 +547,13 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             finished.append((tag, sample))
 
 
-def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None, **settings):
+def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None,
+             **settings):
     """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
     keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws, whatever the
-    batching. stop: a callable polled between decode steps; once it returns true, generate gives up and
-    returns None (a Ctrl-C under way). max_prompt_len: sizes the cache (default: the longest prompt).
-    settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
+    batching. stop: a callable polled between decode steps; once it returns true, generate gives up
+    and returns None (a Ctrl-C under way). max_prompt_len: sizes the cache (default: the longest
+    prompt). settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
     keys = range(len(prompts)) if keys is None else keys
     results = [None] * len(prompts)
     max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
@@ -528,28 +588,31 @@ def sequence_logprobs(model, ids, attention_mask, fp32_head=True, temperature=1.
     The (N, chunk, V) float32 logits of one chunk exist at a time, in the forward and (recomputed
     by activation checkpointing) in the backward, so memory is O(N x chunk x V), not O(N x T x V).
     """
-    hidden = model.model(input_ids=ids, attention_mask=attention_mask).last_hidden_state[:, :-1]  # (N, T-1, d)
+    hidden = model.model(input_ids=ids,
+                         attention_mask=attention_mask).last_hidden_state[:, :-1]  # (N, T-1, d)
     weight = head_weight(model, fp32_head)  # with grad: the cast is part of the graph
     targets = ids[:, 1:]
-    parts = [checkpoint(_chunk_logprobs, hidden[:, a:a + chunk], weight, targets[:, a:a + chunk], temperature,
-                        use_reentrant=False) for a in range(0, hidden.size(1), chunk)]
+    parts = [checkpoint(_chunk_logprobs, hidden[:, a:a + chunk], weight, targets[:, a:a + chunk],
+                        temperature, use_reentrant=False) for a in range(0, hidden.size(1), chunk)]
     return torch.cat(parts, 1)
 
 
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import completion_text, format_prompt, resolve_model, special_tokens, toy_model_dir, toy_problems
+    from data import (completion_text, format_prompt, resolve_model, special_tokens, toy_model_dir,
+                      toy_problems)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint runs/toy/ckpt-000150, or a Hugging "
-                    "Face Hub id (Qwen/Qwen3-0.6B: downloaded once into the Hugging Face cache); empty = the embedded "
-                    "toy model")
+    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint "
+                    "runs/toy/ckpt-000150, or a Hugging Face Hub id (Qwen/Qwen3-0.6B: downloaded "
+                    "once into the Hugging Face cache); empty = the embedded toy model")
     ap.add_argument("--prompt", default="", help="a problem; empty = three toy problems")
     ap.add_argument("--n", type=int, default=1, help="samples per problem")
     ap.add_argument("--seed", type=int, default=0, help="sampling noise seed")
-    ap.add_argument("--think_budget", type=int, default=48, help="thinking tokens before the interruption")
+    ap.add_argument("--think_budget", type=int, default=48,
+                    help="thinking tokens before the interruption")
     ap.add_argument("--answer_budget", type=int, default=64, help="answer tokens after </think>")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     args = ap.parse_args()
@@ -558,7 +621,8 @@ if __name__ == "__main__":
         path = resolve_model(args.model) if args.model else toy_model_dir()
     except ValueError as err:
         sys.exit(f"error: --model {err}")
-    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer, model = (AutoTokenizer.from_pretrained(path),
+                        AutoModelForCausalLM.from_pretrained(path).eval())
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]
     prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]
