@@ -396,8 +396,8 @@ class Curriculum:
 
 PRESETS = {  # the embedded tasks: operations per problem, start number, operand range, largest total
     "toy": dict(ops=(1, 4), start=(1, 12), operand=(1, 3), top=20),  # the default demo: learned in 2 minutes
-    # the study's task: longer chains over a larger addition table, so that the tiny model's ceiling can sit
-    # below 1 and the thinking budget binds (6 operations take about 38 thinking tokens; the study gives 32).
+    # the study's task: longer chains over a larger addition table, so that the tiny model's ceiling sits
+    # below 1 (6 operations take about 38 thinking tokens; the study gives 64, so the budget rarely binds).
     # A first try, (2-8 operations of 1-9, totals to 50), left the base model at 0.04 and RL flat for 60 steps.
     "toy-hard": dict(ops=(2, 6), start=(1, 20), operand=(1, 5), top=30),
 }
