@@ -7,7 +7,7 @@ the miniature reproduces, with the margin that decided each.
     python study.py runs/study                   # the variants in priority order, within --budget minutes; resumes
     python study.py runs/study --assets assets   # also copy study_report.json and the figures there
     python study.py runs/study --report          # only fit the runs there and write the report
-    python study.py runs/study --quick           # 2 variants x 1 seed x a few steps: the test's form
+    python study.py runs/study --quick           # 3 variants x 1 seed x a few steps: the test's form
 
 Writes runs/study/report.md, study_report.json ({"runs", "findings", "minutes", ...}), study.png (pass
 rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run fitted on the first half of
@@ -21,11 +21,15 @@ The design, and why:
   (pass_rate_se: the spread of the per-prompt means / sqrt(prompts), about 0.011 at a pass rate of 0.5).
   One sample of 2000 prompts costs what two of 1000 do, and its standard error is lower (0.011 against
   0.015 measured): the prompts differ more than two samples of one prompt do.
-- Runs long enough to bend. lr 2.5e-4 and 200 steps with an eval every 10: ScaleRL rises from 0.15 to
-  about 0.49 by step 100 and holds ~0.50-0.52 after (one seed measured before the study), so the first
-  half of the compute already shows the bend and the ceiling A is constrained by the data, not by the
-  fit's cap. (At lr 1.5e-4 the bend came at step ~130 and a first-half fit overshot the end by 0.08; at
-  3e-4, the earlier study's settings, toy-hard peaked near step 80 and declined.)
+- Runs long enough to bend, with a budget that does not bind. --think_budget 64: toy-hard's longest chains
+  take ~38 thinking tokens, so interruptions are rare (~1% of held-out samples after 50 steps) and the
+  ceiling is the model's, not the budget's. (At 32, the earlier study's setting, 45% of the held-out
+  answers were interrupted, the curves rose linearly to ~0.50 and stopped dead, no first-half fit could
+  see the ceiling, and the length-penalty variant, never interrupted, won by 0.23.) lr 2e-4, 400 steps,
+  an eval every 20: ScaleRL rises from 0.22 to ~0.75 by step 200 and creeps to ~0.81 at step 400, so the
+  first half holds the bend. Measured before choosing, one seed each, 300 steps: at lr 2.5e-4 the curve
+  bent by step 90 but its plateau swung by +-0.04; at 1.2e-4 and 1.8e-4 it was smooth but still bending
+  at step 150, and first-half fits overshot the end by 0.08 and 0.11.
 - Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the synchronous
   loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock x the 2
   processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded). Every other
@@ -69,29 +73,33 @@ from fit import NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_sta
 SEEDS = 3
 HELD_OUT = 2000       # held-out prompts, the same for every run
 COLLAPSE_DROP = 0.05  # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
-STEPS = 200
-TASK = ["--think_budget", "32", "--lr", "2.5e-4", "--eval_every", "10", "--eval_samples", "1", "--save_every", "0"]
+STEPS = 300
+TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "20", "--eval_samples", "1",
+        "--save_every", "0"]
 VARIANTS = {  # name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget
     "scalerl": [],
-    "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
     "loss_dapo": ["--loss", "dapo"],
-    "no_zero_var": ["--no-zero_var_filter"],
-    "length_penalty": ["--length_control", "penalty"],
+    "loss_grpo": ["--loss", "grpo"],
     "batch8": ["--prompts", "8"],
+    "length_penalty": ["--length_control", "penalty"],
+    "pipelinerl": [],  # ScaleRL as the paper runs it: PipelineRL-8 over generator and trainer ranks
+    "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
     "no_npr": ["--no-no_positive_resampling"],
+    "no_zero_var": ["--no-zero_var_filter"],
     "agg_sample": ["--agg", "sample"],
     "adv_prompt": ["--adv_norm", "prompt"],
-    "loss_grpo": ["--loss", "grpo"],
+    "sync": ["--mode", "sync"],
     "bf16": ["--dtype", "bfloat16"],  # bf16 weights, float32 head (ScaleRL's precision on GPUs)
     "bf16_no_fp32_head": ["--dtype", "bfloat16", "--no-fp32_head"],
-    "sync": ["--mode", "sync"],
     "batch32": ["--prompts", "32"],
 }
+RANKS = {"pipelinerl", "ppo_offpolicy", "sync"}  # the off-policy findings: torchrun, 1 generator + 1 trainer
+PARALLEL = 2  # one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
 FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule, compute unit)
-    ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL has the higher B "
-     "(Fig. 4a)", "scalerl", "ppo_offpolicy", "B", "compute_s"),
-    ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading", "scalerl", "sync", "B",
-     "compute_s"),
+    ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL is more "
+     "efficient, a higher B (Fig. 4a)", "pipelinerl", "ppo_offpolicy", "efficiency", "compute_s"),
+    ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading", "pipelinerl", "sync",
+     "efficiency", "compute_s"),
     ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)", "scalerl", "loss_dapo", "A", "flops"),
     ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)", "scalerl", "loss_grpo", "A", "flops"),
     ("FP32 head", "with bf16 weights, the float32 LM head raises A (Fig. 5b: 0.52 -> 0.61)", "bf16",
@@ -140,7 +148,8 @@ def run_dir(out, name, seed):
 
 
 def run_minutes(path):
-    """The wall-clock minutes train_all measured for a run (evals included), 0 when it did not."""
+    """The machine-minutes train_all measured for a run (its wall-clock x the share of the cores it had,
+    evals included), 0 when it did not."""
     try:
         with open(os.path.join(path, "study_minutes.json")) as f:
             return float(json.load(f))
@@ -157,35 +166,77 @@ def finished(path, steps):
         return False
 
 
-def train_all(out, variants, seeds, steps, budget_min, extra=(), ranks=2, held_out=HELD_OUT):
-    """Train every (variant, seed) not finished yet, variant by variant in priority order, one run at a time
-    (torchrun, `ranks` processes), while the variant's runs fit in the budget (the minutes of the runs
-    finished in `out`, plus the variant's runs at their mean pace) -> the variants left out."""
+def run_command(name, path, seed, steps, data, extra):
+    """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants, else one
+    process (the synchronous loop, `--mode sync` of one generator)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    train_path, val_path = make_problems(out, held_out)
-    t0, left_out = time.time(), []
-    done = [run_minutes(run_dir(out, n, s)) for n in variants for s in range(seeds) if finished(run_dir(out, n, s), steps)]
-    for name, flags in variants.items():
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+              if name in RANKS else [sys.executable])
+    return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite", "--seed", str(seed),
+            "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"), "--data", data[0],
+            "--val_data", data[1], *TASK, *extra, *VARIANTS.get(name, [])]
+
+
+def pace(minutes, name):
+    """The expected machine-minutes of one run of `name` from the finished runs' {kind: [minutes]}
+    (kind: True under torchrun), None before any run finished. A torchrun run with none of its kind
+    measured yet: 1.4 one-process runs (measured on 2 cores: 58 s against 41.5 s for 40 steps)."""
+    own, other = minutes[name in RANKS], minutes[name not in RANKS]
+    if own:
+        return float(np.mean(own))
+    return float(np.mean(other)) * (1.4 if name in RANKS else 1 / 1.4) if other else None
+
+
+def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_OUT):
+    """Train every (variant, seed) not finished yet, variant by variant in priority order: one-process runs
+    PARALLEL at a time (one torch thread each), a torchrun run alone. A variant starts only if its runs
+    fit in the budget (the machine-minutes of the finished and started runs, plus the variant's runs at
+    their kind's pace) -> the variants left out."""
+    data = make_problems(out, held_out)
+    minutes = {True: [], False: []}  # finished runs' machine-minutes, by kind (torchrun or not)
+    for name in variants:
+        for s in range(seeds):
+            if finished(run_dir(out, name, s), steps):
+                minutes[name in RANKS].append(run_minutes(run_dir(out, name, s)))
+    t0, running, left_out = time.time(), [], []
+    spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
+
+    def wait(free):  # until `free` cores are free: record each run that ends
+        while PARALLEL - sum(r["cores"] for r in running) < free:
+            for r in list(running):
+                code = r["proc"].poll()
+                if code is None:
+                    continue
+                running.remove(r)
+                r["log"].close()
+                if code:
+                    for other in running:
+                        other["proc"].kill()
+                    sys.exit(f"study: {r['name']} seed {r['seed']} failed; its log: {r['log'].name}")
+                used = (time.time() - r["start"]) / 60 * r["cores"] / PARALLEL
+                minutes[r["name"] in RANKS].append(used)
+                with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
+                    json.dump(used, f)
+            time.sleep(0.2)
+
+    for name in variants:
         todo = [s for s in range(seeds) if not finished(run_dir(out, name, s), steps)]
-        timed = [m for m in done if m > 0]
-        if todo and timed and sum(done) + len(todo) * np.mean(timed) > budget_min:
+        expected = pace(minutes, name)
+        if todo and expected is not None and spent() + len(todo) * expected > budget_min:
             left_out.append(name)
             continue
         for seed in todo:
+            cores = PARALLEL if name in RANKS else 1
+            wait(cores)
             path = run_dir(out, name, seed)
             print(f"study: [{name} seed {seed}] -> {path} ({(time.time() - t0) / 60:.1f} min so far, "
                   f"budget {budget_min:g} min)", flush=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                   os.path.join(here, "train.py"), "--out", path, "--overwrite", "--seed", str(seed),
-                   "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"), "--data", train_path,
-                   "--val_data", val_path, *TASK, *extra, *flags]
-            start = time.time()
-            with open(os.path.join(out, f"{name}-s{seed}.log"), "w") as log:
-                if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
-                    sys.exit(f"study: {name} seed {seed} failed; its log: {log.name}")
-            done.append((time.time() - start) / 60)
-            with open(os.path.join(path, "study_minutes.json"), "w") as f:  # the run's whole wall-clock, evals included
-                json.dump(done[-1], f)
+            log = open(os.path.join(out, f"{name}-s{seed}.log"), "w")
+            proc = subprocess.Popen(run_command(name, path, seed, steps, data, extra), stdout=log,
+                                    stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+            running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log, cores=cores,
+                                start=time.time(), expected=expected or 0.0))
+    wait(PARALLEL)
     if left_out:
         print(f"study: over the budget of {budget_min:g} min, left out: {', '.join(left_out)} "
               f"(a larger --budget runs them; finished runs are kept)", flush=True)
@@ -229,8 +280,9 @@ def analyze(out, names, seeds, compute):
         A = [r["fit"]["A"] for r in runs]
         B = [r["refit"]["B"] for r in runs]
         C_avg, R_avg = seed_average([(r["C"], r["R"]) for r in runs])
+        logC = [np.log10(r["refit"]["C_mid"]) for r in runs]
         table[name] = dict(runs=runs, A=float(np.mean(A)), A_sd=float(np.std(A)), B=float(np.mean(B)),
-                           B_sd=float(np.std(B)), C_mid=float(np.mean([r["refit"]["C_mid"] for r in runs])),
+                           B_sd=float(np.std(B)), C_mid=float(10 ** np.mean(logC)), logC_sd=float(np.std(logC)),
                            se=float(np.nanmean([r["se"] for r in runs])) if any(np.isfinite(r["se"]) for r in runs)
                            else float("nan"), R0=float(np.mean([r["fit"]["R0"] for r in runs])),
                            R_last=float(R_avg[-1]), C_last=float(C_avg[-1]), curve=(C_avg, R_avg))
@@ -260,15 +312,19 @@ def judge(x, y, rule, table):
         why = f"pass rate at C = {C_q:.3g}: {ra:.3f} vs {rb:.3f} (margin {margin:.3f})"
         return ("reproduced" if ra - rb > margin else "not reproduced" if rb - ra > margin else "inconclusive"), \
             margin, why
+    if rule == "efficiency":  # a similar A, reached with less compute: a higher B or a lower C_mid
+        dC, margin_C = np.log10(a["C_mid"] / b["C_mid"]), max(a["logC_sd"] + b["logC_sd"], 0.02)
+        better, worse = dB > margin_B or dC < -margin_C, dB < -margin_B or dC > margin_C
+        why += f"; log10 C_mid {np.log10(a['C_mid']):.2f} vs {np.log10(b['C_mid']):.2f} (margin {margin_C:.2f})"
+        verdict = ("reproduced" if similar and better and not worse else
+                   "not reproduced" if not similar or (worse and not better) else "inconclusive")
+        return verdict, margin_A if not similar else margin_B, why
     if rule == "A":
         verdict = "reproduced" if dA > margin_A else "not reproduced" if dA < -margin_A else "inconclusive"
-    elif rule == "B":
-        verdict = ("reproduced" if similar and dB > margin_B else
-                   "not reproduced" if not similar or dB < -margin_B else "inconclusive")
     else:  # "A or B"
         verdict = ("reproduced" if dA > margin_A or (similar and dB > margin_B) else
                    "not reproduced" if dA < -margin_A or (similar and dB < -margin_B) else "inconclusive")
-    return verdict, (margin_B if rule == "B" or (rule == "A or B" and similar) else margin_A), why
+    return verdict, (margin_B if rule == "A or B" and similar else margin_A), why
 
 
 def extrapolation_count(table):
@@ -293,7 +349,7 @@ def variant_rows(table):
     rows = ["| variant | flags | seeds | A mean | A sd | eval se | B (shared A) | B sd | C_mid (shared A) | R0 | "
             "R last | collapsed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
-        flags = " ".join(VARIANTS.get(name, [])) or "(ScaleRL)"
+        flags = (" ".join(VARIANTS.get(name, [])) or "(ScaleRL)") + (" (torchrun)" if name in RANKS else "")
         rows.append(f"| {name} | `{flags}` | {len(t['runs'])} | {t['A']:.3f} | {t['A_sd']:.3f} | {t['se']:.3f} | "
                     f"{t['B']:.2f} | {t['B_sd']:.2f} | {t['C_mid']:.3g} | {t['R0']:.3f} | {t['R_last']:.3f} | "
                     f"{sum(r['collapsed'] for r in t['runs'])} |")
@@ -405,11 +461,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run")
     p.add_argument("--report", action="store_true", help="only fit the runs in the folder and write the report")
     p.add_argument("--assets", default="", help="also copy study_report.json, study.png, study_extrap.png here")
-    p.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 10 tiny steps (the test's form)")
+    p.add_argument("--quick", action="store_true", help="3 variants x 1 seed x 10 tiny steps (the test's form)")
     args = p.parse_args(argv)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
-    if args.quick:
-        variants, seeds, steps, held_out = {"scalerl": [], "loss_dapo": ["--loss", "dapo"]}, 1, 10, 16
+    if args.quick:  # two one-process runs side by side and one under torchrun
+        variants = {n: VARIANTS[n] for n in ("scalerl", "loss_dapo", "pipelinerl")}
+        seeds, steps, held_out = 1, 10, 16
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "2", "--eval_samples", "1"]
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
