@@ -202,7 +202,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
     spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
 
     def wait(free):  # until `free` cores are free: record each run that ends
-        while PARALLEL - sum(r["cores"] for r in running) < free:
+        while True:
             for r in list(running):
                 code = r["proc"].poll()
                 if code is None:
@@ -217,6 +217,8 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 minutes[r["name"] in RANKS].append(used)
                 with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
                     json.dump(used, f)
+            if PARALLEL - sum(r["cores"] for r in running) >= free:
+                return
             time.sleep(0.2)
 
     for name in variants:

@@ -2408,7 +2408,7 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
     """Synthetic runs with known curves: the report's A, shared-A B, margins, verdicts, collapses and
     extrapolation numbers are recomputed here from the written numbers and the sigmoid formula written out."""
     C = np.linspace(0, 100, 21)
-    curves = {"scalerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
+    curves = {"scalerl": (0.80, 2.0), "pipelinerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
               "loss_grpo": (0.74, 2.0), "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0),
               "no_zero_var": (0.80, 2.0)}  # C_mid 30, R0 0.3
     for name, (A, B) in curves.items():
@@ -2425,7 +2425,7 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
     assert set(rep["runs"][0]) >= {"variant", "seed", "A", "B", "C_mid", "final", "extrap_error", "collapsed"}
     assert set(rep["findings"][0]) >= {"name", "paper", "verdict", "margin"}
     v = {f["name"].split(" vs ")[1]: f for f in rep["findings"] if " vs " in f["name"]}
-    assert v["ppo_offpolicy"]["verdict"] == "reproduced"  # the same A, a lower B
+    assert v["ppo_offpolicy"]["verdict"] == "reproduced"  # the same A, a lower B (efficiency)
     assert v["loss_dapo"]["verdict"] == "reproduced" and v["bf16_no_fp32_head"]["verdict"] == "not reproduced"
     assert v["no_npr"]["verdict"] == "inconclusive"  # A and B within the seeds' margin
     assert v["loss_grpo"]["verdict"] == "inconclusive"  # 0.06 apart, within the eval's own noise
@@ -2457,18 +2457,22 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys):
+def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_path, capsys):
     out = tmp_path / "study"
     study.main([str(out), "--quick", "--assets", str(tmp_path / "assets")])
     first = capsys.readouterr().out
-    assert first.count("study: [") == 2 and "## The paper's findings" in first
+    assert first.count("study: [") == 3 and "## The paper's findings" in first
     assert (out / "report.md").read_text().splitlines()[0] == study.QUICK_NOTE
     rep = json.loads((tmp_path / "assets" / "study_report.json").read_text())
-    assert rep["note"] == study.QUICK_NOTE and {r["variant"] for r in rep["runs"]} == {"scalerl", "loss_dapo"}
+    assert rep["note"] == study.QUICK_NOTE
+    assert {r["variant"] for r in rep["runs"]} == {"scalerl", "loss_dapo", "pipelinerl"}
     assert [f["name"] for f in rep["findings"]] == ["loss type: scalerl vs loss_dapo", "predictability"]
     assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
+    config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in study.VARIANTS
+              if (out / f"{n}-s0").exists()}
+    assert config["pipelinerl"]["ran"] == "pipeline" and config["pipelinerl"]["world"] == 2
+    assert config["scalerl"]["world"] == 1 and config["loss_dapo"]["loss"] == "dapo"
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
-    assert recs[0]["ran"] == "pipeline" and recs[0]["world"] == 2
     assert recs[0]["val_data"] == str(out / "problems" / "val.jsonl")  # every run scored on the same prompts
     evals = [r for r in recs if r["kind"] == "eval"]
     assert all(r["n"] == 16 and 0 <= r["pass_rate_se"] < 0.2 for r in evals)
@@ -2477,23 +2481,55 @@ def test_study_quick_trains_under_torchrun_resumes_and_reports(tmp_path, capsys)
     assert "study: [" not in capsys.readouterr().out
 
 
-def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monkeypatch):
-    """Variants run in priority order; one starts only if its seeds fit in what is left at the pace so far."""
-    clock = [0.0]
+def fake_study_runs(monkeypatch, minutes):
+    """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
+    and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
+    clock, started = [0.0], []
 
-    def fake_run(cmd, **_):  # a run: 10 minutes, and a metrics file with its last eval
-        out, steps = cmd[cmd.index("--out") + 1], int(cmd[cmd.index("--steps") + 1])
-        write_eval_lines(out, [{"kind": "eval", "step": steps, "compute_s": 1.0, "flops": 1.0, "pass_rate": 0.5}])
-        clock[0] += 600
-        return subprocess.CompletedProcess(cmd, 0)
+    class FakeRun:
+        def __init__(self, cmd, **_):
+            self.cmd, self.end, self.done = cmd, clock[0] + 60 * minutes, False
+            started.append([cmd, clock[0], None])
+            live = sum(r[2] is None for r in started)
+            assert live <= 2 and ("torch.distributed.run" not in cmd or live == 1)  # cores: 2, torchrun takes both
 
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+        def poll(self):
+            if clock[0] < self.end:
+                return None
+            if not self.done:
+                out, steps = self.cmd[self.cmd.index("--out") + 1], int(self.cmd[self.cmd.index("--steps") + 1])
+                write_eval_lines(out, [{"kind": "eval", "step": steps, "compute_s": 1.0, "flops": 1.0,
+                                        "pass_rate": 0.5}])
+                next(r for r in started if r[0] is self.cmd)[2], self.done = clock[0], True
+            return 0
+
+    monkeypatch.setattr(study.subprocess, "Popen", FakeRun)
     monkeypatch.setattr(study.time, "time", lambda: clock[0])
+    monkeypatch.setattr(study.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 60))
+    return clock, started
+
+
+def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monkeypatch):
+    """Variants run in priority order, one-process runs two at a time; one starts only if its seeds fit in
+    what is left at the pace so far (a run's machine-minutes: its wall-clock x its share of the 2 cores)."""
+    clock, started = fake_study_runs(monkeypatch, 20)  # 20 min on one core: 10 machine-minutes
     variants = {"scalerl": [], "loss_dapo": ["--loss", "dapo"], "no_npr": ["--no-no_positive_resampling"]}
     assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
-    assert clock[0] == 6 * 600  # loss_dapo ends at 60 min <= 65; no_npr would end at 90
+    assert [c[c.index("--seed") + 1] for c, _, _ in started] == ["0", "1", "2"] * 2
+    assert [start for _, start, _ in started] == [0, 0, 1200, 1200, 2400, 2400]  # two at a time
+    assert clock[0] == 3600 and study.run_minutes(tmp_path / "scalerl-s0") == 10
     assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
-    assert clock[0] == 6 * 600  # finished runs cost nothing and are not run again; no pace measured, none started
+    assert len(started) == 6  # finished runs cost nothing and are not run again; no_npr would end at 90 > 65
+
+
+def test_study_runs_the_off_policy_variants_under_torchrun_alone(tmp_path, monkeypatch):
+    clock, started = fake_study_runs(monkeypatch, 10)
+    variants = {"scalerl": [], "pipelinerl": []}
+    assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=1000, held_out=16) == []
+    ranked = [(c, t0) for c, t0, _ in started if "torch.distributed.run" in c]
+    assert len(ranked) == 3 and all("torch.distributed.run" not in c for c, _, _ in started[:3])
+    assert [t0 for _, t0 in ranked] == [1200, 1800, 2400]  # after scalerl's last run, one at a time
+    assert study.run_minutes(tmp_path / "pipelinerl-s0") == 10  # both cores: its wall-clock
 
 
 def test_study_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_path):
