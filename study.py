@@ -77,12 +77,12 @@ STEPS = 300
 TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "20", "--eval_samples", "1",
         "--save_every", "0"]
 VARIANTS = {  # name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget
-    "scalerl": [],
-    "loss_dapo": ["--loss", "dapo"],
-    "loss_grpo": ["--loss", "grpo"],
+    "scalerl": [],  # one process: the synchronous loop, one policy version per batch
     "batch8": ["--prompts", "8"],
     "length_penalty": ["--length_control", "penalty"],
     "pipelinerl": [],  # ScaleRL as the paper runs it: PipelineRL-8 over generator and trainer ranks
+    "loss_dapo": ["--loss", "dapo"],
+    "loss_grpo": ["--loss", "grpo"],
     "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
     "no_npr": ["--no-no_positive_resampling"],
     "no_zero_var": ["--no-zero_var_filter"],
@@ -93,15 +93,20 @@ VARIANTS = {  # name: train.py flags on top of ScaleRL's defaults; the order is 
     "bf16_no_fp32_head": ["--dtype", "bfloat16", "--no-fp32_head"],
     "batch32": ["--prompts", "32"],
 }
-RANKS = {"pipelinerl", "ppo_offpolicy", "sync"}  # the off-policy findings: torchrun, 1 generator + 1 trainer
+# torchrun, 1 generator + 1 trainer, PipelineRL-8 unless the flags say otherwise: the findings about the
+# off-policy algorithm, and the losses, which differ only off-policy (one update per batch with the
+# sampling weights makes every ratio 1, so CISPO, DAPO and GRPO take the same step; measured: DAPO and
+# GRPO one-process runs were identical eval for eval)
+RANKS = {"pipelinerl", "loss_dapo", "loss_grpo", "ppo_offpolicy", "sync"}
 PARALLEL = 2  # one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
 FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule, compute unit)
     ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL is more "
      "efficient, a higher B (Fig. 4a)", "pipelinerl", "ppo_offpolicy", "efficiency", "compute_s"),
     ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading", "pipelinerl", "sync",
      "efficiency", "compute_s"),
-    ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)", "scalerl", "loss_dapo", "A", "flops"),
-    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)", "scalerl", "loss_grpo", "A", "flops"),
+    ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)", "pipelinerl", "loss_dapo", "A", "flops"),
+    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)", "pipelinerl", "loss_grpo", "A",
+     "flops"),
     ("FP32 head", "with bf16 weights, the float32 LM head raises A (Fig. 5b: 0.52 -> 0.61)", "bf16",
      "bf16_no_fp32_head", "A", "flops"),
     ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)", "batch32", "scalerl", "A", "flops"),
@@ -467,7 +472,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
     if args.quick:  # two one-process runs side by side and one under torchrun
-        variants = {n: VARIANTS[n] for n in ("scalerl", "loss_dapo", "pipelinerl")}
+        variants = {n: VARIANTS[n] for n in ("scalerl", "batch8", "pipelinerl")}
         seeds, steps, held_out = 1, 10, 16
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "2", "--eval_samples", "1"]
     os.makedirs(args.out, exist_ok=True)
