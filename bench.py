@@ -8,38 +8,46 @@ Figures, one printed line per measurement (--json adds one machine-readable dict
    measured side by side, alternating, best of --repeats runs of each; then the toy task's own
    completions (lengths vary, each ends at eos): --task_prompts prompts through our --batch slots
    (continuous batching) against model.generate in fixed batches of --batch;
-2. trainer: tokens/s of sequence_logprobs + policy_loss forward+backward on random token batches; and
-   the peak memory of the chunked log-probs against the naive path (full (N, T, V) float32 logits,
-   log_softmax, gather), each in a fresh process, at a large vocab; plus the paper-scale arithmetic;
-3. broadcast: time and MB/s of one flat float32 buffer the size of a model's weights, rank 0 -> rank 1
-   (two spawned processes; gloo on CPU, nccl on CUDA with 2 GPUs);
+2. trainer: tokens/s of sequence_logprobs + policy_loss forward+backward on random token
+   batches; and the peak memory of the chunked log-probs against the naive path (full (N, T, V)
+   float32 logits, log_softmax, gather), each in a fresh process, at a large vocab; plus the
+   paper-scale arithmetic;
+3. broadcast: time and MB/s of one flat float32 buffer the size of a model's weights, rank 0 ->
+   rank 1 (two spawned processes; gloo on CPU, nccl on CUDA with 2 GPUs);
 4. agreement: generator log-probs (recorded while sampling) against the trainer's recompute
-   (sequence_logprobs), mean and max |diff| over sampled tokens, fp32_head on and off, float32 and bf16;
-5. roofline (arithmetic, not measured): decode tokens/s bound of the 0.5B-class config in bf16 on H100;
-6. pipeline (not in the default set: about 6 minutes on 2 cores): train.py on the embedded default in one
-   process, then 1 generator + 1 trainer rank in --mode sync, ppo_offpolicy and pipeline: training
-   wall-clock to a held-out pass rate, generator and trainer busy fractions;
-7. FSDP2 under a memory cap (not in the default set: about 2 minutes on 2 cores): a random-weight Qwen2 model
-   trained by one unsharded trainer and by 2 FSDP2 trainers (pipeline.shard_trainer), first uncapped
-   (peak memory of each), then with every process capped (RLIMIT_DATA) halfway between the two peaks.
+   (sequence_logprobs), mean and max |diff| over sampled tokens, fp32_head on and off, float32
+   and bf16;
+5. roofline (arithmetic, not measured): decode tokens/s bound of the 0.5B-class config in bf16
+   on H100;
+6. pipeline (not in the default set: about 6 minutes on 2 cores): train.py on the embedded default
+   in one process, then 1 generator + 1 trainer rank in --mode sync, ppo_offpolicy and pipeline:
+   training wall-clock to a held-out pass rate, generator and trainer busy fractions;
+7. FSDP2 under a memory cap (not in the default set: about 2 minutes on 2 cores): a random-weight
+   Qwen2 model trained by one unsharded trainer and by 2 FSDP2 trainers (pipeline.shard_trainer),
+   first uncapped (peak memory of each), then with every process capped (RLIMIT_DATA) halfway
+   between the two peaks.
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
 batch x new tokens over the whole call, prefill included (in the task figure: the tokens up to and
-including each sample's eos, padding not counted, on both sides). Our sampler runs with fp32_head=False in
-figure 1, like model.generate (head in the model dtype, softmax in float32). CPU peak memory is the
-process's peak RSS (VmHWM, reset after set-up) minus its RSS before the step; CUDA's is
-max_memory_allocated minus memory_allocated before the step. The CPU worker sets glibc's mmap
-threshold to 64 KB first, so that freed tensors leave the RSS (otherwise blocks under 32 MB may stay).
+including each sample's eos, padding not counted, on both sides). Our sampler runs with
+fp32_head=False in figure 1, like model.generate (head in the model dtype, softmax in float32). CPU
+peak memory is the process's peak RSS (VmHWM, reset after set-up) minus its RSS before the step;
+CUDA's is max_memory_allocated minus memory_allocated before the step. The CPU worker sets glibc's
+mmap threshold to 64 KB first, so that freed tensors leave the RSS (otherwise blocks under 32 MB
+may stay).
 
-    python bench.py                                      # CPU: about 70 s on 2 idle cores
-    python bench.py --json                               # the same, plus a JSON dict as the last line
-    python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16   # one GPU
-    python bench.py --figures 3 --device cuda            # nccl broadcast (needs 2 GPUs)
-    python bench.py --figures 6                          # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
-    python bench.py --figures 7                          # FSDP2: a model that only trains sharded under a cap
-    python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head --new_tokens 256 --batch 256
-    python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16   # a model folder for train.py --model
+    python bench.py                            # CPU: about 70 s on 2 idle cores
+    python bench.py --json                     # the same, plus a JSON dict as the last line
+    python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16
+                                               # one GPU
+    python bench.py --figures 3 --device cuda  # nccl broadcast (needs 2 GPUs)
+    python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
+    python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
+    python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
+        --new_tokens 256 --batch 256
+    python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16
+                                               # a model folder for train.py --model
 """
 
 import argparse
@@ -64,40 +72,57 @@ from loss import policy_loss
 
 
 def get_args(argv=None):
-    ap = argparse.ArgumentParser(description="ScaleRL benchmarks", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description="ScaleRL benchmarks",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights dtype")
-    ap.add_argument("--size", default="small", choices=list(SIZES), help="the random-weight Qwen2 config (besides the toy)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model weights dtype")
+    ap.add_argument("--size", default="small", choices=list(SIZES),
+                    help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5", help="comma-separated figure numbers to run")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the best is reported")
-    ap.add_argument("--batch", type=int, default=64, help="figure 1: prompts sampled at once (= slots)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs of each side; the best is reported")
+    ap.add_argument("--batch", type=int, default=64,
+                    help="figure 1: prompts sampled at once (= slots)")
     ap.add_argument("--prompt_len", type=int, default=16, help="figure 1: prompt tokens")
-    ap.add_argument("--new_tokens", type=int, default=32, help="figure 1: tokens sampled per prompt")
-    ap.add_argument("--task_prompts", type=int, default=256, help="figure 1b: toy-task prompts (continuous batching)")
-    ap.add_argument("--task_new_tokens", type=int, default=64, help="figure 1b: max tokens per sample (eos ends one)")
-    ap.add_argument("--train_seqs", type=int, default=8, help="figure 2: sequences per forward+backward")
+    ap.add_argument("--new_tokens", type=int, default=32,
+                    help="figure 1: tokens sampled per prompt")
+    ap.add_argument("--task_prompts", type=int, default=256,
+                    help="figure 1b: toy-task prompts (continuous batching)")
+    ap.add_argument("--task_new_tokens", type=int, default=64,
+                    help="figure 1b: max tokens per sample (eos ends one)")
+    ap.add_argument("--train_seqs", type=int, default=8,
+                    help="figure 2: sequences per forward+backward")
     ap.add_argument("--train_len", type=int, default=128, help="figure 2: tokens per sequence")
-    ap.add_argument("--mem_vocab", type=int, default=151936, help="figure 2 memory: vocab (Qwen2's)")
+    ap.add_argument("--mem_vocab", type=int, default=151936,
+                    help="figure 2 memory: vocab (Qwen2's)")
     ap.add_argument("--mem_seqs", type=int, default=1, help="figure 2 memory: sequences")
-    ap.add_argument("--mem_len", type=int, default=1024, help="figure 2 memory: tokens per sequence")
+    ap.add_argument("--mem_len", type=int, default=1024,
+                    help="figure 2 memory: tokens per sequence")
     ap.add_argument("--chunk", type=int, default=128, help="sequence_logprobs chunk (its default)")
-    ap.add_argument("--bcast_mb", type=int, default=500, help="figure 3: size of the extra broadcast buffer, MB")
+    ap.add_argument("--bcast_mb", type=int, default=500,
+                    help="figure 3: size of the extra broadcast buffer, MB")
     ap.add_argument("--agree_seqs", type=int, default=8, help="figure 4: samples per setting")
-    ap.add_argument("--target", type=float, default=0.9, help="figure 6: held-out pass rate to reach")
-    ap.add_argument("--pipeline_steps", type=int, default=100, help="figure 6: optimizer steps per run")
-    ap.add_argument("--train_flags", default="", help="figure 6: extra train.py flags for every run, e.g. "
-                    "'--keep_truncated'")
-    ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES), help="figure 7: the Qwen2 config trained")
+    ap.add_argument("--target", type=float, default=0.9,
+                    help="figure 6: held-out pass rate to reach")
+    ap.add_argument("--pipeline_steps", type=int, default=100,
+                    help="figure 6: optimizer steps per run")
+    ap.add_argument("--train_flags", default="",
+                    help="figure 6: extra train.py flags for every run, e.g. '--keep_truncated'")
+    ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
+                    help="figure 7: the Qwen2 config trained")
     ap.add_argument("--fsdp_steps", type=int, default=2, help="figure 7: optimizer steps per run")
     ap.add_argument("--fsdp_seqs", type=int, default=4, help="figure 7: sequences per step")
     ap.add_argument("--fsdp_len", type=int, default=64, help="figure 7: tokens per sequence")
     ap.add_argument("--fp32_head", action="store_true",
-                    help="figure 1: our sampler computes the LM head in float32 (train.py's default; model.generate "
-                         "keeps the head in the model dtype)")
+                    help="figure 1: our sampler computes the LM head in float32 (train.py's "
+                         "default; model.generate keeps the head in the model dtype)")
     ap.add_argument("--write_model", default="", metavar="DIR",
-                    help="save the random-weight --size config (--dtype) with the toy tokenizer to DIR, for "
-                         "train.py --model DIR (a real architecture on the toy task), and exit")
-    ap.add_argument("--json", action="store_true", help="print every figure as one JSON dict, last line")
+                    help="save the random-weight --size config (--dtype) with the toy tokenizer "
+                         "to DIR, for train.py --model DIR (a real architecture on the toy task), "
+                         "and exit")
+    ap.add_argument("--json", action="store_true",
+                    help="print every figure as one JSON dict, last line")
     return ap.parse_args(argv)
 
 # -----------------------------------------------------------------------------
@@ -105,12 +130,15 @@ def get_args(argv=None):
 
 
 SIZES = {
-    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                  intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False),
-    "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                   intermediate_size=4096, vocab_size=32000, tie_word_embeddings=False),  # decoder layers dominate
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),  # Qwen2-0.5B's shape
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=1408, vocab_size=32000,
+                  tie_word_embeddings=False),
+    "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, intermediate_size=4096, vocab_size=32000,
+                   tie_word_embeddings=False),  # decoder layers dominate
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                 tie_word_embeddings=True),  # Qwen2-0.5B's shape
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -124,7 +152,8 @@ def qwen2_model(config, device, dtype, seed=0):
 def bench_models(args):
     """[(name, model)]: the toy and the --size Qwen2 config, both checked by the sampler."""
     device, dtype = args.device, DTYPES[args.dtype]
-    toy = AutoModelForCausalLM.from_pretrained(toy_model_dir()).to(device=device, dtype=dtype).eval()
+    toy = (AutoModelForCausalLM.from_pretrained(toy_model_dir())
+           .to(device=device, dtype=dtype).eval())
     models = [("toy", toy), (f"qwen2-{args.size}", qwen2_model(SIZES[args.size], device, dtype))]
     for _, m in models:
         check_supported(m)
@@ -142,29 +171,34 @@ def sync(device):
 
 def random_ids(n, length, vocab, seed, device):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (n, length), generator=g).to(device)  # (n, length); 0 is often eos/pad
+    # (n, length); 0 is often eos/pad
+    return torch.randint(1, vocab, (n, length), generator=g).to(device)
 
 # -----------------------------------------------------------------------------
 # figure 1: our sampler against transformers' model.generate
 
 
 def time_ours(model, prompts, new_tokens, fp32_head=False):
-    """Seconds for generate.generate to sample exactly new_tokens per prompt, all prompts in one batch."""
+    """Seconds for generate.generate to sample exactly new_tokens per prompt, all prompts in one
+    batch."""
     sync(model.device)
     t0 = time.perf_counter()
-    out = generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=new_tokens,
-                   answer_budget=0, interrupt=False, slots=len(prompts), temperature=1.0, fp32_head=fp32_head)
+    out = generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=[],
+                   think_budget=new_tokens, answer_budget=0, interrupt=False, slots=len(prompts),
+                   temperature=1.0, fp32_head=fp32_head)
     sync(model.device)
     assert all(len(s.tokens) == new_tokens for s in out)
     return time.perf_counter() - t0
 
 
 def time_hf(model, ids, new_tokens):
-    """Seconds for model.generate on the same batch: plain sampling, no top-k / top-p, forced length."""
+    """Seconds for model.generate on the same batch: plain sampling, no top-k / top-p, forced
+    length."""
     sync(model.device)
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                         top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                         top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         pad_token_id=0)
     sync(model.device)
     assert out.shape == (ids.size(0), ids.size(1) + new_tokens)
     return time.perf_counter() - t0
@@ -173,26 +207,31 @@ def time_hf(model, ids, new_tokens):
 def bench_sampler(name, model, args):
     ids = random_ids(args.batch, args.prompt_len, model.config.vocab_size, 0, args.device)  # (B, P)
     prompts = ids.tolist()
-    time_ours(model, prompts, args.new_tokens, args.fp32_head)  # warm-up both paths (first-call costs, CUDA graphs)
+    # warm-up both paths (first-call costs, CUDA graphs)
+    time_ours(model, prompts, args.new_tokens, args.fp32_head)
     time_hf(model, ids[:2], 2)
     ours, hf = [], []
     for _ in range(args.repeats):  # alternate, so both see the same machine load
         ours.append(time_ours(model, prompts, args.new_tokens, args.fp32_head))
         hf.append(time_hf(model, ids, args.new_tokens))
     tokens = args.batch * args.new_tokens
-    r = {"model": name, "params": n_params(model), "batch": args.batch, "prompt_len": args.prompt_len,
-         "new_tokens": args.new_tokens, "fp32_head": args.fp32_head, "ours_tok_s": tokens / min(ours),
-         "hf_tok_s": tokens / min(hf), "ours_s": ours, "hf_s": hf}
+    r = {"model": name, "params": n_params(model), "batch": args.batch,
+         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "fp32_head": args.fp32_head,
+         "ours_tok_s": tokens / min(ours), "hf_tok_s": tokens / min(hf), "ours_s": ours, "hf_s": hf}
     r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
     roof = ""
-    if args.device == "cuda":  # the bound if every step read all weights and the mean KV cache at copy speed
+    # the bound if every step read all weights and the mean KV cache at copy speed
+    if args.device == "cuda":
         context = args.prompt_len + args.new_tokens // 2
-        r["roofline_tok_s"] = decode_roofline(model.config.to_dict(), args.batch, context, copy_bandwidth(),
-                                              args.fp32_head, model.dtype.itemsize)["tok_s"]
-        roof = f" | {r['ours_tok_s'] / r['roofline_tok_s']:.1%} of the HBM roofline ({r['roofline_tok_s']:.0f} tok/s)"
-    print(f"1 sampler   | {name} ({r['params'] / 1e6:.2f}M, {args.dtype}, ours fp32_head {args.fp32_head}) | batch "
-          f"{args.batch} x ({args.prompt_len} + {args.new_tokens}) | ours {r['ours_tok_s']:.0f} tok/s | model.generate "
-          f"{r['hf_tok_s']:.0f} tok/s | ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating){roof}")
+        r["roofline_tok_s"] = decode_roofline(model.config.to_dict(), args.batch, context,
+                                              copy_bandwidth(), args.fp32_head,
+                                              model.dtype.itemsize)["tok_s"]
+        roof = (f" | {r['ours_tok_s'] / r['roofline_tok_s']:.1%} of the HBM roofline "
+                f"({r['roofline_tok_s']:.0f} tok/s)")
+    print(f"1 sampler   | {name} ({r['params'] / 1e6:.2f}M, {args.dtype}, ours fp32_head "
+          f"{args.fp32_head}) | batch {args.batch} x ({args.prompt_len} + {args.new_tokens}) | "
+          f"ours {r['ours_tok_s']:.0f} tok/s | model.generate {r['hf_tok_s']:.0f} tok/s | "
+          f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating){roof}")
     return r
 
 
@@ -211,35 +250,40 @@ def copy_bandwidth(gb=1.0):
 
 def task_prompts(tokenizer, n):
     """n toy-task prompts as token ids (data.toy_problems, formatted as in training)."""
-    return [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"] for p in toy_problems(n, 0)]
+    return [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"]
+            for p in toy_problems(n, 0)]
 
 
 def time_ours_task(model, prompts, eos_id, max_new, slots):
-    """(seconds, tokens): every prompt through generate.generate's `slots` rows, each sample ending at
-    eos or max_new tokens; a finished row is refilled with the next prompt (continuous batching)."""
+    """(seconds, tokens): every prompt through generate.generate's `slots` rows, each sample ending
+    at eos or max_new tokens; a finished row is refilled with the next prompt (continuous
+    batching)."""
     sync(model.device)
     t0 = time.perf_counter()
-    out = generate(model, prompts, eos_id=eos_id, think_end=[-2], interrupt_ids=[], think_budget=max_new,
-                   answer_budget=0, interrupt=False, slots=slots, temperature=1.0, fp32_head=False)
+    out = generate(model, prompts, eos_id=eos_id, think_end=[-2], interrupt_ids=[],
+                   think_budget=max_new, answer_budget=0, interrupt=False, slots=slots,
+                   temperature=1.0, fp32_head=False)
     sync(model.device)
     return time.perf_counter() - t0, sum(len(s.tokens) for s in out)
 
 
 def time_hf_task(model, prompts, eos_id, max_new, batch):
-    """(seconds, tokens): the same prompts through model.generate, `batch` at a time (left-padded, as
-    model.generate needs); tokens counted up to and including each row's first eos, as ours."""
+    """(seconds, tokens): the same prompts through model.generate, `batch` at a time (left-padded,
+    as model.generate needs); tokens counted up to and including each row's first eos, as ours."""
     batches = []  # padding is done before the clock starts (ours gets token ids too)
     for a in range(0, len(prompts), batch):
         part = prompts[a:a + batch]
         width = max(map(len, part))
         ids = torch.tensor([[eos_id] * (width - len(p)) + p for p in part], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part],
+                            device=model.device)
         batches.append((ids, mask))
     sync(model.device)
     t0, tokens = time.perf_counter(), 0
     for ids, mask in batches:
-        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=eos_id)
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=max_new, eos_token_id=eos_id,
+                             pad_token_id=eos_id)
         for row in out[:, ids.size(1):].tolist():
             tokens += row.index(eos_id) + 1 if eos_id in row else len(row)
     sync(model.device)
@@ -247,8 +291,8 @@ def time_hf_task(model, prompts, eos_id, max_new, batch):
 
 
 def bench_sampler_task(model, args):
-    """Figure 1b: the toy task's own completions, whose lengths vary: our continuous batching against
-    model.generate's fixed batches (each runs until its longest row ends)."""
+    """Figure 1b: the toy task's own completions, whose lengths vary: our continuous batching
+    against model.generate's fixed batches (each runs until its longest row ends)."""
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
     prompts, eos_id = task_prompts(tokenizer, args.task_prompts), tokenizer.eos_token_id
     time_ours_task(model, prompts[:2], eos_id, 2, 2)  # warm-up both paths
@@ -257,12 +301,14 @@ def bench_sampler_task(model, args):
     for _ in range(args.repeats):  # alternate, so both see the same machine load
         ours.append(time_ours_task(model, prompts, eos_id, args.task_new_tokens, args.batch))
         hf.append(time_hf_task(model, prompts, eos_id, args.task_new_tokens, args.batch))
-    r = {"model": "toy", "prompts": len(prompts), "batch": args.batch, "max_new_tokens": args.task_new_tokens,
-         "ours_tok_s": max(n / s for s, n in ours), "hf_tok_s": max(n / s for s, n in hf),
-         "ours": ours, "hf": hf, "mean_len": sum(n for _, n in ours + hf) / len(ours + hf) / len(prompts)}
+    r = {"model": "toy", "prompts": len(prompts), "batch": args.batch,
+         "max_new_tokens": args.task_new_tokens, "ours_tok_s": max(n / s for s, n in ours),
+         "hf_tok_s": max(n / s for s, n in hf), "ours": ours, "hf": hf,
+         "mean_len": sum(n for _, n in ours + hf) / len(ours + hf) / len(prompts)}
     r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
-    print(f"1 sampler   | toy task, lengths vary (mean {r['mean_len']:.1f} of max {args.task_new_tokens}) | "
-          f"{len(prompts)} prompts, batch {args.batch} | ours (continuous batching) {r['ours_tok_s']:.0f} tok/s | "
+    print(f"1 sampler   | toy task, lengths vary (mean {r['mean_len']:.1f} of max "
+          f"{args.task_new_tokens}) | {len(prompts)} prompts, batch {args.batch} | "
+          f"ours (continuous batching) {r['ours_tok_s']:.0f} tok/s | "
           f"model.generate ({-(-len(prompts) // args.batch)} batches) {r['hf_tok_s']:.0f} tok/s | "
           f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating)")
     return r
@@ -272,13 +318,16 @@ def bench_sampler_task(model, args):
 
 
 def naive_logprobs(model, ids, attention_mask):
-    """The textbook path: every position's logits at once, (N, T, V) float32, then log_softmax and gather."""
-    logits = model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1].float()  # (N, T-1, V)
+    """The textbook path: every position's logits at once, (N, T, V) float32, then log_softmax and
+    gather."""
+    # (N, T-1, V)
+    logits = model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1].float()
     return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, T-1)
 
 
 def loss_step(model, ids, path, chunk):
-    """One on-policy CISPO forward+backward on ids (N, T) -> the trainer log-probs (N, T-1), detached."""
+    """One on-policy CISPO forward+backward on ids (N, T) -> the trainer log-probs (N, T-1),
+    detached."""
     attn = torch.ones_like(ids)
     if path == "naive":
         logp = naive_logprobs(model, ids, attn)
@@ -289,7 +338,8 @@ def loss_step(model, ids, path, chunk):
 
 
 def cispo_backward(logp):
-    """The on-policy CISPO loss of log-probs (N, T-1) with random advantages, two samples per prompt; backward."""
+    """The on-policy CISPO loss of log-probs (N, T-1) with random advantages, two samples per
+    prompt; backward."""
     N = logp.size(0)
     adv = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(logp.device)  # (N,)
     group = torch.arange(N, device=logp.device) // 2
@@ -299,7 +349,8 @@ def cispo_backward(logp):
 
 
 def bench_trainer_speed(name, model, args):
-    ids = random_ids(args.train_seqs, args.train_len, model.config.vocab_size, 2, args.device)  # (N, T)
+    # (N, T)
+    ids = random_ids(args.train_seqs, args.train_len, model.config.vocab_size, 2, args.device)
     model.train()
     times = []
     for _ in range(args.repeats + 1):  # the first run warms up
@@ -310,7 +361,8 @@ def bench_trainer_speed(name, model, args):
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     model.eval()
-    r = {"model": name, "seqs": args.train_seqs, "len": args.train_len, "tok_s": ids.numel() / min(times[1:])}
+    r = {"model": name, "seqs": args.train_seqs, "len": args.train_len,
+         "tok_s": ids.numel() / min(times[1:])}
     print(f"2 trainer   | {name} ({args.dtype}) | {args.train_seqs} x {args.train_len} tokens | "
           f"forward+backward {r['tok_s']:.0f} tok/s (best of {args.repeats})")
     return r
@@ -322,7 +374,9 @@ def memory_now(device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
-    try:  # glibc: from now on blocks >= 64 KB are mmapped and unmapped on free, so RSS follows the live tensors
+    # glibc: from now on blocks >= 64 KB are mmapped and unmapped on free, so RSS follows the live
+    # tensors
+    try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: freed blocks may stay in the heap and count as used
@@ -347,7 +401,8 @@ def _proc_status(field):
 
 
 def memory_worker(path, vocab, seqs, length, chunk, device, dtype):
-    """Run in a fresh process: one loss forward+backward -> peak extra bytes, seconds, log-probs, a grad."""
+    """Run in a fresh process: one loss forward+backward -> peak extra bytes, seconds, log-probs, a
+    grad."""
     config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True)
     model = qwen2_model(config, device, dtype).train()
@@ -357,7 +412,8 @@ def memory_worker(path, vocab, seqs, length, chunk, device, dtype):
     logp = loss_step(model, ids, path, chunk)
     sync(device)
     seconds = time.perf_counter() - t0
-    return {"peak_bytes": memory_peak(device) - before, "seconds": seconds, "logp": logp.float().cpu().tolist(),
+    return {"peak_bytes": memory_peak(device) - before, "seconds": seconds,
+            "logp": logp.float().cpu().tolist(),
             "grad": model.model.norm.weight.grad.float().cpu().tolist()}
 
 
@@ -368,7 +424,8 @@ def in_fresh_process(fn, *args):
 
 
 def bench_trainer_memory(args):
-    common = (args.mem_vocab, args.mem_seqs, args.mem_len, args.chunk, args.device, DTYPES[args.dtype])
+    common = (args.mem_vocab, args.mem_seqs, args.mem_len, args.chunk, args.device,
+              DTYPES[args.dtype])
     naive = in_fresh_process(memory_worker, "naive", *common)
     chunked = in_fresh_process(memory_worker, "chunked", *common)
     diff = max(abs(a - b) for ra, rb in zip(naive["logp"], chunked["logp"]) for a, b in zip(ra, rb))
@@ -379,21 +436,25 @@ def bench_trainer_memory(args):
          "naive_tok_s": tokens / naive["seconds"], "chunked_tok_s": tokens / chunked["seconds"],
          "max_abs_logp_diff": diff}
     r["peak_ratio"] = r["naive_peak_gb"] / r["chunked_peak_gb"]
-    print(f"2 memory    | vocab {args.mem_vocab}, hidden 64, {args.mem_seqs} x {args.mem_len} tokens "
-          f"(naive fp32 logits {r['logits_fp32_gb']:.2f} GB) | peak naive {r['naive_peak_gb']:.2f} GB | "
-          f"chunked ({args.chunk}) {r['chunked_peak_gb']:.2f} GB | naive/chunked {r['peak_ratio']:.1f}x | "
-          f"tok/s naive {r['naive_tok_s']:.0f} chunked {r['chunked_tok_s']:.0f} | max |logp diff| {diff:.1e}")
+    print(f"2 memory    | vocab {args.mem_vocab}, hidden 64, {args.mem_seqs} x {args.mem_len} "
+          f"tokens (naive fp32 logits {r['logits_fp32_gb']:.2f} GB) | "
+          f"peak naive {r['naive_peak_gb']:.2f} GB | chunked ({args.chunk}) "
+          f"{r['chunked_peak_gb']:.2f} GB | naive/chunked {r['peak_ratio']:.1f}x | "
+          f"tok/s naive {r['naive_tok_s']:.0f} chunked {r['chunked_tok_s']:.0f} | "
+          f"max |logp diff| {diff:.1e}")
     return r
 
 
 def paper_scale_logits(vocab=151936, seqs=768, length=4096, chunk=128):
-    """Arithmetic: the float32 logits of a paper-size batch (768 x 4k tokens) at once, against one chunk."""
+    """Arithmetic: the float32 logits of a paper-size batch (768 x 4k tokens) at once, against one
+    chunk."""
     r = {"vocab": vocab, "seqs": seqs, "len": length, "chunk": chunk,
          "naive_gb": seqs * length * vocab * 4 / 1e9, "naive_per_seq_gb": length * vocab * 4 / 1e9,
          "chunk_per_seq_gb": chunk * vocab * 4 / 1e9}
-    print(f"2 arithmetic| vocab {vocab}, {seqs} x {length} tokens: naive fp32 logits {r['naive_gb']:.0f} GB "
-          f"({r['naive_per_seq_gb']:.2f} GB per sequence) | one chunk of {chunk}: {r['chunk_per_seq_gb'] * 1e3:.0f} MB "
-          f"per sequence in the micro-batch (x{length // chunk} less), not measured")
+    print(f"2 arithmetic| vocab {vocab}, {seqs} x {length} tokens: naive fp32 logits "
+          f"{r['naive_gb']:.0f} GB ({r['naive_per_seq_gb']:.2f} GB per sequence) | "
+          f"one chunk of {chunk}: {r['chunk_per_seq_gb'] * 1e3:.0f} MB per sequence in the "
+          f"micro-batch (x{length // chunk} less), not measured")
     return r
 
 # -----------------------------------------------------------------------------
@@ -407,7 +468,8 @@ def free_port():
 
 
 def broadcast_worker(rank, port, sizes, repeats, backend, queue):
-    """Rank 0 broadcasts a flat float32 buffer of each size; every repeat's time is the slower rank's."""
+    """Rank 0 broadcasts a flat float32 buffer of each size; every repeat's time is the slower
+    rank's."""
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
@@ -435,15 +497,18 @@ def bench_broadcast(args, models):
         print("3 broadcast | skipped: nccl needs 2 GPUs, this machine has fewer")
         return {"skipped": "fewer than 2 GPUs"}
     backend = "nccl" if args.device == "cuda" else "gloo"
-    sizes = [(f"{name} weights", n_params(m)) for name, m in models] + [(f"{args.bcast_mb} MB buffer", args.bcast_mb * 10**6 // 4)]
+    sizes = ([(f"{name} weights", n_params(m)) for name, m in models]
+             + [(f"{args.bcast_mb} MB buffer", args.bcast_mb * 10**6 // 4)])
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
-    torch.multiprocessing.spawn(broadcast_worker, args=(free_port(), sizes, args.repeats, backend, queue), nprocs=2)
+    torch.multiprocessing.spawn(broadcast_worker,
+                                args=(free_port(), sizes, args.repeats, backend, queue), nprocs=2)
     times = queue.get()
     out = []
     for name, numel in sizes:
         mb, best = numel * 4 / 1e6, min(times[name])
-        out.append({"buffer": name, "mb": mb, "seconds": best, "mb_s": mb / best, "backend": backend})
+        out.append({"buffer": name, "mb": mb, "seconds": best, "mb_s": mb / best,
+                    "backend": backend})
         print(f"3 broadcast | {name}, {mb:.1f} MB float32 | {backend}, 2 processes | "
               f"{best * 1e3:.1f} ms | {mb / best:.0f} MB/s (best of {args.repeats})")
     return out
@@ -454,13 +519,18 @@ def bench_broadcast(args, models):
 
 @torch.no_grad()
 def logprob_agreement(model, seqs, prompt_len, new_tokens, fp32_head):
-    """Sample with generate(), recompute with sequence_logprobs -> (mean |diff|, max |diff|) over sampled tokens."""
+    """Sample with generate(), recompute with sequence_logprobs -> (mean |diff|, max |diff|) over
+    sampled tokens."""
     ids = random_ids(seqs, prompt_len, model.config.vocab_size, 4, model.device)  # (N, P)
-    out = generate(model, ids.tolist(), eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=new_tokens,
-                   answer_budget=0, interrupt=False, slots=seqs, temperature=1.0, fp32_head=fp32_head)
-    full = torch.cat([ids, torch.tensor([s.tokens for s in out], device=ids.device)], 1)  # (N, P + C)
-    trainer = sequence_logprobs(model, full, torch.ones_like(full), fp32_head=fp32_head)[:, prompt_len - 1:]  # (N, C)
-    gen_logp = torch.tensor([s.logps for s in out], device=ids.device)  # (N, C): every token sampled (mask 1)
+    out = generate(model, ids.tolist(), eos_id=-1, think_end=[-2], interrupt_ids=[],
+                   think_budget=new_tokens, answer_budget=0, interrupt=False, slots=seqs,
+                   temperature=1.0, fp32_head=fp32_head)
+    # (N, P + C)
+    full = torch.cat([ids, torch.tensor([s.tokens for s in out], device=ids.device)], 1)
+    trainer = sequence_logprobs(model, full, torch.ones_like(full),
+                                fp32_head=fp32_head)[:, prompt_len - 1:]  # (N, C)
+    # (N, C): every token sampled (mask 1)
+    gen_logp = torch.tensor([s.logps for s in out], device=ids.device)
     diff = (trainer.float() - gen_logp).abs()
     return diff.mean().item(), diff.max().item()
 
@@ -470,10 +540,13 @@ def bench_agreement(name, model, args):
     for dtype in ("float32", "bfloat16"):
         m = model if dtype == args.dtype else copy.deepcopy(model).to(DTYPES[dtype])
         for fp32_head in (True, False):
-            mean, mx = logprob_agreement(m, args.agree_seqs, args.prompt_len, args.new_tokens, fp32_head)
-            out.append({"model": name, "dtype": dtype, "fp32_head": fp32_head, "mean_abs": mean, "max_abs": mx})
-            print(f"4 agreement | {name} {dtype} fp32_head={fp32_head} | {args.agree_seqs} x {args.new_tokens} "
-                  f"sampled tokens | generator vs trainer log-prob |diff| mean {mean:.2e} max {mx:.2e}")
+            mean, mx = logprob_agreement(m, args.agree_seqs, args.prompt_len,
+                                         args.new_tokens, fp32_head)
+            out.append({"model": name, "dtype": dtype, "fp32_head": fp32_head, "mean_abs": mean,
+                        "max_abs": mx})
+            print(f"4 agreement | {name} {dtype} fp32_head={fp32_head} | "
+                  f"{args.agree_seqs} x {args.new_tokens} sampled tokens | "
+                  f"generator vs trainer log-prob |diff| mean {mean:.2e} max {mx:.2e}")
     return out
 
 # -----------------------------------------------------------------------------
@@ -481,41 +554,51 @@ def bench_agreement(name, model, args):
 
 
 PIPELINE_RUNS = (("one process", 1, []), ("sync", 2, ["--mode", "sync"]),
-                 ("ppo_offpolicy-8", 2, ["--mode", "ppo_offpolicy"]), ("pipeline-8", 2, ["--mode", "pipeline"]))
+                 ("ppo_offpolicy-8", 2, ["--mode", "ppo_offpolicy"]),
+                 ("pipeline-8", 2, ["--mode", "pipeline"]))
 
 
 def bench_pipeline(args):
-    """train.py on the embedded default, one process and then 2 ranks (1 generator + 1 trainer) in each mode:
-    training wall-clock (evals excluded) until the held-out pass rate first reaches --target, and the
-    generator's and trainer's busy fractions (step-time weighted means over the run)."""
+    """train.py on the embedded default, one process and then 2 ranks (1 generator + 1 trainer) in
+    each mode: training wall-clock (evals excluded) until the held-out pass rate first reaches
+    --target, and the generator's and trainer's busy fractions (step-time weighted means over the
+    run)."""
     import subprocess
     import sys
     import tempfile
     rows, root = [], os.path.dirname(os.path.abspath(__file__))
     for name, world, flags in PIPELINE_RUNS:
         out = tempfile.mkdtemp(prefix="bench-pipeline-")
-        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                        "--nproc_per_node", str(world), "--master_port", str(free_port())]
-        cmd = launcher + [os.path.join(root, "train.py"), "--out", out, "--steps", str(args.pipeline_steps),
-                          "--save_every", "0", *flags, *args.train_flags.split()]
+        launcher = ([sys.executable] if world == 1 else
+                    [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                     "--master_port", str(free_port())])
+        cmd = launcher + [os.path.join(root, "train.py"), "--out", out,
+                          "--steps", str(args.pipeline_steps), "--save_every", "0", *flags,
+                          *args.train_flags.split()]
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
         if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n"
+                               f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
         records = [rec for _, rec in read_jsonl(os.path.join(out, "metrics.jsonl"))]
         train = [r for r in records if r.get("kind") == "train"]
-        hit = next((r for r in records if r.get("kind") == "eval" and r["pass_rate"] >= args.target), None)
+        hit = next((r for r in records
+                    if r.get("kind") == "eval" and r["pass_rate"] >= args.target), None)
         weights = [r["dt_ms"] for r in train]
-        busy = {key: sum(r[key] * w for r, w in zip(train, weights)) / sum(weights) for key in ("gen_busy", "train_busy")}
+        busy = {key: sum(r[key] * w for r, w in zip(train, weights)) / sum(weights)
+                for key in ("gen_busy", "train_busy")}
         final = [r for r in records if r.get("kind") == "eval"][-1]
-        row = {"run": name, "ranks": world, "to_target_s": hit["compute_s"] / world if hit else None,
+        row = {"run": name, "ranks": world,
+               "to_target_s": hit["compute_s"] / world if hit else None,
                "target_step": hit["step"] if hit else None, "final_pass_rate": final["pass_rate"],
                "train_s": train[-1]["compute_s"] / world, "wall_s": time.perf_counter() - t0,
                "lag_mean": sum(r["lag"] for r in train) / len(train), **busy}
         rows.append(row)
-        reached = f"{row['to_target_s']:.1f} s (step {row['target_step']})" if hit else "not reached"
-        print(f"pipeline | {name:16s} | ranks {world} | to pass rate {args.target}: {reached} | final {row['final_pass_rate']:.3f} "
-              f"| training {row['train_s']:.1f} s | busy gen {row['gen_busy']:.2f} train {row['train_busy']:.2f} | "
+        reached = (f"{row['to_target_s']:.1f} s (step {row['target_step']})" if hit
+                   else "not reached")
+        print(f"pipeline | {name:16s} | ranks {world} | to pass rate {args.target}: {reached} | "
+              f"final {row['final_pass_rate']:.3f} | training {row['train_s']:.1f} s | "
+              f"busy gen {row['gen_busy']:.2f} train {row['train_busy']:.2f} | "
               f"lag {row['lag_mean']:.2f} | whole run {row['wall_s']:.0f} s", flush=True)
     return rows
 
@@ -523,26 +606,31 @@ def bench_pipeline(args):
 # figure 5: roofline arithmetic of decoding (not measured)
 
 
-def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_head=True, bytes_per_weight=2,
-                    quiet=True):
-    """Upper bound on decode tokens/s when every step reads all weights and the whole KV cache from HBM."""
+def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_head=True,
+                    bytes_per_weight=2, quiet=True):
+    """Upper bound on decode tokens/s when every step reads all weights and the whole KV cache from
+    HBM."""
     c = config
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     embed = c["vocab_size"] * c["hidden_size"]
-    per_layer = (c["hidden_size"] * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    per_layer = (c["hidden_size"] * head_dim
+                 * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
                  + 3 * c["hidden_size"] * c["intermediate_size"])
     body = c["num_hidden_layers"] * per_layer  # norms and biases ignored
-    head_bytes = embed * (4 if fp32_head else bytes_per_weight)  # the LM head is read every step; the embedding is a gather
+    # the LM head is read every step; the embedding is a gather
+    head_bytes = embed * (4 if fp32_head else bytes_per_weight)
     weight_bytes = body * bytes_per_weight + head_bytes
-    kv_bytes = batch * context * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * bytes_per_weight
+    kv_bytes = (batch * context * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim
+                * bytes_per_weight)
     steps = hbm_bytes_s / (weight_bytes + kv_bytes)
-    r = {"batch": batch, "context": context, "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
-         "steps_s": steps, "tok_s": steps * batch, "fp32_head": fp32_head}
+    r = {"batch": batch, "context": context, "weight_gb": weight_bytes / 1e9,
+         "kv_gb": kv_bytes / 1e9, "steps_s": steps, "tok_s": steps * batch, "fp32_head": fp32_head}
     if quiet:
         return r
-    print(f"5 roofline  | 0.5B-class bf16, H100 {hbm_bytes_s / 1e12:.2f} TB/s, batch {batch}, context {context} | "
-          f"weights {r['weight_gb']:.2f} GB (fp32 head {fp32_head}) + KV {r['kv_gb']:.2f} GB per step | "
-          f"<= {steps:.0f} steps/s = {r['tok_s']:.0f} tok/s | arithmetic, not measured")
+    print(f"5 roofline  | 0.5B-class bf16, H100 {hbm_bytes_s / 1e12:.2f} TB/s, batch {batch}, "
+          f"context {context} | weights {r['weight_gb']:.2f} GB (fp32 head {fp32_head}) + KV "
+          f"{r['kv_gb']:.2f} GB per step | <= {steps:.0f} steps/s = {r['tok_s']:.0f} tok/s | "
+          f"arithmetic, not measured")
     return r
 
 # -----------------------------------------------------------------------------
@@ -550,19 +638,22 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
 
 
 def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
-    """One trainer rank: a random-weight Qwen2 model, AdamW, --fsdp_steps CISPO steps on random tokens.
-    world 1: unsharded; world > 1: FSDP2 over the ranks (pipeline.shard_trainer, as train.py --fsdp).
-    cap_bytes: RLIMIT_DATA = the process's data size before the model is built + cap_bytes (0: no cap)."""
+    """One trainer rank: a random-weight Qwen2 model, AdamW, --fsdp_steps CISPO steps on random
+    tokens. world 1: unsharded; world > 1: FSDP2 over the ranks (pipeline.shard_trainer, as train.py
+    --fsdp). cap_bytes: RLIMIT_DATA = the process's data size before the model is built + cap_bytes
+    (0: no cap)."""
     import resource
     import pipeline
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=__import__("datetime").timedelta(seconds=120))
     rss0 = memory_now("cpu")
     if cap_bytes:
         limit = _proc_status("VmData") + cap_bytes
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+        resource.setrlimit(resource.RLIMIT_DATA,
+                           (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     result = {"rank": rank, "world": world, "cap_bytes": cap_bytes, "losses": []}
     try:
         model = qwen2_model(config, "cpu", torch.float32).train()
@@ -570,10 +661,12 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
         forward = pipeline.LogProbs(model)
         if world > 1:
             forward = pipeline.shard_trainer(model, dist.group.WORLD, "cpu")
-        result["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        result["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                     for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for step in range(args.fsdp_steps):
-            ids = random_ids(args.fsdp_seqs, args.fsdp_len, config["vocab_size"], 10 * step + rank, "cpu")
+            ids = random_ids(args.fsdp_seqs, args.fsdp_len, config["vocab_size"],
+                             10 * step + rank, "cpu")
             result["losses"].append(cispo_backward(forward(ids, torch.ones_like(ids), True, 1.0)))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -589,15 +682,16 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
 def run_fsdp(world, config, cap_bytes, args):
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
-    torch.multiprocessing.spawn(fsdp_worker, args=(world, free_port(), config, cap_bytes, args, queue), nprocs=world,
-                                join=True)
+    torch.multiprocessing.spawn(fsdp_worker,
+                                args=(world, free_port(), config, cap_bytes, args, queue),
+                                nprocs=world, join=True)
     return sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
 
 
 def bench_fsdp(args):
-    """Uncapped, the peak memory of one unsharded trainer and of each of 2 FSDP2 trainers; then both again
-    with every process capped halfway between the two peaks: the unsharded trainer cannot allocate, the
-    sharded ones train."""
+    """Uncapped, the peak memory of one unsharded trainer and of each of 2 FSDP2 trainers; then both
+    again with every process capped halfway between the two peaks: the unsharded trainer cannot
+    allocate, the sharded ones train."""
     config = SIZES[args.fsdp_size]
     free = {}
     for world in (1, 2):
@@ -612,23 +706,27 @@ def bench_fsdp(args):
                 out["runs"].append(r)
                 who = "unsharded" if world == 1 else f"FSDP2 rank {r['rank']} of {world}"
                 limit = f"{capped / 1e9:.2f} GB" if capped else "none"
-                what = "losses " + ", ".join(f"{x:.4f}" for x in r["losses"]) if r["ok"] else f"FAILED: {r['error']}"
-                print(f"7 fsdp      | qwen2-{args.fsdp_size} ({out['params'] / 1e6:.1f}M) | {who} holds "
-                      f"{r.get('local_params', 0) / 1e6:.1f}M params | cap {limit} | peak {r['peak_bytes'] / 1e9:.2f} GB | {what}")
+                what = ("losses " + ", ".join(f"{x:.4f}" for x in r["losses"]) if r["ok"]
+                        else f"FAILED: {r['error']}")
+                print(f"7 fsdp      | qwen2-{args.fsdp_size} ({out['params'] / 1e6:.1f}M) | "
+                      f"{who} holds {r.get('local_params', 0) / 1e6:.1f}M params | cap {limit} | "
+                      f"peak {r['peak_bytes'] / 1e9:.2f} GB | {what}")
     return out
 
 # -----------------------------------------------------------------------------
 
 
 def write_model(args):
-    """A random-weight Qwen2 model folder with the embedded toy tokenizer: train.py --model can load it."""
+    """A random-weight Qwen2 model folder with the embedded toy tokenizer: train.py --model can load
+    it."""
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
-    model = qwen2_model(dict(SIZES[args.size], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    model = qwen2_model(dict(SIZES[args.size], bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id), "cpu", DTYPES[args.dtype])
     model.save_pretrained(args.write_model)
     tokenizer.save_pretrained(args.write_model)
-    print(f"wrote qwen2-{args.size} ({n_params(model) / 1e6:.1f}M params, random weights, {args.dtype}) with the toy "
-          f"tokenizer to {args.write_model}")
+    print(f"wrote qwen2-{args.size} ({n_params(model) / 1e6:.1f}M params, random weights, "
+          f"{args.dtype}) with the toy tokenizer to {args.write_model}")
 
 
 def main(args):
@@ -637,8 +735,9 @@ def main(args):
     t_start = time.perf_counter()
     figures = {int(f) for f in args.figures.split(",")}
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
-    print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | threads "
-          f"{torch.get_num_threads()} | 1-min load average before the run {os.getloadavg()[0]:.2f}")
+    print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
+          f"threads {torch.get_num_threads()} | 1-min load average before the run "
+          f"{os.getloadavg()[0]:.2f}")
     models = bench_models(args)
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if 1 in figures:

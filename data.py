@@ -16,9 +16,10 @@ reward and data of section 2, the curriculum of section 3.2).
                         has 20 tiny ones. An explicit "domain" ("math" or "code") is honoured.
 - problems_of_records: the mapping itself, for jsonl lines and Hugging Face dataset rows alike.
 - The Hugging Face Hub, through its standard caches (nothing here works around them):
-  resolve_model("Qwen/Qwen3-0.6B") -> a local folder (huggingface_hub.snapshot_download; a local folder is
-  returned as is); load_source_problems("openai/gsm8k:main:test") -> problems (datasets.load_dataset, syntax
-  owner/name[:config[:split]]; an existing path is a jsonl file). Failures: one line saying what to do.
+  resolve_model("Qwen/Qwen3-0.6B") -> a local folder (huggingface_hub.snapshot_download; a local
+  folder is returned as is); load_source_problems("openai/gsm8k:main:test") -> problems
+  (datasets.load_dataset, syntax owner/name[:config[:split]]; an existing path is a jsonl file).
+  Failures: one line saying what to do.
 - format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
   otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
 - special_tokens(tokenizer): the sampler's token ids (eos, "</think>", INTERRUPT_PHRASE) as keyword
@@ -29,23 +30,23 @@ reward and data of section 2, the curriculum of section 3.2).
   No-Positive-Resampling (a prompt whose pass rate reaches 0.9 is never sampled again).
 - The embedded default: a synthetic multi-step arithmetic task with graded difficulty (1 to 4
   operations) and a tiny base model for it: a 0.34M-parameter Llama decoder with a byte-level BPE
-  tokenizer trained on the task, in which each number is one token. It is cold-started by a short supervised warm-up on traces in the exact
-  `<think>...</think> The answer is \\boxed{..}.` format. In the warm-up traces an arithmetic step
-  slips 3% of the time and the boxed answer is wrong 70% of the time (a near miss or an intermediate
-  number), so the base model knows the arithmetic (its greedy answer is right ~60% of the time) but
-  samples a right final answer only ~28% of the time: RL has room to climb. One trace in five
-  re-checks its work, which makes it long enough to be interrupted: RL also learns to stop rambling.
-  It ships in toy_model/ (1.4 MB: its warm-up needs about 3 minutes on 2 cores, too long to run on
-  first use) and `python data.py --build` remakes it from fixed seeds. It is an ordinary Hugging Face
-  folder loaded with from_pretrained: no toy-only code path. A second preset, toy-hard (`--data
-  toy-hard`, PRESETS), is the miniature study's task: longer chains over a larger table, with its own base
-  model in toy_model_hard/ built the same way.
+  tokenizer trained on the task, in which each number is one token. It is cold-started by a short
+  supervised warm-up on traces in the exact `<think>...</think> The answer is \\boxed{..}.` format.
+  In the warm-up traces an arithmetic step slips 3% of the time and the boxed answer is wrong 70% of
+  the time (a near miss or an intermediate number), so the base model knows the arithmetic (its
+  greedy answer is right ~60% of the time) but samples a right final answer only ~28% of the time:
+  RL has room to climb. One trace in five re-checks its work, which makes it long enough to be
+  interrupted: RL also learns to stop rambling. It ships in toy_model/ (1.4 MB: its warm-up needs
+  about 3 minutes on 2 cores, too long to run on first use) and `python data.py --build` remakes it
+  from fixed seeds. It is an ordinary Hugging Face folder loaded with from_pretrained: no toy-only
+  code path. A second preset, toy-hard (`--data toy-hard`, PRESETS), is the miniature study's task:
+  longer chains over a larger table, with its own base model in toy_model_hard/ built the same way.
 
-    python data.py                          # print the toy model's folder and a few toy problems
-    python data.py --build                  # remake the shipped toy model (about 3 minutes on 2 cores)
-    python data.py --build toy-hard         # remake toy-hard's base model (about 6 minutes)
+    python data.py                       # print the toy model's folder and a few toy problems
+    python data.py --build               # remake the shipped toy model (about 3 minutes on 2 cores)
+    python data.py --build toy-hard      # remake toy-hard's base model (about 6 minutes)
     python data.py fixtures/gsm8k_test_sample.jsonl  # load a file, print counts and one example
-    python data.py openai/gsm8k:main:test            # a Hugging Face dataset (pip install datasets; cached)
+    python data.py openai/gsm8k:main:test  # a Hugging Face dataset (pip install datasets; cached)
 """
 
 import json
@@ -61,23 +62,30 @@ from sandbox import split_asserts
 from verify import last_boxed, prompt_opens_think, score_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOY_DIR = os.path.join(HERE, "toy_model")  # shipped in the repo (1.4 MB); `python data.py --build` remakes it
-TOY_DIRS = {"toy": TOY_DIR, "toy-hard": os.path.join(HERE, "toy_model_hard")}  # `--build toy-hard` remakes that one
+# shipped in the repo (1.4 MB); `python data.py --build` remakes it
+TOY_DIR = os.path.join(HERE, "toy_model")
+# `--build toy-hard` remakes that one
+TOY_DIRS = {"toy": TOY_DIR, "toy-hard": os.path.join(HERE, "toy_model_hard")}
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
-CODE_INSTRUCTION = "Think inside <think> </think>, then answer with a Python program in a ```python block."
-# forced in by the sampler at a sample's interruption point (generate.py; the paper's interruptions, section 3.2); it ends the thought
-INTERRUPT_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+CODE_INSTRUCTION = ("Think inside <think> </think>, then answer with a Python program in a "
+                    "```python block.")
+# forced in by the sampler at a sample's interruption point (generate.py; the paper's interruptions,
+# section 3.2); it ends the thought
+INTERRUPT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a final answer now. "
+                    "</think>")
 
 # -----------------------------------------------------------------------------
 # loading real data
 
 
 def _answer_of(rec, where):
-    """The gold answer of one record, as a non-empty string; `where` is 'file:line' for error messages."""
+    """The gold answer of one record, as a non-empty string; `where` is 'file:line' for error
+    messages."""
     if "answer" in rec and rec["answer"] is not None:
         ans = rec["answer"]
         if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
-            raise ValueError(f"{where}: field 'answer' must be a string or a number, got {type(ans).__name__}")
+            raise ValueError(f"{where}: field 'answer' must be a string or a number, "
+                             f"got {type(ans).__name__}")
         if isinstance(ans, float) and not math.isfinite(ans):
             raise ValueError(f"{where}: field 'answer' must be a finite number, got {ans}")
         ans = str(ans)
@@ -85,7 +93,8 @@ def _answer_of(rec, where):
         if gsm8k:
             ans = ans.rsplit("####", 1)[1]
         if not ans.strip():
-            raise ValueError(f"{where}: field 'answer' is empty" + (" after its last '####'" if gsm8k else ""))
+            raise ValueError(f"{where}: field 'answer' is empty"
+                             + (" after its last '####'" if gsm8k else ""))
         return ans.strip()
     if isinstance(rec.get("solution"), str):
         boxed = last_boxed(rec["solution"])
@@ -102,16 +111,18 @@ def _tests_of(rec, where):
     if isinstance(tests, dict):
         inputs, outputs = tests.get("inputs"), tests.get("outputs")
         if not (isinstance(inputs, list) and isinstance(outputs, list) and inputs
-                and len(inputs) == len(outputs) and all(isinstance(x, str) for x in inputs + outputs)):
+                and len(inputs) == len(outputs)
+                and all(isinstance(x, str) for x in inputs + outputs)):
             raise ValueError(f"{where}: field 'tests' must have 'inputs' and 'outputs': "
                              "equally long non-empty lists of strings")
         return tests
     asserts = tests if isinstance(tests, list) else [tests]
     if not asserts or not all(isinstance(x, str) and x.strip() for x in asserts):
-        raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of assert "
-                         "strings or one string of asserts")
+        raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of "
+                         "assert strings or one string of asserts")
     try:
-        split_asserts("\n".join(asserts))  # the parent evaluates every assert; they must call the solution
+        # the parent evaluates every assert; they must call the solution
+        split_asserts("\n".join(asserts))
     except (SyntaxError, ValueError) as err:
         raise ValueError(f"{where}: field 'tests': {err}") from None
     return tests
@@ -130,15 +141,17 @@ def _problem_of(rec, where, key):
 
 
 def read_jsonl(path):
-    """The JSON objects of a jsonl file, one (line number, dict) pair at a time, blank lines skipped. A line
-    that is not UTF-8, not JSON or not an object: ValueError 'FILE:LINE: what is wrong'."""
+    """The JSON objects of a jsonl file, one (line number, dict) pair at a time, blank lines
+    skipped. A line that is not UTF-8, not JSON or not an object: ValueError 'FILE:LINE: what is
+    wrong'."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} "
+                                 f"at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -151,17 +164,19 @@ def read_jsonl(path):
 
 
 def load_problems(path):
-    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"}
-    or {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before in
-    the file is skipped too (counted, one summary line on stderr). Anything else wrong: ValueError naming
-    file:line and the field."""
-    return problems_of_records(((f"{path}:{lineno}", rec) for lineno, rec in read_jsonl(path)), path)
+    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"} or
+    {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before
+    in the file is skipped too (counted, one summary line on stderr). Anything else wrong:
+    ValueError naming file:line and the field."""
+    return problems_of_records(((f"{path}:{lineno}", rec) for lineno, rec in read_jsonl(path)),
+                               path)
 
 
 def problems_of_records(records, source):
-    """(where, record dict) pairs, from a jsonl file or a Hugging Face dataset, -> problems in the layouts of the
-    docstring (load_problems). A prompt seen before is skipped (counted, one summary line on stderr); a bad
-    record: ValueError 'WHERE: what is wrong'; no record at all: ValueError naming `source`."""
+    """(where, record dict) pairs, from a jsonl file or a Hugging Face dataset, -> problems in the
+    layouts of the docstring (load_problems). A prompt seen before is skipped (counted, one summary
+    line on stderr); a bad record: ValueError 'WHERE: what is wrong'; no record at all: ValueError
+    naming `source`."""
     problems, seen, duplicates = [], set(), 0
     for where, rec in records:
         key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
@@ -178,15 +193,19 @@ def problems_of_records(records, source):
     if not problems:
         raise ValueError(f"{source}: no problems")
     if duplicates:
-        print(f"{source}: skipped {duplicates} duplicate prompt(s); each is kept where it first occurs", file=sys.stderr)
+        print(f"{source}: skipped {duplicates} duplicate prompt(s); each is kept where it first "
+              "occurs", file=sys.stderr)
     return problems
 
 # -----------------------------------------------------------------------------
-# the Hugging Face Hub: --model Qwen/Qwen3-0.6B, --data openai/gsm8k:main, read through the standard caches
+# the Hugging Face Hub: --model Qwen/Qwen3-0.6B, --data openai/gsm8k:main, read through the standard
+# caches
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells repositories
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")  # a missing file's name, not a Hub id
-MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # config, tokenizer, weights
+# a missing file's name, not a Hub id
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")
+# config, tokenizer, weights
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
 def _one_line(err):
@@ -194,43 +213,49 @@ def _one_line(err):
 
 
 def hub_id(text):
-    """Whether a --model / --data value that is not an existing path names a Hub repository: shaped owner/name,
-    and neither a data file's name (x/train.jsonl) nor a path into a folder that exists (fixtures/missing)."""
+    """Whether a --model / --data value that is not an existing path names a Hub repository: shaped
+    owner/name, and neither a data file's name (x/train.jsonl) nor a path into a folder that exists
+    (fixtures/missing)."""
     return (bool(HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
             and not os.path.isdir(text.split("/")[0]))
 
 
 def resolve_model(name):
-    """--model NAME -> the local folder to load: NAME itself when it exists; else a Hugging Face Hub id (owner/name,
-    e.g. Qwen/Qwen3-0.6B) -> its snapshot folder in the Hugging Face cache: huggingface_hub.snapshot_download of the
-    config, tokenizer and *.safetensors files (MODEL_FILES; not *.bin), downloaded once and then read from the
-    cache; HF_HUB_OFFLINE, HF_HOME and HF_HUB_CACHE are honoured. Otherwise: ValueError, one line that starts with
-    NAME and says what to do."""
+    """--model NAME -> the local folder to load: NAME itself when it exists; else a Hugging Face Hub
+    id (owner/name, e.g. Qwen/Qwen3-0.6B) -> its snapshot folder in the Hugging Face cache:
+    huggingface_hub.snapshot_download of the config, tokenizer and *.safetensors files (MODEL_FILES;
+    not *.bin), downloaded once and then read from the cache; HF_HUB_OFFLINE, HF_HOME and
+    HF_HUB_CACHE are honoured. Otherwise: ValueError, one line that starts with NAME and says what
+    to do."""
     if os.path.exists(name):
         return name
     if not hub_id(name):
         raise ValueError(f"{name}: no such folder (and not a Hugging Face Hub id, owner/name)")
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
     try:
         return snapshot_download(name, allow_patterns=MODEL_FILES)
     except GatedRepoError:
-        why = f"it is gated on the Hub: accept its terms at https://huggingface.co/{name}, then log in (hf auth login)"
+        why = (f"it is gated on the Hub: accept its terms at https://huggingface.co/{name}, "
+               "then log in (hf auth login)")
     except RepositoryNotFoundError:
-        why = "there is no such model on the Hugging Face Hub (or it is private: log in with hf auth login)"
+        why = ("there is no such model on the Hugging Face Hub "
+               "(or it is private: log in with hf auth login)")
     except LocalEntryNotFoundError as err:  # offline or unreachable, and not in the cache
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else (
             f"{type(err.__cause__ or err).__name__}: {_one_line(err.__cause__ or err)}")
-        why = (f"not in the Hugging Face cache (HF_HUB_CACHE={constants.HF_HUB_CACHE}); the Hub could not be reached "
-               f"({reason}): download it once with network access (hf download {name}) or give a local folder")
+        why = (f"not in the Hugging Face cache (HF_HUB_CACHE={constants.HF_HUB_CACHE}); "
+               f"the Hub could not be reached ({reason}): download it once with network access "
+               f"(hf download {name}) or give a local folder")
     except Exception as err:  # a Hub error, a full disk, an incomplete cached snapshot, ...
         why = f"the Hugging Face Hub download failed ({type(err).__name__}: {_one_line(err)})"
     raise ValueError(f"{name}: not a local folder, and {why}")
 
 
 def hub_dataset_spec(text):
-    """'owner/name[:config[:split]]' -> (repo id, config or None, split or None); None when text is not shaped so.
-    The split may be a datasets slice (train[:1000])."""
+    """'owner/name[:config[:split]]' -> (repo id, config or None, split or None); None when text is
+    not shaped so. The split may be a datasets slice (train[:1000])."""
     repo, *rest = text.split(":", 2)
     if not hub_id(repo):
         return None
@@ -239,11 +264,12 @@ def hub_dataset_spec(text):
 
 
 def load_hub_problems(spec, split="train"):
-    """A Hugging Face dataset 'owner/name[:config[:split]]' (the split defaults to `split`) -> problems: loaded
-    with datasets.load_dataset (downloaded once, then read from HF_DATASETS_CACHE; HF_HUB_OFFLINE and
-    HF_DATASETS_OFFLINE are honoured), its records mapped as a jsonl file's are (problems_of_records; a None field
-    counts as absent). A bad record: ValueError 'owner/name:config:split row I: ...', I its index in the split. A
-    dataset that cannot be loaded: OSError, one line saying why and what to do."""
+    """A Hugging Face dataset 'owner/name[:config[:split]]' (the split defaults to `split`) ->
+    problems: loaded with datasets.load_dataset (downloaded once, then read from HF_DATASETS_CACHE;
+    HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are honoured), its records mapped as a jsonl file's are
+    (problems_of_records; a None field counts as absent). A bad record: ValueError
+    'owner/name:config:split row I: ...', I its index in the split. A dataset that cannot be loaded:
+    OSError, one line saying why and what to do."""
     repo, config, named_split = hub_dataset_spec(spec)
     split = named_split or split
     label = f"{repo}:{config or ''}:{split}"
@@ -256,26 +282,30 @@ def load_hub_problems(spec, split="train"):
         ds = datasets.load_dataset(repo, config, split=split)
     except ConnectionError as err:  # offline or unreachable, and not in the cache
         raise OSError(f"not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
-                      f"{datasets.config.HF_DATASETS_CACHE}); the Hub could not be reached ({_one_line(err)}): run "
-                      "this once with network access (it is cached then) or give a jsonl file") from None
+                      f"{datasets.config.HF_DATASETS_CACHE}); the Hub could not be reached "
+                      f"({_one_line(err)}): run this once with network access (it is cached then) "
+                      "or give a jsonl file") from None
     except Exception as err:  # no such dataset, a config or split it lacks, ...
-        raise OSError(f"not a file, and the Hugging Face dataset {repo} (config {config}, split {split}) could not "
-                      f"be loaded ({type(err).__name__}: {_one_line(err)}); the syntax is "
-                      "owner/name[:config[:split]]") from None
-    records = ((f"{label} row {i}", {k: v for k, v in rec.items() if v is not None}) for i, rec in enumerate(ds))
+        raise OSError(f"not a file, and the Hugging Face dataset {repo} (config {config}, "
+                      f"split {split}) could not be loaded ({type(err).__name__}: "
+                      f"{_one_line(err)}); the syntax is owner/name[:config[:split]]") from None
+    records = ((f"{label} row {i}", {k: v for k, v in rec.items() if v is not None})
+               for i, rec in enumerate(ds))
     return problems_of_records(records, label)
 
 
 def load_source_problems(source, split="train"):
-    """--data / --val_data: a jsonl file (an existing path, or a name not shaped as a Hub id: FileNotFoundError) or a
-    Hugging Face dataset 'owner/name[:config[:split]]' whose split defaults to `split` -> problems."""
+    """--data / --val_data: a jsonl file (an existing path, or a name not shaped as a Hub id:
+    FileNotFoundError) or a Hugging Face dataset 'owner/name[:config[:split]]' whose split defaults
+    to `split` -> problems."""
     if os.path.exists(source) or hub_dataset_spec(source) is None:
         return load_problems(source)
     return load_hub_problems(source, split)
 
 
 def format_prompt(tokenizer, problem, domain="math"):
-    """The text the generator continues: chat template if the tokenizer has one, else a plain template."""
+    """The text the generator continues: chat template if the tokenizer has one, else a plain
+    template."""
     instruction = CODE_INSTRUCTION if domain == "code" else INSTRUCTION
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{instruction}\n\n{problem}"}]
@@ -284,10 +314,12 @@ def format_prompt(tokenizer, problem, domain="math"):
 
 
 def special_tokens(tokenizer):
-    """The sampler's special token ids, ready as keyword arguments of generate.sampler / generate.generate:
-    eos_id, think_end (the ids of "</think>") and interrupt_ids (the ids of INTERRUPT_PHRASE)."""
+    """The sampler's special token ids, ready as keyword arguments of generate.sampler /
+    generate.generate: eos_id, think_end (the ids of "</think>") and interrupt_ids (the ids of
+    INTERRUPT_PHRASE)."""
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    return dict(eos_id=tokenizer.eos_token_id, think_end=ids("</think>"), interrupt_ids=ids(INTERRUPT_PHRASE))
+    return dict(eos_id=tokenizer.eos_token_id, think_end=ids("</think>"),
+                interrupt_ids=ids(INTERRUPT_PHRASE))
 
 
 def completion_text(tokenizer, sample):
@@ -297,19 +329,21 @@ def completion_text(tokenizer, sample):
 
 
 def score_samples(tokenizer, samples, problems, unsafe_code=False):
-    """-> (texts, correct): a sample is correct only if it finished and verify.py accepts its answer. A
-    truncated sample (no eos within the budget) never gave its answer, so it is not correct, whatever its
-    text holds: for the reward, No-Positive-Resampling's pass rates, pass@1 and held-out evals alike (the
-    paper's evals count a sample that never answers as wrong). Truncated samples are not even scored. Where
-    the chat template ends the prompt with an opened <think> (DeepSeek-R1), an answer counts only after </think>."""
+    """-> (texts, correct): a sample is correct only if it finished and verify.py accepts its
+    answer. A truncated sample (no eos within the budget) never gave its answer, so it is not
+    correct, whatever its text holds: for the reward, No-Positive-Resampling's pass rates, pass@1
+    and held-out evals alike (the paper's evals count a sample that never answers as wrong).
+    Truncated samples are not even scored. Where the chat template ends the prompt with an opened
+    <think> (DeepSeek-R1), an answer counts only after </think>."""
     texts = [completion_text(tokenizer, s) for s in samples]
     done = [i for i, s in enumerate(samples) if s.finish != "truncated"]
     correct = [False] * len(samples)
     keys = {(p["prompt"], p.get("domain")) for p in problems}
-    opens = {key: prompt_opens_think(format_prompt(tokenizer, *key)) for key in keys}  # the prompts as sampled
+    # the prompts as sampled
+    opens = {key: prompt_opens_think(format_prompt(tokenizer, *key)) for key in keys}
     think_open = [opens[problems[i]["prompt"], problems[i].get("domain")] for i in done]
-    for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done], unsafe_code=unsafe_code,
-                                         think_open=think_open)):
+    for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done],
+                                         unsafe_code=unsafe_code, think_open=think_open)):
         correct[i] = bool(v)
     return texts, correct
 
@@ -329,14 +363,16 @@ def split_problems(problems, val_size, seed=0):
 
 
 class Curriculum:
-    """Serves prompt indices epoch by epoch in a seeded order and keeps each prompt's pass-rate history.
+    """Serves prompt indices epoch by epoch in a seeded order and keeps each prompt's pass-rate
+    history.
 
-    No-Positive-Resampling (paper section 3.2, the data curriculum): once a prompt's measured pass rate is >= threshold
-    it is retired and never sampled again: each epoch's order leaves out the prompts retired so far, and
-    a prompt retired after its epoch's order was drawn is skipped when its turn comes.
-    A batch that crosses an epoch boundary holds each prompt at most once (when at least k prompts are
-    unretired): the new epoch's prompts already in the batch move to the end of its order, so every
-    epoch still serves each unretired prompt once.
+    No-Positive-Resampling (paper section 3.2, the data curriculum): once a prompt's measured pass
+    rate is >= threshold it is retired and never sampled again: each epoch's order leaves out the
+    prompts retired so far, and a prompt retired after its epoch's order was drawn is skipped when
+    its turn comes.
+    A batch that crosses an epoch boundary holds each prompt at most once (when at least k prompts
+    are unretired): the new epoch's prompts already in the batch move to the end of its order, so
+    every epoch still serves each unretired prompt once.
     """
 
     def __init__(self, n, seed=0, npr=True, threshold=0.9):
@@ -361,7 +397,8 @@ class Curriculum:
                                 f"{self.threshold}): nothing left to train on")
 
     def next_batch(self, k):
-        """The next k prompt indices; crosses epoch boundaries. Raises StopIteration when all are retired."""
+        """The next k prompt indices; crosses epoch boundaries. Raises StopIteration when all are
+        retired."""
         batch = []
         while len(batch) < k:
             if self.pos >= len(self.order):
@@ -380,11 +417,13 @@ class Curriculum:
     def state_dict(self):
         return {"n": self.n, "seed": self.seed, "npr": self.npr, "threshold": self.threshold,
                 "epoch": self.epoch, "pos": self.pos, "order": list(self.order),
-                "history": {str(k): v for k, v in self.history.items()}, "retired": sorted(self.retired)}
+                "history": {str(k): v for k, v in self.history.items()},
+                "retired": sorted(self.retired)}
 
     def load_state_dict(self, state):
         if state["n"] != self.n:
-            raise ValueError(f"curriculum state is for {state['n']} prompts, this dataset has {self.n}")
+            raise ValueError(f"curriculum state is for {state['n']} prompts, "
+                             f"this dataset has {self.n}")
         self.seed, self.npr, self.threshold = state["seed"], state["npr"], state["threshold"]
         self.epoch, self.pos, self.order = state["epoch"], state["pos"], list(state["order"])
         self.history = {int(k): list(v) for k, v in state["history"].items()}
@@ -394,18 +433,22 @@ class Curriculum:
 # the embedded default: a synthetic arithmetic task
 
 
-PRESETS = {  # the embedded tasks: operations per problem, start number, operand range, largest total
-    "toy": dict(ops=(1, 4), start=(1, 12), operand=(1, 3), top=20),  # the default demo: learned in 2 minutes
-    # the study's task: longer chains over a larger addition table, so that the tiny model's ceiling sits
-    # below 1 (6 operations take about 38 thinking tokens; the study gives 64, so the budget rarely binds).
-    # A first try, (2-8 operations of 1-9, totals to 50), left the base model at 0.04 and RL flat for 60 steps.
+# the embedded tasks: operations per problem, start number, operand range, largest total
+PRESETS = {
+    # the default demo: learned in 2 minutes
+    "toy": dict(ops=(1, 4), start=(1, 12), operand=(1, 3), top=20),
+    # the study's task: longer chains over a larger addition table, so that the tiny model's ceiling
+    # sits below 1 (6 operations take about 38 thinking tokens; the study gives 64, so the budget
+    # rarely binds).
+    # A first try, (2-8 operations of 1-9, totals to 50), left the base model at 0.04 and RL flat
+    # for 60 steps.
     "toy-hard": dict(ops=(2, 6), start=(1, 20), operand=(1, 5), top=30),
 }
 
 
 def toy_problem(rng, preset="toy"):
-    """One problem of a preset: a start number and a chain of + / - operations, totals kept in 0..top
-    (toy: start 1-12, 1-4 operations of 1-3, totals in 0..20)."""
+    """One problem of a preset: a start number and a chain of + / - operations, totals kept in
+    0..top (toy: start 1-12, 1-4 operations of 1-3, totals in 0..20)."""
     cfg = PRESETS[preset]
     n_ops = rng.randint(*cfg["ops"])  # graded difficulty: more operations, more steps to get right
     total = rng.randint(*cfg["start"])
@@ -426,7 +469,8 @@ def toy_problems(n, seed, preset="toy"):
 
 
 def toy_trace(problem, rng):
-    """A warm-up completion: correct-looking reasoning with some wrong steps and often a wrong answer."""
+    """A warm-up completion: correct-looking reasoning with some wrong steps and often a wrong
+    answer."""
     shown, total = [], None
     for a, op, d, _ in problem["steps"]:
         a = a if total is None else total
@@ -439,12 +483,14 @@ def toy_trace(problem, rng):
         think += " Check:" + ",".join(shown) + "."
     answer = total
     if rng.random() < 0.7:  # the boxed answer is often wrong: an intermediate result or a near miss
-        answer = rng.choice([problem["steps"][0][0], total + 1, total - 1, total + rng.choice([-10, 10])])
+        answer = rng.choice([problem["steps"][0][0], total + 1, total - 1,
+                             total + rng.choice([-10, 10])])
     return f"<think>{think}</think> The answer is \\boxed{{{answer}}}."
 
 
 def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy"):
-    """Train a preset's tokenizer and cold-start its 0.34M-parameter Llama base model; save in HF layout."""
+    """Train a preset's tokenizer and cold-start its 0.34M-parameter Llama base model; save in HF
+    layout."""
     out_dir = out_dir or TOY_DIRS[preset]
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -459,19 +505,23 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
     # number that occurs becomes a single token and arithmetic is a lookup, not digit-by-digit
     tok = Tokenizer(models.BPE())
     words = pre_tokenizers.Split(Regex(r" ?\d+| ?[A-Za-z]+|\s+|[^\sA-Za-z\d]"), behavior="isolated")
-    tok.pre_tokenizer = pre_tokenizers.Sequence([words, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                 use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [words, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<think>", "</think>"], show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=512,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<think>", "</think>"],
+                                  show_progress=False)
     tok.train_from_iterator(texts + [INTERRUPT_PHRASE] * 50, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    # a Llama config: transformers loads its tokenizer from tokenizer.json as is (a Qwen2 folder would
-    # get Qwen2Tokenizer, which replaces the pre-tokenizer with Qwen2's digit-by-digit one)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    # a Llama config: transformers loads its tokenizer from tokenizer.json as is (a Qwen2 folder
+    # would get Qwen2Tokenizer, which replaces the pre-tokenizer with Qwen2's digit-by-digit one)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
     _warm_up(model, tokenizer, problems, texts, sft_steps, log)
     model.save_pretrained(out_dir + ".tmp")
@@ -504,7 +554,8 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
         for r, i in enumerate(idx):
             ids[r, :len(enc[i])] = torch.tensor(enc[i])
             labels[r, n_prompt[i]:len(enc[i])] = ids[r, n_prompt[i]:len(enc[i])]
-        logits = model(input_ids=ids).logits[:, :-1]  # right padding: causal attention never sees it
+        # right padding: causal attention never sees it
+        logits = model(input_ids=ids).logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -517,24 +568,29 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
 
 
 def toy_model_dir(log=print, preset="toy"):
-    """A preset's base model folder: the shipped one, or (if it was deleted) one built on first use."""
+    """A preset's base model folder: the shipped one, or (if it was deleted) one built on first
+    use."""
     if os.path.exists(os.path.join(TOY_DIRS[preset], "config.json")):
         return TOY_DIRS[preset]
     cache = os.path.join(HERE, ".cache", os.path.basename(TOY_DIRS[preset]))
     if not os.path.exists(os.path.join(cache, "config.json")):
-        log(f"{TOY_DIRS[preset]} is missing: building the {preset} base model (3-6 minutes on 2 cores) -> {cache}")
+        log(f"{TOY_DIRS[preset]} is missing: building the {preset} base model "
+            f"(3-6 minutes on 2 cores) -> {cache}")
         build_toy_model(cache, log=log, preset=preset)
     return cache
 
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="the embedded tasks and the problem loader (see the docstring)",
-                                 allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        description="the embedded tasks and the problem loader (see the docstring)",
+        allow_abbrev=False)
     ap.add_argument("file", nargs="?", help="a jsonl of problems or a Hugging Face dataset "
-                    "owner/name[:config[:split]] (split: train): load it, print the count and the first one")
+                    "owner/name[:config[:split]] (split: train): load it, print the count and "
+                    "the first one")
     ap.add_argument("--build", nargs="?", const="toy", choices=list(PRESETS),
-                    help="remake a shipped base model from fixed seeds (toy: toy_model/, toy-hard: toy_model_hard/)")
+                    help="remake a shipped base model from fixed seeds "
+                         "(toy: toy_model/, toy-hard: toy_model_hard/)")
     cli = ap.parse_args()
     if cli.build:
         build_toy_model(preset=cli.build)

@@ -11,11 +11,12 @@ compare runs. Implements the paper's compute-performance curve (arXiv 2510.13786
     compare(fit_a, fit_b, data_a, data_b)   the +-0.02 rule on A, then compare B
     load_run(run_dir)                  (C, R, meta) from the eval lines of run_dir/metrics.jsonl
     predict_final(C, R, C_end)         live prediction for train.py (None while too few points)
-    train_curves(run_dir)              per-step series (reward, trunc, kept, drift, ..) of metrics.jsonl
+    train_curves(run_dir)              per-step series (reward, trunc, kept, drift, ..) of
+                                       metrics.jsonl
     plot_curves(run_dir)               run_dir/curves.png: those series against the step
 
 Usage (CPU only, seconds):
-    python fit.py runs/cpu                          # table, runs/cpu/fit.png, fit_linear.png, curves.png
+    python fit.py runs/cpu                     # table, runs/cpu/fit.png, fit_linear.png, curves.png
     python fit.py runs/a runs/b --fit_until 600 --extrapolate_to 5000 --png out/ab.png
     python fit.py runs/gpu --compute flops --fit_from 1e15 --metric pass_rate/math
 Test: python -m pytest -q test_all.py -k fit
@@ -104,7 +105,8 @@ def check_points(C, R, lines=None):
     down = np.flatnonzero(np.diff(C) <= 0)
     if len(down):
         i = down[0]
-        raise ValueError(f"compute must strictly increase: C={C[i]} at {at[i]}, then C={C[i + 1]} at {at[i + 1]}")
+        raise ValueError(f"compute must strictly increase: C={C[i]} at {at[i]}, "
+                         f"then C={C[i + 1]} at {at[i + 1]}")
     return C, R
 
 
@@ -169,7 +171,8 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
 
     k = int(fix_A)                                              # drop A from the parameters
     lo, hi = [R0, B_RANGE[0], -np.inf][k:], [1.0, B_RANGE[1], np.inf][k:]
-    p0 = np.clip([A, B, math.log(C_mid)][k:], lo, hi)          # grid ends may sit a rounding error outside
+    # grid ends may sit a rounding error outside
+    p0 = np.clip([A, B, math.log(C_mid)][k:], lo, hi)
     try:
         p, _ = curve_fit(model, C, R, p0=p0, bounds=(lo, hi))
     except RuntimeError:
@@ -178,16 +181,17 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
 
 
 def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
-    """Grid over (A, C_mid) with the best B for each pair, then the lowest-SSE pair polished
-    by curve_fit (the paper's fitting procedure, section 2). A given: A stays fixed (used by compare).
+    """Grid over (A, C_mid) with the best B for each pair, then the lowest-SSE pair polished by
+    curve_fit (the paper's fitting procedure, section 2). A given: A stays fixed (used by compare).
     -> dict(A, B, C_mid, R0, sse)."""
     C, R, R0 = fit_points(C, R, R0, fit_from)
     if A is None:
         lo = max(np.floor((R.max() - NOISE_A) / A_STEP) * A_STEP, R0 + A_STEP)
         A_grid = np.arange(lo, 1.0 + 1e-9, A_STEP)
         if not len(A_grid):
-            raise ValueError(f"pass rates must lie in [0, 1], got R0 = {R0:g} and max R = {R.max():g}"
-                             if max(R0, R.max()) > 1 else f"R0 = {R0} leaves no room for a ceiling A <= 1")
+            raise ValueError(
+                f"pass rates must lie in [0, 1], got R0 = {R0:g} and max R = {R.max():g}"
+                if max(R0, R.max()) > 1 else f"R0 = {R0} leaves no room for a ceiling A <= 1")
     else:
         A_grid = np.array([float(A)])
     M_grid = np.geomspace(C[0], C[-1] * CMID_BEYOND, N_CMID)
@@ -238,7 +242,8 @@ def bootstrap_A(C, R, R0=None, fit_from=None, n=50, seed=0):
     C, R, R0 = fit_points(C, R, fit["R0"], fit_from)
     pred = sigmoid(C, fit["A"], fit["B"], fit["C_mid"], R0)    # (n_points,)
     rng = np.random.default_rng(seed)
-    A = np.array([fit_sigmoid(C, pred + rng.choice(R - pred, len(R)), R0, fit_from=0)["A"] for _ in range(n)])
+    A = np.array([fit_sigmoid(C, pred + rng.choice(R - pred, len(R)), R0, fit_from=0)["A"]
+                  for _ in range(n)])
     lo, hi = np.percentile(A, [2.5, 97.5])
     return dict(mean=float(A.mean()), std=float(A.std()), lo=float(lo), hi=float(hi))
 
@@ -262,15 +267,16 @@ def compare(fit_a, fit_b, data_a, data_b, fit_from=None, tol=NOISE_A):
 
 
 def shared_A_refit(runs, fit_from=None):
-    """The paper's section 4 rule over several runs: A = the mean of their fitted A, every run refitted
-    with that A fixed -> (A, [refit per run]); compare the B (and C_mid) of the refits."""
+    """The paper's section 4 rule over several runs: A = the mean of their fitted A, every run
+    refitted with that A fixed -> (A, [refit per run]); compare the B (and C_mid) of the refits."""
     A = float(np.mean([r["fit"]["A"] for r in runs]))
     return A, [fit_sigmoid(*r["data"], R0=r["fit"]["R0"], fit_from=fit_from, A=A) for r in runs]
 
 
 def extrapolation_check(C, R, R0=None, fit_from=None):
-    """Fit on the points with C <= C_last / 2, predict R at the last point -> dict(C_half, n, predicted,
-    measured, error), or None when the first half has too few points to fit."""
+    """Fit on the points with C <= C_last / 2, predict R at the last point
+    -> dict(C_half, n, predicted, measured, error), or None when the first half has too few points
+    to fit."""
     C, R = check_points(C, R)
     half = C <= C[-1] / 2
     try:
@@ -283,8 +289,8 @@ def extrapolation_check(C, R, R0=None, fit_from=None):
 
 
 def predict_final(C, R, C_end, R0=None):
-    """Live prediction: fit what there is, predict R at C_end. None while the fit would have fewer than 4
-    points (C > 0 and past the default start, fit_start)."""
+    """Live prediction: fit what there is, predict R at C_end. None while the fit would have fewer
+    than 4 points (C > 0 and past the default start, fit_start)."""
     C, R = check_points(C, R)
     if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS:
         return None
@@ -294,8 +300,8 @@ def predict_final(C, R, C_end, R0=None):
 
 
 def eval_point(rec, compute, metric, where):
-    """(C, R) of one eval line, checked: both fields there, finite numbers (not booleans), R in [0, 1].
-    `where` is 'file:line' for the errors."""
+    """(C, R) of one eval line, checked: both fields there, finite numbers (not booleans), R in
+    [0, 1]. `where` is 'file:line' for the errors."""
     missing = [k for k in (compute, metric) if k not in rec]
     if missing:
         raise ValueError(f"{where}: eval line: missing field '{missing[0]}' (it has {sorted(rec)})")
@@ -304,7 +310,8 @@ def eval_point(rec, compute, metric, where):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{where}: field '{k}' must be a finite number, got {v!r}")
     if not 0 <= rec[metric] <= 1:
-        raise ValueError(f"{where}: field '{metric}' must be a pass rate in [0, 1], got {rec[metric]!r}")
+        raise ValueError(f"{where}: field '{metric}' must be a pass rate in [0, 1], "
+                         f"got {rec[metric]!r}")
     return rec[compute], rec[metric]
 
 
@@ -317,8 +324,8 @@ def metrics_file(run_dir):
 
 
 def load_run(run_dir, compute="compute_s", metric="pass_rate"):
-    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..). A bad value
-    (eval_point, check_points): ValueError naming the file and the line."""
+    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..). A bad
+    value (eval_point, check_points): ValueError naming the file and the line."""
     path = metrics_file(run_dir)
     C, R, lines, config = [], [], [], {}
     for lineno, rec in read_jsonl(path):
@@ -339,8 +346,10 @@ def load_run(run_dir, compute="compute_s", metric="pass_rate"):
 
 # ----------------------------------------------------------------------------- training curves
 
-TRAIN_SERIES = ("reward", "pass_rate", "trunc", "intr", "drift")  # train-line fields drawn as they are
-TRUNC_BAND = 0.10    # hard-truncation rate where the paper's instability band starts (train.py warns there)
+# train-line fields drawn as they are
+TRAIN_SERIES = ("reward", "pass_rate", "trunc", "intr", "drift")
+# hard-truncation rate where the paper's instability band starts (train.py warns there)
+TRUNC_BAND = 0.10
 SMOOTH_MAX = 10      # the moving average spans at most 2 * SMOOTH_MAX + 1 steps
 PANELS = (           # curves.png, top to bottom: (y label, ((series, legend), ..))
     ("reward, pass@1", (("reward", "reward (batch)"), ("pass_rate", "pass@1 (batch)"))),
@@ -352,7 +361,8 @@ PANELS = (           # curves.png, top to bottom: (y label, ((series, legend), .
 
 
 def number(rec, key):
-    """rec[key] as a float, or None where it is missing or not a finite number (a boolean is not one)."""
+    """rec[key] as a float, or None where it is missing or not a finite number
+    (a boolean is not one)."""
     v = rec.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
@@ -360,10 +370,11 @@ def number(rec, key):
 
 
 def train_curves(run_dir):
-    """The series of run_dir/metrics.jsonl that curves.png draws -> {name: (steps (n,), values (n,))}:
-    TRAIN_SERIES of the train lines, "kept" = kept_prompts / prompts of the train lines (where prompts > 0)
-    and "eval_pass_rate" = pass_rate of the eval lines, in file order. A value missing or not a finite
-    number, or on a line without a step, is skipped (that series gets no point there)."""
+    """The series of run_dir/metrics.jsonl that curves.png draws ->
+    {name: (steps (n,), values (n,))}: TRAIN_SERIES of the train lines, "kept" = kept_prompts /
+    prompts of the train lines (where prompts > 0) and "eval_pass_rate" = pass_rate of the eval
+    lines, in file order. A value missing or not a finite number, or on a line without a step, is
+    skipped (that series gets no point there)."""
     points = {k: [] for k in (*TRAIN_SERIES, "kept", "eval_pass_rate")}
     for _, rec in read_jsonl(metrics_file(run_dir)):
         step, kind = number(rec, "step"), rec.get("kind")
@@ -382,7 +393,8 @@ def train_curves(run_dir):
 
 
 def moving_average(y, half):
-    """Centered moving average of y (n,) over 2 * half + 1 points, the window cut at the ends -> (n,)."""
+    """Centered moving average of y (n,) over 2 * half + 1 points, the window cut at the ends
+    -> (n,)."""
     y = np.asarray(y, dtype=float)
     c = np.concatenate([[0.0], np.cumsum(y)])
     i = np.arange(len(y))
@@ -399,30 +411,35 @@ def pyplot():
 
 
 def plot_curves(run_dir):
-    """run_dir/curves.png: the PANELS against the step, sharing it. Per-step series: faint points under a
-    moving average over up to 2 * SMOOTH_MAX + 1 steps (1/10 of the longest per-step series; under 20
-    points they are drawn as they are); eval points joined as they are; a dashed line at the TRUNC_BAND
-    truncation rate. -> the path."""
+    """run_dir/curves.png: the PANELS against the step, sharing it. Per-step series: faint points
+    under a moving average over up to 2 * SMOOTH_MAX + 1 steps (1/10 of the longest per-step series;
+    under 20 points they are drawn as they are); eval points joined as they are; a dashed line at
+    the TRUNC_BAND truncation rate. -> the path."""
     curves, png = train_curves(run_dir), os.path.join(run_dir, "curves.png")
     plt = pyplot()
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(6.5, 8.5), sharex=True)
-    half = min(SMOOTH_MAX, max(len(curves[k][0]) for k in TRAIN_SERIES) // 20)  # one window for every panel
+    # one window for every panel
+    half = min(SMOOTH_MAX, max(len(curves[k][0]) for k in TRAIN_SERIES) // 20)
     for ax, (ylabel, series) in zip(axes, PANELS):
         for k, (key, label) in enumerate(series):
             (x, y), col = curves[key], f"C{k}"
             if key == "eval_pass_rate":
                 ax.plot(x, y, "o-", ms=3, color=col, label=label)
                 continue
-            if not half:                                        # too few points to smooth: draw them as they are
+            # too few points to smooth: draw them as they are
+            if not half:
                 ax.plot(x, y, ".-", ms=5, lw=1.2, color=col, label=label)
                 continue
             ax.plot(x, y, ".", ms=3, alpha=0.3, color=col)
             ax.plot(x, moving_average(y, half), color=col, lw=1.2, label=label)
         if any(key == "trunc" for key, _ in series):
-            ax.axhline(TRUNC_BAND, ls="--", lw=0.8, color="C3", label=f"{TRUNC_BAND:.0%}: instability band starts")
-            ax.set_ylim(0, max(1.5 * TRUNC_BAND, 1.1 * max(curves[k][1].max(initial=0) for k, _ in series)))
+            ax.axhline(TRUNC_BAND, ls="--", lw=0.8, color="C3",
+                       label=f"{TRUNC_BAND:.0%}: instability band starts")
+            ax.set_ylim(0, max(1.5 * TRUNC_BAND,
+                               1.1 * max(curves[k][1].max(initial=0) for k, _ in series)))
         if not any(len(curves[key][0]) for key, _ in series):
-            ax.text(0.5, 0.5, "not in metrics.jsonl", transform=ax.transAxes, ha="center", va="center", color="gray")
+            ax.text(0.5, 0.5, "not in metrics.jsonl", transform=ax.transAxes, ha="center",
+                    va="center", color="gray")
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -431,7 +448,8 @@ def plot_curves(run_dir):
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
     steps = np.concatenate([x for x, _ in curves.values()])
-    if len(steps) and steps.min() == steps.max():               # one step: show it with its neighbours
+    # one step: show it with its neighbours
+    if len(steps) and steps.min() == steps.max():
         axes[-1].set_xlim(steps[0] - 1, steps[0] + 1)
     fig.suptitle(f"{os.path.basename(os.path.normpath(run_dir))}: training curves", fontsize=10)
     fig.tight_layout()
@@ -457,7 +475,8 @@ def fit_run(run_dir, args):
 
 
 UNITS = {"compute_s": "device-seconds: training wall-clock x processes, evals excluded",
-         "flops": "FLOPs, estimated: 2 x params per generated or prefilled token + 6 x params per trained token"}
+         "flops": "FLOPs, estimated: 2 x params per generated or prefilled token "
+                  "+ 6 x params per trained token"}
 
 
 def print_table(runs, args):
@@ -477,9 +496,9 @@ def print_table(runs, args):
         if args.extrapolate_to:
             row += f" {sigmoid(args.extrapolate_to, *params):10.3f}"
         print(row)
-    print(f"C in {UNITS.get(runs[0]['compute'], runs[0]['compute'])}; A ceiling, B steepness, C_mid compute at half "
-          "the gain, R0 pass rate at C = 0; fit range: the C fitted; R meas / R pred / R power: measured, sigmoid "
-          "and power law at the last C")
+    print(f"C in {UNITS.get(runs[0]['compute'], runs[0]['compute'])}; A ceiling, B steepness, "
+          "C_mid compute at half the gain, R0 pass rate at C = 0; fit range: the C fitted; "
+          "R meas / R pred / R power: measured, sigmoid and power law at the last C")
 
 
 def plot(runs, png, png_linear, extrapolate_to=None):
@@ -519,8 +538,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Fit the ScaleRL sigmoid to runs' eval pass rates.")
     p.add_argument("run_dirs", nargs="*", help="run directories holding metrics.jsonl")
     p.add_argument("--fit_from", type=float, default=None, help="drop points with C below this "
-                   "(the early transient); default None = 10%% of the largest C fitted (the paper's "
-                   "practice); 0 keeps every point with C > 0")
+                   "(the early transient); default None = 10%% of the largest C fitted "
+                   "(the paper's practice); 0 keeps every point with C > 0")
     p.add_argument("--fit_until", type=float, default=None, help="fit only points with C <= this "
                    "and extrapolate to the rest; default None fits every point")
     p.add_argument("--extrapolate_to", type=float, default=None, help="also predict and draw "
@@ -533,7 +552,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.run_dirs:
         p.error("give run directories (each holding a metrics.jsonl)")
-    curves = [plot_curves(d) for d in args.run_dirs]   # first: a run too short to fit still gets them
+    # first: a run too short to fit still gets them
+    curves = [plot_curves(d) for d in args.run_dirs]
     try:
         runs = [fit_run(d, args) for d in args.run_dirs]
     except ValueError:
@@ -542,9 +562,11 @@ def main(argv=None):
     print_table(runs, args)
     for run in runs:
         x = extrapolation_check(*run["data"], fit_from=args.fit_from)
-        print(f"{run['run']}: extrapolation check: " + (f"fitted on C <= {x['C_half']:.3g} ({x['n']} points), "
-              f"predicted {x['predicted']:.3f} at the last point, measured {x['measured']:.3f}, error "
-              f"{x['error']:+.3f}" if x else "too few points in the first half of the compute to fit"))
+        print(f"{run['run']}: extrapolation check: "
+              + (f"fitted on C <= {x['C_half']:.3g} ({x['n']} points), "
+                 f"predicted {x['predicted']:.3f} at the last point, "
+                 f"measured {x['measured']:.3f}, error {x['error']:+.3f}"
+                 if x else "too few points in the first half of the compute to fit"))
     for a, b in itertools.combinations(runs, 2):
         v = compare(a["fit"], b["fit"], a["data"], b["data"], fit_from=args.fit_from)
         print(f"{a['run']} (a) vs {b['run']} (b): {v['verdict']}")
@@ -562,5 +584,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError) as err:  # a run that cannot be read or fitted: one line, not a traceback
+    except (ValueError, OSError) as err:
+        # a run that cannot be read or fitted: one line, not a traceback
         sys.exit(f"error: {err}")

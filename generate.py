@@ -46,7 +46,8 @@ temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
     python generate.py --model DIR --prompt "What is 2+2?" --think_budget 512
-    python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512   # a Hub id: cached
+    python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512
+                                              # a Hub id: downloaded once, cached
 """
 
 import argparse

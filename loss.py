@@ -1,17 +1,22 @@
 """
-Policy-gradient losses for RL with verifiable rewards: ScaleRL's CISPO and the GRPO, DAPO and
-GSPO ablations, with their advantage normalizations, loss aggregations and batch hygiene.
-Implements the losses of arXiv 2510.13786, section 3.2 (loss type, aggregation, normalization, filtering)
-and CISPO as ScaleRL uses it (section 4). Pure functions of tensors.
+Policy-gradient losses for RL with verifiable rewards: ScaleRL's CISPO and the GRPO, DAPO and GSPO
+ablations, with their advantage normalizations, loss aggregations and batch hygiene. Implements the
+losses of arXiv 2510.13786, section 3.2 (loss type, aggregation, normalization, filtering) and CISPO
+as ScaleRL uses it (section 4). Pure functions of tensors.
 
     advantages(rewards, group, norm)          A_i = r_i - mean_{j in group(i)} r_j, then normalized
-                                              (norm "batch": over every trainer's rows, given all_sum)
-    policy_loss(logp, gen_logp, adv, mask, group, kind, agg)    scalar to MINIMIZE (kind: a LOSSES entry)
-    agg_counts(group, mask)                   what each aggregation divides by: micro-batch and trainer weights
-    zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and truncated samples
+                                              (norm "batch": over every trainer's rows,
+                                              given all_sum)
+    policy_loss(logp, gen_logp, adv, mask, group, kind, agg)
+                                              scalar to MINIMIZE (kind: a LOSSES entry)
+    agg_counts(group, mask)                   what each aggregation divides by: micro-batch and
+                                              trainer weights
+    zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and
+                                              truncated samples
     length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
     ratio_stats(logp, gen_logp, mask)         generator/trainer mismatch, for logging
-    drift_by_lag(logp, gen_logp, mask, lag)   sum and count of |log rho| per policy-version lag, for logging
+    drift_by_lag(logp, gen_logp, mask, lag)   sum and count of |log rho| per policy-version lag,
+                                              for logging
 
 Test: python -m pytest -q test_all.py -k loss   (CPU; nothing here needs a GPU or torchrun)
 
@@ -25,11 +30,12 @@ Readings chosen and departures from the textbook formulas:
   on the ratio, not 1 -/+ eps: eps_high defaults to 4 (the cap eps_max), and there is no lower
   truncation unless eps_low is given. GRPO, DAPO, GSPO clip to [1 - eps_low, 1 + eps_high]:
   GRPO 0.2/0.2, DAPO 0.2/0.28, GSPO 3e-3/4e-3. None for an eps means that per-kind default.
-- GRPO, DAPO, GSPO: the log-ratio is clamped at MAX_LOG_RATIO = 20 before exp (float32 exp overflows to
-  inf above ~88.7, which made the gradient NaN, and the loss NaN where A = 0). Only a token (GSPO: a
-  sequence) with rho > e^20 = 4.9e8 changes, far past the clip bound 1 + eps_high: for A > 0 its term was
-  already the constant (1 + eps_high) A; for A < 0, where the min keeps the unbounded rho A, it is held
-  at e^20 A with no gradient. CISPO needs no clamp: its weight is clamped and detached (inf becomes the cap).
+- GRPO, DAPO, GSPO: the log-ratio is clamped at MAX_LOG_RATIO = 20 before exp (float32 exp overflows
+  to inf above ~88.7, which made the gradient NaN, and the loss NaN where A = 0). Only a token
+  (GSPO: a sequence) with rho > e^20 = 4.9e8 changes, far past the clip bound 1 + eps_high: for
+  A > 0 its term was already the constant (1 + eps_high) A; for A < 0, where the min keeps the
+  unbounded rho A, it is held at e^20 A with no gradient. CISPO needs no clamp: its weight is
+  clamped and detached (inf becomes the cap).
 - GSPO: s_i = exp(masked mean over t of (logp - gen_logp)) (GSPO's length-normalized ratio).
   Each sequence's objective min(s A, clip(s) A) is copied onto its masked tokens and then
   aggregated like the token-level kinds, so agg="sample" is exactly the GSPO paper's mean over
@@ -41,11 +47,12 @@ Readings chosen and departures from the textbook formulas:
 - Masks: a float mask is read as 0/1 (nonzero = the token counts). Tokens outside the mask are
   zeroed before exp and before summing, so padding values (even -inf) never give NaN/inf.
 - Truncated samples (hit the hard budget without eos; an interrupted sample that then answers is not
-  truncated) leave the batch, paper A.15: the effective batch is the batch "after excluding truncated
-  samples". zero_variance_keep(..., valid=~truncated) drops them, so they get no gradient and are out of
-  every statistic: a group's mean reward and its zero-variance test use its untruncated samples only, the
-  batch std is over the samples that remain, and a group left with fewer than two samples, or whose
-  untruncated samples all agree, is dropped whole. train.py --keep_truncated keeps them (the old behaviour).
+  truncated) leave the batch, paper A.15: the effective batch is the batch "after excluding
+  truncated samples". zero_variance_keep(..., valid=~truncated) drops them, so they get no gradient
+  and are out of every statistic: a group's mean reward and its zero-variance test use its
+  untruncated samples only, the batch std is over the samples that remain, and a group left with
+  fewer than two samples, or whose untruncated samples all agree, is dropped whole. train.py
+  --keep_truncated keeps them (the old behaviour).
 - No KL term (the paper uses none). The length penalty is returned, not applied: the caller
   adds it to correct answers only.
 """
@@ -55,7 +62,8 @@ import torch
 
 NORMS = ("batch", "prompt", "none")
 AGGS = ("prompt", "sample", "token")
-MAX_LOG_RATIO = 20.0  # clipped losses: log rho clamped here before exp; far above log(1 + eps_high), below overflow
+# clipped losses: log rho clamped here before exp; far above log(1 + eps_high), below overflow
+MAX_LOG_RATIO = 20.0
 
 
 def group_index(group):
@@ -70,9 +78,10 @@ def group_sum(x, idx, n_groups):
 
 
 def advantages(rewards, group, norm="batch", all_sum=None):
-    """A_i = r_i - mean of r over i's group, normalized per `norm` (batch | prompt | none). all_sum: for
-    "batch" when these rows are one trainer's part of the batch, a function that sums a dict of numbers over
-    every trainer (so the std is the whole batch's); default: these rows are the whole batch."""
+    """A_i = r_i - mean of r over i's group, normalized per `norm` (batch | prompt | none). all_sum:
+    for "batch" when these rows are one trainer's part of the batch, a function that sums a dict of
+    numbers over every trainer (so the std is the whole batch's); default: these rows are the whole
+    batch."""
     if norm not in NORMS:
         raise ValueError(f"unknown norm {norm!r}; allowed: {', '.join(NORMS)}")
     idx, n_groups = group_index(group)
@@ -83,7 +92,8 @@ def advantages(rewards, group, norm="batch", all_sum=None):
         return adv / (adv.std(correction=0) + 1e-6) if adv.numel() else adv
     if norm == "batch":  # the same std, of every trainer's A, from the sums of all of them
         s = all_sum({"n": adv.numel(), "a": adv.sum().item(), "a2": (adv**2).sum().item()})
-        return adv / (math.sqrt(max(s["a2"] / s["n"] - (s["a"] / s["n"]) ** 2, 0.0)) + 1e-6) if s["n"] else adv
+        return (adv / (math.sqrt(max(s["a2"] / s["n"] - (s["a"] / s["n"]) ** 2, 0.0)) + 1e-6)
+                if s["n"] else adv)
     if norm == "prompt":  # GRPO
         std = (group_sum(adv**2, idx, n_groups) / count).sqrt()  # (G,) population std of r
         return adv / (std[idx] + 1e-6)
@@ -110,31 +120,35 @@ def aggregate(obj, keep, group, agg):
 
 
 def cispo_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
-    """CISPO (ScaleRL): sg(clamp(rho, eps_low, eps_high)) * A * logp per token; the eps are absolute bounds."""
+    """CISPO (ScaleRL): sg(clamp(rho, eps_low, eps_high)) * A * logp per token; the eps are absolute
+    bounds."""
     weight = log_ratio.exp().clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
     return weight * adv * logp  # (N, T)
 
 
 def token_clipped_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
     """GRPO / DAPO: the PPO-clipped objective per token."""
-    return clipped_objective(log_ratio.clamp(max=MAX_LOG_RATIO).exp(), adv, eps_low, eps_high)  # (N, T)
+    # (N, T)
+    return clipped_objective(log_ratio.clamp(max=MAX_LOG_RATIO).exp(), adv, eps_low, eps_high)
 
 
 def gspo_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
-    """GSPO: the clipped objective of the length-normalized sequence ratio, copied onto its tokens."""
+    """GSPO: the clipped objective of the length-normalized sequence ratio, copied onto its
+    tokens."""
     seq_log_ratio = log_ratio.sum(1) / keep.sum(1).clamp(min=1)  # (N,)
     seq_ratio = seq_log_ratio.clamp(max=MAX_LOG_RATIO).exp()[:, None]  # (N, 1)
     return clipped_objective(seq_ratio, adv, eps_low, eps_high).expand_as(logp)  # (N, T)
 
 
-# The losses: name -> (per-token objective, default (eps_low, eps_high), the rho above which a token's weight
-# is capped or clipped, from eps_high). A new loss is one objective function and one entry here; --loss
-# offers every name.
+# The losses: name -> (per-token objective, default (eps_low, eps_high), the rho above which a
+# token's weight is capped or clipped, from eps_high). A new loss is one objective function and one
+# entry here; --loss offers every name.
 LOSSES = {
     "cispo": (cispo_objective, (None, 4.0), lambda eps_high: eps_high),  # absolute ratio bounds
     "grpo": (token_clipped_objective, (0.2, 0.2), lambda eps_high: 1 + eps_high),
     "dapo": (token_clipped_objective, (0.2, 0.28), lambda eps_high: 1 + eps_high),
-    "gspo": (gspo_objective, (3e-3, 4e-3), lambda eps_high: 1 + eps_high),  # per sequence, logged per token
+    # per sequence, logged per token
+    "gspo": (gspo_objective, (3e-3, 4e-3), lambda eps_high: 1 + eps_high),
 }
 EPS_DEFAULTS = {kind: eps for kind, (_, eps, _) in LOSSES.items()}
 
@@ -142,7 +156,8 @@ EPS_DEFAULTS = {kind: eps for kind, (_, eps, _) in LOSSES.items()}
 def clip_eps(kind, eps_low=None, eps_high=None):
     """The (eps_low, eps_high) a loss kind runs with: the flags' values, or the kind's defaults."""
     default_low, default_high = EPS_DEFAULTS[kind]
-    return (default_low if eps_low is None else eps_low), (default_high if eps_high is None else eps_high)
+    return ((default_low if eps_low is None else eps_low),
+            (default_high if eps_high is None else eps_high))
 
 
 def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
@@ -160,33 +175,39 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
 
 
 def agg_counts(group, mask):
-    """What each aggregation averages over, for a set of rows: {"prompt": groups, "sample": sequences,
-    "token": masked tokens}. A batch split into micro-batches (and over trainers) gives the full-batch
-    gradient when each part's policy_loss is weighted by its count / the whole batch's count (the counts
-    summed over every trainer): train.train_batch does that, train.make_batch sums the counts."""
-    return {"prompt": len(torch.unique(group)), "sample": len(group), "token": int(mask.bool().sum())}
+    """What each aggregation averages over, for a set of rows: {"prompt": groups, "sample":
+    sequences, "token": masked tokens}. A batch split into micro-batches (and over trainers) gives
+    the full-batch gradient when each part's policy_loss is weighted by its count / the whole
+    batch's count (the counts summed over every trainer): train.train_batch does that,
+    train.make_batch sums the counts."""
+    return {"prompt": len(torch.unique(group)), "sample": len(group),
+            "token": int(mask.bool().sum())}
 
 
 def zero_variance_keep(rewards, group, valid=None):
-    """(N,) bool: True for the valid samples (default: all) whose group's valid samples have non-identical
-    rewards; invalid ones (truncated) are False and do not count in their group."""
+    """(N,) bool: True for the valid samples (default: all) whose group's valid samples have
+    non-identical rewards; invalid ones (truncated) are False and do not count in their group."""
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     idx, n_groups = group_index(group)
-    lo = rewards.new_full((n_groups,), math.inf).scatter_reduce(0, idx[valid], rewards[valid], "amin")
-    hi = rewards.new_full((n_groups,), -math.inf).scatter_reduce(0, idx[valid], rewards[valid], "amax")
+    lo = rewards.new_full((n_groups,), math.inf).scatter_reduce(
+        0, idx[valid], rewards[valid], "amin")
+    hi = rewards.new_full((n_groups,), -math.inf).scatter_reduce(
+        0, idx[valid], rewards[valid], "amax")
     return valid & (hi > lo)[idx]
 
 
 def length_penalty(lengths, l_max=14336, l_cache=2048):
-    """clip((l_max - len) / l_cache - 1, -1, 0): 0 up to l_max - l_cache, then linear to -1 at l_max."""
+    """clip((l_max - len) / l_cache - 1, -1, 0): 0 up to l_max - l_cache, then linear to -1 at
+    l_max."""
     return ((l_max - lengths) / l_cache - 1).clamp(-1, 0)
 
 
 @torch.no_grad()
 def ratio_stats(logp, gen_logp, mask, kind="cispo", eps_high=None):
-    """Generator/trainer mismatch over masked tokens: mean and max |logp - gen_logp|, and the fraction
-    of tokens whose rho exceeds the loss's upper bound (LOSSES: cispo the cap eps_high, the clipped losses
-    1 + eps_high, per token also for gspo): the tokens whose weight is truncated or clipped."""
+    """Generator/trainer mismatch over masked tokens: mean and max |logp - gen_logp|, and the
+    fraction of tokens whose rho exceeds the loss's upper bound (LOSSES: cispo the cap eps_high, the
+    clipped losses 1 + eps_high, per token also for gspo): the tokens whose weight is truncated or
+    clipped."""
     diff = (logp - gen_logp)[mask.bool()]  # (K,) masked tokens only
     if diff.numel() == 0:
         return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "frac_above_cap": 0.0}
@@ -200,11 +221,12 @@ def ratio_stats(logp, gen_logp, mask, kind="cispo", eps_high=None):
 
 @torch.no_grad()
 def drift_by_lag(logp, gen_logp, mask, lag):
-    """How far the trained policy has moved from the one that sampled, by the tokens' policy-version lag
-    (lag (N, T) long, aligned with mask): -> (sums, counts), (L + 1,) each, the sum of |log rho| and the
-    number of masked tokens at each lag 0..L. At lag 0 |log rho| is only the generator/trainer numerics; at
-    lag k it also holds k optimizer steps of change. A policy running away inside a frozen PPO window (or
-    the last k steps of PipelineRL-k) shows here first: the oldest tokens' mean |log rho| climbs."""
+    """How far the trained policy has moved from the one that sampled, by the tokens' policy-version
+    lag (lag (N, T) long, aligned with mask): -> (sums, counts), (L + 1,) each, the sum of |log rho|
+    and the number of masked tokens at each lag 0..L. At lag 0 |log rho| is only the
+    generator/trainer numerics; at lag k it also holds k optimizer steps of change. A policy running
+    away inside a frozen PPO window (or the last k steps of PipelineRL-k) shows here first: the
+    oldest tokens' mean |log rho| climbs."""
     keep = mask.bool()
     lag = lag[keep]
     diff = (logp - gen_logp)[keep].abs().double()

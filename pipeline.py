@@ -2,24 +2,29 @@
 pipeline.py: generator ranks and trainer ranks under torch.distributed (arXiv 2510.13786,
 section 3.1: PPO-off-policy-k and PipelineRL-k).
 
-`torchrun --nproc_per_node W train.py` starts W ranks; train.py calls setup() here, which splits them:
-ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T..W-1 are generators
-(--gen_ranks, default W - max(1, W // 4): 1 of 2, 3 of 4, 6 of 8; the paper used 64 of 80).
+`torchrun --nproc_per_node W train.py` starts W ranks; train.py calls setup() here, which splits
+them: ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T..W-1 are
+generators (--gen_ranks, default W - max(1, W // 4): 1 of 2, 3 of 4, 6 of 8; the paper used 64 of
+80).
 
-    generators  --(whole groups: ids, gen log-probs, masks, versions, correctness; gloo p2p)-->  trainers
-    trainer 0   --(all weights, flat buckets, broadcast after every optimizer step)---------->  generators
-    trainers    <-(gradients all-reduced: data parallel, every trainer holds the full model)->  trainers
+    generators
+        --(whole groups: ids, gen log-probs, masks, versions, correctness; gloo p2p)-->  trainers
+    trainer 0
+        --(all weights, flat buckets, broadcast after every optimizer step)---------->  generators
+    trainers
+        <-(gradients all-reduced: data parallel, every trainer holds the full model)->  trainers
 
 Three modes (--mode), one mechanism:
-- pipeline (PipelineRL-k, ScaleRL's choice): generators never stop. Between two decode steps a generator
-  picks up new weights (the KV cache of its running sequences stays) and stamps every token with the
-  version that produced it. As in the paper (section 3.1), the trainers wait if they get k steps ahead of
-  the generators (k = --max_lag, 8 in ScaleRL). Every prompt group has a global index gi; batch s (the
-  batch trainer step s + 1 trains on) is groups s*B .. s*B + B - 1 (B = --prompts), and each trainer
-  takes exactly its share of them, waiting for late ones. A generator with weights version v starts
-  group gi only if gi // B <= v + k (admit_ok), so no token trained at version s is older than s - k:
-  the lag bound holds by back-pressure and nothing is dropped (`too_old` counts violations: always 0).
-  Generator g owns every n_gens-th index (gi = g, g + n_gens, ...), so no index is taken twice.
+- pipeline (PipelineRL-k, ScaleRL's choice): generators never stop. Between two decode steps a
+  generator picks up new weights (the KV cache of its running sequences stays) and stamps every
+  token with the version that produced it. As in the paper (section 3.1), the trainers wait if they
+  get k steps ahead of the generators (k = --max_lag, 8 in ScaleRL). Every prompt group has a global
+  index gi; batch s (the batch trainer step s + 1 trains on) is groups s*B .. s*B + B - 1
+  (B = --prompts), and each trainer takes exactly its share of them, waiting for late ones. A
+  generator with weights version v starts group gi only if gi // B <= v + k (admit_ok), so no token
+  trained at version s is older than s - k: the lag bound holds by back-pressure and nothing is
+  dropped (`too_old` counts violations: always 0). Generator g owns every n_gens-th index (gi = g,
+  g + n_gens, ...), so no index is taken twice.
 - ppo_offpolicy (PPO-off-policy-k): generators produce k batches with frozen weights, wait while the
   trainers take k steps on them, then receive the new weights. Lag is 0..k-1.
 - sync: ppo_offpolicy with k = 1 (generate one batch, train one step).
@@ -27,40 +32,48 @@ Three modes (--mode), one mechanism:
 Control plane and data plane. Small state (weight version, counters of groups sent and received,
 heartbeats, each rank's status) lives in the torch.distributed TCP store. Tensors go through
 torch.distributed: rollouts by gloo isend/irecv (CPU tensors; a receiver posts a recv only once the
-store says a message is waiting, so no receive can wait on a message that was never sent), weights and
-gradients over nccl on CUDA (gloo on CPU). GPUs are dealt round-robin over the local ranks, so ranks may
-share one (one GPU, two ranks: generator and trainer side by side); a group whose ranks share a GPU talks
-over gloo, which nccl cannot do (device_plan; rank 0 logs the plan).
+store says a message is waiting, so no receive can wait on a message that was never sent), weights
+and gradients over nccl on CUDA (gloo on CPU). GPUs are dealt round-robin over the local ranks, so
+ranks may share one (one GPU, two ranks: generator and trainer side by side); a group whose ranks
+share a GPU talks over gloo, which nccl cannot do (device_plan; rank 0 logs the plan).
 
 Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for (except
-while trainer 0 runs a held-out eval, which may take longer: the others wait on the store meanwhile); a
-heartbeat thread in every rank bumps a counter in the store and watches the others': a rank that is
-dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds (default 60)
-and every other rank exits with status 1. A finished run drains the rollouts in flight and exits cleanly.
+while trainer 0 runs a held-out eval, which may take longer: the others wait on the store
+meanwhile); a heartbeat thread in every rank bumps a counter in the store and watches the others': a
+rank that is dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds
+(default 60) and every other rank exits with status 1. A finished run drains the rollouts in flight
+and exits cleanly.
 
 Readings chosen:
-- "Lag" of a token = the trainer's policy version when it trains on it minus the version that sampled it.
+- "Lag" of a token = the trainer's policy version when it trains on it minus the version that
+  sampled it.
 - Data-parallel trainers all-reduce (sum) their gradients, each having scaled its loss by its share
   of the global batch (prompt groups, samples or tokens, per --agg): the gradient is exactly the
   single-trainer full-batch gradient. The batch-normalized advantage uses the std of the whole
   batch (all trainers). Hand-written instead of DDP's wrapper, which needs every forward to go
   through it; here the loss runs the decoder and the float32 head separately (generate.py).
-- --fsdp shards the trainers' model and AdamW state over the trainer ranks with FSDP2 (fully_shard: each
-  decoder layer one unit, embedding + norm + head one unit, around a LogProbs module whose forward is the
-  loss's). Gradients are reduce-scattered as sums, like the replicas' all-reduce, so the steps are the
-  same (tested). Every trainer gathers the full weights for each broadcast, eval and checkpoint; rank 0
-  keeps one unsharded copy to evaluate and save. Checkpoints hold the full optimizer state (gathered to
-  rank 0); on --resume each trainer keeps its shard of it.
+- --fsdp shards the trainers' model and AdamW state over the trainer ranks with FSDP2 (fully_shard:
+  each decoder layer one unit, embedding + norm + head one unit, around a LogProbs module whose
+  forward is the loss's). Gradients are reduce-scattered as sums, like the replicas' all-reduce, so
+  the steps are the same (tested). Every trainer gathers the full weights for each broadcast, eval
+  and checkpoint; rank 0 keeps one unsharded copy to evaluate and save. Checkpoints hold the full
+  optimizer state (gathered to rank 0); on --resume each trainer keeps its shard of it.
 - Curriculum: each generator owns the prompts i with i % n_generators == its index and runs
   No-Positive-Resampling on them; its state is saved next to the trainer's checkpoints.
 - Compute (compute_s) = training wall-clock x world size: every device is counted, busy or not.
 
-    torchrun --nproc_per_node 2 train.py                          # 1 generator + 1 trainer, CPU, gloo
-    torchrun --nproc_per_node 4 train.py --gen_ranks 2            # 2 generators + 2 data-parallel trainers
-    torchrun --nproc_per_node 4 train.py --gen_ranks 2 --fsdp     # the same, model sharded over the 2 trainers
-    torchrun --nproc_per_node 2 train.py --mode ppo_offpolicy     # PPO-off-policy-8 (k = --max_lag)
-    torchrun --nproc_per_node 8 train.py --model DIR --data ... --dtype bfloat16   # one 8-GPU node, nccl
-    torchrun --nproc_per_node 2 train.py --device cuda             # one GPU shared by both ranks; weights over gloo
+    torchrun --nproc_per_node 2 train.py
+        # 1 generator + 1 trainer, CPU, gloo
+    torchrun --nproc_per_node 4 train.py --gen_ranks 2
+        # 2 generators + 2 data-parallel trainers
+    torchrun --nproc_per_node 4 train.py --gen_ranks 2 --fsdp
+        # the same, model sharded over the 2 trainers
+    torchrun --nproc_per_node 2 train.py --mode ppo_offpolicy
+        # PPO-off-policy-8 (k = --max_lag)
+    torchrun --nproc_per_node 8 train.py --model DIR --data ... --dtype bfloat16
+        # one 8-GPU node, nccl
+    torchrun --nproc_per_node 2 train.py --device cuda
+        # one GPU shared by both ranks; weights over gloo
 """
 
 import copy
@@ -78,15 +91,17 @@ import torch
 import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from data import Curriculum, score_samples, special_tokens
 from generate import FINISH, Sample, sampler, sequence_logprobs
 
-HEADER = 7  # per packed row: generator rank, group index, prompt index, prompt length, completion length,
-#            correct, finish
+# per packed row: generator rank, group index, prompt index, prompt length, completion length,
+# correct, finish
+HEADER = 7
 
 
 _CURRENT = {}  # this process's ctx, for report_failure
@@ -100,11 +115,12 @@ STOP = {}  # set by a SIGINT / SIGTERM: {"name": "SIGINT", "at": time.time()}
 
 
 def stop_on_signals():
-    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the trainers finish the step under way, save it and
-    print the --resume command (train.py); a generator that gets one passes it on through the store. The
-    handler only sets a flag (an exception raised at an arbitrary point, inside the sampler's generator for
-    one, can be swallowed). A repeat within 3 s is the same request (under torchrun Ctrl-C reaches a rank
-    twice: from the terminal and from torchrun); a later one exits at once, without saving."""
+    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the trainers finish the step under way,
+    save it and print the --resume command (train.py); a generator that gets one passes it on
+    through the store. The handler only sets a flag (an exception raised at an arbitrary point,
+    inside the sampler's generator for one, can be swallowed). A repeat within 3 s is the same
+    request (under torchrun Ctrl-C reaches a rank twice: from the terminal and from torchrun); a
+    later one exits at once, without saving."""
     def handler(signum, frame):
         name, quiet = signal.Signals(signum).name, int(os.environ.get("RANK", "0")) != 0
         if STOP and time.time() - STOP["at"] > 3:
@@ -113,20 +129,22 @@ def stop_on_signals():
         if not STOP:
             STOP.update(name=name, at=time.time())
             if not quiet:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"\n{name}: stopping after the step under way, then saving it ({name} again, "
-                            "3 s from now or later: exit at once without saving)\n".encode())
+                os.write(2, f"\n{name}: stopping after the step under way, then saving it ({name} "
+                            "again, 3 s from now or later: exit at once without saving)\n".encode())
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
 
 
 def stop_requested(ctx):
-    """Has a signal asked this run to stop: this process, or under torchrun any rank (through the store)?"""
+    """Has a signal asked this run to stop: this process, or under torchrun any rank (through the
+    store)?"""
     if ctx is None:
         return bool(STOP)
     if STOP and not STOP.get("told"):
         ctx.store.set("interrupted", STOP["name"])
         STOP["told"] = True
-    elif not STOP and ctx.store.check(["interrupted"]):  # another rank's: this one stops as if it got it too
+    # another rank's: this one stops as if it got it too
+    elif not STOP and ctx.store.check(["interrupted"]):
         STOP.update(name=ctx.store.get("interrupted").decode(), at=time.time(), told=True)
     return bool(STOP)
 
@@ -140,7 +158,8 @@ def default_gen_ranks(world):
 
 @dataclass
 class Context:
-    """One rank's place in the run and its channels: written by setup() and the functions here only."""
+    """One rank's place in the run and its channels: written by setup() and the functions here
+    only."""
     rank: int
     world: int
     n_trainers: int
@@ -162,12 +181,14 @@ class Context:
     received: int = 0  # groups this trainer has received
     early: dict = field(default_factory=dict)  # groups received before their batch, by global index
     genstats_before: list = None  # the generators' counters at the last busy_metrics()
-    heartbeat: threading.Thread = None  # _heartbeat's thread; finish() stops it before the ranks part
+    # _heartbeat's thread; finish() stops it before the ranks part
+    heartbeat: threading.Thread = None
     stopping: threading.Event = field(default_factory=threading.Event)
 
 
 def setup(args):
-    """Join the process group started by torchrun -> this rank's Context, or None for one process."""
+    """Join the process group started by torchrun -> this rank's Context, or None for one
+    process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return None
@@ -175,7 +196,8 @@ def setup(args):
     n_gens = args.gen_ranks if args.gen_ranks > 0 else default_gen_ranks(world)
     n_trainers = world - n_gens
     if not 1 <= n_gens < world:  # checked before any rank waits on another
-        sys.exit(f"--gen_ranks {n_gens} with {world} ranks: need at least one generator and one trainer")
+        sys.exit(f"--gen_ranks {n_gens} with {world} ranks: "
+                 "need at least one generator and one trainer")
     if args.prompts % n_trainers:
         sys.exit(f"--prompts {args.prompts} must be a multiple of the {n_trainers} trainer ranks")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -192,22 +214,24 @@ def setup(args):
         print(plan["line"], flush=True)
     ctx = Context(rank=rank, world=world, n_trainers=n_trainers, n_gens=n_gens,
                   role="trainer" if rank < n_trainers else "generator", device=plan["name"][rank],
-                  timeout=args.timeout, mode=args.mode, k=1 if args.mode == "sync" else args.max_lag,
+                  timeout=args.timeout, mode=args.mode,
+                  k=1 if args.mode == "sync" else args.max_lag,
                   prompts=args.prompts, samples=args.samples, fsdp=args.fsdp,
                   store=dist.distributed_c10d._get_default_store(),
                   # every rank creates every group, in the same order
                   weights=dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
                   trainers=dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
                   rollouts=dist.new_group(backend="gloo", timeout=timeout) if cuda else None)
-    ctx.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout), daemon=True)
+    ctx.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout),
+                                     daemon=True)
     ctx.heartbeat.start()
     _CURRENT["ctx"] = ctx
     return ctx
 
 
 def start(ctx, version, length):
-    """Every rank, once the model is loaded: rank 0 publishes the starting weights `version` (the resumed
-    step); rollouts travel as packed rows of `length` tokens per sample."""
+    """Every rank, once the model is loaded: rank 0 publishes the starting weights `version` (the
+    resumed step); rollouts travel as packed rows of `length` tokens per sample."""
     ctx.length = length
     if ctx.rank == 0:
         ctx.store.set("version", str(version))
@@ -218,25 +242,29 @@ def start(ctx, version, length):
 def device_plan(world, local_world, n_gpus, trainers, gens):
     """Which device each rank uses and which backend each process group talks over.
 
-    On GPUs, local rank i takes GPU i % n_gpus (round-robin), so several ranks may share one GPU (one
-    GPU, `torchrun --nproc_per_node 2`: generator and trainer side by side, as colocated set-ups do).
-    NCCL cannot join two ranks on the same GPU in one communicator, so a group whose ranks share a GPU
-    talks over gloo (it moves CUDA tensors through host memory: slower, but it works); the others keep
-    NCCL. Without GPUs everything is gloo on the CPU. -> {devices, name, default, weights, trainers, line}."""
+    On GPUs, local rank i takes GPU i % n_gpus (round-robin), so several ranks may share one GPU
+    (one GPU, `torchrun --nproc_per_node 2`: generator and trainer side by side, as colocated
+    set-ups do). NCCL cannot join two ranks on the same GPU in one communicator, so a group whose
+    ranks share a GPU talks over gloo (it moves CUDA tensors through host memory: slower, but it
+    works); the others keep NCCL. Without GPUs everything is gloo on the CPU. -> {devices, name,
+    default, weights, trainers, line}."""
     ranks = range(world)
     if not n_gpus:
-        return {"devices": [None] * world, "name": ["cpu"] * world, "default": "gloo", "weights": "gloo",
-                "trainers": "gloo", "line": f"devices: {world} ranks on the CPU, every group over gloo"}
+        return {"devices": [None] * world, "name": ["cpu"] * world, "default": "gloo",
+                "weights": "gloo", "trainers": "gloo",
+                "line": f"devices: {world} ranks on the CPU, every group over gloo"}
     devices = [(r % local_world) % n_gpus for r in ranks]
-    where = [(r // local_world, devices[r]) for r in ranks]  # (node, GPU): what must differ inside one NCCL group
+    # (node, GPU): what must differ inside one NCCL group
+    where = [(r // local_world, devices[r]) for r in ranks]
     backend = lambda group: "nccl" if len({where[r] for r in group}) == len(group) else "gloo"
     plan = {"devices": devices, "name": [f"cuda:{d}" for d in devices], "default": backend(ranks),
             "weights": backend([0] + gens), "trainers": backend(trainers)}
     shared = len(set(where)) < world
-    plan["line"] = (f"devices: {world} ranks on {min(n_gpus, local_world)} GPU(s) per node, round-robin "
-                    f"({'some ranks share a GPU' if shared else 'one GPU per rank'}); weight broadcast over "
-                    f"{plan['weights']}, gradients over {plan['trainers']}"
-                    + (" (nccl cannot join two ranks on one GPU)" if "gloo" in plan.values() else ""))
+    plan["line"] = (f"devices: {world} ranks on {min(n_gpus, local_world)} GPU(s) per node, "
+                    f"round-robin ({'some ranks share a GPU' if shared else 'one GPU per rank'}); "
+                    f"weight broadcast over {plan['weights']}, gradients over {plan['trainers']}"
+                    + (" (nccl cannot join two ranks on one GPU)"
+                       if "gloo" in plan.values() else ""))
     return plan
 
 
@@ -254,8 +282,9 @@ def get_int(ctx, key):
 
 
 def _heartbeat(ctx, limit):
-    """Bump this rank's counter every second; exit the process if another rank's stops moving. Ends when
-    finish() sets ctx.stopping, or once any rank has finished (ranks then leave at their own pace)."""
+    """Bump this rank's counter every second; exit the process if another rank's stops moving. Ends
+    when finish() sets ctx.stopping, or once any rank has finished (ranks then leave at their own
+    pace)."""
     store, me, world = ctx.store, ctx.rank, ctx.world
     last = {r: (-1, time.time()) for r in range(world) if r != me}
     try:
@@ -268,9 +297,10 @@ def _heartbeat(ctx, limit):
                 if now != count:
                     last[r] = (now, time.time())
                 elif time.time() - since > limit:
-                    status = store.get(f"status/{r}").decode() if store.check([f"status/{r}"]) else "?"
-                    _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; its last "
-                         f"status: {status}); {role_of(ctx, me)} was {ctx.status}")
+                    status = (store.get(f"status/{r}").decode() if store.check([f"status/{r}"])
+                              else "?")
+                    _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; "
+                         f"its last status: {status}); {role_of(ctx, me)} was {ctx.status}")
             ctx.stopping.wait(1.0)
     except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
         _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
@@ -293,7 +323,8 @@ def report_failure(err):
     except Exception:
         gone = ["the rendezvous store (rank 0 or the launcher)"]
     print(f"ERROR: {role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
-          f"{str(err).splitlines()[0] if str(err) else ''}; not responding: {'; '.join(gone) or 'none'}",
+          f"{str(err).splitlines()[0] if str(err) else ''}; "
+          f"not responding: {'; '.join(gone) or 'none'}",
           file=sys.stderr, flush=True)
 
 
@@ -303,26 +334,28 @@ def _die(message):
 
 
 def wait_until(ctx, ready, what):
-    """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was awaited. The
-    deadline does not run out while trainer 0 evaluates (held-out evals have no bound of their own; its
-    heartbeat still tells a dead trainer 0 within --heartbeat_timeout)."""
+    """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was
+    awaited. The deadline does not run out while trainer 0 evaluates (held-out evals have no bound
+    of their own; its heartbeat still tells a dead trainer 0 within --heartbeat_timeout)."""
     set_status(ctx, f"waiting for {what}")
     t0, pause = time.time(), 0.0005
     while not ready():
         if time.time() - t0 > ctx.timeout:
-            if ctx.store.check(["status/0"]) and ctx.store.get("status/0").startswith(b"evaluating"):
+            if (ctx.store.check(["status/0"])
+                    and ctx.store.get("status/0").startswith(b"evaluating")):
                 t0 = time.time()
                 continue
-            raise TimeoutError(f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
+            raise TimeoutError(
+                f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
     return time.time() - t0
 
 
 def on_trainer0(ctx, step, evaluate):
-    """A held-out eval of `step`: trainer 0 runs evaluate() (one process: it is trainer 0); the other
-    trainers wait for it on the store, not in a collective, and meanwhile trainer 0's status keeps every
-    rank's wait from running out (wait_until), however long the eval takes."""
+    """A held-out eval of `step`: trainer 0 runs evaluate() (one process: it is trainer 0); the
+    other trainers wait for it on the store, not in a collective, and meanwhile trainer 0's status
+    keeps every rank's wait from running out (wait_until), however long the eval takes."""
     if ctx is None:
         return evaluate()
     if ctx.rank != 0:
@@ -333,22 +366,25 @@ def on_trainer0(ctx, step, evaluate):
 
 
 def done_evaluating(ctx, step):
-    """Trainer 0, after its held-out eval of `step` (meanwhile its status said "evaluating", which keeps the
-    other ranks' waits from running out: wait_until): the other trainers may go on (wait_for_eval)."""
+    """Trainer 0, after its held-out eval of `step` (meanwhile its status said "evaluating", which
+    keeps the other ranks' waits from running out: wait_until): the other trainers may go on
+    (wait_for_eval)."""
     set_status(ctx, f"evaluated step {step}")
     ctx.store.set("evaluated", str(step))
 
 
 def wait_for_eval(ctx, step):
-    """Trainers other than trainer 0 wait here, not in a collective (whose deadline would run out), while
-    trainer 0 evaluates step `step`."""
-    wait_until(ctx, lambda: ctx.store.check(["evaluated"]) and int(ctx.store.get("evaluated")) >= step,
+    """Trainers other than trainer 0 wait here, not in a collective (whose deadline would run out),
+    while trainer 0 evaluates step `step`."""
+    wait_until(ctx,
+               lambda: ctx.store.check(["evaluated"]) and int(ctx.store.get("evaluated")) >= step,
                f"trainer 0's held-out eval at step {step}")
 
 
 def finish(ctx):
-    """Clean shutdown, called by every rank at its end. The heartbeat thread is stopped and joined first: left
-    running, it could be inside a store call when rank 0 (the store's host) exits, and abort the process."""
+    """Clean shutdown, called by every rank at its end. The heartbeat thread is stopped and joined
+    first: left running, it could be inside a store call when rank 0 (the store's host) exits, and
+    abort the process."""
     set_status(ctx, "finished")
     ctx.store.add("finished", 1)
     ctx.stopping.set()
@@ -361,16 +397,18 @@ def finish(ctx):
 
 
 def admit_ok(gi, version, k, prompts):
-    """PipelineRL-k: may a generator whose weights are `version` start group gi? Only if the batch it
-    belongs to (gi // prompts) is at most k steps ahead, so its oldest token is at most k versions old
-    when a trainer takes it. What happens to a sample older than k: it is never made. A generator k
-    batches ahead waits for new weights instead of sampling (the trainers' back-pressure); nothing is
-    sampled and then dropped (receive_groups counts violations as too_old, and tests keep it 0)."""
+    """PipelineRL-k: may a generator whose weights are `version` start group gi? Only if the batch
+    it belongs to (gi // prompts) is at most k steps ahead, so its oldest token is at most k
+    versions old when a trainer takes it. What happens to a sample older than k: it is never made. A
+    generator k batches ahead waits for new weights instead of sampling (the trainers'
+    back-pressure); nothing is sampled and then dropped (receive_groups counts violations as
+    too_old, and tests keep it 0)."""
     return gi // prompts <= version + k
 
 
 def trainer_of(gi, prompts, n_trainers):
-    """The trainer that trains group gi: each trainer takes prompts / n_trainers groups of every batch."""
+    """The trainer that trains group gi: each trainer takes prompts / n_trainers groups of every
+    batch."""
     return (gi % prompts) % n_trainers
 
 
@@ -383,10 +421,12 @@ def pack_group(gen_rank, gi, prompt_index, prompt, samples, correct, length):
         n, P = len(s.tokens), len(prompt)
         if P + n > length or max(prompt + s.tokens) >= 2 ** 24:
             raise ValueError(f"cannot pack: {P}+{n} tokens > {length} or a token id >= 2**24")
-        row[:HEADER] = torch.tensor([gen_rank, gi, prompt_index, P, n, float(c), FINISH.index(s.finish)])
+        row[:HEADER] = torch.tensor([gen_rank, gi, prompt_index, P, n, float(c),
+                                     FINISH.index(s.finish)])
         body = row[HEADER:].view(4, length)
         body[0, :P + n] = torch.tensor(prompt + s.tokens, dtype=torch.float)
-        body[1, :n], body[2, :n], body[3, :n] = (torch.tensor(x, dtype=torch.float) for x in (s.logps, s.mask, s.versions))
+        body[1, :n], body[2, :n], body[3, :n] = (torch.tensor(x, dtype=torch.float)
+                                                 for x in (s.logps, s.mask, s.versions))
     return rows
 
 
@@ -399,15 +439,17 @@ def unpack_group(rows):
         n, c, f = int(row[4]), bool(row[5]), int(row[6])
         body = row[HEADER:].view(4, length)
         prompt = [int(x) for x in body[0, :P].tolist()]
-        samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()], body[1, :n].tolist(),
-                              [int(x) for x in body[2, :n].tolist()], [int(x) for x in body[3, :n].tolist()], FINISH[f]))
+        samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()],
+                              body[1, :n].tolist(), [int(x) for x in body[2, :n].tolist()],
+                              [int(x) for x in body[3, :n].tolist()], FINISH[f]))
         correct.append(c)
-    return {"gen_rank": gen_rank, "gi": gi, "index": index, "prompt": prompt, "samples": samples, "correct": correct}
+    return {"gen_rank": gen_rank, "gi": gi, "index": index, "prompt": prompt, "samples": samples,
+            "correct": correct}
 
 
 def weight_buckets(tensors, bucket_mb):
-    """The model's tensors (tied ones once, named_parameters order) in consecutive same-dtype buckets of at
-    most bucket_mb."""
+    """The model's tensors (tied ones once, named_parameters order) in consecutive same-dtype
+    buckets of at most bucket_mb."""
     buckets, size = [], 0
     for t in tensors:
         if not buckets or buckets[-1][-1].dtype != t.dtype or size + t.nbytes > bucket_mb * 2 ** 20:
@@ -419,21 +461,23 @@ def weight_buckets(tensors, bucket_mb):
 
 
 def full_weights(model):
-    """Every parameter whole: sharded (FSDP2) ones are all-gathered, a collective over the trainers."""
+    """Every parameter whole: sharded (FSDP2) ones are all-gathered, a collective over the
+    trainers."""
     return [p.full_tensor() if isinstance(p, DTensor) else p for _, p in model.named_parameters()]
 
 
 @torch.no_grad()
 def broadcast_weights(ctx, model, bucket_mb, tensors=None):
-    """Trainer 0 sends `tensors` (default: its parameters), every generator receives them into its model
-    -> bytes moved."""
+    """Trainer 0 sends `tensors` (default: its parameters), every generator receives them into its
+    model -> bytes moved."""
     nbytes = 0
     ours = tensors if tensors is not None else [p for _, p in model.named_parameters()]
     for params in weight_buckets(ours, bucket_mb):
         if ctx.rank == 0:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
         else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                               device=params[0].device)
         dist.broadcast(flat, src=0, group=ctx.weights)
         if ctx.rank != 0:
             offset = 0
@@ -445,10 +489,11 @@ def broadcast_weights(ctx, model, bucket_mb, tensors=None):
 
 
 def batch_grads(ctx, model, forward, n_micro, passes, pad_id, fp32_head, temperature):
-    """Run this trainer's n_micro forward/backward passes (passes() -> what it returns) so that its gradient
-    ends as the whole batch's. One process: it is. Replicated trainers: all_reduce_grads after. FSDP2
-    (forward: the sharded LogProbs): every pass is a chain of collectives, so a trainer with fewer
-    micro-batches than another first runs passes that add nothing, until their counts match."""
+    """Run this trainer's n_micro forward/backward passes (passes() -> what it returns) so that its
+    gradient ends as the whole batch's. One process: it is. Replicated trainers: all_reduce_grads
+    after. FSDP2 (forward: the sharded LogProbs): every pass is a chain of collectives, so a trainer
+    with fewer micro-batches than another first runs passes that add nothing, until their counts
+    match."""
     if ctx is not None and forward is not None:
         n_all = int(all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
         for _ in range(n_micro, n_all):
@@ -463,7 +508,8 @@ def batch_grads(ctx, model, forward, n_micro, passes, pad_id, fp32_head, tempera
 def all_reduce_grads(ctx, model):
     """Sum the trainers' gradients (each already scaled by its share of the global batch)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
     dist.all_reduce(flat, group=ctx.trainers)
     offset = 0
     for p in params:
@@ -498,18 +544,21 @@ def _receive_one(ctx):
 
 
 def receive_groups(ctx, step):
-    """This trainer's share of batch `step` (groups step*B .. step*B + B - 1 with trainer_of == rank), in
-    index order, waiting for late ones; groups of later batches that arrive first are kept in ctx.early.
-    -> (groups, stats); fewer groups only when generators ran out of prompts. Nothing is dropped:
-    too_old counts groups with a token more than k versions old (admit_ok makes it 0)."""
+    """This trainer's share of batch `step` (groups step*B .. step*B + B - 1 with
+    trainer_of == rank), in index order, waiting for late ones; groups of later batches that arrive
+    first are kept in ctx.early. -> (groups, stats); fewer groups only when generators ran out of
+    prompts. Nothing is dropped: too_old counts groups with a token more than k versions old
+    (admit_ok makes it 0)."""
     rank, k, B = ctx.rank, ctx.k, ctx.prompts
-    want = [gi for gi in range(step * B, (step + 1) * B) if trainer_of(gi, B, ctx.n_trainers) == rank]
+    want = [gi for gi in range(step * B, (step + 1) * B)
+            if trainer_of(gi, B, ctx.n_trainers) == rank]
     early, stats = ctx.early, {"too_old": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
     while any(gi not in early for gi in want):
         missing = [gi for gi in want if gi not in early]
         stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx.received
                                       or get_int(ctx, "exhausted") > 0,
-                                      f"rollouts for step {step + 1} (groups {missing[0]}..{missing[-1]})")
+                                      f"rollouts for step {step + 1} "
+                                      f"(groups {missing[0]}..{missing[-1]})")
         if get_int(ctx, f"sent/{rank}") <= ctx.received:
             break  # a generator has no prompts left
         group = unpack_group(_receive_one(ctx))
@@ -519,7 +568,8 @@ def receive_groups(ctx, step):
         early[group["gi"]] = group
     got = [early.pop(gi) for gi in want if gi in early]
     for group in got:
-        oldest = min((v for s in group["samples"] for v, m in zip(s.versions, s.mask) if m), default=step)
+        oldest = min((v for s in group["samples"] for v, m in zip(s.versions, s.mask) if m),
+                     default=step)
         stats["too_old"] += step - oldest > k
     set_status(ctx, f"training step {step + 1}")
     return got, stats
@@ -529,7 +579,8 @@ def publish_weights(ctx, model, step, last, bucket_mb):
     """After each optimizer step: announce version `step`, trainer 0 broadcasts -> (seconds, bytes).
     ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Sharded trainers all
     take part in gathering the full weights first. One process (ctx None): nothing to send."""
-    if ctx is None or last or step % (1 if ctx.mode == "pipeline" else ctx.k) or (ctx.rank != 0 and not ctx.fsdp):
+    if (ctx is None or last or step % (1 if ctx.mode == "pipeline" else ctx.k)
+            or (ctx.rank != 0 and not ctx.fsdp)):
         return 0.0, 0
     t0 = time.time()
     set_status(ctx, f"gathering and broadcasting weights version {step}")
@@ -542,9 +593,9 @@ def publish_weights(ctx, model, step, last, bucket_mb):
 
 
 class LogProbs(torch.nn.Module):
-    """The trainer's forward (decoder, then the float32 head in chunks: generate.sequence_logprobs) as one
-    module, so that FSDP2's hooks around its forward gather the embedding, final norm and head (a call to
-    model.model alone would find them sharded)."""
+    """The trainer's forward (decoder, then the float32 head in chunks: generate.sequence_logprobs)
+    as one module, so that FSDP2's hooks around its forward gather the embedding, final norm and
+    head (a call to model.model alone would find them sharded)."""
 
     def __init__(self, model):
         super().__init__()
@@ -555,10 +606,11 @@ class LogProbs(torch.nn.Module):
 
 
 def trainer_model(ctx, model, fsdp, rank0):
-    """The trainer's three views of its model -> (the model trained, the model evaluated and saved, the
-    loss's forward). Replicated (one process, or trainers without --fsdp): the model itself, and forward None
-    (generate.sequence_logprobs). --fsdp: the model sharded in place (shard_trainer), its LogProbs wrapper,
-    and rank 0's unsharded copy to evaluate and save (None on the other trainers)."""
+    """The trainer's three views of its model -> (the model trained, the model evaluated and saved,
+    the loss's forward). Replicated (one process, or trainers without --fsdp): the model itself, and
+    forward None (generate.sequence_logprobs). --fsdp: the model sharded in place (shard_trainer),
+    its LogProbs wrapper, and rank 0's unsharded copy to evaluate and save (None on the other
+    trainers)."""
     if ctx is None or not fsdp:
         return model, model, None
     full = copy.deepcopy(model) if rank0 else None
@@ -566,14 +618,16 @@ def trainer_model(ctx, model, fsdp, rank0):
     if rank0:
         local = sum(p.to_local().numel() for p in model.parameters())
         total = sum(p.numel() for p in full.parameters())
-        print(f"FSDP2: trainer 0 holds {local} of {total} parameters (and their AdamW state)", flush=True)
+        print(f"FSDP2: trainer 0 holds {local} of {total} parameters (and their AdamW state)",
+              flush=True)
     return model, full, forward
 
 
 def shard_trainer(model, trainers, device):
-    """--fsdp: shard the model over the process group `trainers` with FSDP2 (each decoder layer one unit, the
-    rest one unit) -> the LogProbs module to call for the loss. Gradients are summed across trainers, not
-    averaged: each trainer's loss is already weighted by its share of the global batch."""
+    """--fsdp: shard the model over the process group `trainers` with FSDP2 (each decoder layer one
+    unit, the rest one unit) -> the LogProbs module to call for the loss. Gradients are summed
+    across trainers, not averaged: each trainer's loss is already weighted by its share of the
+    global batch."""
     mesh = DeviceMesh.from_group(trainers, "cuda" if str(device).startswith("cuda") else "cpu")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -587,14 +641,16 @@ def shard_trainer(model, trainers, device):
 
 
 def full_optimizer_state(model, opt):
-    """--fsdp: the optimizer state of the whole model as one ordinary state dict, on rank 0 (None elsewhere).
-    A collective: every trainer calls it."""
-    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """--fsdp: the optimizer state of the whole model as one ordinary state dict, on rank 0 (None
+    elsewhere). A collective: every trainer calls it."""
+    full = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return full if dist.get_rank() == 0 else None
 
 
 def load_sharded_optimizer(model, opt, full):
-    """--fsdp on resume: each trainer keeps its own shard of a full optimizer state dict (read by all)."""
+    """--fsdp on resume: each trainer keeps its own shard of a full optimizer state dict (read by
+    all)."""
     set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
 
 
@@ -607,12 +663,14 @@ def generator_stats(ctx):
 
 
 def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
-    """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed, tokens/s.
-    One process alternates: busy generating and verifying (rstats' seconds), then training."""
+    """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed,
+    tokens/s. One process alternates: busy generating and verifying (rstats' seconds), then
+    training."""
     if ctx is None:
-        return {"retired": rstats["retired"], "epoch": rstats["epoch"], "gen_busy": (dt - train_s) / dt,
-                "train_busy": train_s / dt, "sync_ms": 0.0, "generate_ms": rstats["gen_s"] * 1000,
-                "verify_ms": rstats["verify_s"] * 1000, "train_ms": train_s * 1000}
+        return {"retired": rstats["retired"], "epoch": rstats["epoch"],
+                "gen_busy": (dt - train_s) / dt, "train_busy": train_s / dt, "sync_ms": 0.0,
+                "generate_ms": rstats["gen_s"] * 1000, "verify_ms": rstats["verify_s"] * 1000,
+                "train_ms": train_s * 1000}
     wait_s = rstats["wait_s"]
     now = generator_stats(ctx)
     before = ctx.genstats_before or [{}] * len(now)
@@ -621,22 +679,25 @@ def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
          for s, b in zip(now, before)]
     busy = [(x["wall"] - x["idle"] - x["sync"]) / x["wall"] for x in d if x["wall"] > 0]
     return {"gen_busy": sum(busy) / len(busy) if busy else 0.0, "train_busy": train_s / dt,
-            "wait_ms": wait_s * 1000, "sync_ms": sync_s * 1000, "sync_MBps": sync_bytes / 1e6 / sync_s if sync_s else 0.0,
+            "wait_ms": wait_s * 1000, "sync_ms": sync_s * 1000,
+            "sync_MBps": sync_bytes / 1e6 / sync_s if sync_s else 0.0,
             "gen_tok_s": sum(x["tokens"] / x["wall"] for x in d if x["wall"] > 0),
-            "retired": sum(s.get("retired", 0) for s in now), "epoch": max((s.get("epoch", 0) for s in now), default=0)}
+            "retired": sum(s.get("retired", 0) for s in now),
+            "epoch": max((s.get("epoch", 0) for s in now), default=0)}
 
 
 def end_trainer(ctx, step):
-    """A trainer after its last step (`step`): drain the generators (drain), then leave with the other ranks
-    (finish). One process: nothing to do."""
+    """A trainer after its last step (`step`): drain the generators (drain), then leave with the
+    other ranks (finish). One process: nothing to do."""
     if ctx is not None:
         drain(ctx, step)
         finish(ctx)
 
 
 def drain(ctx, step):
-    """After the last step (`step`: the last one trained): stop the generators, take every group still in
-    flight, so they exit cleanly; each saves its curriculum as it was for a resume at `step`."""
+    """After the last step (`step`: the last one trained): stop the generators, take every group
+    still in flight, so they exit cleanly; each saves its curriculum as it was for a resume at
+    `step`."""
     if ctx.rank == 0:
         ctx.store.set("last_step", str(step))
         ctx.store.set("stop", "1")
@@ -665,12 +726,16 @@ class Generator:
     steps: object = None  # the sampler: steps.send((new items, version)) -> (finished, free slots)
     free: int = 0  # free sampler slots
     admitted: int = 0  # groups started since start_version
-    open: dict = field(default_factory=dict)  # global index gi -> {"c": curriculum slot, "samples": [G]}
-    sends: list = field(default_factory=list)  # (trainer, isend work, rows) not yet known to be received
-    snapshots: dict = field(default_factory=dict)  # batch b -> the curriculum for a resume at step b (see admit)
+    # global index gi -> {"c": curriculum slot, "samples": [G]}
+    open: dict = field(default_factory=dict)
+    # (trainer, isend work, rows) not yet known to be received
+    sends: list = field(default_factory=list)
+    # batch b -> the curriculum for a resume at step b (see admit)
+    snapshots: dict = field(default_factory=dict)
     pruned: list = None  # per trainer: sends forgotten because that trainer received them
     t0: float = field(default_factory=time.time)
-    idle: float = 0.0  # seconds waiting: k batches ahead (pipeline) or frozen weights (ppo_offpolicy)
+    # seconds waiting: k batches ahead (pipeline) or frozen weights (ppo_offpolicy)
+    idle: float = 0.0
     idle_since: float = None  # the start of a wait under way
     sync: float = 0.0  # seconds receiving weights
     tokens: int = 0  # completion tokens generated
@@ -678,20 +743,26 @@ class Generator:
     last_stats: float = 0.0
 
 
-def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version, curriculum_path):
-    """A generator rank's whole life: sample groups, verify them, send them, take new weights; until the
-    trainers say stop. Then it saves its curriculum and waits until its last sends are received."""
+def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version,
+                  curriculum_path):
+    """A generator rank's whole life: sample groups, verify them, send them, take new weights; until
+    the trainers say stop. Then it saves its curriculum and waits until its last sends are
+    received."""
     g = ctx.rank - ctx.n_trainers
-    mine, curriculum = problems_of(len(problems), g, ctx.n_gens, args.seed, args.no_positive_resampling)
+    mine, curriculum = problems_of(len(problems), g, ctx.n_gens, args.seed,
+                                   args.no_positive_resampling)
     if args.resume and os.path.exists(curriculum_path):
         curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
-        curriculum.npr = args.no_positive_resampling  # as the flag says now (check_resume printed a change)
-    gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, curriculum_path,
-                    start_version, start_version, pruned=[0] * ctx.n_trainers)
+        # as the flag says now (check_resume printed a change)
+        curriculum.npr = args.no_positive_resampling
+    gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum,
+                    curriculum_path, start_version, start_version, pruned=[0] * ctx.n_trainers)
     gen.steps = sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
-                        answer_budget=args.answer_budget, max_prompt_len=max(len(p) for p in prompt_ids),
-                        interrupt=args.length_control == "interrupt", slots=args.slots, temperature=args.temperature,
-                        fp32_head=args.fp32_head, seed=args.seed, version=start_version)
+                        answer_budget=args.answer_budget,
+                        max_prompt_len=max(len(p) for p in prompt_ids),
+                        interrupt=args.length_control == "interrupt", slots=args.slots,
+                        temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
+                        version=start_version)
     _, gen.free = next(gen.steps)
     set_status(ctx, "generating")
     try:
@@ -699,7 +770,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             (generate_pipelined if ctx.mode == "pipeline" else generate_frozen)(ctx, gen)
     except Stopped:
         pass
-    last = int(ctx.store.get("last_step"))  # args.steps, or the step the trainers stopped at (drain)
+    # args.steps, or the step the trainers stopped at (drain)
+    last = int(ctx.store.get("last_step"))
     _save_curriculum(gen.snapshots.get(last, curriculum), curriculum_path)
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
@@ -709,37 +781,45 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
 
 
 def generate_pipelined(ctx, gen):
-    """PipelineRL-k, one round: take new weights if any, admit the groups the lag rule allows into free
-    slots, run the sampler; with nothing running and nothing admissible (k batches ahead), wait."""
+    """PipelineRL-k, one round: take new weights if any, admit the groups the lag rule allows into
+    free slots, run the sampler; with nothing running and nothing admissible (k batches ahead),
+    wait."""
     version = poll(ctx, gen)
-    items = admit(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples), version)) if gen.free else []
+    items = (admit(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples), version))
+             if gen.free else [])
     if items or gen.free < gen.args.slots:
         sampler_step(ctx, gen, items, version)
         return
     gen.idle_since = time.time()
-    wait_until(ctx, lambda: next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted"),
-               f"weights that let group {next_groups(ctx, gen, 1, 10 ** 9)[0]} start (PipelineRL-{ctx.k})")
+    wait_until(ctx,
+               lambda: next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted"),
+               f"weights that let group {next_groups(ctx, gen, 1, 10 ** 9)[0]} start "
+               f"(PipelineRL-{ctx.k})")
     gen.idle += time.time() - gen.idle_since
     gen.idle_since = None
 
 
 def generate_frozen(ctx, gen):
-    """ppo_offpolicy / sync, one round: sample the batches for the steps up to the next multiple of k with
-    frozen weights, then wait for the weights of that step."""
+    """ppo_offpolicy / sync, one round: sample the batches for the steps up to the next multiple of
+    k with frozen weights, then wait for the weights of that step."""
     v, k, B = gen.version, ctx.k, ctx.prompts
-    sampler_step(ctx, gen, admit(ctx, gen, [v * B + j for j in range(gen.index, (k - v % k) * B, ctx.n_gens)]), v)
+    sampler_step(ctx, gen,
+                 admit(ctx, gen,
+                       [v * B + j for j in range(gen.index, (k - v % k) * B, ctx.n_gens)]),
+                 v)
     while gen.free < gen.args.slots:  # until every sample of these batches is done
         poll(ctx, gen, apply=False)
         sampler_step(ctx, gen, [], v)
     gen.idle_since = time.time()
-    wait_until(ctx, lambda: poll(ctx, gen) >= v + k - v % k, f"weights version {v + k - v % k} (frozen for {k} steps)")
+    wait_until(ctx, lambda: poll(ctx, gen) >= v + k - v % k,
+               f"weights version {v + k - v % k} (frozen for {k} steps)")
     gen.idle += time.time() - gen.idle_since
     gen.idle_since = None
 
 
 def poll(ctx, gen, apply=True):
-    """Stop? New weights? (reads the store at most every 10 ms) -> the weights version in the model. New
-    weights are received into the model's own parameters, between two sampler steps."""
+    """Stop? New weights? (reads the store at most every 10 ms) -> the weights version in the model.
+    New weights are received into the model's own parameters, between two sampler steps."""
     if time.time() - gen.last_poll < 0.01:
         return gen.version
     gen.last_poll = time.time()
@@ -747,7 +827,8 @@ def poll(ctx, gen, apply=True):
         raise Stopped
     stop_requested(ctx)  # a signal to this generator: the trainers stop after their step under way
     version = int(ctx.store.get("version"))
-    if apply and version > gen.version:  # trainer 0 is in the broadcast of `version`, waiting for us
+    # trainer 0 is in the broadcast of `version`, waiting for us
+    if apply and version > gen.version:
         t0 = time.time()
         set_status(ctx, f"receiving weights version {version}")
         broadcast_weights(ctx, gen.model, gen.args.bucket_mb)
@@ -757,53 +838,62 @@ def poll(ctx, gen, apply=True):
         if gen.idle_since is not None:  # a wait under way: this was sync time, not idle time
             gen.idle_since += time.time() - t0
         set_status(ctx, "generating")
-        if every and version // every > before // every:  # trainer 0 saved a checkpoint at step b since
+        # trainer 0 saved a checkpoint at step b since
+        if every and version // every > before // every:
             b = version // every * every  # (ppo_offpolicy's versions step by k and may pass over b)
             _save_curriculum(gen.snapshots.get(b, gen.curriculum), gen.curriculum_path)
-        gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}  # a stop at `version` needs it
+        # a stop at `version` needs it
+        gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}
     publish_stats(ctx, gen)
     return gen.version
 
 
 def publish_stats(ctx, gen, force=False):
-    """This generator's counters into the store (at most every 0.1 s), for trainer 0's busy_metrics."""
+    """This generator's counters into the store (at most every 0.1 s), for trainer 0's
+    busy_metrics."""
     now = time.time()
     if force or now - gen.last_stats > 0.1:
         gen.last_stats = now
-        idle = gen.idle + (now - gen.idle_since if gen.idle_since else 0.0)  # a wait under way counts
+        # a wait under way counts
+        idle = gen.idle + (now - gen.idle_since if gen.idle_since else 0.0)
         ctx.store.set(f"genstats/{ctx.rank}", json.dumps({
             "wall": now - gen.t0, "idle": idle, "sync": gen.sync, "tokens": gen.tokens,
             "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch}))
 
 
 def problems_of(n_problems, g, n_gens, seed, npr):
-    """Generator g's share of the training problems (every n_gens-th) and the curriculum that picks among them
-    -> (their indices, Curriculum). The one-process loop is generator 0 of 1: with one generator, `python
-    train.py` and `torchrun ... --mode sync` serve the same prompts in the same order."""
+    """Generator g's share of the training problems (every n_gens-th) and the curriculum that picks
+    among them -> (their indices, Curriculum). The one-process loop is generator 0 of 1: with one
+    generator, `python train.py` and `torchrun ... --mode sync` serve the same prompts in the same
+    order."""
     mine = list(range(g, n_problems, n_gens))
     return mine, Curriculum(len(mine), seed + 1 + g, npr=npr)
 
 
 def group_items(prompt, gi, G):
-    """The sampler items of group gi (the run's gi-th group: step * prompts + its place in the batch): its
-    prompt G times, sample j with the noise key gi * 1024 + j, tagged (gi, j). Every layout of the ranks
-    draws a group's samples from these keys, so a group's noise does not depend on who samples it."""
+    """The sampler items of group gi (the run's gi-th group: step * prompts + its place in the
+    batch): its prompt G times, sample j with the noise key gi * 1024 + j, tagged (gi, j). Every
+    layout of the ranks draws a group's samples from these keys, so a group's noise does not depend
+    on who samples it."""
     return [(prompt, gi * 1024 + j, (gi, j)) for j in range(G)]
 
 
 def next_groups(ctx, gen, n_groups, version):
-    """pipeline: the global indices of this generator's next groups (every n_gens-th; batches before the
-    resumed version are done), as many as n_groups and as the lag rule allows at `version`."""
+    """pipeline: the global indices of this generator's next groups (every n_gens-th; batches before
+    the resumed version are done), as many as n_groups and as the lag rule allows at `version`."""
     B = ctx.prompts
-    gis = [gen.start_version * B + j * ctx.n_gens + gen.index for j in range(gen.admitted, gen.admitted + n_groups)]
-    return [gi for gi in gis if admit_ok(gi, version, ctx.k, B)]  # the rule is monotone in gi: a prefix
+    gis = [gen.start_version * B + j * ctx.n_gens + gen.index
+           for j in range(gen.admitted, gen.admitted + n_groups)]
+    # the rule is monotone in gi: a prefix
+    return [gi for gi in gis if admit_ok(gi, version, ctx.k, B)]
 
 
 def admit(ctx, gen, gis):
-    """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler items
-    (prompt ids, noise key, tag (gi, j)). Before the first group of a batch b, a copy of the curriculum is
-    kept: with the pass rates of earlier batches recorded into it as they come (send_group), it is the
-    state a resume at step b must start from (the live one has served up to k batches more by then)."""
+    """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler
+    items (prompt ids, noise key, tag (gi, j)). Before the first group of a batch b, a copy of the
+    curriculum is kept: with the pass rates of earlier batches recorded into it as they come
+    (send_group), it is the state a resume at step b must start from (the live one has served up to
+    k batches more by then)."""
     items, G = [], gen.args.samples
     for gi in gis:
         if gi // ctx.prompts not in gen.snapshots:
@@ -821,7 +911,8 @@ def admit(ctx, gen, gis):
 
 
 def sampler_step(ctx, gen, items, version):
-    """One send to the sampler (queue `items`, decode); the groups it completes are verified and sent."""
+    """One send to the sampler (queue `items`, decode); the groups it completes are verified and
+    sent."""
     finished, gen.free = gen.steps.send((items, version))
     for (gi, j), sample in finished:
         group = gen.open[gi]
@@ -833,17 +924,20 @@ def sampler_step(ctx, gen, items, version):
 
 
 def send_group(ctx, gen, gi, c, samples):
-    """Verify a finished group, record its pass rate in the curriculum, send it to its trainer (isend); then
-    forget the sends the trainers have received."""
+    """Verify a finished group, record its pass rate in the curriculum, send it to its trainer
+    (isend); then forget the sends the trainers have received."""
     i, G = gen.mine[c], len(samples)
-    _, correct = score_samples(gen.tokenizer, samples, [gen.problems[i]] * G, unsafe_code=gen.args.unsafe_code_exec)
-    for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items() if gi // ctx.prompts < b]:
+    _, correct = score_samples(gen.tokenizer, samples, [gen.problems[i]] * G,
+                               unsafe_code=gen.args.unsafe_code_exec)
+    for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items()
+                                          if gi // ctx.prompts < b]:
         curriculum.record(c, sum(correct) / G)
     dst = trainer_of(gi, ctx.prompts, ctx.n_trainers)
     rows = pack_group(ctx.rank, gi, i, gen.prompt_ids[i], samples, correct, ctx.length)
     gen.sends.append((dst, dist.isend(rows, dst=dst, group=ctx.rollouts, tag=1), rows))
     ctx.store.add(f"sent/{dst}", 1)
-    if len(gen.sends) > 2 * math.ceil((ctx.k + 1) * ctx.prompts / ctx.n_gens):  # received sends, in order
+    # received sends, in order
+    if len(gen.sends) > 2 * math.ceil((ctx.k + 1) * ctx.prompts / ctx.n_gens):
         for t in range(ctx.n_trainers):
             done = get_int(ctx, f"received_from/{ctx.rank}/{t}")
             for x in [x for x in gen.sends if x[0] == t][:done - gen.pruned[t]]:

@@ -1,21 +1,21 @@
 """
-runs.py: what keeps a run folder (--out) safe and resumable: train.py's training is in train.py, this file is
-everything it does to the folder. The paper's runs are long (its ScaleRL run: 100,000 GPU-hours), so a run
-must survive being stopped and resumed, and never touch what is not its own.
+runs.py: what keeps a run folder (--out) safe and resumable: train.py's training is in train.py,
+this file is everything it does to the folder. The paper's runs are long (its ScaleRL run: 100,000
+GPU-hours), so a run must survive being stopped and resumed, and never touch what is not its own.
 
-- The folder: --out may not be the source tree, a model folder, or hold the --model that --overwrite would
-  clear (check_out_dir); a folder is a run of train.py when it holds RUN_MARK (or, written before that
-  existed, a metrics.jsonl that opens with train.py's config line); --overwrite deletes, and checkpoint
-  pruning prunes, only the names a run writes (RUN_NAME: metrics.jsonl, ckpt-STEP, curriculum-rankN.pt, and
-  tb/ or wandb/ when RUN_MARK says a run used them); run files are never written through a symlink; rank 0
-  holds --out/.lock for the whole run.
-- Checkpoints: written under a temporary name and renamed into place; --resume takes the newest one whose
-  state, config and weight headers load (a broken newer one is skipped and named), refuses another data
-  set, split or model, and drops the metrics lines written after it.
+- The folder: --out may not be the source tree, a model folder, or hold the --model that --overwrite
+  would clear (check_out_dir); a folder is a run of train.py when it holds RUN_MARK (or, written
+  before that existed, a metrics.jsonl that opens with train.py's config line); --overwrite deletes,
+  and checkpoint pruning prunes, only the names a run writes (RUN_NAME: metrics.jsonl, ckpt-STEP,
+  curriculum-rankN.pt, and tb/ or wandb/ when RUN_MARK says a run used them); run files are never
+  written through a symlink; rank 0 holds --out/.lock for the whole run.
+- Checkpoints: written under a temporary name and renamed into place; --resume takes the newest one
+  whose state, config and weight headers load (a broken newer one is skipped and named), refuses
+  another data set, split or model, and drops the metrics lines written after it.
 - Metrics: metrics.jsonl, one JSON object a line, and the optional --wandb / --tensorboard trackers.
 - The exact command that resumes this run (printed when a signal stops it).
 
-    python -m pytest -q test_all.py -k "run_folder or resume or symlink or source_tree or checkpoints"
+  python -m pytest -q test_all.py -k "run_folder or resume or symlink or source_tree or checkpoints"
 """
 import errno
 import fcntl
@@ -32,15 +32,19 @@ import torch
 from safetensors import safe_open
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RUN_MARK = ".train-run.json"  # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
-RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.pt(\.tmp)?")  # the names it writes
-SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")  # the repository's own folders
+# written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
+RUN_MARK = ".train-run.json"
+# the names it writes
+RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.pt(\.tmp)?")
+# the repository's own folders
+SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")
 _LOCK = []  # the open lock file of this process's run
 
 
 def run_names(out):
-    """The entries of --out that a run of train.py wrote: its metrics, checkpoints and curriculum files, and tb/
-    or wandb/ when the folder's RUN_MARK says a run there used --tensorboard / --wandb. Nothing else."""
+    """The entries of --out that a run of train.py wrote: its metrics, checkpoints and curriculum
+    files, and tb/ or wandb/ when the folder's RUN_MARK says a run there used
+    --tensorboard / --wandb. Nothing else."""
     mark = read_mark(out)
     trackers = [name for name in ("tb", "wandb") if mark.get(name)]
     return sorted(n for n in os.listdir(out) if RUN_NAME.fullmatch(n) or n in trackers)
@@ -59,7 +63,8 @@ def read_mark(out):
 
 
 def legacy_run(out):
-    """A run folder written before RUN_MARK existed: its metrics.jsonl opens with train.py's config line."""
+    """A run folder written before RUN_MARK existed: its metrics.jsonl opens with train.py's
+    config line."""
     try:
         with open(os.path.join(out, "metrics.jsonl")) as f:
             first = json.loads(f.readline())
@@ -69,25 +74,32 @@ def legacy_run(out):
 
 
 def check_out_dir(args):
-    """--out may not be the source tree or a folder of it (the repo root, toy_model/, fixtures/, ...), a model
-    folder, or hold the --model that --overwrite would delete -> an error message, or None."""
+    """--out may not be the source tree or a folder of it (the repo root, toy_model/,
+    fixtures/, ...), a model folder, or hold the --model that --overwrite would delete -> an error
+    message, or None."""
     out, here = os.path.realpath(args.out), os.path.realpath(HERE)
     inside = os.path.relpath(out, here).split(os.sep)[0]
     if os.path.commonpath([out, here]) == out or inside in SOURCE_DIRS:
-        return f"--out {args.out} is {'the source tree or holds it' if inside in ('.', '..') else 'inside the source tree'}" \
-               f" ({here}): give a folder under runs/ or outside the repository"
+        return (
+            f"--out {args.out} is "
+            f"{'the source tree or holds it' if inside in ('.','..') else 'inside the source tree'}"
+            f" ({here}): give a folder under runs/ or outside the repository"
+        )
     if os.path.isfile(os.path.join(out, "config.json")) and not read_mark(out):
-        return f"--out {args.out} holds a config.json that no run of train.py wrote (a model folder?): choose another --out"
-    if args.model_dir and args.overwrite and os.path.commonpath([out, os.path.realpath(args.model_dir)]) == out:
-        return f"--model {args.model} is inside --out {args.out}, which --overwrite would clear: copy it out first"
+        return (f"--out {args.out} holds a config.json that no run of train.py wrote "
+                "(a model folder?): choose another --out")
+    if (args.model_dir and args.overwrite
+            and os.path.commonpath([out, os.path.realpath(args.model_dir)]) == out):
+        return (f"--model {args.model} is inside --out {args.out}, which --overwrite would clear: "
+                "copy it out first")
     return None
 
 
 def prepare_out_dir(args, need_mb=100):
-    """Before any compute: --out must be a safe place (check_out_dir), writable with free space, and a folder
-    that already holds a run is refused unless --resume continues it or --overwrite clears it (rank 0
-    clears, and only the names a run of train.py writes: run_names). Rank 0 holds --out/.lock for the whole
-    run, so a second run cannot write the same folder at once."""
+    """Before any compute: --out must be a safe place (check_out_dir), writable with free space, and
+    a folder that already holds a run is refused unless --resume continues it or --overwrite clears
+    it (rank 0 clears, and only the names a run of train.py writes: run_names). Rank 0 holds
+    --out/.lock for the whole run, so a second run cannot write the same folder at once."""
     out = args.out
     problem = check_out_dir(args)
     if problem:
@@ -102,13 +114,16 @@ def prepare_out_dir(args, need_mb=100):
         sys.exit(f"error: --out {out} is not writable: {err}")
     free_mb = shutil.disk_usage(out).free / 2 ** 20
     if free_mb < need_mb:
-        sys.exit(f"error: --out {out}: only {free_mb:.0f} MB free on its disk (checkpoints need more)")
+        sys.exit(f"error: --out {out}: only {free_mb:.0f} MB free on its disk "
+                 "(checkpoints need more)")
     held = run_names(out)
     if held and not read_mark(out) and not legacy_run(out):
-        sys.exit(f"error: --out {out} holds {', '.join(held[:3])} but is not a run of train.py (no {RUN_MARK}): "
-                 "nothing there is deleted or resumed; move those files or choose another --out")
+        sys.exit(f"error: --out {out} holds {', '.join(held[:3])} but is not a run of train.py "
+                 f"(no {RUN_MARK}): nothing there is deleted or resumed; move those files or "
+                 "choose another --out")
     if held and not (args.resume or args.overwrite):
-        sys.exit(f"error: --out {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+        sys.exit(f"error: --out {out} already holds a run "
+                 f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
                  "pass --resume to continue it, --overwrite to start over, or another --out")
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -117,18 +132,21 @@ def prepare_out_dir(args, need_mb=100):
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
     mark = {} if args.overwrite else read_mark(out)
-    write_file(os.path.join(out, RUN_MARK), json.dumps({"tb": mark.get("tb") or args.tensorboard,
-                                                      "wandb": mark.get("wandb") or bool(args.wandb)}))
+    write_file(os.path.join(out, RUN_MARK),
+               json.dumps({"tb": mark.get("tb") or args.tensorboard,
+                           "wandb": mark.get("wandb") or bool(args.wandb)}))
 
 
 def open_run_file(path, mode):
-    """Open a file of the run folder for writing ("w" or "a") without following a symlink planted there."""
+    """Open a file of the run folder for writing ("w" or "a") without following a symlink
+    planted there."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
     try:
         return os.fdopen(os.open(path, flags, 0o644), mode)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            sys.exit(f"error: {path} is a symlink: a run writes its own files only, never through a link")
+            sys.exit(f"error: {path} is a symlink: a run writes its own files only, "
+                     "never through a link")
         raise
 
 
@@ -144,15 +162,17 @@ def lock_run(out):
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as err:
-        sys.exit(f"error: {path}: {'a symlink: the lock is never taken through a link' if err.errno == errno.ELOOP else err}")
+        symlink = err.errno == errno.ELOOP
+        why = "a symlink: the lock is never taken through a link" if symlink else err
+        sys.exit(f"error: {path}: {why}")
     f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = f.read().strip() or "another process"
         f.close()
-        sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); wait for it to end "
-                 "or choose another --out")
+        sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); "
+                 "wait for it to end or choose another --out")
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}")
     f.flush()
@@ -160,16 +180,17 @@ def lock_run(out):
 
 
 def disk_error(path, err, out):
-    """A write that failed (disk full, ...): one line naming the path and the last good checkpoint."""
+    """A write that failed (disk full, ...): one line naming the path and the last good
+    checkpoint."""
     ckpt = (checkpoints(out) or [None])[-1]
-    return SystemExit(f"error: writing {path} failed: {err.strerror or err}; the last good checkpoint is "
-                      f"{ckpt or 'none (no checkpoint yet)'}")
+    return SystemExit(f"error: writing {path} failed: {err.strerror or err}; "
+                      f"the last good checkpoint is {ckpt or 'none (no checkpoint yet)'}")
 
 
 def save_checkpoint(out, step, model, tokenizer, state, keep):
-    """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep` of this run:
-    older steps are pruned by step number, never the one just written. A failed write (disk full) leaves the
-    earlier checkpoints as they were and exits with one line."""
+    """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep` of
+    this run: older steps are pruned by step number, never the one just written. A failed write
+    (disk full) leaves the earlier checkpoints as they were and exits with one line."""
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -193,15 +214,17 @@ def step_of(ckpt):
 
 
 def checkpoints(out):
-    """The checkpoint folders a run wrote in out (ckpt- and a step number of 6 or more digits: never a user's
-    ckpt-best-4 or ckpt-v2), oldest step first."""
-    names = [n for n in os.listdir(out) if re.fullmatch(r"ckpt-\d{6,}", n)] if os.path.isdir(out) else []
-    return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))), key=step_of)
+    """The checkpoint folders a run wrote in out (ckpt- and a step number of 6 or more digits: never
+    a user's ckpt-best-4 or ckpt-v2), oldest step first."""
+    names = ([n for n in os.listdir(out) if re.fullmatch(r"ckpt-\d{6,}", n)]
+             if os.path.isdir(out) else [])
+    return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))),
+                  key=step_of)
 
 
 def intact_checkpoint(out, quiet=False):
-    """The newest checkpoint whose state and weight headers load -> (path, state), or (None, {}). A newer
-    broken one (a crash mid-copy, a bad disk) is skipped and named."""
+    """The newest checkpoint whose state and weight headers load -> (path, state), or (None, {}). A
+    newer broken one (a crash mid-copy, a bad disk) is skipped and named."""
     for path in reversed(checkpoints(out)):
         try:
             state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
@@ -216,13 +239,14 @@ def intact_checkpoint(out, quiet=False):
             return path, state
         except Exception as err:  # any failure to read it means it cannot be resumed from
             if not quiet:
-                print(f"--resume: skipping {path}, it does not load ({type(err).__name__}: {err})", flush=True)
+                print(f"--resume: skipping {path}, it does not load ({type(err).__name__}: {err})",
+                      flush=True)
     return None, {}
 
 
 def resume_point(args, quiet):
-    """--resume: the newest intact checkpoint -> (its folder, its state), checked against the flags; else
-    (None, {})."""
+    """--resume: the newest intact checkpoint -> (its folder, its state), checked against the flags;
+    else (None, {})."""
     if not args.resume:
         return None, {}
     ckpt, state = intact_checkpoint(args.out, quiet)
@@ -234,13 +258,15 @@ def resume_point(args, quiet):
 
 
 def check_resume(saved, args):
-    """--resume with other flags than the run was started with: a different data set, held-out split (its
-    size or the seed) or model is refused (it would be another run), other recipe flags are logged and the
-    new values apply from here."""
+    """--resume with other flags than the run was started with: a different data set, held-out split
+    (its size or the seed) or model is refused (it would be another run), other recipe flags are
+    logged and the new values apply from here."""
     now = vars(args)
-    identity = [k for k in ("data", "val_data", "val_size", "seed", "model") if saved.get(k, now[k]) != now[k]]
+    identity = [k for k in ("data", "val_data", "val_size", "seed", "model")
+                if saved.get(k, now[k]) != now[k]]
     if identity:
-        sys.exit("error: --resume: " + "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
+        sys.exit("error: --resume: " +
+                 "; ".join(f"--{k} was {saved[k]!r}, now {now[k]!r}" for k in identity) +
                  " (start another --out for another run)")
     ignore = {"resume", "overwrite", "out", "steps", "timeout", "heartbeat_timeout", "model_dir"}
     changed = [k for k in sorted(now) if k in saved and k not in ignore and saved[k] != now[k]]
@@ -262,31 +288,35 @@ def truncate_metrics(path, step):
             records.append(json.loads(ln))
         except json.JSONDecodeError as err:
             if i < len(lines) - 1:
-                sys.exit(f"error: {path}:{i + 1}: not a JSON line ({err}); only a half-written last line is dropped")
+                sys.exit(f"error: {path}:{i + 1}: not a JSON line ({err}); "
+                         "only a half-written last line is dropped")
             print(f"--resume: dropped the half-written last line of {path}", flush=True)
             continue
         problem = metrics_problem(records[-1])
         if problem:
-            sys.exit(f"error: {path}:{i + 1}: {problem} (a line edited by hand?); fix or delete it, then --resume")
+            sys.exit(f"error: {path}:{i + 1}: {problem} (a line edited by hand?); "
+                     "fix or delete it, then --resume")
     records = [r for r in records if r.get("step", -1) <= step]  # the config line has no step
     write_file(path, "".join(json.dumps(r) + "\n" for r in records))
     return records
 
 
 def metrics_problem(r):
-    """What is wrong with one metrics.jsonl record for a resume (None if nothing): a JSON object with a known
-    kind, a whole step, and for an eval the numbers the live fit reads."""
+    """What is wrong with one metrics.jsonl record for a resume (None if nothing): a JSON object
+    with a known kind, a whole step, and for an eval the numbers the live fit reads."""
     if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval"):
         return "not a metrics record (a JSON object whose kind is config, train or eval)"
     if r["kind"] != "config" and not (isinstance(r.get("step"), int) and r["step"] >= 0):
         return "no whole step number"
-    if r["kind"] == "eval" and not all(isinstance(r.get(k), (int, float)) for k in ("compute_s", "pass_rate")):
+    if r["kind"] == "eval" and not all(isinstance(r.get(k), (int, float))
+                                       for k in ("compute_s", "pass_rate")):
         return "an eval record without its compute_s and pass_rate numbers"
     return None
 
 
 def metrics_log(args, rank0):
-    """-> log(m): rank 0 appends m to --out/metrics.jsonl (and sends it to --wandb / --tensorboard)."""
+    """-> log(m): rank 0 appends m to --out/metrics.jsonl (and sends it to
+    --wandb / --tensorboard)."""
     if not rank0:
         return lambda m: None
     path, track = os.path.join(args.out, "metrics.jsonl"), tracker(args)
@@ -302,9 +332,11 @@ def metrics_log(args, rank0):
 
 
 def resume_command():
-    """This process's own command line with --resume (and without --overwrite): what continues the run."""
+    """This process's own command line with --resume (and without --overwrite): what continues the
+    run."""
     flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world, local = (int(os.environ.get("WORLD_SIZE", "1")),
+                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     launcher = ["python"] if world == 1 else ["torchrun", "--nproc_per_node", str(local)]
     if world > local:
         launcher[1:1] = ["--nnodes", str(world // local), "(and your rendezvous flags)"]
@@ -312,8 +344,9 @@ def resume_command():
 
 
 def tracker(args):
-    """--wandb / --tensorboard: -> track(m), which sends the numbers of a metrics dict there too (keys
-    "train/..." and "eval/...", at m["step"]); without either flag it does nothing. Neither is required."""
+    """--wandb / --tensorboard: -> track(m), which sends the numbers of a metrics dict there too
+    (keys "train/..." and "eval/...", at m["step"]); without either flag it does nothing. Neither
+    is required."""
     numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
                          if k not in ("kind", "step") and isinstance(v, (int, float))}
     try:
@@ -324,10 +357,12 @@ def tracker(args):
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(os.path.join(args.out, "tb"))
-            return lambda m: ([writer.add_scalar(k, v, m["step"]) for k, v in numbers(m).items()], writer.flush())
+            return lambda m: ([writer.add_scalar(k, v, m["step"]) for k, v in numbers(m).items()],
+                              writer.flush())
     except ImportError as err:
-        sys.exit(f"error: --{'wandb' if args.wandb else 'tensorboard'} needs a package that is not installed ({err}); "
-                 f"pip install {'wandb' if args.wandb else 'tensorboard'}, or run without the flag")
+        sys.exit(f"error: --{'wandb' if args.wandb else 'tensorboard'} needs a package that is not "
+                 f"installed ({err}); pip install {'wandb' if args.wandb else 'tensorboard'}, "
+                 "or run without the flag")
     return lambda m: None
 
 

@@ -2,9 +2,9 @@
 sandbox.py: the code reward. Does the last Python block of a response pass every test, when it runs
 in a bubblewrap sandbox?
 
-Implements the code side of the reward of arXiv 2510.13786 (+1 for a verified-correct final answer, -1
-otherwise, section 2) for the math+code runs of section 5 (code problems judged by their unit tests).
-This file returns the bool; the caller maps it to +1 / -1 (verify.score_problems sends code
+Implements the code side of the reward of arXiv 2510.13786 (+1 for a verified-correct final answer,
+-1 otherwise, section 2) for the math+code runs of section 5 (code problems judged by their unit
+tests). This file returns the bool; the caller maps it to +1 / -1 (verify.score_problems sends code
 problems here).
 
 The program is the last fenced Python block after </think> (```python, ```py or a bare ```); a
@@ -29,41 +29,43 @@ under 2 s and 512 MiB: a value that an assert turns into a long loop (`max(range
 f(3) = 10**18) or a huge object scores False and costs the caller nothing.
 Each run is a fresh `python -I` in its own bubblewrap (bwrap) sandbox: every namespace unshared (its
 own user namespace, for root's sandboxes too; no network; its own PID namespace, so nothing outside
-is visible or killable and every process in it dies with it; its own mount namespace whose only files
-are its own copies, made by bwrap into the sandbox's fresh root tmpfs, of the interpreter, the libraries
-it loads and the standard library (_runtime; ~45 MB, ~20 ms a run): no file of the machine at all, no
-/usr, no /etc, no home, no data, no /proc), a fresh 64 MiB tmpfs /tmp as the only writable place and its
-cwd, uid 65534 inside (root's sandboxes: the real uid 65534), --die-with-parent, a new session, an
-environment of HOME, LANG, LD_LIBRARY_PATH; a seccomp filter (seccomp_filter: built with libseccomp,
-loaded by bwrap; without libseccomp code rewards refuse to run, as without bwrap); and limits: wall
-clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s; RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and
-the output read back 16 MiB; no core files; RLIMIT_NPROC = 32 tasks more than the sandbox's user
-namespace counts (Linux >= 5.14; before, than its uid counts on the machine); os.fork/system/kill/
-setsid/posix_spawn and ctypes, subprocess, multiprocessing are removed first (a naive fork bomb fails at
-once). score_code_batch never runs two samples with the same tests at the same moment.
+is visible or killable and every process in it dies with it; its own mount namespace whose only
+files are its own copies, made by bwrap into the sandbox's fresh root tmpfs, of the interpreter, the
+libraries it loads and the standard library (_runtime; ~45 MB, ~20 ms a run): no file of the machine
+at all, no /usr, no /etc, no home, no data, no /proc), a fresh 64 MiB tmpfs /tmp as the only
+writable place and its cwd, uid 65534 inside (root's sandboxes: the real uid 65534),
+--die-with-parent, a new session, an environment of HOME, LANG, LD_LIBRARY_PATH; a seccomp filter
+(seccomp_filter: built with libseccomp, loaded by bwrap; without libseccomp code rewards refuse to
+run, as without bwrap); and limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s;
+RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and the output read back 16 MiB; no core files;
+RLIMIT_NPROC = 32 tasks more than the sandbox's user namespace counts (Linux >= 5.14; before, than
+its uid counts on the machine); os.fork/system/kill/
+setsid/posix_spawn and ctypes, subprocess, multiprocessing are removed first (a naive fork bomb
+fails at once). score_code_batch never runs two samples with the same tests at the same moment.
 
 What this guarantees: the program reaches the parent only through its stdin, the stdout and
 assert-value files it writes (read back capped) and its exit code; it reads nothing of the machine;
 nothing of it outlives the run (processes, files, its user namespace with its keyring, IPC objects,
 sockets); and it cannot hand an answer to a later sample through state the kernel keeps:
-- the page cache: every page it can read is its own copy in memory, made for this run alone, so there
-  is no cold page to warm and no shared page to evict or time (measured inside: the first read of every
-  7th page of its libpython takes 0.73 us at the median, as a cached read of the machine's files does,
-  against ~50 us for a cold page of the machine's disk);
+- the page cache: every page it can read is its own copy in memory, made for this run alone, so
+  there is no cold page to warm and no shared page to evict or time (measured inside: the first read
+  of every 7th page of its libpython takes 0.73 us at the median, as a cached read of the machine's
+  files does, against ~50 us for a cold page of the machine's disk);
 - the filter refuses (EPERM) what would reach state outside its copies: page-cache eviction and
-  residency calls (fadvise, readahead, madvise COLD/PAGEOUT, mincore, cachestat, preadv2 flags such as
-  RWF_NOWAIT, Linux AIO, io_uring, the fault counters of getrusage and wait4), the kernel keyring, file
-  locks and inotify/fanotify/dnotify, the kernel log, machine-wide counters (sysinfo), sockets other
-  than AF_UNIX/AF_INET/AF_INET6 (netlink; vsock, which network namespaces do not separate), ptrace,
-  process_vm_*, perf_event_open, bpf, userfaultfd, new namespaces and mounts, personality. Other
-  architectures' system-call ABIs (x32, int 0x80) kill the program.
-What remains possible in principle is timing through state no filter names: (1) contention between runs
-at the same moment (CPU, memory bandwidth, caches): score_code_batch never runs two samples of one
-problem at once, and a program that carried an answer to a sample of another problem gains nothing;
-(2) micro-architectural state one run leaves for the next on the same core (branch predictors, CPU
-caches): bwrap's 45 MB copy between two runs overwrites the caches, and such channels carry a few noisy
-bits at best, far from the tens of reliable bits an answer needs; (3) a swap device, where the kernel
-may page the copies out under memory pressure (none on the machines this was measured on).
+  residency calls (fadvise, readahead, madvise COLD/PAGEOUT, mincore, cachestat, preadv2 flags such
+  as RWF_NOWAIT, Linux AIO, io_uring, the fault counters of getrusage and wait4), the kernel
+  keyring, file locks and inotify/fanotify/dnotify, the kernel log, machine-wide counters (sysinfo),
+  sockets other than AF_UNIX/AF_INET/AF_INET6 (netlink; vsock, which network namespaces do not
+  separate), ptrace, process_vm_*, perf_event_open, bpf, userfaultfd, new namespaces and mounts,
+  personality. Other architectures' system-call ABIs (x32, int 0x80) kill the program.
+What remains possible in principle is timing through state no filter names: (1) contention between
+runs at the same moment (CPU, memory bandwidth, caches): score_code_batch never runs two samples of
+one problem at once, and a program that carried an answer to a sample of another problem gains
+nothing; (2) micro-architectural state one run leaves for the next on the same core (branch
+predictors, CPU caches): bwrap's 45 MB copy between two runs overwrites the caches, and such
+channels carry a few noisy bits at best, far from the tens of reliable bits an answer needs; (3) a
+swap device, where the kernel may page the copies out under memory pressure (none on the machines
+this was measured on).
 Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
 the limits alone (no filter), in a temp dir, as `nobody` when root can drop to it: it can then read
 and write what that user can, use the network, and leave processes behind (setsid past the removed
@@ -75,9 +77,10 @@ Usage:
                {"inputs": ["1 2"], "outputs": ["3"]})                            # True
     score_code(response, ["assert add(1, 2) == 3"])                            # MBPP-style asserts
     score_code_batch(responses, tests_list, workers=8)                         # list of bools
-    python -c "import sandbox; print(sandbox.bwrap_ready())"   # True once bwrap and libseccomp work here
+    python -c "import sandbox; print(sandbox.bwrap_ready())"
+                                           # True once bwrap and libseccomp work here
                                            # (apt-get install bubblewrap libseccomp2)
-    python -m pytest test_all.py -k code                      # the sandbox tests (skip with the reason without them)
+    python -m pytest test_all.py -k code   # the sandbox tests (skip with the reason without them)
 """
 import ast
 import builtins
@@ -102,30 +105,37 @@ import time
 import types
 import zipfile
 
-CODE_TIMEOUT = 6.0         # wall-clock seconds per program run (one run per stdin case, one for asserts)
+# wall-clock seconds per program run (one run per stdin case, one for asserts)
+CODE_TIMEOUT = 6.0
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
-CODE_MAX_OUTPUT = 16 << 20 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
+# stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
+CODE_MAX_OUTPUT = 16 << 20
 CODE_MAX_REPORT = 64 << 10 # characters of one assert's reported values that the checker will parse
-CODE_CHECK_TIMEOUT = 2.0   # wall-clock seconds for the checker process that evaluates the asserts' reports
+# wall-clock seconds for the checker process that evaluates the asserts' reports
+CODE_CHECK_TIMEOUT = 2.0
 CODE_CHECK_MEMORY = 512 << 20  # its RLIMIT_AS: past either limit the response scores False
 CODE_TMPFS = 64 << 20      # the sandbox's only writable place: a fresh tmpfs of this size
-CODE_NPROC_MARGIN = 32     # tasks (processes + threads) a run may add to what its uid is counted for
+# tasks (processes + threads) a run may add to what its uid is counted for
+CODE_NPROC_MARGIN = 32
 SANDBOX_UID = 65534        # the unprivileged uid inside the sandbox ('nobody')
-SANDBOX_TASKS = 2          # RLIMIT_NPROC's count in a fresh sandbox's user namespace, at most: bwrap init, program
+# RLIMIT_NPROC's count in a fresh sandbox's user namespace, at most: bwrap init, program
+SANDBOX_TASKS = 2
 LIBSECCOMP = "libseccomp.so.2"
-BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written programs: install it "
-                 "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), or pass "
-                 "--unsafe_code_exec to run them with resource limits only (a program can then forge its reward)")
-SECCOMP_MISSING = (f"code rewards need libseccomp ({LIBSECCOMP}) to filter the system calls of model-written programs "
-                   "(without it, programs can pass answers to each other): install it (Debian/Ubuntu: apt-get install "
-                   "libseccomp2; Fedora: dnf install libseccomp), or pass --unsafe_code_exec to run them with resource "
-                   "limits only (a program can then forge its reward)")
+BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written programs: "
+                 "install it (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install "
+                 "bubblewrap), or pass --unsafe_code_exec to run them with resource limits only "
+                 "(a program can then forge its reward)")
+SECCOMP_MISSING = (f"code rewards need libseccomp ({LIBSECCOMP}) to filter the system calls of "
+                   "model-written programs (without it, programs can pass answers to each other): "
+                   "install it (Debian/Ubuntu: apt-get install libseccomp2; Fedora: dnf install "
+                   "libseccomp), or pass --unsafe_code_exec to run them with resource limits only "
+                   "(a program can then forge its reward)")
 
-# Runs in the child, before the program: lower the limits, remove the process-making and process-killing
-# functions (a naive fork bomb fails at once), define _record (the values of an assert's leaves, written
-# as the repr of plain data to the results fd), read the program, run it (as __main__ when it reads stdin,
-# so that its `if __name__ == "__main__":` block runs; as `solution` under asserts, so that it does not),
-# then the tests.
+# Runs in the child, before the program: lower the limits, remove the process-making and
+# process-killing functions (a naive fork bomb fails at once), define _record (the values of an
+# assert's leaves, written as the repr of plain data to the results fd), read the program, run it
+# (as __main__ when it reads stdin, so that its `if __name__ == "__main__":` block runs; as
+# `solution` under asserts, so that it does not), then the tests.
 _PRELUDE = """
 import json, os, posix, resource, sys
 limits, source_fd, results_fd, uid = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -194,22 +204,25 @@ def _output_lines(text):
     return [" ".join(line.split()) for line in text.strip().splitlines()]
 
 
-# What the parent evaluates itself, on plain data: these builtins and math functions, literals, operators,
-# comparisons, indexing, f-strings and str methods of a literal ("".join(...)). Nothing the program runs
-# can change them (they live in the parent, and builtin types' operators cannot be patched).
-_PARENT_NAMES = {f.__name__: f for f in (abs, all, any, bool, complex, dict, divmod, enumerate, float, frozenset, int,
-                                         isinstance, len, list, max, min, range, repr, reversed, round, set, sorted,
-                                         str, sum, tuple, type, zip)}
+# What the parent evaluates itself, on plain data: these builtins and math functions, literals,
+# operators, comparisons, indexing, f-strings and str methods of a literal ("".join(...)). Nothing
+# the program runs can change them (they live in the parent, and builtin types' operators cannot be
+# patched).
+_PARENT_NAMES = {f.__name__: f for f in (
+    abs, all, any, bool, complex, dict, divmod, enumerate, float, frozenset, int, isinstance, len,
+    list, max, min, range, repr, reversed, round, set, sorted, str, sum, tuple, type, zip)}
 _PARENT_MATH = types.SimpleNamespace(**{name: getattr(math, name) for name in (
-    "isclose", "fabs", "floor", "ceil", "trunc", "sqrt", "isnan", "isinf", "isfinite", "fsum", "prod",
-    "pi", "e", "inf", "nan")})
-_PARENT_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
-                 ast.IfExp, ast.Subscript, ast.Slice, ast.JoinedStr, ast.FormattedValue, ast.keyword, ast.operator,
-                 ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context)
+    "isclose", "fabs", "floor", "ceil", "trunc", "sqrt", "isnan", "isinf", "isfinite", "fsum",
+    "prod", "pi", "e", "inf", "nan")})
+_PARENT_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp,
+                 ast.BoolOp, ast.Compare, ast.IfExp, ast.Subscript, ast.Slice, ast.JoinedStr,
+                 ast.FormattedValue, ast.keyword, ast.operator, ast.unaryop, ast.boolop, ast.cmpop,
+                 ast.expr_context)
 
 
 def _names_bound(tree):
-    """(names the tests bind: assigned, defined, imported (a plain `import math` aside), names of parameters)."""
+    """(names the tests bind: assigned, defined, imported (a plain `import math` aside), names of
+    parameters)."""
     bound, params = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
@@ -217,30 +230,33 @@ def _names_bound(tree):
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             bound.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound |= {a.asname or a.name.split(".")[0] for a in node.names if (a.name, a.asname) != ("math", None)
-                      or isinstance(node, ast.ImportFrom)}
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names
+                      if (a.name, a.asname) != ("math", None) or isinstance(node, ast.ImportFrom)}
         elif isinstance(node, ast.arg):
             params.add(node.arg)
     return bound, params - bound
 
 
 class _Split(ast.NodeTransformer):
-    """One assert's expression -> the parent's expression, each leaf replaced by _v[i], and the leaves: what
-    only the sandbox can evaluate (calls of the solution's functions, names the solution defines)."""
+    """One assert's expression -> the parent's expression, each leaf replaced by _v[i], and the
+    leaves: what only the sandbox can evaluate (calls of the solution's functions, names the
+    solution defines)."""
 
     def __init__(self, bound, params, line):
         self.bound, self.params, self.line, self.leaves = bound, params, line, []
 
     def _math(self, node):
         """math.<one of _PARENT_MATH>, with `math` not rebound by the tests."""
-        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math"
-                and "math" not in self.bound and hasattr(_PARENT_MATH, node.attr))
+        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == "math" and "math" not in self.bound
+                and hasattr(_PARENT_MATH, node.attr))
 
     def _parent(self, node):
         if isinstance(node, ast.Name):
             return node.id in _PARENT_NAMES and node.id not in self.bound
         if isinstance(node, ast.Attribute):  # math.<function>, or a method of a literal (", ".join)
-            return self._math(node) or isinstance(node.value, ast.Constant) and not node.attr.startswith("_")
+            return (self._math(node)
+                    or isinstance(node.value, ast.Constant) and not node.attr.startswith("_"))
         if isinstance(node, ast.Call):
             return self._parent(node.func)
         return isinstance(node, _PARENT_NODES)
@@ -253,35 +269,38 @@ class _Split(ast.NodeTransformer):
                 text, node.left = ast.unparse(node), self.visit(node.left)
                 n, node.right = len(self.leaves), self.visit(node.right)
                 if len(self.leaves) > n:
-                    raise ValueError(f"line {self.line}: {text!r}: a power or shift by the solution's value could "
-                                     "be made huge")
+                    raise ValueError(f"line {self.line}: {text!r}: a power or shift by the "
+                                     "solution's value could be made huge")
                 return node
             return self.generic_visit(node)
         root = node
         while isinstance(root, (ast.Call, ast.Attribute, ast.Subscript)):
             root = root.func if isinstance(root, ast.Call) else root.value
         name = root.id if isinstance(root, ast.Name) else None
-        if name is None or name in self.bound or hasattr(builtins, name) or (name in self.params and root is node):
-            raise ValueError(f"line {self.line}: the sandbox would compute {ast.unparse(node)!r}: an assert may use "
-                             "literals, operators, common builtins and math functions (evaluated by the parent) "
-                             "around calls of the solution's functions")
+        if (name is None or name in self.bound or hasattr(builtins, name)
+                or (name in self.params and root is node)):
+            raise ValueError(f"line {self.line}: the sandbox would compute {ast.unparse(node)!r}: "
+                             "an assert may use literals, operators, common builtins and math "
+                             "functions (evaluated by the parent) around calls of the solution's "
+                             "functions")
         self.leaves.append(node)
-        return ast.Subscript(ast.Name("_v", ast.Load()), ast.Constant(len(self.leaves) - 1), ast.Load())
+        return ast.Subscript(ast.Name("_v", ast.Load()), ast.Constant(len(self.leaves) - 1),
+                             ast.Load())
 
 
 def split_asserts(tests):
-    """Assert-style tests -> (the code the sandbox runs, [check per assert]). The parent evaluates each
-    assert itself; the sandbox evaluates only its leaves, the calls of the solution's functions (or of a
-    test function's parameter: HumanEval's candidate) and names the solution defines, and `assert E`
-    becomes `_record(k, (leaf, leaf, ...))`: the sandbox reports the leaves' values as plain data and
-    check k (the source of an expression on that tuple, `_v`) computes E from them, so expected values
-    never enter the sandbox and nothing the program patches (builtins, math, the tests' own names) takes
-    part in the verdict. Asserts may sit in helper functions. Every leaf of an assert is evaluated, before
-    the parent's expression (no short-circuit inside the sandbox). Raises ValueError for an assert that
-    needs anything else computed in the sandbox (a test-defined helper or variable, another builtin, a
-    comprehension), for one that computes something without calling the solution (`assert sum([1, 2]) ==
-    3`: the parent's own sum would pass any program), and for tests where no assert calls the solution
-    (`assert True` alone)."""
+    """Assert-style tests -> (the code the sandbox runs, [check per assert]). The parent evaluates
+    each assert itself; the sandbox evaluates only its leaves, the calls of the solution's functions
+    (or of a test function's parameter: HumanEval's candidate) and names the solution defines, and
+    `assert E` becomes `_record(k, (leaf, leaf, ...))`: the sandbox reports the leaves' values as
+    plain data and check k (the source of an expression on that tuple, `_v`) computes E from them,
+    so expected values never enter the sandbox and nothing the program patches (builtins, math, the
+    tests' own names) takes part in the verdict. Asserts may sit in helper functions. Every leaf of
+    an assert is evaluated, before the parent's expression (no short-circuit inside the sandbox).
+    Raises ValueError for an assert that needs anything else computed in the sandbox (a test-defined
+    helper or variable, another builtin, a comprehension), for one that computes something without
+    calling the solution (`assert sum([1, 2]) == 3`: the parent's own sum would pass any program),
+    and for tests where no assert calls the solution (`assert True` alone)."""
     tree, checks, leaves = ast.parse(tests), [], 0
     bound, params = _names_bound(tree)
 
@@ -291,14 +310,15 @@ def split_asserts(tests):
             split, text = _Split(bound, params, node.lineno), ast.unparse(node)
             expression = split.visit(node.test)
             if not split.leaves and not isinstance(node.test, ast.Constant):
-                raise ValueError(f"line {node.lineno}: {text!r} never calls the solution: the parent alone would "
-                                 "evaluate it and any program would pass (a solution function named like a "
-                                 "builtin is not supported)")
+                raise ValueError(f"line {node.lineno}: {text!r} never calls the solution: "
+                                 "the parent alone would evaluate it and any program would pass "
+                                 "(a solution function named like a builtin is not supported)")
             checks.append(ast.unparse(expression))
             compile(checks[-1], "assert", "eval")
             leaves += len(split.leaves)
             report = ast.Call(ast.Name("_record", ast.Load()),
-                              [ast.Constant(len(checks) - 1), ast.Tuple(split.leaves, ast.Load())], [])
+                              [ast.Constant(len(checks) - 1), ast.Tuple(split.leaves, ast.Load())],
+                              [])
             return ast.copy_location(ast.Expr(report), node)
 
     tree = ast.fix_missing_locations(Rewrite().visit(tree))
@@ -309,11 +329,12 @@ def split_asserts(tests):
     return ast.unparse(tree), checks
 
 
-# The checker: a fresh interpreter under RLIMIT_AS and RLIMIT_CPU (and the caller's wall-clock bound) that
-# parses the reports as plain data and evaluates each check on them with the parent's names alone; its exit
-# code is the verdict. A process of its own, so that no report costs the caller more than CODE_CHECK_MEMORY
-# and CODE_CHECK_TIMEOUT: a huge value, or one that the check turns into a long loop (max(range(10**18)))
-# or a huge object ([0] * 10**12), which no signal could interrupt inside one builtin call.
+# The checker: a fresh interpreter under RLIMIT_AS and RLIMIT_CPU (and the caller's wall-clock
+# bound) that parses the reports as plain data and evaluates each check on them with the parent's
+# names alone; its exit code is the verdict. A process of its own, so that no report costs the
+# caller more than CODE_CHECK_MEMORY and CODE_CHECK_TIMEOUT: a huge value, or one that the check
+# turns into a long loop (max(range(10**18))) or a huge object ([0] * 10**12), which no signal could
+# interrupt inside one builtin call.
 _CHECKER = """
 import ast, builtins, json, math, resource, sys, types
 head = json.loads(sys.stdin.buffer.readline())
@@ -336,16 +357,19 @@ sys.exit(0 if len(seen) == len(checks) else 1)
 
 
 def _asserts_pass(results, checks):
-    """Whether every assert was reported and every report passes its check, as the checker process finds
-    within CODE_CHECK_TIMEOUT and CODE_CHECK_MEMORY (False past them): each report a tuple of plain data,
-    its repr at most CODE_MAX_REPORT characters. results: the sandbox's report lines (bytes or str)."""
+    """Whether every assert was reported and every report passes its check, as the checker process
+    finds within CODE_CHECK_TIMEOUT and CODE_CHECK_MEMORY (False past them): each report a tuple of
+    plain data, its repr at most CODE_MAX_REPORT characters. results: the sandbox's report lines
+    (bytes or str)."""
     head = {"checks": checks, "builtins": list(_PARENT_NAMES), "math": list(vars(_PARENT_MATH)),
-            "memory": CODE_CHECK_MEMORY, "seconds": math.ceil(CODE_CHECK_TIMEOUT), "max_report": CODE_MAX_REPORT}
-    data = json.dumps(head).encode() + b"\n" + (results.encode("utf-8", "replace") if isinstance(results, str)
-                                                else results)
+            "memory": CODE_CHECK_MEMORY, "seconds": math.ceil(CODE_CHECK_TIMEOUT),
+            "max_report": CODE_MAX_REPORT}
+    data = json.dumps(head).encode() + b"\n" + (results.encode("utf-8", "replace")
+                                                if isinstance(results, str) else results)
     try:
-        run = subprocess.run([sys.executable, "-I", "-S", "-c", _CHECKER], input=data, env={}, cwd="/",
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=CODE_CHECK_TIMEOUT)
+        run = subprocess.run([sys.executable, "-I", "-S", "-c", _CHECKER], input=data, env={},
+                             cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=CODE_CHECK_TIMEOUT)
     except subprocess.TimeoutExpired:
         return False
     return run.returncode == 0
@@ -356,8 +380,8 @@ def _asserts_pass(results, checks):
 
 def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
     """True when the last Python block of `response` passes every test. `tests` is
-    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed; an output
-    over 4x the expected one + 4 KiB fails unparsed)
+    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed; an
+    output over 4x the expected one + 4 KiB fails unparsed)
     or asserts: a list of statements or one string, run after the program (split_asserts).
     unsafe: rlimits only, no bwrap (see the module docstring). Never raises."""
     try:
@@ -369,7 +393,8 @@ def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe
             cases = list(zip(inputs, outputs, strict=True)) if isinstance(inputs, list) else []
             if not cases or not all(isinstance(x, str) for case in cases for x in case):
                 return False
-            for stdin, expected in cases:  # the parent compares: expected outputs never enter the sandbox
+            # the parent compares: expected outputs never enter the sandbox
+            for stdin, expected in cases:
                 code, out, _ = _run_program(program, "", stdin, timeout, memory, unsafe)
                 too_long = len(out) > 4 * len(expected) + 4096  # not parsed: up to 16 MiB of lines
                 if code != 0 or too_long or _output_lines(out) != _output_lines(expected):
@@ -385,32 +410,37 @@ def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe
         return False
 
 
-def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
-    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time but never two
-    with the same tests at once: two samples of one problem never run side by side, so contention (CPU,
-    memory bandwidth) cannot carry one's answer to the other."""
+def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, memory=CODE_MEMORY,
+                     unsafe=False):
+    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time but
+    never two with the same tests at once: two samples of one problem never run side by side, so
+    contention (CPU, memory bandwidth) cannot carry one's answer to the other."""
     if len(responses) != len(tests_list):
         raise ValueError(f"{len(responses)} responses but {len(tests_list)} tests")
     keys = [repr(t) for t in tests_list]
-    results, pending, running, changed = [None] * len(responses), list(range(len(responses))), set(), threading.Condition()
+    results, pending, running, changed = ([None] * len(responses), list(range(len(responses))),
+                                          set(), threading.Condition())
 
     def work():
         while True:
             with changed:
-                while (i := next((i for i in pending if keys[i] not in running), None)) is None and pending:
+                while ((i := next((i for i in pending if keys[i] not in running), None)) is None
+                       and pending):
                     changed.wait()
                 if i is None:
                     return
                 pending.remove(i)
                 running.add(keys[i])
             try:
-                results[i] = score_code(responses[i], tests_list[i], timeout=timeout, memory=memory, unsafe=unsafe)
+                results[i] = score_code(responses[i], tests_list[i], timeout=timeout, memory=memory,
+                                        unsafe=unsafe)
             finally:
                 with changed:
                     running.discard(keys[i])
                     changed.notify_all()
 
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(workers, len(responses))))]
+    threads = [threading.Thread(target=work, daemon=True)
+               for _ in range(max(1, min(workers, len(responses))))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -420,13 +450,13 @@ def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, mem
 
 @functools.cache
 def bwrap_ready():
-    """Whether a sandbox starts here: bwrap installed, namespaces allowed, libseccomp there to build the
-    system-call filter (not_ready_reason() says what is missing)."""
+    """Whether a sandbox starts here: bwrap installed, namespaces allowed, libseccomp there to build
+    the system-call filter (not_ready_reason() says what is missing)."""
     if shutil.which("bwrap") is None:
         return False
     try:
-        probe, _ = _start_sandbox([os.path.realpath(sys.executable), "-I", "-c", "pass"], subprocess.DEVNULL,
-                                  subprocess.DEVNULL, ())
+        probe, _ = _start_sandbox([os.path.realpath(sys.executable), "-I", "-c", "pass"],
+                                  subprocess.DEVNULL, subprocess.DEVNULL, ())
     except RuntimeError:  # no libseccomp
         return False
     try:
@@ -438,7 +468,8 @@ def bwrap_ready():
 
 
 def not_ready_reason():
-    """The one-line error for when bwrap_ready() is False: libseccomp is missing, or else bubblewrap."""
+    """The one-line error for when bwrap_ready() is False: libseccomp is missing, or else
+    bubblewrap."""
     try:
         seccomp_filter()
     except RuntimeError as err:
@@ -448,74 +479,91 @@ def not_ready_reason():
 # -----------------------------------------------------------------------------
 # The system-call filter: what the sandboxed program may not ask the kernel
 
-# Calls that fail with EPERM, by what they would let one program pass to another or reach outside. A sandbox's
-# files are its own copies, but the page cache, the keyring and the rest are the kernel's: a second line of
-# defence, should a file of the machine ever be visible (a bind added to _bwrap_args, a device node).
+# Calls that fail with EPERM, by what they would let one program pass to another or reach outside. A
+# sandbox's files are its own copies, but the page cache, the keyring and the rest are the kernel's:
+# a second line of defence, should a file of the machine ever be visible (a bind added to
+# _bwrap_args, a device node).
 _DENIED = {
-    "page cache: eviction; residency (mincore, cachestat, AIO and io_uring's nowait reads, fault counters, "
-    "the NUMA calls that report whether a page is present)": (
-        "fadvise64", "fadvise64_64", "arm_fadvise64_64", "readahead", "process_madvise", "mincore", "cachestat",
-        "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy", "io_uring_setup",
-        "io_uring_enter", "io_uring_register", "getrusage", "move_pages", "migrate_pages", "get_mempolicy", "mbind"),
-    "the kernel keyring": ("add_key", "keyctl", "request_key"),
+    "page cache: eviction; residency (mincore, cachestat, AIO and io_uring's nowait reads, "
+    "fault counters, the NUMA calls that report whether a page is present)": (
+        "fadvise64", "fadvise64_64", "arm_fadvise64_64", "readahead", "process_madvise", "mincore",
+        "cachestat", "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel",
+        "io_destroy", "io_uring_setup", "io_uring_enter", "io_uring_register", "getrusage",
+        "move_pages", "migrate_pages", "get_mempolicy", "mbind"),
+    "the kernel keyring": (
+        "add_key", "keyctl", "request_key"),
     "other processes, kernel tracing, exploit aids": (
-        "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "perf_event_open", "bpf",
-        "userfaultfd"),
+        "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "perf_event_open",
+        "bpf", "userfaultfd"),
     "new namespaces and mounts (a /proc of its own)": (
-        "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "open_tree_attr", "move_mount",
-        "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "name_to_handle_at", "open_by_handle_at"),
+        "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree",
+        "open_tree_attr", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+        "name_to_handle_at", "open_by_handle_at"),
     "machine-wide counters, the kernel log, events on and locks of files": (
-        "sysinfo", "syslog", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark",
-        "flock"),
+        "sysinfo", "syslog", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
+        "fanotify_mark", "flock"),
     "the machine's own settings": (
-        "personality", "acct", "swapon", "swapoff", "reboot", "kexec_load", "kexec_file_load", "init_module",
-        "finit_module", "delete_module", "quotactl", "quotactl_fd", "settimeofday", "clock_settime",
-        "clock_adjtime", "iopl", "ioperm", "vhangup", "lookup_dcookie", "uselib", "ustat", "sysfs", "_sysctl",
-        "nfsservctl"),
+        "personality", "acct", "swapon", "swapoff", "reboot", "kexec_load", "kexec_file_load",
+        "init_module", "finit_module", "delete_module", "quotactl", "quotactl_fd", "settimeofday",
+        "clock_settime", "clock_adjtime", "iopl", "ioperm", "vhangup", "lookup_dcookie", "uselib",
+        "ustat", "sysfs", "_sysctl", "nfsservctl"),
 }
 # Numbers from 424 on are the same on every architecture: used when this libseccomp predates a name.
-_NEW_SYSCALLS = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
-                 "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "clone3": 435,
-                 "pidfd_getfd": 438, "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443,
-                 "cachestat": 451, "open_tree_attr": 467}
-_CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
+_NEW_SYSCALLS = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                 "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
+                 "fsmount": 432, "fspick": 433, "clone3": 435, "pidfd_getfd": 438,
+                 "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "cachestat": 451,
+                 "open_tree_attr": 467}
+# CLONE_NEW*
+_CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 _NE, _EQ, _GE, _MASKED_EQ = 1, 4, 5, 7  # libseccomp's enum scmp_compare
 
 
-class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp: argument `arg` `op` a; MASKED_EQ: & a == b
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+# libseccomp's struct scmp_arg_cmp: argument `arg` `op` a; MASKED_EQ: & a == b
+class _ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64),
+                ("b", ctypes.c_uint64)]
 
 
 def _seccomp_rules():
     """(system call, errno, [argument conditions, all of which must hold]) for each refused use."""
-    int_is = lambda value: (_MASKED_EQ, 0xFFFFFFFF, value)  # an int argument: the kernel reads the low 32 bits
+    # an int argument: the kernel reads the low 32 bits
+    int_is = lambda value: (_MASKED_EQ, 0xFFFFFFFF, value)
     rules = [(name, errno.EPERM, []) for names in _DENIED.values() for name in names]
-    rules += [(name, errno.EPERM, [(1, *int_is(cmd))]) for name in ("fcntl", "fcntl64")  # POSIX and OFD locks,
-              for cmd in (5, 6, 7, 36, 37, 38, 1024, 1026)]                              # leases, dnotify
-    rules += [("madvise", errno.EPERM, [(2, *int_is(advice))]) for advice in (20, 21)]  # MADV_COLD, MADV_PAGEOUT
-    rules += [(name, errno.EPERM, [(5, _NE, 0, 0)]) for name in ("preadv2", "pwritev2")]  # any RWF_* flag
-    rules += [("wait4", errno.EPERM, [(3, _NE, 0, 0)]), ("waitid", errno.EPERM, [(4, _NE, 0, 0)])]  # a child's rusage
-    rules += [(name, errno.EPERM, [(0, op, domain, 0)]) for name in ("socket", "socketpair")  # AF_UNIX, AF_INET and
-              for op, domain in [(_EQ, 0), *((_EQ, d) for d in range(3, 10)), (_GE, 11)]]    # AF_INET6 only
-    if os.uname().machine not in ("s390", "s390x"):  # elsewhere clone's flags are its first argument
+    # POSIX and OFD locks, leases, dnotify
+    rules += [(name, errno.EPERM, [(1, *int_is(cmd))]) for name in ("fcntl", "fcntl64")
+              for cmd in (5, 6, 7, 36, 37, 38, 1024, 1026)]
+    # MADV_COLD, MADV_PAGEOUT
+    rules += [("madvise", errno.EPERM, [(2, *int_is(advice))]) for advice in (20, 21)]
+    # any RWF_* flag
+    rules += [(name, errno.EPERM, [(5, _NE, 0, 0)]) for name in ("preadv2", "pwritev2")]
+    # a child's rusage
+    rules += [("wait4", errno.EPERM, [(3, _NE, 0, 0)]), ("waitid", errno.EPERM, [(4, _NE, 0, 0)])]
+    # AF_UNIX, AF_INET and AF_INET6 only
+    rules += [(name, errno.EPERM, [(0, op, domain, 0)]) for name in ("socket", "socketpair")
+              for op, domain in [(_EQ, 0), *((_EQ, d) for d in range(3, 10)), (_GE, 11)]]
+    # elsewhere clone's flags are its first argument
+    if os.uname().machine not in ("s390", "s390x"):
         rules += [("clone", errno.EPERM, [(0, _MASKED_EQ, flag, flag)]) for flag in _CLONE_NEW]
-    return rules + [("clone3", errno.ENOSYS, [])]  # its flags are out of reach: libc falls back to clone
+    # its flags are out of reach: libc falls back to clone
+    return rules + [("clone3", errno.ENOSYS, [])]
 
 
 @functools.cache
 def seccomp_filter():
-    """The system-call filter that bwrap loads (--seccomp) before the program starts, a BPF program compiled by
-    libseccomp (through ctypes): each rule of _seccomp_rules() makes its call fail with its errno, anything
-    else is allowed, and a call through another architecture's ABI (i386's int 0x80, x32) kills the program.
-    Raises RuntimeError(SECCOMP_MISSING) when libseccomp cannot be loaded."""
+    """The system-call filter that bwrap loads (--seccomp) before the program starts, a BPF program
+    compiled by libseccomp (through ctypes): each rule of _seccomp_rules() makes its call fail with
+    its errno, anything else is allowed, and a call through another architecture's ABI (i386's int
+    0x80, x32) kills the program. Raises RuntimeError(SECCOMP_MISSING) when libseccomp cannot be
+    loaded."""
     try:
         lib = ctypes.CDLL(LIBSECCOMP)
     except OSError:
         raise RuntimeError(SECCOMP_MISSING) from None
     lib.seccomp_init.restype, lib.seccomp_init.argtypes = ctypes.c_void_p, [ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
-                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
+                                           ctypes.c_uint, ctypes.POINTER(_ArgCmp)]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
     context = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW by default
@@ -528,7 +576,8 @@ def seccomp_filter():
             if number < 0:  # not a system call of this architecture
                 continue
             args = (_ArgCmp * len(conditions))(*conditions)
-            if (rc := lib.seccomp_rule_add_array(context, 0x00050000 | error, number, len(conditions), args)) < 0:
+            if (rc := lib.seccomp_rule_add_array(context, 0x00050000 | error, number,
+                                                 len(conditions), args)) < 0:
                 raise RuntimeError(f"libseccomp: a rule for {name}: {os.strerror(-rc)}")
         with tempfile.TemporaryFile() as f:
             if (rc := lib.seccomp_export_bpf(context, f.fileno())) < 0:
@@ -546,27 +595,30 @@ def seccomp_filter():
 # -----------------------------------------------------------------------------
 # The sandbox's files: a private copy of the interpreter per run, and nothing of the machine
 
-# Left out of the copy: what needs a display, a terminal, a database, OpenSSL, or is a test of CPython itself.
-# ctypes stays (the prelude removes it, but a program can load it again): the filter and the namespaces, not a
-# missing module, are what stand between a program and the system calls.
-_LEFT_OUT = {"test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "turtle.py", "ensurepip", "lib2to3",
-             "site-packages", "dist-packages", "pydoc_data", "venv", "sqlite3", "curses", "dbm",
-             "__phello__", "lib-dynload", "__pycache__"}
-_LEFT_OUT_EXTENSIONS = re.compile(r"(_tkinter|_curses|_curses_panel|readline|_test\w*|_ctypes_test|xx\w*|_xx\w*|nis|"
-                                  r"spwd|ossaudiodev|_crypt|_sqlite3|_ssl|_hashlib|_dbm|_gdbm)\.")
+# Left out of the copy: what needs a display, a terminal, a database, OpenSSL, or is a test of
+# CPython itself. ctypes stays (the prelude removes it, but a program can load it again): the filter
+# and the namespaces, not a missing module, are what stand between a program and the system calls.
+_LEFT_OUT = {"test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "turtle.py",
+             "ensurepip", "lib2to3", "site-packages", "dist-packages", "pydoc_data", "venv",
+             "sqlite3", "curses", "dbm", "__phello__", "lib-dynload", "__pycache__"}
+_LEFT_OUT_EXTENSIONS = re.compile(r"(_tkinter|_curses|_curses_panel|readline|_test\w*|"
+                                  r"_ctypes_test|xx\w*|_xx\w*|nis|spwd|ossaudiodev|_crypt|"
+                                  r"_sqlite3|_ssl|_hashlib|_dbm|_gdbm)\.")
 
 
 @functools.cache
 def _runtime():
-    """What each sandbox gets as its own files -> ([(path inside, path outside, mode)], LD_LIBRARY_PATH): the
-    interpreter, the shared libraries it and the standard library's extension modules load (as `ldd` finds
-    them), those modules, the standard library's .py files compiled into one zip held in memory (at
-    pythonXY.zip, where the interpreter looks first) and os.py (the landmark by which it finds its prefix).
-    bwrap copies each into the sandbox's own root tmpfs (--ro-bind-data): a program reads no file of the
-    machine, and no page it reads is shared with another run. About 45 MB per run (~10 ms)."""
+    """What each sandbox gets as its own files -> ([(path inside, path outside, mode)],
+    LD_LIBRARY_PATH): the interpreter, the shared libraries it and the standard library's extension
+    modules load (as `ldd` finds them), those modules, the standard library's .py files compiled
+    into one zip held in memory (at pythonXY.zip, where the interpreter looks first) and os.py (the
+    landmark by which it finds its prefix). bwrap copies each into the sandbox's own root tmpfs
+    (--ro-bind-data): a program reads no file of the machine, and no page it reads is shared with
+    another run. About 45 MB per run (~10 ms)."""
     stdlib = os.path.dirname(os.__file__)
     exe = os.path.realpath(sys.executable)
-    modules = sorted(os.path.join(folder, f) for folder in {p for p in sys.path if p.endswith("/lib-dynload")}
+    modules = sorted(os.path.join(folder, f)
+                     for folder in {p for p in sys.path if p.endswith("/lib-dynload")}
                      if os.path.isdir(folder) for f in os.listdir(folder)
                      if f.endswith(".so") and not _LEFT_OUT_EXTENSIONS.match(f))
     files = {exe: exe, **{m: m for m in modules}}
@@ -574,8 +626,10 @@ def _runtime():
         found = subprocess.run(["ldd", exe, *modules], capture_output=True, text=True, timeout=60,
                                env={"LC_ALL": "C"}).stdout
     except (OSError, subprocess.SubprocessError) as err:
-        raise RuntimeError(f"code rewards need ldd (Debian/Ubuntu: libc-bin) to list the interpreter's libraries: {err}")
-    for line in found.splitlines():  # "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)", "\t/lib64/ld-... (0x...)"
+        raise RuntimeError("code rewards need ldd (Debian/Ubuntu: libc-bin) to list the "
+                           f"interpreter's libraries: {err}")
+    # "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)", "\t/lib64/ld-... (0x...)"
+    for line in found.splitlines():
         match = re.match(r"\s+\S+ => (/\S+) \(", line) or re.match(r"\s+(/\S+) \(", line)
         if match:
             files[match[1]] = os.path.realpath(match[1])
@@ -587,15 +641,19 @@ def _runtime():
                 source = os.path.join(root, name)
                 arcname = os.path.relpath(source, stdlib)[:-3] + ".pyc"
                 z.writestr(arcname, _compiled(source))
-    inside_zip = os.path.join(sys.base_prefix, sys.platlibdir, f"python{sys.version_info[0]}{sys.version_info[1]}.zip")
-    copies = [(inside, outside, 0o755 if os.access(outside, os.X_OK) else 0o644) for inside, outside in files.items()]
+    inside_zip = os.path.join(sys.base_prefix, sys.platlibdir,
+                              f"python{sys.version_info[0]}{sys.version_info[1]}.zip")
+    copies = [(inside, outside, 0o755 if os.access(outside, os.X_OK) else 0o644)
+              for inside, outside in files.items()]
     copies += [(inside_zip, f"/proc/self/fd/{zipped}", 0o644), (os.__file__, os.__file__, 0o644)]
-    libraries = sorted({os.path.dirname(inside) for inside in files if ".so" in os.path.basename(inside)})
+    libraries = sorted({os.path.dirname(inside) for inside in files
+                        if ".so" in os.path.basename(inside)})
     return copies, ":".join(libraries)
 
 
 def _compiled(source):
-    """The .pyc bytes of a standard-library file: its cached .pyc when that is newer, else compiled here."""
+    """The .pyc bytes of a standard-library file: its cached .pyc when that is newer, else compiled
+    here."""
     cached = importlib.util.cache_from_source(source)
     with contextlib.suppress(OSError):
         if os.stat(cached).st_mtime >= os.stat(source).st_mtime:
@@ -603,44 +661,53 @@ def _compiled(source):
                 return f.read()
     with open(source, "rb") as f:
         code = compile(f.read(), source, "exec", dont_inherit=True)
-    return importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code)  # flags 0, no source mtime and size
+    # flags 0, no source mtime and size
+    return importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
 
 
 def _bwrap_args(fds):
-    """bwrap with every namespace unshared (its own user namespace; no network; its own PID and mount
-    namespaces: nothing outside is visible or killable, everything in it dies with it), the files of
-    _runtime() copied into its own root tmpfs (the fds it reads them from are opened here and appended to
-    `fds`; the caller closes them), no /proc, a fresh size-limited tmpfs as the only writable place, an
-    unprivileged uid inside. As root, the user namespace maps root and SANDBOX_UID to themselves
-    (_start_sandbox writes the maps): the program must run as the real SANDBOX_UID, since root's uid is
-    exempt from RLIMIT_NPROC, so the prelude drops to it (bwrap keeps it only the two capabilities that
-    needs, in its namespace); otherwise the user namespace maps the caller to SANDBOX_UID."""
+    """bwrap with every namespace unshared (its own user namespace; no network; its own PID and
+    mount namespaces: nothing outside is visible or killable, everything in it dies with it), the
+    files of _runtime() copied into its own root tmpfs (the fds it reads them from are opened here
+    and appended to `fds`; the caller closes them), no /proc, a fresh size-limited tmpfs as the only
+    writable place, an unprivileged uid inside. As root, the user namespace maps root and
+    SANDBOX_UID to themselves (_start_sandbox writes the maps): the program must run as the real
+    SANDBOX_UID, since root's uid is exempt from RLIMIT_NPROC, so the prelude drops to it (bwrap
+    keeps it only the two capabilities that needs, in its namespace); otherwise the user namespace
+    maps the caller to SANDBOX_UID."""
     if os.geteuid() == 0:
-        isolation = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                     "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        isolation = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+                     "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL",
+                     "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         isolation = ["--unshare-all", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     copies, libraries = _runtime()
-    args = ["bwrap", *isolation, "--die-with-parent", "--new-session", "--dev", "/dev", "--perms", "1777",
-            "--size", str(CODE_TMPFS), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv", "--setenv", "HOME", "/tmp",
-            "--setenv", "LANG", "C.UTF-8", "--setenv", "LD_LIBRARY_PATH", libraries]
+    args = ["bwrap", *isolation, "--die-with-parent", "--new-session", "--dev", "/dev",
+            "--perms", "1777", "--size", str(CODE_TMPFS), "--tmpfs", "/tmp", "--chdir", "/tmp",
+            "--clearenv", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "LD_LIBRARY_PATH", libraries]
     for inside, outside, mode in copies:
-        fds.append(os.open(outside, os.O_RDONLY | os.O_CLOEXEC))  # its own offset: runs may start at once
+        # its own offset: runs may start at once
+        fds.append(os.open(outside, os.O_RDONLY | os.O_CLOEXEC))
         args += ["--perms", f"{mode:04o}", "--ro-bind-data", str(fds[-1]), inside]
     return args
 
 
 def _run_program(program, tests, stdin, timeout, memory, unsafe):
-    """Run `program` then `tests` (asserts rewritten by split_asserts, or "") under the limits, in a fresh
-    bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody) -> (exit code, stdout, results as
-    bytes); the exit code is None when it ran out of time or wrote more than CODE_MAX_OUTPUT."""
+    """Run `program` then `tests` (asserts rewritten by split_asserts, or "") under the limits, in a
+    fresh bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody) -> (exit code, stdout,
+    results as bytes); the exit code is None when it ran out of time or wrote more than
+    CODE_MAX_OUTPUT."""
     if not unsafe and not bwrap_ready():
         raise RuntimeError(not_ready_reason())
-    uid = _sandbox_uid() if unsafe else SANDBOX_UID if os.geteuid() == 0 else None  # who the program runs as
-    own_namespace = not unsafe and _nproc_per_user_namespace()  # a user namespace of its own: its count starts there
+    # who the program runs as
+    uid = _sandbox_uid() if unsafe else SANDBOX_UID if os.geteuid() == 0 else None
+    # a user namespace of its own: its count starts there
+    own_namespace = not unsafe and _nproc_per_user_namespace()
     tasks = SANDBOX_TASKS if own_namespace else _tasks_of(os.getuid() if uid is None else uid)
     limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_CORE": 0,
-              "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": CODE_NPROC_MARGIN}  # + tasks
+              "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64,
+              "RLIMIT_NPROC": CODE_NPROC_MARGIN}  # + tasks
     folder = tempfile.mkdtemp(prefix="sandbox-") if unsafe else None
     files = [tempfile.TemporaryFile() for _ in range(4)]  # source, stdin, stdout, assert values
     try:
@@ -649,24 +716,29 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
         stdin_file.write(stdin.encode("utf-8", errors="replace"))
         source.seek(0), stdin_file.seek(0)
         fds = (source.fileno(), results_file.fileno())
-        drop_to = uid if not unsafe and uid is not None else -1  # unsafe: Popen itself runs it as uid
-        cmd = [sys.executable, "-I", "-c", _PRELUDE, json.dumps(limits), *map(str, fds), str(drop_to), str(tasks)]
+        # unsafe: Popen itself runs it as uid
+        drop_to = uid if not unsafe and uid is not None else -1
+        cmd = [sys.executable, "-I", "-c", _PRELUDE, json.dumps(limits), *map(str, fds),
+               str(drop_to), str(tasks)]
         if unsafe:
             if uid is not None:
                 os.chown(folder, uid, uid)
             env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
             user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
             child = subprocess.Popen(cmd, cwd=folder, env=env, stdin=stdin_file, stdout=stdout_file,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=fds, **user)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     pass_fds=fds, **user)
         else:
-            cmd[0] = os.path.realpath(sys.executable)  # a venv's interpreter is a link into its base prefix
+            # a venv's interpreter is a link into its base prefix
+            cmd[0] = os.path.realpath(sys.executable)
             child, namespace = _start_sandbox(cmd, stdin_file, stdout_file, fds)
         finished = _wait_without_reaping(child.pid, timeout)
         with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
             os.killpg(child.pid, signal.SIGKILL)       # group id still names only its group
         child.wait()
         if not unsafe and not _namespace_emptied(namespace):
-            raise RuntimeError(f"processes of a sandbox ({namespace}) were still alive 10 s after it ended")
+            raise RuntimeError(f"processes of a sandbox ({namespace}) were still alive "
+                               "10 s after it ended")
         stdout_file.seek(0), results_file.seek(0)
         out, results = stdout_file.read(CODE_MAX_OUTPUT + 1), results_file.read(CODE_MAX_OUTPUT + 1)
     finally:
@@ -680,10 +752,11 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
 
 
 def _start_sandbox(cmd, stdin, stdout, fds):
-    """Start cmd in a fresh bwrap sandbox under the system-call filter, passing it fds -> (the bwrap process,
-    the sandbox's PID namespace or None). As root, bwrap waits (--userns-block-fd) while this process writes
-    the uid and gid maps of the sandbox's user namespace: root (bwrap sets the sandbox up as the namespace's
-    root) and SANDBOX_UID (the prelude drops to it), each to itself."""
+    """Start cmd in a fresh bwrap sandbox under the system-call filter, passing it fds -> (the bwrap
+    process, the sandbox's PID namespace or None). As root, bwrap waits (--userns-block-fd) while
+    this process writes the uid and gid maps of the sandbox's user namespace: root (bwrap sets the
+    sandbox up as the namespace's root) and SANDBOX_UID (the prelude drops to it), each to
+    itself."""
     program = seccomp_filter()  # RuntimeError without libseccomp, before anything starts
     bpf, (info_r, info_w) = os.memfd_create("seccomp"), os.pipe()
     block_r, block_w = os.pipe() if os.geteuid() == 0 else (None, None)
@@ -693,14 +766,16 @@ def _start_sandbox(cmd, stdin, stdout, fds):
         os.lseek(bpf, 0, os.SEEK_SET)
         args = _bwrap_args(passed) + ["--seccomp", str(bpf), "--info-fd", str(info_w)]
         args += [] if block_r is None else ["--userns-block-fd", str(block_r)]
-        child = subprocess.Popen(args + cmd, env={}, stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL,
-                                 start_new_session=True, pass_fds=(*fds, *passed))
+        child = subprocess.Popen(args + cmd, env={}, stdin=stdin, stdout=stdout,
+                                 stderr=subprocess.DEVNULL, start_new_session=True,
+                                 pass_fds=(*fds, *passed))
     finally:
         for fd in passed:
             os.close(fd)
     info = _read_info(info_r)
     if block_w is not None:
-        with contextlib.suppress(OSError, KeyError):  # bwrap failed before its child: it exits on its own
+        # bwrap failed before its child: it exits on its own
+        with contextlib.suppress(OSError, KeyError):
             for name in ("uid_map", "gid_map"):
                 with open(f"/proc/{info['child-pid']}/{name}", "w") as f:
                     f.write(f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n")
@@ -709,7 +784,8 @@ def _start_sandbox(cmd, stdin, stdout, fds):
 
 
 def _read_info(info_fd):
-    """What bwrap reports on its --info-fd ({"child-pid": ...}), or {} when it failed before writing it."""
+    """What bwrap reports on its --info-fd ({"child-pid": ...}), or {} when it failed before writing
+    it."""
     with os.fdopen(info_fd, "rb") as f:
         ready, _, _ = select.select([f], [], [], 10)
         info = f.read() if ready else b""
@@ -719,8 +795,8 @@ def _read_info(info_fd):
 
 
 def _pid_namespace(info):
-    """The PID namespace (e.g. 'pid:[4026532641]') of the sandbox whose bwrap reported info, read while its
-    first process is alive; None when bwrap failed before starting one."""
+    """The PID namespace (e.g. 'pid:[4026532641]') of the sandbox whose bwrap reported info, read
+    while its first process is alive; None when bwrap failed before starting one."""
     try:
         return os.readlink(f"/proc/{info['child-pid']}/ns/pid")
     except (KeyError, OSError):  # no child, or it is gone already (then so is its namespace's init)
@@ -728,9 +804,9 @@ def _pid_namespace(info):
 
 
 def _namespace_emptied(namespace, deadline=10.0):
-    """Wait until no live process is left in the sandbox's PID namespace (the kernel kills them all once its
-    first process dies, but not at once; a zombie waiting for its reaper runs nothing) -> whether it
-    emptied in time."""
+    """Wait until no live process is left in the sandbox's PID namespace (the kernel kills them all
+    once its first process dies, but not at once; a zombie waiting for its reaper runs nothing) ->
+    whether it emptied in time."""
     end = time.monotonic() + deadline
     while namespace is not None and time.monotonic() < end:
         alive = False
@@ -757,9 +833,9 @@ def _wait_without_reaping(pid, timeout):
 
 
 def _nproc_per_user_namespace():
-    """Linux >= 5.14 counts RLIMIT_NPROC per user namespace: a sandbox, a user namespace of its own, starts
-    from its own few tasks there (SANDBOX_TASKS), not from its uid's tasks outside (older kernels count the
-    uid across namespaces)."""
+    """Linux >= 5.14 counts RLIMIT_NPROC per user namespace: a sandbox, a user namespace of its own,
+    starts from its own few tasks there (SANDBOX_TASKS), not from its uid's tasks outside (older
+    kernels count the uid across namespaces)."""
     version = re.match(r"(\d+)\.(\d+)", os.uname().release)
     return version is not None and (int(version[1]), int(version[2])) >= (5, 14)
 
@@ -768,7 +844,8 @@ def _tasks_of(uid):
     """How many tasks (processes and threads) uid runs now: what RLIMIT_NPROC counts outside a user
     namespace of the sandbox's own."""
     total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):  # not /proc/self and /proc/thread-self: this process again
+    # not /proc/self and /proc/thread-self: this process again
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, AttributeError, ValueError):
             with open(f"/proc/{pid}/status") as f:
                 status = f.read()
@@ -779,8 +856,8 @@ def _tasks_of(uid):
 
 @functools.cache
 def _sandbox_uid():
-    """unsafe path: SANDBOX_UID when this process is root and that user can start the interpreter, else
-    None (programs then run as the caller's own user)."""
+    """unsafe path: SANDBOX_UID when this process is root and that user can start the interpreter,
+    else None (programs then run as the caller's own user)."""
     if os.geteuid() != 0:
         return None
     try:

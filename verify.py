@@ -60,7 +60,8 @@ Usage:
     score("<think>...</think> The area is $\\boxed{\\frac{1}{2}}$.", "0.5")    # True
     score_batch(responses, golds, workers=8)                                  # list of bools
     score_problems(responses, problems, workers=8)     # data.py's dicts, math and code mixed
-    score("7 \\boxed{7}", "7", think_open=prompt_opens_think("...<think>\\n"))   # False: never closed
+    score("7 \\boxed{7}", "7",
+          think_open=prompt_opens_think("...<think>\\n"))                      # False: never closed
     python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'         # prints True
     python verify.py --bench        # verifications/s on a batch of 768 (BENCHMARKS.md section 8)
 """
@@ -95,8 +96,9 @@ WORKER_MEMORY = 4 << 30           # address-space limit of a worker process, byt
 # Finding the final answer
 
 _BOX = re.compile(r"\\(?:boxed|fbox)")
-_ANSWER_KEY = re.compile(r"####|final answer(?:\s*is)?[\s*:]*|the answer is[\s*:]*|\banswer\**\s*:[\s*]*",
-                         re.IGNORECASE)                          # [\s*:]*: also **Final Answer:** 12
+# [\s*:]*: also **Final Answer:** 12
+_ANSWER_KEY = re.compile(r"####|final answer(?:\s*is)?[\s*:]*|the answer is[\s*:]*|"
+                         r"\banswer\**\s*:[\s*]*", re.IGNORECASE)
 
 
 def extract_answer(response):
@@ -160,11 +162,13 @@ _SIZING = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])")
 _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|~|\\q?quad(?![a-zA-Z])")
 _TEXT = re.compile(r"\\(text\w*|mbox|math\w+|operatorname)\s*\{([^{}]*)\}(\^\{?\d\}?)?")
 _UNIT_TEXT = re.compile(r"[a-zA-Z .]*(?:/ *[a-zA-Z][a-zA-Z .]*)*")     # \text{ km/h}: no digits
-_UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")  # 18 km/h
-_HEDGE = re.compile(r"\b(?:not|no|nor|never|except|or|and|least|most|than|wrong|incorrect|maybe|perhaps|"
-                    r"possibly|probably|likely|unlikely|approx\w*|about|around|roughly|nearly|almost|"
-                    r"circa|guess\w*|estimat\w*|max\w*|minimum|minimal|upper|lower|bound\w*|unsure|"
-                    r"uncertain)\b", re.IGNORECASE)    # "5 or more", "5 maybe" are no units ("5 min" is)
+# 18 km/h
+_UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")
+# "5 or more", "5 maybe" are no units ("5 min" is)
+_HEDGE = re.compile(r"\b(?:not|no|nor|never|except|or|and|least|most|than|wrong|incorrect|maybe|"
+                    r"perhaps|possibly|probably|likely|unlikely|approx\w*|about|around|roughly|"
+                    r"nearly|almost|circa|guess\w*|estimat\w*|max\w*|minimum|minimal|upper|lower|"
+                    r"bound\w*|unsure|uncertain)\b", re.IGNORECASE)
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa "
              "lambda mu nu xi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta "
              "Theta Lambda Xi Sigma Phi Psi Omega".split())
@@ -228,7 +232,8 @@ def _drop_variable(s):
 
 
 def as_number(s):
-    """The exact value of a plain number (12, -3.5, .25, 3/4, \\frac{3}{4}, 1\\frac{4}{5}) or None."""
+    """The exact value of a plain number (12, -3.5, .25, 3/4, \\frac{3}{4}, 1\\frac{4}{5})
+    or None."""
     m = _FRACTION.fullmatch(s)
     with contextlib.suppress(ZeroDivisionError):
         if _DECIMAL.fullmatch(s):
@@ -375,8 +380,8 @@ def _identical(u, v, multiple=False):
     """Whether answer u equals gold v (multiple: c * v, c a nonzero constant) for all real values
     of the variables. Never when u has a variable that v lacks. Exact where sympy decides: a
     rational function with rational coefficients in lowest terms (cancel) is constant only when
-    free of variables, and simplify() may prove u - v (u / v) constant; where it cannot, the
-    values at the sample points decide. Those points go first: a difference there rejects cheaply."""
+    free of variables, and simplify() may prove u - v (u / v) constant; where it cannot, the values
+    at the sample points decide. Those points go first: a difference there rejects cheaply."""
     if u.free_symbols - v.free_symbols or not _agree_at_points(u, v, multiple):
         return False
     gap = u / v if multiple else u - v
@@ -419,7 +424,8 @@ def _points(u, v, count=8):
     if not symbols:
         return [{}]
     rng = random.Random(f"{u} {v}")
-    big = 10 * max([1] + [abs(n) for n in (u.atoms(sympy.Rational) | v.atoms(sympy.Rational))]) + _odd(rng)
+    big = (10 * max([1] + [abs(n) for n in (u.atoms(sympy.Rational) | v.atoms(sympy.Rational))])
+           + _odd(rng))
     points = [{s: sign * scale * (k + 1) for k, s in enumerate(symbols)}
               for sign in (1, -1) for scale in (big, 1 / big)]
     points += [{s: rng.choice((-1, 1)) * _odd(rng) for s in symbols} for _ in range(count)]
@@ -445,11 +451,13 @@ def _sides_of_roots(u, v, s):
         if poly.domain in (sympy.ZZ, sympy.QQ) and poly.degree() <= 20:
             roots.update(r.evalf(60) for r in poly.real_roots())
     roots = sorted(roots)
-    return [a + (b - a) / 2 for a, b in zip(roots, roots[1:])] + ([roots[0] - 1, roots[-1] + 1] if roots else [])
+    return ([a + (b - a) / 2 for a, b in zip(roots, roots[1:])]
+            + ([roots[0] - 1, roots[-1] + 1] if roots else []))
 
 
 def _value(expr, point):
-    """expr at point (variables -> numbers) as a 60-digit number, maybe complex (\\sqrt{x} at x < 0)."""
+    """expr at point (variables -> numbers) as a 60-digit number, maybe complex
+    (\\sqrt{x} at x < 0)."""
     value = expr.evalf(60, subs=point)
     if not (value.is_number and value.is_finite):
         raise ValueError(f"{expr} is not a finite number at {point}")
@@ -733,7 +741,8 @@ def _try_quick(response, gold):
 
 def prompt_opens_think(prompt):
     """Whether a prompt ends inside a <think> it opened (DeepSeek-R1 chat templates end with
-    "<think>\\n"): then the completion holds no <think>, and only what follows its </think> counts."""
+    "<think>\\n"): then the completion holds no <think>, and only what follows its </think>
+    counts."""
     return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
 
 
@@ -743,7 +752,8 @@ def _opened(responses, think_open):
     flags = think_open if isinstance(think_open, (list, tuple)) else [think_open] * len(responses)
     if len(flags) != len(responses):
         raise ValueError(f"{len(responses)} responses but {len(flags)} think_open flags")
-    return ["<think>" + r if flag and isinstance(r, str) else r for r, flag in zip(responses, flags)]
+    return ["<think>" + r if flag and isinstance(r, str) else r
+            for r, flag in zip(responses, flags)]
 
 
 def score(response, gold, timeout=TIMEOUT, think_open=False):
@@ -779,11 +789,13 @@ def score_problems(responses, problems, workers=2, unsafe_code=False, think_open
     think_open (a bool, or one per response): the prompt opened a <think> (prompt_opens_think)."""
     responses = _opened(responses, think_open)
     results = [False] * len(responses)
-    judges = (("math", score_batch, "answer", {}), ("code", score_code_batch, "tests", {"unsafe": unsafe_code}))
+    judges = (("math", score_batch, "answer", {}),
+              ("code", score_code_batch, "tests", {"unsafe": unsafe_code}))
     for domain, judge, field, extra in judges:
         idx = [i for i, p in enumerate(problems) if p.get("domain", "math") == domain]
         if idx:
-            verdicts = judge([responses[i] for i in idx], [problems[i][field] for i in idx], workers=workers, **extra)
+            verdicts = judge([responses[i] for i in idx], [problems[i][field] for i in idx],
+                             workers=workers, **extra)
             for i, v in zip(idx, verdicts):
                 results[i] = v
     return results
@@ -793,7 +805,8 @@ def bench(n=768, workers=2):
     """Verifications per second on an optimizer batch: n (gold, response) pairs cycled from
     fixtures/verify_pairs.jsonl (MATH-500 answers, rewrites, near misses, GSM8K), scored by
     score_batch twice: cold (workers start inside the timing) and warm."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "verify_pairs.jsonl")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
+                        "verify_pairs.jsonl")
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f][1:]              # line 1 is a comment
     rows = [rows[i % len(rows)] for i in range(n)]
