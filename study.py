@@ -1,60 +1,77 @@
 """
-The miniature ScaleRL study: ScaleRL and the paper's variants trained on the embedded toy-hard task
-under torchrun (1 generator + 1 trainer rank, PipelineRL-8 unless the variant says otherwise), 3 seeds
-each, every run's sigmoid fitted (arXiv 2510.13786, Eq. 1), and a report of which of the paper's findings
-the miniature reproduces, with the margin that decided each.
+The miniature ScaleRL study: ScaleRL and the paper's variants trained on the embedded toy-hard task,
+3 seeds each, every run's sigmoid fitted (arXiv 2510.13786, Eq. 1), and a report of which of the
+paper's findings the miniature reproduces, with the margin that decided each.
 
-    python study.py runs/study                   # the variants in priority order, within --budget minutes; resumes
+    python study.py runs/study                   # the variants in priority order,
+                                                   within --budget; resumes
     python study.py runs/study --assets assets   # also copy study_report.json and the figures there
     python study.py runs/study --report          # only fit the runs there and write the report
-    python study.py runs/study --quick           # 3 variants x 1 seed x a few steps: the test's form
+    python study.py runs/study --quick           # 3 variants x 1 seed x a few steps:
+                                                   the test's form
 
-Writes runs/study/report.md, study_report.json ({"runs", "findings", "minutes", ...}), study.png (pass
-rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run fitted on the first half of
-its compute, extrapolated to its end).
+Writes runs/study/report.md, study_report.json ({"runs", "findings", "minutes", ...}), study.png
+(pass rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run fitted on the
+first half of its compute, extrapolated to its end).
 
 The design, and why:
-- One task, one held-out set. The problems are toy-hard's, drawn once with a fixed seed and split once
-  (problems/train.jsonl, problems/val.jsonl): every run is evaluated on the same 2000 held-out prompts
-  x 1 sample (the paper: 1000 x 16), so runs differ by their seed's curriculum and sampling noise, not
-  by which prompts they were scored on. Each eval logs its standard error over the prompts
-  (pass_rate_se: the spread of the per-prompt means / sqrt(prompts), about 0.011 at a pass rate of 0.5).
-  One sample of 2000 prompts costs what two of 1000 do, and its standard error is lower (0.011 against
-  0.015 measured): the prompts differ more than two samples of one prompt do.
-- Runs long enough to bend, with a budget that does not bind. --think_budget 64: toy-hard's longest chains
-  take ~38 thinking tokens, so interruptions are rare (~1% of held-out samples after 50 steps) and the
-  ceiling is the model's, not the budget's. (At 32, the earlier study's setting, 45% of the held-out
-  answers were interrupted, the curves rose linearly to ~0.50 and stopped dead, no first-half fit could
-  see the ceiling, and the length-penalty variant, never interrupted, won by 0.23.) lr 2e-4, 400 steps,
-  an eval every 20: ScaleRL rises from 0.22 to ~0.75 by step 200 and creeps to ~0.81 at step 400, so the
-  first half holds the bend. Measured before choosing, one seed each, 300 steps: at lr 2.5e-4 the curve
-  bent by step 90 but its plateau swung by +-0.04; at 1.2e-4 and 1.8e-4 it was smooth but still bending
-  at step 150, and first-half fits overshot the end by 0.08 and 0.11.
-- Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the synchronous
-  loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock x the 2
-  processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded). Every other
-  finding, the extrapolation test and the figures use FLOPs (estimated from the tokens), which do not
-  move with the machine's load.
-- The float32 runs make the float32 LM head a no-op, so the precision finding is read on a bf16 pair:
-  bf16 weights with and without the float32 head.
+- Two loops. The findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs sync)
+  and about the loss run under torchrun, 1 generator + 1 trainer rank, PipelineRL-8 unless the
+  variant says otherwise ("pipelinerl" is ScaleRL there). The losses need it: one process takes one
+  optimizer step per batch with the weights that sampled it, every importance ratio is 1, and CISPO,
+  DAPO and GRPO take the same step (DAPO and GRPO one-process runs were identical eval for eval).
+  Every other finding compares one-process runs (ScaleRL's choices in the synchronous loop,
+  "scalerl"), two at a time with one torch thread each: on 2 cores that is 1.4x the runs per hour of
+  torchrun (58 s against 41.5 s a run for 40 steps, measured), and it takes the off-policy lag out
+  of comparisons that are not about it.
+- One task, one held-out set. The problems are toy-hard's, drawn once with a fixed seed and split
+  once (problems/train.jsonl, problems/val.jsonl): every run is evaluated on the same 2000 held-out
+  prompts x 1 sample (the paper: 1000 x 16), so runs differ by their seed's curriculum and sampling
+  noise, not by which prompts they were scored on. Each eval logs its standard error over the
+  prompts (pass_rate_se: the spread of the per-prompt means / sqrt(prompts), about 0.009 at a pass
+  rate of 0.8). One sample of 2000 prompts costs what two of 1000 do, and its standard error is
+  lower (0.011 against 0.015 measured at 0.5): the prompts differ more than two samples of one
+  prompt do.
+- Runs long enough to bend, with a budget that does not bind. --think_budget 64: toy-hard's longest
+  chains take ~38 thinking tokens, so interruptions are rare (~1% of held-out samples after 50
+  steps) and the ceiling is the model's, not the budget's. (At 32, the earlier study's setting, 45%
+  of the held-out answers were interrupted, the curves rose linearly to ~0.50 and stopped dead, no
+  first-half fit could see the ceiling, and the length-penalty variant, never interrupted, won by
+  0.23.) lr 2e-4, 300 steps, an eval every 20: ScaleRL rises from 0.22 to ~0.76 by step 100 and
+  creeps to ~0.82 at step 300, so the first half holds the bend. Measured before choosing, one seed
+  each, 300 steps: at lr 2.5e-4 the curve bent by step 90 but its plateau swung by +-0.04; at 1.2e-4
+  and 1.8e-4 it was smooth but still bending at step 150, and first-half fits overshot the end by
+  0.08 and 0.11.
+- Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the
+  synchronous loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock
+  x the 2 processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded).
+  Every other finding, the extrapolation test and the figures use FLOPs (estimated from the tokens),
+  which do not move with the machine's load. Efficiency is read as a higher B or a lower C_mid at a
+  similar A: the paper's Fig. 4a names B, but in Eq. 1 a run that spends a constant factor more
+  compute per step (an idle rank) is the same curve moved along log C, which is C_mid, not B.
+- The float32 runs make the float32 LM head a no-op, so the precision finding is read on a bf16
+  pair: bf16 weights with and without the float32 head.
 - Per variant: A is the mean (and sd) of its seeds' own fits; B and C_mid come from the paper's
   comparison rule: every run refitted with A fixed to the mean A of all runs, B averaged over seeds.
-- Margin of a finding on A: the largest of 0.02 (the paper's), the seeds' spread sd_X + sd_Y, and the
-  eval's own noise, 2 x sqrt(se_X^2 / n_X + se_Y^2 / n_Y) with se the runs' last-eval standard error.
-  On B: sd_X + sd_Y of the per-seed B. "A": X's A above Y's by more than the margin -> reproduced,
-  below by more -> not reproduced, else inconclusive. "B": a similar A and a higher B. "A or B": a
-  higher A, or a similar A and a higher B (a leave-one-out: the paper keeps the choice, so ScaleRL must
-  be at least as good). "early": X's seed-averaged pass rate is higher at a quarter of the compute, by
-  more than the eval margin (at least 0.02).
+- Margin of a finding on A: the largest of 0.02 (the paper's), the seeds' spread sd_X + sd_Y, and
+  the eval's own noise, 2 x sqrt(se_X^2 / n_X + se_Y^2 / n_Y) with se the runs' last-eval standard
+  error. On B: sd_X + sd_Y of the per-seed B; on C_mid: sd_X + sd_Y of the per-seed log10 C_mid (at
+  least 0.02). "A": X's A above Y's by more than the margin -> reproduced, below by more -> not
+  reproduced, else inconclusive. "efficiency": a similar A and a higher B or a lower C_mid (and not
+  the other way on either) -> reproduced; a different A, or only worse -> not reproduced. "A or B":
+  a higher A, or a similar A and a higher B (a leave-one-out: the paper keeps the choice, so ScaleRL
+  must be at least as good). "early": X's seed-averaged pass rate is higher at a quarter of the
+  compute, by more than the eval margin (at least 0.02).
 - Collapse: a run whose last eval is more than COLLAPSE_DROP below its own best has collapsed; it is
   reported apart and left out of the extrapolation test (a collapse is a finding, not noise).
-- Extrapolation (the paper's predictability test), every run that did not collapse: fit on the points
-  with C <= half its compute, predict its last eval, report the error. Predictability is reproduced
-  when at least 80% of the checked runs land within 0.02, not reproduced under half, else inconclusive.
-- Budget: the variants run in the order of VARIANTS, all seeds of one before the next, and a variant
-  starts only if its runs fit in what is left of --budget minutes (the study folder's finished runs count,
-  so a resumed study keeps to the same budget) at the pace measured so far; the report names the
-  variants left out.
+- Extrapolation (the paper's predictability test), every run that did not collapse: fit on the
+  points with C <= half its compute, predict its last eval, report the error. Predictability is
+  reproduced when at least 80% of the checked runs land within 0.02, not reproduced under half, else
+  inconclusive.
+- Budget: the variants run in the order of VARIANTS, and a variant starts only if its runs fit in
+  what is left of --budget machine-minutes (a run's wall-clock x its share of the cores; the study
+  folder's finished runs count, so a resumed study keeps to the same budget) at the pace measured so
+  far for runs of its kind; the report names the variants left out.
 """
 import argparse
 import json
@@ -68,15 +85,18 @@ import time
 import numpy as np
 
 from data import read_jsonl, toy_model_dir, toy_problems
-from fit import NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_start, load_run, plot, sigmoid
+from fit import (NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_start, load_run, plot,
+                 sigmoid)
 
 SEEDS = 3
 HELD_OUT = 2000       # held-out prompts, the same for every run
-COLLAPSE_DROP = 0.05  # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
+# a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
+COLLAPSE_DROP = 0.05
 STEPS = 300
 TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "20", "--eval_samples", "1",
         "--save_every", "0"]
-VARIANTS = {  # name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget
+# name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget
+VARIANTS = {
     "scalerl": [],  # one process: the synchronous loop, one policy version per batch
     "batch8": ["--prompts", "8"],
     "length_penalty": ["--length_control", "penalty"],
@@ -93,44 +113,52 @@ VARIANTS = {  # name: train.py flags on top of ScaleRL's defaults; the order is 
     "bf16_no_fp32_head": ["--dtype", "bfloat16", "--no-fp32_head"],
     "batch32": ["--prompts", "32"],
 }
-# torchrun, 1 generator + 1 trainer, PipelineRL-8 unless the flags say otherwise: the findings about the
-# off-policy algorithm, and the losses, which differ only off-policy (one update per batch with the
-# sampling weights makes every ratio 1, so CISPO, DAPO and GRPO take the same step; measured: DAPO and
-# GRPO one-process runs were identical eval for eval)
+# torchrun, 1 generator + 1 trainer, PipelineRL-8 unless the flags say otherwise: the findings about
+# the off-policy algorithm, and the losses, which differ only off-policy (one update per batch with
+# the sampling weights makes every ratio 1, so CISPO, DAPO and GRPO take the same step; measured:
+# DAPO and GRPO one-process runs were identical eval for eval)
 RANKS = {"pipelinerl", "loss_dapo", "loss_grpo", "ppo_offpolicy", "sync"}
-PARALLEL = 2  # one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
+# one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
+PARALLEL = 2
 FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule, compute unit)
-    ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL is more "
-     "efficient, a higher B (Fig. 4a)", "pipelinerl", "ppo_offpolicy", "efficiency", "compute_s"),
-    ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading", "pipelinerl", "sync",
-     "efficiency", "compute_s"),
-    ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)", "pipelinerl", "loss_dapo", "A", "flops"),
-    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)", "pipelinerl", "loss_grpo", "A",
-     "flops"),
-    ("FP32 head", "with bf16 weights, the float32 LM head raises A (Fig. 5b: 0.52 -> 0.61)", "bf16",
-     "bf16_no_fp32_head", "A", "flops"),
-    ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)", "batch32", "scalerl", "A", "flops"),
-    ("batch size", "a smaller batch (8 vs 16 prompts) looks better early (section 5)", "batch8", "scalerl", "early",
-     "flops"),
-    ("zero-variance filtering", "ScaleRL with it is at least as good as without", "scalerl", "no_zero_var", "A or B",
-     "flops"),
-    ("No-Positive-Resampling", "ScaleRL with it is at least as good as without", "scalerl", "no_npr", "A or B", "flops"),
-    ("length control", "interruptions are at least as good as a length penalty", "scalerl", "length_penalty", "A or B",
-     "flops"),
-    ("loss aggregation", "prompt-level is at least as good as sample-level", "scalerl", "agg_sample", "A or B", "flops"),
-    ("advantage normalization", "batch-level is at least as good as prompt-level", "scalerl", "adv_prompt", "A or B",
-     "flops"),
+    ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL is "
+     "more efficient, a higher B (Fig. 4a)",
+     "pipelinerl", "ppo_offpolicy", "efficiency", "compute_s"),
+    ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading",
+     "pipelinerl", "sync", "efficiency", "compute_s"),
+    ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)",
+     "pipelinerl", "loss_dapo", "A", "flops"),
+    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)",
+     "pipelinerl", "loss_grpo", "A", "flops"),
+    ("FP32 head", "with bf16 weights, the float32 LM head raises A (Fig. 5b: 0.52 -> 0.61)",
+     "bf16", "bf16_no_fp32_head", "A", "flops"),
+    ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)",
+     "batch32", "scalerl", "A", "flops"),
+    ("batch size", "a smaller batch (8 vs 16 prompts) looks better early (section 5)",
+     "batch8", "scalerl", "early", "flops"),
+    ("zero-variance filtering", "ScaleRL with it is at least as good as without",
+     "scalerl", "no_zero_var", "A or B", "flops"),
+    ("No-Positive-Resampling", "ScaleRL with it is at least as good as without",
+     "scalerl", "no_npr", "A or B", "flops"),
+    ("length control", "interruptions are at least as good as a length penalty",
+     "scalerl", "length_penalty", "A or B", "flops"),
+    ("loss aggregation", "prompt-level is at least as good as sample-level",
+     "scalerl", "agg_sample", "A or B", "flops"),
+    ("advantage normalization", "batch-level is at least as good as prompt-level",
+     "scalerl", "adv_prompt", "A or B", "flops"),
 ]
 UNIT_NAMES = {"compute_s": "device-seconds", "flops": "FLOPs"}
-QUICK_NOTE = "QUICK STUDY: a few tiny steps per run, to test the machinery; these numbers mean nothing."
+QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; these numbers mean "
+              "nothing.")
 
 # -----------------------------------------------------------------------------
 # the problems and the runs
 
 
 def make_problems(out, held_out=HELD_OUT):
-    """out/problems/{train,val}.jsonl: the distinct toy-hard problems among 20000 drawn with a fixed seed,
-    shuffled once, `held_out` of them held out (kept when already there) -> (train path, val path)."""
+    """out/problems/{train,val}.jsonl: the distinct toy-hard problems among 20000 drawn with a
+    fixed seed, shuffled once, `held_out` of them held out (kept when already there)
+    -> (train path, val path)."""
     folder = os.path.join(out, "problems")
     paths = os.path.join(folder, "train.jsonl"), os.path.join(folder, "val.jsonl")
     if all(os.path.exists(p) for p in paths):
@@ -153,8 +181,8 @@ def run_dir(out, name, seed):
 
 
 def run_minutes(path):
-    """The machine-minutes train_all measured for a run (its wall-clock x the share of the cores it had,
-    evals included), 0 when it did not."""
+    """The machine-minutes train_all measured for a run (its wall-clock x the share of the cores it
+    had, evals included), 0 when it did not."""
     try:
         with open(os.path.join(path, "study_minutes.json")) as f:
             return float(json.load(f))
@@ -172,14 +200,14 @@ def finished(path, steps):
 
 
 def run_command(name, path, seed, steps, data, extra):
-    """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants, else one
-    process (the synchronous loop, `--mode sync` of one generator)."""
+    """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants,
+    else one process (the synchronous loop, `--mode sync` of one generator)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-              if name in RANKS else [sys.executable])
-    return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite", "--seed", str(seed),
-            "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"), "--data", data[0],
-            "--val_data", data[1], *TASK, *extra, *VARIANTS.get(name, [])]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2"] if name in RANKS else [sys.executable])
+    return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite",
+            "--seed", str(seed), "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"),
+            "--data", data[0], "--val_data", data[1], *TASK, *extra, *VARIANTS.get(name, [])]
 
 
 def pace(minutes, name):
@@ -193,10 +221,10 @@ def pace(minutes, name):
 
 
 def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_OUT):
-    """Train every (variant, seed) not finished yet, variant by variant in priority order: one-process runs
-    PARALLEL at a time (one torch thread each), a torchrun run alone. A variant starts only if its runs
-    fit in the budget (the machine-minutes of the finished and started runs, plus the variant's runs at
-    their kind's pace) -> the variants left out."""
+    """Train every (variant, seed) not finished yet, variant by variant in priority order:
+    one-process runs PARALLEL at a time (one torch thread each), a torchrun run alone. A variant
+    starts only if its runs fit in the budget (the machine-minutes of the finished and started runs,
+    plus the variant's runs at their kind's pace) -> the variants left out."""
     data = make_problems(out, held_out)
     minutes = {True: [], False: []}  # finished runs' machine-minutes, by kind (torchrun or not)
     for name in variants:
@@ -217,7 +245,8 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 if code:
                     for other in running:
                         other["proc"].kill()
-                    sys.exit(f"study: {r['name']} seed {r['seed']} failed; its log: {r['log'].name}")
+                    sys.exit(f"study: {r['name']} seed {r['seed']} failed; "
+                             f"its log: {r['log'].name}")
                 used = (time.time() - r["start"]) / 60 * r["cores"] / PARALLEL
                 minutes[r["name"] in RANKS].append(used)
                 with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
@@ -236,11 +265,13 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
             cores = PARALLEL if name in RANKS else 1
             wait(cores)
             path = run_dir(out, name, seed)
-            print(f"study: [{name} seed {seed}] -> {path} ({(time.time() - t0) / 60:.1f} min so far, "
-                  f"budget {budget_min:g} min)", flush=True)
+            print(f"study: [{name} seed {seed}] -> {path} "
+                  f"({(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min)",
+                  flush=True)
             log = open(os.path.join(out, f"{name}-s{seed}.log"), "w")
             proc = subprocess.Popen(run_command(name, path, seed, steps, data, extra), stdout=log,
-                                    stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                                    stderr=subprocess.STDOUT,
+                                    env=os.environ | {"OMP_NUM_THREADS": "1"})
             running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log, cores=cores,
                                 start=time.time(), expected=expected or 0.0))
     wait(PARALLEL)
@@ -254,8 +285,10 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
 
 
 def last_eval_se(path):
-    """The standard error of the run's last eval (pass_rate_se), NaN when the run did not log one."""
-    evals = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl")) if r.get("kind") == "eval"]
+    """The standard error of the run's last eval (pass_rate_se), NaN when the run did not
+    log one."""
+    evals = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))
+             if r.get("kind") == "eval"]
     return float(evals[-1].get("pass_rate_se", float("nan"))) if evals else float("nan")
 
 
@@ -266,8 +299,8 @@ def seed_average(runs):
 
 
 def analyze(out, names, seeds, compute):
-    """Fit every run in one compute unit -> ({variant: dict(runs=[per-run dict], A, A_sd, B, B_sd, C_mid,
-    se, ...)}, the shared A of the comparison rule)."""
+    """Fit every run in one compute unit -> ({variant: dict(runs=[per-run dict], A, A_sd, B, B_sd,
+    C_mid, se, ...)}, the shared A of the comparison rule)."""
     fits = {}
     for name in names:
         runs = []
@@ -276,7 +309,8 @@ def analyze(out, names, seeds, compute):
             C, R, _ = load_run(path, compute)
             C, R = check_points(C, R)
             collapsed = bool(R[-1] < R.max() - COLLAPSE_DROP)
-            runs.append(dict(seed=s, C=C, R=R, fit=fit_sigmoid(C, R), se=last_eval_se(path), collapsed=collapsed,
+            runs.append(dict(seed=s, C=C, R=R, fit=fit_sigmoid(C, R), se=last_eval_se(path),
+                             collapsed=collapsed,
                              extrap=None if collapsed else extrapolation_check(C, R)))
         fits[name] = runs
     shared_A = float(np.mean([r["fit"]["A"] for runs in fits.values() for r in runs]))
@@ -288,10 +322,12 @@ def analyze(out, names, seeds, compute):
         B = [r["refit"]["B"] for r in runs]
         C_avg, R_avg = seed_average([(r["C"], r["R"]) for r in runs])
         logC = [np.log10(r["refit"]["C_mid"]) for r in runs]
-        table[name] = dict(runs=runs, A=float(np.mean(A)), A_sd=float(np.std(A)), B=float(np.mean(B)),
-                           B_sd=float(np.std(B)), C_mid=float(10 ** np.mean(logC)), logC_sd=float(np.std(logC)),
-                           se=float(np.nanmean([r["se"] for r in runs])) if any(np.isfinite(r["se"]) for r in runs)
-                           else float("nan"), R0=float(np.mean([r["fit"]["R0"] for r in runs])),
+        table[name] = dict(runs=runs, A=float(np.mean(A)), A_sd=float(np.std(A)),
+                           B=float(np.mean(B)), B_sd=float(np.std(B)),
+                           C_mid=float(10 ** np.mean(logC)), logC_sd=float(np.std(logC)),
+                           se=(float(np.nanmean([r["se"] for r in runs]))
+                               if any(np.isfinite(r["se"]) for r in runs) else float("nan")),
+                           R0=float(np.mean([r["fit"]["R0"] for r in runs])),
                            R_last=float(R_avg[-1]), C_last=float(C_avg[-1]), curve=(C_avg, R_avg))
     return table, shared_A
 
@@ -304,33 +340,37 @@ def eval_margin(a, b):
 
 
 def judge(x, y, rule, table):
-    """One finding -> ('reproduced' | 'not reproduced' | 'inconclusive', the margin on the deciding quantity,
-    the numbers behind it)."""
+    """One finding -> ('reproduced' | 'not reproduced' | 'inconclusive', the margin on the deciding
+    quantity, the numbers behind it)."""
     a, b = table[x], table[y]
     noise = eval_margin(a, b)
     dA, margin_A = a["A"] - b["A"], max(NOISE_A, a["A_sd"] + b["A_sd"], noise)
     dB, margin_B = a["B"] - b["B"], a["B_sd"] + b["B_sd"]
     similar = abs(dA) <= margin_A
-    why = (f"A {a['A']:.3f} vs {b['A']:.3f} (margin {margin_A:.3f}: seeds {a['A_sd'] + b['A_sd']:.3f}, "
-           f"eval {noise:.3f}); B {a['B']:.2f} vs {b['B']:.2f} (margin {margin_B:.2f})")
+    why = (f"A {a['A']:.3f} vs {b['A']:.3f} (margin {margin_A:.3f}: "
+           f"seeds {a['A_sd'] + b['A_sd']:.3f}, eval {noise:.3f}); "
+           f"B {a['B']:.2f} vs {b['B']:.2f} (margin {margin_B:.2f})")
     if rule == "early":
         C_q, margin = 0.25 * min(a["C_last"], b["C_last"]), max(NOISE_A, noise)
         ra, rb = (float(np.interp(C_q, *t["curve"])) for t in (a, b))
         why = f"pass rate at C = {C_q:.3g}: {ra:.3f} vs {rb:.3f} (margin {margin:.3f})"
-        return ("reproduced" if ra - rb > margin else "not reproduced" if rb - ra > margin else "inconclusive"), \
-            margin, why
+        return ("reproduced" if ra - rb > margin else
+                "not reproduced" if rb - ra > margin else "inconclusive"), margin, why
     if rule == "efficiency":  # a similar A, reached with less compute: a higher B or a lower C_mid
         dC, margin_C = np.log10(a["C_mid"] / b["C_mid"]), max(a["logC_sd"] + b["logC_sd"], 0.02)
         better, worse = dB > margin_B or dC < -margin_C, dB < -margin_B or dC > margin_C
-        why += f"; log10 C_mid {np.log10(a['C_mid']):.2f} vs {np.log10(b['C_mid']):.2f} (margin {margin_C:.2f})"
+        why += (f"; log10 C_mid {np.log10(a['C_mid']):.2f} vs {np.log10(b['C_mid']):.2f} "
+                f"(margin {margin_C:.2f})")
         verdict = ("reproduced" if similar and better and not worse else
                    "not reproduced" if not similar or (worse and not better) else "inconclusive")
         return verdict, margin_A if not similar else margin_B, why
     if rule == "A":
-        verdict = "reproduced" if dA > margin_A else "not reproduced" if dA < -margin_A else "inconclusive"
+        verdict = ("reproduced" if dA > margin_A else
+                   "not reproduced" if dA < -margin_A else "inconclusive")
     else:  # "A or B"
         verdict = ("reproduced" if dA > margin_A or (similar and dB > margin_B) else
-                   "not reproduced" if dA < -margin_A or (similar and dB < -margin_B) else "inconclusive")
+                   "not reproduced" if dA < -margin_A or (similar and dB < -margin_B) else
+                   "inconclusive")
     return verdict, (margin_B if rule == "A or B" and similar else margin_A), why
 
 
@@ -341,11 +381,14 @@ def extrapolation_count(table):
 
 
 def judge_predictability(within, n):
-    """The predictability finding from `within` of `n` checked runs landing within 0.02: reproduced for at
-    least 80%, not reproduced for under half, else (and when no run could be checked) inconclusive."""
+    """The predictability finding from `within` of `n` checked runs landing within 0.02: reproduced
+    for at least 80%, not reproduced for under half, else (and when no run could be checked)
+    inconclusive."""
     if not n:
-        return "inconclusive", "no run could be checked: none has enough points in its first half to fit"
-    verdict = "reproduced" if within >= 0.8 * n else "not reproduced" if within * 2 < n else "inconclusive"
+        return ("inconclusive",
+                "no run could be checked: none has enough points in its first half to fit")
+    verdict = ("reproduced" if within >= 0.8 * n else
+               "not reproduced" if within * 2 < n else "inconclusive")
     return verdict, f"{within} of {n} runs within 0.02"
 
 # -----------------------------------------------------------------------------
@@ -353,71 +396,84 @@ def judge_predictability(within, n):
 
 
 def variant_rows(table):
-    rows = ["| variant | flags | seeds | A mean | A sd | eval se | B (shared A) | B sd | C_mid (shared A) | R0 | "
-            "R last | collapsed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | flags | seeds | A mean | A sd | eval se | B (shared A) | B sd | "
+            "C_mid (shared A) | R0 | R last | collapsed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
-        flags = (" ".join(VARIANTS.get(name, [])) or "(ScaleRL)") + (" (torchrun)" if name in RANKS else "")
-        rows.append(f"| {name} | `{flags}` | {len(t['runs'])} | {t['A']:.3f} | {t['A_sd']:.3f} | {t['se']:.3f} | "
-                    f"{t['B']:.2f} | {t['B_sd']:.2f} | {t['C_mid']:.3g} | {t['R0']:.3f} | {t['R_last']:.3f} | "
+        flags = ((" ".join(VARIANTS.get(name, [])) or "(ScaleRL)") +
+                 (" (torchrun)" if name in RANKS else ""))
+        rows.append(f"| {name} | `{flags}` | {len(t['runs'])} | {t['A']:.3f} | {t['A_sd']:.3f} | "
+                    f"{t['se']:.3f} | {t['B']:.2f} | {t['B_sd']:.2f} | {t['C_mid']:.3g} | "
+                    f"{t['R0']:.3f} | {t['R_last']:.3f} | "
                     f"{sum(r['collapsed'] for r in t['runs'])} |")
     return rows
 
 
 def extrapolation_rows(table):
-    rows = ["| run | fitted on C <= | points | predicted at the end | measured | error |", "|---|---|---|---|---|---|"]
+    rows = ["| run | fitted on C <= | points | predicted at the end | measured | error |",
+            "|---|---|---|---|---|---|"]
     for name, t in table.items():
         for r in t["runs"]:
             x = r["extrap"]
-            rows.append(f"| {name}-s{r['seed']} | " + (f"{x['C_half']:.3g} | {x['n']} | {x['predicted']:.3f} | "
-                        f"{x['measured']:.3f} | {x['error']:+.3f} |" if x else
-                        ("collapsed | | | | |" if r["collapsed"] else "too few points | | | | |")))
+            rows.append(f"| {name}-s{r['seed']} | " +
+                        (f"{x['C_half']:.3g} | {x['n']} | {x['predicted']:.3f} | "
+                         f"{x['measured']:.3f} | {x['error']:+.3f} |" if x else
+                         ("collapsed | | | | |" if r["collapsed"] else "too few points | | | | |")))
     return rows
 
 
 def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=False):
-    """Fit every run (FLOPs and device-seconds), judge the findings each in its unit, write report.md,
-    study_report.json and the two figures -> the report's text."""
+    """Fit every run (FLOPs and device-seconds), judge the findings each in its unit, write
+    report.md, study_report.json and the two figures -> the report's text."""
     tables = {unit: analyze(out, names, seeds, unit) for unit in ("flops", "compute_s")}
     found = []
     for finding, claim, x, y, rule, unit in FINDINGS:
         if x in names and y in names:
             verdict, margin, why = judge(x, y, rule, tables[unit][0])
-            found.append(dict(name=f"{finding}: {x} vs {y}", paper=claim, verdict=verdict, margin=margin,
-                              unit=UNIT_NAMES[unit], why=why))
+            found.append(dict(name=f"{finding}: {x} vs {y}", paper=claim, verdict=verdict,
+                              margin=margin, unit=UNIT_NAMES[unit], why=why))
     table = tables["flops"][0]
     within, n = extrapolation_count(table)
     verdict, why = judge_predictability(within, n)
-    found.append(dict(name="predictability", paper="a fit on the first half of the compute predicts the end "
-                      "within 0.02 (Fig. 1)", verdict=verdict, margin=NOISE_A, unit="FLOPs", why=why))
+    found.append(dict(name="predictability",
+                      paper="a fit on the first half of the compute predicts the end within 0.02 "
+                            "(Fig. 1)",
+                      verdict=verdict, margin=NOISE_A, unit="FLOPs", why=why))
     runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
     collapsed = [f"{r['variant']}-s{r['seed']}" for r in runs if r["collapsed"]]
     scalerl = table.get("scalerl")
     decided = sum(f["verdict"] != "inconclusive" for f in found)
     lines = ([QUICK_NOTE, ""] if quick else []) + [
-        f"# The miniature ScaleRL study: {len(table)} variants x {seeds} seeds, {len(runs)} runs of {steps} steps "
-        "on toy-hard", "", f"Written by `python study.py {out}`" +
+        f"# The miniature ScaleRL study: {len(table)} variants x {seeds} seeds, "
+        f"{len(runs)} runs of {steps} steps on toy-hard", "",
+        f"Written by `python study.py {out}`" +
         (f": {minutes:.0f} min of runs on this machine." if minutes else "."), "",
         f"{decided} of {len(found)} findings decided. " +
-        (f"ScaleRL's A over its seeds: {scalerl['A']:.3f} +- {scalerl['A_sd']:.3f} (sd), the eval's own "
-         f"standard error {scalerl['se']:.3f}. " if scalerl else "") +
+        (f"ScaleRL's A over its seeds: {scalerl['A']:.3f} +- {scalerl['A_sd']:.3f} (sd), "
+         f"the eval's own standard error {scalerl['se']:.3f}. " if scalerl else "") +
         f"Half-compute extrapolation: {within} of {n} non-collapsed runs within 0.02. "
         f"Collapsed runs: {', '.join(collapsed) or 'none'}." +
         (f" Left out over the budget: {', '.join(left_out)}." if left_out else ""), "",
-        "## The paper's findings", "", "| finding | the paper | here | margin | numbers |", "|---|---|---|---|---|"]
-    lines += [f"| {f['name']} ({f['unit']}) | {f['paper']} | **{f['verdict']}** | {f['margin']:.3f} | {f['why']} |"
-              for f in found]
+        "## The paper's findings", "", "| finding | the paper | here | margin | numbers |",
+        "|---|---|---|---|---|"]
+    lines += [f"| {f['name']} ({f['unit']}) | {f['paper']} | **{f['verdict']}** | "
+              f"{f['margin']:.3f} | {f['why']} |" for f in found]
     for unit, (t, shared_A) in tables.items():
-        lines += ["", f"## Per variant, compute in {UNIT_NAMES[unit]} (shared A = {shared_A:.3f})", ""]
+        lines += ["",
+                  f"## Per variant, compute in {UNIT_NAMES[unit]} (shared A = {shared_A:.3f})", ""]
         lines += variant_rows(t)
-    lines += ["", f"## Extrapolation test (FLOPs): {within} of {n} runs within 0.02", ""] + extrapolation_rows(table)
+    lines += (["", f"## Extrapolation test (FLOPs): {within} of {n} runs within 0.02", ""] +
+              extrapolation_rows(table))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
-    summary = {"runs": [{"variant": r["variant"], "seed": r["seed"], "A": r["fit"]["A"], "B": r["fit"]["B"],
-                         "C_mid": r["fit"]["C_mid"], "final": float(r["R"][-1]),
-                         "extrap_error": r["extrap"]["error"] if r["extrap"] else None, "collapsed": r["collapsed"],
-                         "eval_se": r["se"], "compute": "FLOPs"} for r in runs],
-               "findings": [{k: f[k] for k in ("name", "paper", "verdict", "margin", "unit", "why")} for f in found],
+    summary = {"runs": [{"variant": r["variant"], "seed": r["seed"], "A": r["fit"]["A"],
+                         "B": r["fit"]["B"], "C_mid": r["fit"]["C_mid"], "final": float(r["R"][-1]),
+                         "extrap_error": r["extrap"]["error"] if r["extrap"] else None,
+                         "collapsed": r["collapsed"], "eval_se": r["se"], "compute": "FLOPs"}
+                        for r in runs],
+               "findings": [{k: f[k] for k in ("name", "paper", "verdict", "margin", "unit", "why")}
+                            for f in found],
                "minutes": round(minutes, 1) if minutes else None, "steps": steps, "seeds": seeds,
                "left_out": list(left_out), "extrapolation_within": [within, n], "quick": quick}
     if quick:
@@ -429,16 +485,17 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
 
 
 def draw(out, table):
-    """study.png: the seed-averaged curves and their fits (FLOPs); study_extrap.png: each run fitted on the
-    first half of its compute."""
+    """study.png: the seed-averaged curves and their fits (FLOPs); study_extrap.png: each run fitted
+    on the first half of its compute."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     pooled = []
     for name, t in table.items():
         C, R = t["curve"]
-        pooled.append(dict(run=name, C=C, R=R, used=(C > 0) & (C >= fit_start(C)), data=(C, R), fit=fit_sigmoid(C, R),
-                           compute="flops", metric=f"held-out pass rate ({HELD_OUT} prompts)"))
+        pooled.append(dict(run=name, C=C, R=R, used=(C > 0) & (C >= fit_start(C)), data=(C, R),
+                           fit=fit_sigmoid(C, R), compute="flops",
+                           metric=f"held-out pass rate ({HELD_OUT} prompts)"))
     plot(pooled, os.path.join(out, "study.png"), os.path.join(out, "study_linear.png"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (name, t) in enumerate(table.items()):
@@ -448,8 +505,8 @@ def draw(out, table):
             if x:
                 half = fit_sigmoid(C[C <= x["C_half"]], R[C <= x["C_half"]])
                 grid = np.geomspace(C[C > 0][0], C[-1], 100)
-                ax.plot(grid, sigmoid(grid, half["A"], half["B"], half["C_mid"], half["R0"]), "--", lw=0.8,
-                        color=f"C{k % 10}", label=name if r["seed"] == 0 else None)
+                ax.plot(grid, sigmoid(grid, half["A"], half["B"], half["C_mid"], half["R0"]), "--",
+                        lw=0.8, color=f"C{k % 10}", label=name if r["seed"] == 0 else None)
     ax.set(xscale="log", xlabel="compute (FLOPs)", ylabel="held-out pass rate",
            title="each run fitted on the first half of its compute, extrapolated to its end")
     if ax.get_legend_handles_labels()[0]:  # none when no run had enough points in its first half
@@ -463,12 +520,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="The miniature ScaleRL study on the toy-hard task.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="the study's folder (one sub-folder per run)")
-    p.add_argument("--budget", type=float, default=90, help="minutes of training: variants that would not fit are "
-                   "left out (priority order: study.VARIANTS)")
+    p.add_argument("--budget", type=float, default=90,
+                   help="minutes of training: variants that would not fit are left out "
+                        "(priority order: study.VARIANTS)")
     p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run")
-    p.add_argument("--report", action="store_true", help="only fit the runs in the folder and write the report")
-    p.add_argument("--assets", default="", help="also copy study_report.json, study.png, study_extrap.png here")
-    p.add_argument("--quick", action="store_true", help="3 variants x 1 seed x 10 tiny steps (the test's form)")
+    p.add_argument("--report", action="store_true",
+                   help="only fit the runs in the folder and write the report")
+    p.add_argument("--assets", default="",
+                   help="also copy study_report.json, study.png, study_extrap.png here")
+    p.add_argument("--quick", action="store_true",
+                   help="3 variants x 1 seed x 10 tiny steps (the test's form)")
     args = p.parse_args(argv)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
     if args.quick:  # two one-process runs side by side and one under torchrun
@@ -478,11 +539,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
         train_all(args.out, variants, seeds, steps, args.budget, extra, held_out=held_out)
-    names = [n for n in variants if all(finished(run_dir(args.out, n, s), steps) for s in range(seeds))]
+    names = [n for n in variants
+             if all(finished(run_dir(args.out, n, s), steps) for s in range(seeds))]
     if not names:
         sys.exit(f"study: no variant has all {seeds} seeds finished in {args.out}")
     minutes = sum(run_minutes(run_dir(args.out, n, s)) for n in names for s in range(seeds))
-    print(write_report(args.out, names, seeds, steps, minutes, [n for n in variants if n not in names], args.quick))
+    print(write_report(args.out, names, seeds, steps, minutes,
+                       [n for n in variants if n not in names], args.quick))
     written = ["report.md", "study_report.json", "study.png", "study_extrap.png"]
     if args.assets:
         os.makedirs(args.assets, exist_ok=True)

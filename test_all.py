@@ -2465,13 +2465,13 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     assert (out / "report.md").read_text().splitlines()[0] == study.QUICK_NOTE
     rep = json.loads((tmp_path / "assets" / "study_report.json").read_text())
     assert rep["note"] == study.QUICK_NOTE
-    assert {r["variant"] for r in rep["runs"]} == {"scalerl", "loss_dapo", "pipelinerl"}
-    assert [f["name"] for f in rep["findings"]] == ["loss type: scalerl vs loss_dapo", "predictability"]
+    assert {r["variant"] for r in rep["runs"]} == {"scalerl", "batch8", "pipelinerl"}
+    assert [f["name"] for f in rep["findings"]] == ["batch size: batch8 vs scalerl", "predictability"]
     assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
     config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in study.VARIANTS
               if (out / f"{n}-s0").exists()}
     assert config["pipelinerl"]["ran"] == "pipeline" and config["pipelinerl"]["world"] == 2
-    assert config["scalerl"]["world"] == 1 and config["loss_dapo"]["loss"] == "dapo"
+    assert config["scalerl"]["world"] == 1 and config["batch8"]["prompts"] == 8
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
     assert recs[0]["val_data"] == str(out / "problems" / "val.jsonl")  # every run scored on the same prompts
     evals = [r for r in recs if r["kind"] == "eval"]
