@@ -439,6 +439,10 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
                       paper="a fit on the first half of the compute predicts the end within 0.02 "
                             "(Fig. 1)",
                       verdict=verdict, margin=NOISE_A, unit="FLOPs", why=why))
+    # the same test on each variant's seed-averaged curve: the seeds' training noise averaged out
+    averaged = {name: extrapolation_check(*t["curve"]) for name, t in table.items()}
+    averaged = {name: x["error"] for name, x in averaged.items() if x}
+    avg_within = sum(abs(e) <= NOISE_A for e in averaged.values())
     runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
     collapsed = [f"{r['variant']}-s{r['seed']}" for r in runs if r["collapsed"]]
     scalerl = table.get("scalerl")
@@ -451,7 +455,8 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
         f"{decided} of {len(found)} findings decided. " +
         (f"ScaleRL's A over its seeds: {scalerl['A']:.3f} +- {scalerl['A_sd']:.3f} (sd), "
          f"the eval's own standard error {scalerl['se']:.3f}. " if scalerl else "") +
-        f"Half-compute extrapolation: {within} of {n} non-collapsed runs within 0.02. "
+        f"Half-compute extrapolation: {within} of {n} non-collapsed runs within 0.02 "
+        f"({avg_within} of {len(averaged)} seed-averaged curves). "
         f"Collapsed runs: {', '.join(collapsed) or 'none'}." +
         (f" Left out over the budget: {', '.join(left_out)}." if left_out else ""), "",
         "## The paper's findings", "", "| finding | the paper | here | margin | numbers |",
@@ -464,6 +469,8 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
         lines += variant_rows(t)
     lines += (["", f"## Extrapolation test (FLOPs): {within} of {n} runs within 0.02", ""] +
               extrapolation_rows(table))
+    lines += ["", f"Seed-averaged curves, the same test: {avg_within} of {len(averaged)} within "
+              "0.02 (" + ", ".join(f"{name} {e:+.3f}" for name, e in averaged.items()) + ")."]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -475,7 +482,8 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
                "findings": [{k: f[k] for k in ("name", "paper", "verdict", "margin", "unit", "why")}
                             for f in found],
                "minutes": round(minutes, 1) if minutes else None, "steps": steps, "seeds": seeds,
-               "left_out": list(left_out), "extrapolation_within": [within, n], "quick": quick}
+               "left_out": list(left_out), "extrapolation_within": [within, n],
+               "extrapolation_seed_averaged": averaged, "quick": quick}
     if quick:
         summary = {"note": QUICK_NOTE, **summary}
     with open(os.path.join(out, "study_report.json"), "w") as f:

@@ -2417,8 +2417,9 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
             R = fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble
             if name == "no_zero_var" and seed == 0:
                 R[-1] = R.max() - 0.06  # a collapse at the end
-            # loss_grpo's and scalerl's evals are noisy: the eval margin 2 sqrt(2 x 0.04^2 / 3) = 0.065 > 0.06
-            write_run(tmp_path / f"{name}-s{seed}", C, R, se=0.04 if name in ("loss_grpo", "scalerl") else 0.001)
+            # loss_grpo's and pipelinerl's evals are noisy: the eval margin 2 sqrt(2 x 0.04^2 / 3) = 0.065 > 0.06
+            write_run(tmp_path / f"{name}-s{seed}", C, R,
+                      se=0.04 if name in ("loss_grpo", "pipelinerl") else 0.001)
     text = study.write_report(str(tmp_path), list(curves), 3, 20)
     rep = json.loads((tmp_path / "study_report.json").read_text())
     assert set(rep) >= {"runs", "findings", "minutes"} and len(rep["runs"]) == 3 * len(curves)
@@ -2431,7 +2432,7 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
     assert v["loss_grpo"]["verdict"] == "inconclusive"  # 0.06 apart, within the eval's own noise
     A = {name: [r["A"] for r in rep["runs"] if r["variant"] == name] for name in curves}
     assert v["loss_grpo"]["margin"] == pytest.approx(2 * math.sqrt(2 * 0.04 ** 2 / 3))
-    assert v["loss_dapo"]["margin"] == pytest.approx(max(0.02, np.std(A["scalerl"]) + np.std(A["loss_dapo"]),
+    assert v["loss_dapo"]["margin"] == pytest.approx(max(0.02, np.std(A["pipelinerl"]) + np.std(A["loss_dapo"]),
                                                          2 * math.sqrt(0.04 ** 2 / 3 + 0.001 ** 2 / 3)))
     for name in curves:
         assert np.mean(A[name]) == pytest.approx(curves[name][0], abs=0.02)
@@ -2449,6 +2450,12 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
         assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1]) and r["final"] == R_run[-1]
         within += abs(by_hand - R_run[-1]) <= 0.02
     assert rep["extrapolation_within"] == [within, len(rep["runs"]) - 1]
+    C_avg, R_avg = (np.mean([fit.load_run(str(tmp_path / f"loss_dapo-s{s}"), "flops")[k] for s in range(3)], 0)
+                    for k in (0, 1))  # the seed-averaged curve, fitted on its first half by hand
+    half = C_avg <= C_avg[-1] / 2
+    f = fit.fit_sigmoid(C_avg[half], R_avg[half])
+    by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_avg[-1]) ** f["B"]) - R_avg[-1]
+    assert rep["extrapolation_seed_averaged"]["loss_dapo"] == pytest.approx(by_hand)
     assert f"{within} of {len(rep['runs']) - 1} runs within 0.02" in text
     for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
                     "## Extrapolation test"):
