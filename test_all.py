@@ -2520,7 +2520,7 @@ def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monke
     """Variants run in priority order, one-process runs two at a time; one starts only if its seeds fit in
     what is left at the pace so far (a run's machine-minutes: its wall-clock x its share of the 2 cores)."""
     clock, started = fake_study_runs(monkeypatch, 20)  # 20 min on one core: 10 machine-minutes
-    variants = {"scalerl": [], "loss_dapo": ["--loss", "dapo"], "no_npr": ["--no-no_positive_resampling"]}
+    variants = {"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": ["--no-no_positive_resampling"]}
     assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
     assert [c[c.index("--seed") + 1] for c, _, _ in started] == ["0", "1", "2"] * 2
     assert [start for _, start, _ in started] == [0, 0, 1200, 1200, 2400, 2400]  # two at a time
