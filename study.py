@@ -199,7 +199,7 @@ def finished(path, steps):
         return False
 
 
-def run_command(name, path, seed, steps, data, extra):
+def run_command(name, flags, path, seed, steps, data, extra):
     """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants,
     else one process (the synchronous loop, `--mode sync` of one generator)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -207,14 +207,15 @@ def run_command(name, path, seed, steps, data, extra):
                "--nproc_per_node", "2"] if name in RANKS else [sys.executable])
     return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite",
             "--seed", str(seed), "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"),
-            "--data", data[0], "--val_data", data[1], *TASK, *extra, *VARIANTS.get(name, [])]
+            "--data", data[0], "--val_data", data[1], *TASK, *extra, *flags]
 
 
 def pace(minutes, name):
     """The expected machine-minutes of one run of `name` from the finished runs' {kind: [minutes]}
     (kind: True under torchrun), None before any run finished. A torchrun run with none of its kind
     measured yet: 1.4 one-process runs (measured on 2 cores: 58 s against 41.5 s for 40 steps)."""
-    own, other = minutes[name in RANKS], minutes[name not in RANKS]
+    # a finished run without its minutes (0: not timed by train_all) says nothing of the pace
+    own, other = ([m for m in minutes[k] if m > 0] for k in (name in RANKS, name not in RANKS))
     if own:
         return float(np.mean(own))
     return float(np.mean(other)) * (1.4 if name in RANKS else 1 / 1.4) if other else None
@@ -255,7 +256,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 return
             time.sleep(0.2)
 
-    for name in variants:
+    for name, flags in variants.items():
         todo = [s for s in range(seeds) if not finished(run_dir(out, name, s), steps)]
         expected = pace(minutes, name)
         if todo and expected is not None and spent() + len(todo) * expected > budget_min:
@@ -269,8 +270,8 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                   f"({(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min)",
                   flush=True)
             log = open(os.path.join(out, f"{name}-s{seed}.log"), "w")
-            proc = subprocess.Popen(run_command(name, path, seed, steps, data, extra), stdout=log,
-                                    stderr=subprocess.STDOUT,
+            cmd = run_command(name, flags, path, seed, steps, data, extra)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     env=os.environ | {"OMP_NUM_THREADS": "1"})
             running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log, cores=cores,
                                 start=time.time(), expected=expected or 0.0))
