@@ -70,6 +70,30 @@ from loss import policy_loss
 # -----------------------------------------------------------------------------
 # flags: defaults are the CPU run (under 5 minutes on 2 cores)
 
+# the figures' sizes: (flag, default, help)
+SIZE_FLAGS = [
+    ("repeats", 3, "timed runs of each side; the best is reported"),
+    ("batch", 64, "figure 1: prompts sampled at once (= slots)"),
+    ("prompt_len", 16, "figure 1: prompt tokens"),
+    ("new_tokens", 32, "figure 1: tokens sampled per prompt"),
+    ("task_prompts", 256, "figure 1b: toy-task prompts (continuous batching)"),
+    ("task_new_tokens", 64, "figure 1b: max tokens per sample (eos ends one)"),
+    ("train_seqs", 8, "figure 2: sequences per forward+backward"),
+    ("train_len", 128, "figure 2: tokens per sequence"),
+    ("mem_vocab", 151936, "figure 2 memory: vocab (Qwen2's)"),
+    ("mem_seqs", 1, "figure 2 memory: sequences"),
+    ("mem_len", 1024, "figure 2 memory: tokens per sequence"),
+    ("chunk", 128, "sequence_logprobs chunk (its default)"),
+    ("bcast_mb", 500, "figure 3: size of the extra broadcast buffer, MB"),
+    ("agree_seqs", 8, "figure 4: samples per setting"),
+    ("target", 0.9, "figure 6: held-out pass rate to reach"),
+    ("pipeline_steps", 100, "figure 6: optimizer steps per run"),
+    ("train_flags", "", "figure 6: extra train.py flags for every run, e.g. '--keep_truncated'"),
+    ("fsdp_steps", 2, "figure 7: optimizer steps per run"),
+    ("fsdp_seqs", 4, "figure 7: sequences per step"),
+    ("fsdp_len", 64, "figure 7: tokens per sequence"),
+]
+
 
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description="ScaleRL benchmarks",
@@ -80,40 +104,10 @@ def get_args(argv=None):
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5", help="comma-separated figure numbers to run")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="timed runs of each side; the best is reported")
-    ap.add_argument("--batch", type=int, default=64,
-                    help="figure 1: prompts sampled at once (= slots)")
-    ap.add_argument("--prompt_len", type=int, default=16, help="figure 1: prompt tokens")
-    ap.add_argument("--new_tokens", type=int, default=32,
-                    help="figure 1: tokens sampled per prompt")
-    ap.add_argument("--task_prompts", type=int, default=256,
-                    help="figure 1b: toy-task prompts (continuous batching)")
-    ap.add_argument("--task_new_tokens", type=int, default=64,
-                    help="figure 1b: max tokens per sample (eos ends one)")
-    ap.add_argument("--train_seqs", type=int, default=8,
-                    help="figure 2: sequences per forward+backward")
-    ap.add_argument("--train_len", type=int, default=128, help="figure 2: tokens per sequence")
-    ap.add_argument("--mem_vocab", type=int, default=151936,
-                    help="figure 2 memory: vocab (Qwen2's)")
-    ap.add_argument("--mem_seqs", type=int, default=1, help="figure 2 memory: sequences")
-    ap.add_argument("--mem_len", type=int, default=1024,
-                    help="figure 2 memory: tokens per sequence")
-    ap.add_argument("--chunk", type=int, default=128, help="sequence_logprobs chunk (its default)")
-    ap.add_argument("--bcast_mb", type=int, default=500,
-                    help="figure 3: size of the extra broadcast buffer, MB")
-    ap.add_argument("--agree_seqs", type=int, default=8, help="figure 4: samples per setting")
-    ap.add_argument("--target", type=float, default=0.9,
-                    help="figure 6: held-out pass rate to reach")
-    ap.add_argument("--pipeline_steps", type=int, default=100,
-                    help="figure 6: optimizer steps per run")
-    ap.add_argument("--train_flags", default="",
-                    help="figure 6: extra train.py flags for every run, e.g. '--keep_truncated'")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
-    ap.add_argument("--fsdp_steps", type=int, default=2, help="figure 7: optimizer steps per run")
-    ap.add_argument("--fsdp_seqs", type=int, default=4, help="figure 7: sequences per step")
-    ap.add_argument("--fsdp_len", type=int, default=64, help="figure 7: tokens per sequence")
+    for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
+        ap.add_argument(f"--{flag}", type=type(default), default=default, help=help_)
     ap.add_argument("--fp32_head", action="store_true",
                     help="figure 1: our sampler computes the LM head in float32 (train.py's "
                          "default; model.generate keeps the head in the model dtype)")

@@ -64,6 +64,10 @@ from sandbox import bwrap_ready, not_ready_reason
 # -----------------------------------------------------------------------------
 # flags: defaults are ScaleRL's choices and the tiny CPU run's sizes (paper values in the help)
 
+# interrupt: forced interruptions (ScaleRL); penalty: a length penalty on correct answers (paper
+# section 3.1); none: only the budget's truncation
+LENGTH_CONTROLS = ("interrupt", "penalty", "none")
+
 
 class FlagParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no
@@ -130,10 +134,8 @@ def rollout_flags(g):
                         "tokens; 64 leaves room for a whole rethought chain plus the answer, so a "
                         "policy that changes format is scored (-1) rather than truncated (out of "
                         "the loss, no gradient: README)")
-    g.add_argument("--length_control", default="interrupt",
-                   choices=["interrupt", "penalty", "none"],
-                   help="interrupt = forced interruption (ScaleRL); penalty = length penalty on "
-                        "correct answers")
+    g.add_argument("--length_control", default="interrupt", choices=LENGTH_CONTROLS,
+                   help="interrupt = forced interruption (ScaleRL); penalty = a length penalty")
     g.add_argument("--l_max", type=int, default=0,
                    help="length penalty L_max; 0 = think_budget + answer_budget")
     g.add_argument("--l_cache", type=int, default=0,
