@@ -95,7 +95,8 @@ COLLAPSE_DROP = 0.05
 STEPS = 300
 TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "20", "--eval_samples", "1",
         "--save_every", "0"]
-# name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget
+# name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget (the
+# paper names the off-policy algorithm, the loss and the precision the most important choices)
 VARIANTS = {
     "scalerl": [],  # one process: the synchronous loop, one policy version per batch
     "batch8": ["--prompts", "8"],
@@ -106,11 +107,11 @@ VARIANTS = {
     "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
     "no_npr": ["--no-no_positive_resampling"],
     "no_zero_var": ["--no-zero_var_filter"],
-    "agg_sample": ["--agg", "sample"],
-    "adv_prompt": ["--adv_norm", "prompt"],
     "sync": ["--mode", "sync"],
     "bf16": ["--dtype", "bfloat16"],  # bf16 weights, float32 head (ScaleRL's precision on GPUs)
     "bf16_no_fp32_head": ["--dtype", "bfloat16", "--no-fp32_head"],
+    "agg_sample": ["--agg", "sample"],
+    "adv_prompt": ["--adv_norm", "prompt"],
     "batch32": ["--prompts", "32"],
 }
 # torchrun, 1 generator + 1 trainer, PipelineRL-8 unless the flags say otherwise: the findings about
