@@ -1,7 +1,7 @@
 """
 test_all.py: every test of the project, fast, on CPU.
 
-    python -m pytest test_all.py
+    python -m pytest -n 2 --dist loadgroup test_all.py
 """
 
 from pathlib import Path
@@ -58,6 +58,8 @@ import verify
 # a short train.py run on it in this process, and train.py processes forked from a preloaded server
 
 ROOT = Path(__file__).resolve().parent
+if os.environ.get("PYTEST_XDIST_WORKER"):  # -n 2: two workers on 2 cores; two torch threads each would thrash
+    torch.set_num_threads(1)
 
 SUM = {"inputs": ["1 2\n", "-5 5\n", "100 23"], "outputs": ["3\n", "0", "123\n"]}
 
@@ -1020,6 +1022,9 @@ def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox():
         start = time.perf_counter()
         score_code(fenced(program + RAN), RUN, timeout=timeout)
         assert time.perf_counter() - start < 15.0
+        gone = time.monotonic() + 5  # SIGKILLed with the namespace; on a busy machine they take a moment to exit
+        while not set(sandbox_processes()) <= before and time.monotonic() < gone:
+            time.sleep(0.05)
         assert set(sandbox_processes()) <= before, program  # the PID namespace died with the sample
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
@@ -1363,7 +1368,7 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
 
 
 def test_code_batch_equals_one_by_one_and_uses_workers():
-    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")]
+    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")][::2]  # all: test_data_code_toy_*
     responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:5]]
     tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:6]]         # another's tests
     expected = [True] * len(rows) + [False] * 5
@@ -3481,3 +3486,17 @@ def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equ
     assert np.allclose(chunked["logp"], naive["logp"], atol=1e-5)  # same weights (same seed) in both processes
     assert np.allclose(chunked["grad"], naive["grad"], atol=1e-5)
     assert np.abs(np.array(naive["grad"])).max() > 0  # the backward really ran
+
+# =============================================================================
+# under pytest-xdist (the README's `-n 2 --dist loadgroup`): every test that starts a code sandbox runs on one
+# worker, one after another. Two of them look from outside for sandbox processes left behind, and cannot tell
+# another test's sandboxes from their own: a new test that scores code joins SANDBOX_USERS.
+
+SANDBOX_USERS = {"test_score_problems_routes_math_and_code", "test_data_code_toy_fixture_loads_and_its_solutions_pass",
+                 "test_verify_thinking_opened_by_the_prompt_must_close",
+                 "test_train_mixed_math_and_code_logs_a_pass_rate_per_domain",
+                 "test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder",
+                 "test_train_says_what_ran_where_things_are_and_names_flags_in_errors",
+                 "test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files"}
+for _name in [n for n in globals() if n.startswith("test_code_") or n in SANDBOX_USERS]:
+    globals()[_name] = pytest.mark.xdist_group("sandbox")(globals()[_name])
