@@ -93,7 +93,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from data import Curriculum, score_samples, special_tokens
@@ -575,16 +575,17 @@ def receive_groups(ctx, step):
     return got, stats
 
 
-def publish_weights(ctx, model, step, last, bucket_mb):
+def publish_weights(ctx, model, step, last, bucket_mb, dtype=torch.float32):
     """After each optimizer step: announce version `step`, trainer 0 broadcasts -> (seconds, bytes).
     ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Sharded trainers all
-    take part in gathering the full weights first. One process (ctx None): nothing to send."""
+    take part in gathering the full weights first (float32 shards: sent in the generators' `dtype`).
+    One process (ctx None): nothing to send."""
     if (ctx is None or last or step % (1 if ctx.mode == "pipeline" else ctx.k)
             or (ctx.rank != 0 and not ctx.fsdp)):
         return 0.0, 0
     t0 = time.time()
     set_status(ctx, f"gathering and broadcasting weights version {step}")
-    tensors = full_weights(model) if ctx.fsdp else None
+    tensors = [t.to(dtype) for t in full_weights(model)] if ctx.fsdp else None
     if ctx.rank != 0:
         return 0.0, 0
     ctx.store.set("version", str(step))
@@ -605,16 +606,24 @@ class LogProbs(torch.nn.Module):
         return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature)
 
 
-def trainer_model(ctx, model, fsdp, rank0):
+def trainer_model(ctx, model, fsdp, rank0, master=None):
     """The trainer's three views of its model -> (the model trained, the model evaluated and saved,
     the loss's forward). Replicated (one process, or trainers without --fsdp): the model itself, and
     forward None (generate.sequence_logprobs). --fsdp: the model sharded in place (shard_trainer),
     its LogProbs wrapper, and rank 0's unsharded copy to evaluate and save (None on the other
-    trainers)."""
+    trainers). A half-precision model is sharded in float32 (`master`: the saved float32 weights,
+    on --resume), gathered in its own dtype for the forward and backward."""
     if ctx is None or not fsdp:
         return model, model, None
     full = copy.deepcopy(model) if rank0 else None
-    forward = shard_trainer(model, ctx.trainers, ctx.device)
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        model.float()
+        if master is not None:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), master):
+                    p.copy_(m)
+    forward = shard_trainer(model, ctx.trainers, ctx.device, dtype)
     if rank0:
         local = sum(p.to_local().numel() for p in model.parameters())
         total = sum(p.numel() for p in full.parameters())
@@ -623,16 +632,18 @@ def trainer_model(ctx, model, fsdp, rank0):
     return model, full, forward
 
 
-def shard_trainer(model, trainers, device):
+def shard_trainer(model, trainers, device, dtype=torch.float32):
     """--fsdp: shard the model over the process group `trainers` with FSDP2 (each decoder layer one
     unit, the rest one unit) -> the LogProbs module to call for the loss. Gradients are summed
     across trainers, not averaged: each trainer's loss is already weighted by its share of the
-    global batch."""
+    global batch. The shards stay float32 (AdamW's master weights); the forward and backward run on
+    weights gathered in `dtype`, the gradients are reduced in float32."""
     mesh = DeviceMesh.from_group(trainers, "cuda" if str(device).startswith("cuda") else "cpu")
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
     wrapped = LogProbs(model)
-    fully_shard(wrapped, mesh=mesh)
+    fully_shard(wrapped, mesh=mesh, mp_policy=mp)
     for m in wrapped.modules():
         if isinstance(m, FSDPModule):  # per unit: the setting is not inherited
             m.set_gradient_divide_factor(1.0)

@@ -2874,6 +2874,32 @@ def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_pat
     for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder
 
+def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(tmp_path):
+    """--fsdp --dtype bfloat16: FSDP2 keeps float32 shards (AdamW's master weights), computes with the
+    weights gathered in bf16 and broadcasts bf16 to the generator. Against two bf16 replicas with float32
+    master copies: the same steps, and after a resume from step 2 the same float32 weights up to the
+    bf16 arithmetic's reduction order. At lr 1e-5 the steps move a weight by about 1e-6 each, under bf16's
+    spacing: masters rounded to bf16 on resume would lose the first two steps' moves on almost every
+    weight, half the total, which the mean difference catches."""
+    flags = ["--gen_ranks", "1", "--mode", "sync", "--save_every", "1", "--dtype", "bfloat16", "--lr", "1e-5"]
+    rcs, outs = finish_all(launch(3, tmp_path / "dp", "--steps", "3", *flags))
+    assert rcs == [0, 0, 0], outs
+    out = tmp_path / "fsdp"
+    rcs, outs = finish_all(launch(3, out, "--steps", "2", *flags, "--fsdp"))
+    assert rcs == [0, 0, 0], outs
+    rcs, resumed = finish_all(launch(3, out, "--steps", "3", "--resume", *flags, "--fsdp"))
+    assert rcs == [0, 0, 0] and "resumed from" in resumed[0], resumed
+    for a, b in zip(train_records(tmp_path / "dp"), train_records(out)):
+        assert (a["step"], a["reward"], a["kept_prompts"]) == (b["step"], b["reward"], b["kept_prompts"])
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-2, abs_tol=1e-4)
+    dp, fs = (torch.load(d / "ckpt-000003" / "state.pt", weights_only=False)["master"] for d in (tmp_path / "dp", out))
+    start = AutoModelForCausalLM.from_pretrained(data.toy_model_dir(), dtype=torch.bfloat16)
+    for a, b, w0 in zip(dp, fs, start.parameters()):
+        assert a.dtype == b.dtype == torch.float32
+        moved = (a - w0.float()).abs().mean()
+        assert moved > 1e-6 and (a - b).abs().mean() < 0.1 * moved, ((a - b).abs().mean(), moved)
+
+
 # =============================================================================
 # train.py: end to end on the embedded toy model: every loss and ablation, resume, checks, logging
 
@@ -2949,6 +2975,38 @@ def test_train_resume_continues_exactly(toy_dir, tmp_path):
     resumed = run_train(toy_dir, tmp_path / "cut", "--steps", "4", "--eval_every", "4", "--resume")
     assert [m["step"] for m in resumed if m["kind"] == "train"] == [1, 2, 3, 4]
     assert strip_timing(resumed) == strip_timing(full)
+
+
+def test_train_bf16_steps_float32_master_weights_and_resumes_them_exactly(toy_dir, tmp_path):
+    """--dtype bfloat16: AdamW steps float32 copies. Its first step, by hand: bias-corrected Adam with eps
+    1e-15 moves each weight by exactly lr_1 = lr / warmup against its gradient's sign (0 where the gradient
+    is 0), after the decoupled decay w (1 - lr_1 wd). At lr 1e-5 that is far under bf16's spacing, so the
+    bf16 weights keep almost all of it only through the master copy; the resumed run continues from the
+    saved float32 copies, not from their bf16 rounding."""
+    lr, base = 1e-5, data.toy_model_dir()  # the embedded model: it passes some prompts, so steps train
+    flags = ["--model", base, "--dtype", "bfloat16", "--lr", "1e-5", "--eval_every", "2", "--save_every", "1"]
+    first = run_train(toy_dir, tmp_path / "cut", *flags, "--steps", "1")
+    assert [m["kept_prompts"] > 0 for m in first if m["kind"] == "train"] == [True]
+    state = torch.load(tmp_path / "cut" / "ckpt-000001" / "state.pt", weights_only=False)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "ckpt-000001", dtype=torch.bfloat16)
+    start = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    lr_1, wd = lr / 10, 0.01  # --warmup 10, --weight_decay 0.01
+    moved = kept = total = 0
+    for (name, w), w0, m in zip(saved.named_parameters(), start.parameters(), state["master"]):
+        assert m.dtype == torch.float32 and torch.equal(w, m.to(torch.bfloat16)), name
+        step = (m - w0.float() * (1 - lr_1 * wd)).abs()
+        ulps = 4 * torch.finfo(torch.float32).eps * w0.float().abs() + 1e-12  # float32 rounding of m
+        assert ((step - lr_1).abs().minimum(step) <= ulps).all(), name
+        moved += int((step > 0.5 * lr_1).sum())
+        kept += int((w == w0).sum())
+        total += w.numel()
+    assert moved > 0.5 * total and kept > 0.95 * total, (moved, kept, total)
+    full = run_train(toy_dir, tmp_path / "full", *flags, "--steps", "2")
+    resumed = run_train(toy_dir, tmp_path / "cut", *flags, "--steps", "2", "--resume")
+    assert strip_timing(resumed) == strip_timing(full)
+    masters = [torch.load(tmp_path / d / "ckpt-000002" / "state.pt", weights_only=False)["master"]
+               for d in ("full", "cut")]
+    assert all(torch.equal(a, b) for a, b in zip(*masters))
 
 
 def strip_timing(records):

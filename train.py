@@ -7,7 +7,7 @@ KV-cache sampler (generate.py, forced interruptions), verify the final answers (
 run in sandbox.py; reward +1 / -1), drop prompts whose G rewards are all equal (zero-variance
 filtering), compute advantages and the CISPO loss with prompt-level aggregation (loss.py) from the
 generator's recorded log-probs, take an AdamW step (eps 1e-15, weight decay 0.01, linear warm-up
-then constant), update the pass-rate history (No-Positive-Resampling). Every N steps: held-out pass
+then constant; on float32 master weights when --dtype is bfloat16 or float16), update the pass-rate history (No-Positive-Resampling). Every N steps: held-out pass
 rate (mean@k) and the live scaling-curve fit (fit.py). Every ScaleRL choice is a flag whose default
 is ScaleRL's; the sizes default to the tiny CPU run.
 
@@ -115,7 +115,8 @@ def model_flags(g):
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model weights dtype")
+                   help="the weights' dtype for sampling and the loss's forward and backward; "
+                        "AdamW always steps a float32 master copy")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the split, the curriculum and the sampling noise")
 
@@ -644,14 +645,20 @@ class Run:
     # (compute_s, held-out pass rate) of every eval, for the live fit
     evals: list = field(default_factory=list)
     full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
+    # --dtype bfloat16/float16, replicated trainer: the float32 copies AdamW steps (None: AdamW
+    # steps the weights themselves: float32, or FSDP2's float32 shards)
+    master: list = None
+    full_master: list = None  # --fsdp and a half dtype: the float32 weights gathered for the save
 
 
 def new_run(args, ctx, model, train, state, rank0):
     """The trainer's state: AdamW, the warm-up schedule, the curriculum, FSDP2 shards (--fsdp), and
     on --resume everything the checkpoint saved."""
     n_params = sum(p.numel() for p in model.parameters())
-    model, full_model, forward = pipeline.trainer_model(ctx, model, args.fsdp, rank0)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps,
+    model, full_model, forward = pipeline.trainer_model(ctx, model, args.fsdp, rank0,
+                                                        state.get("master"))
+    master = master_weights(model, state.get("master")) if forward is None else None
+    opt = torch.optim.AdamW(master or model.parameters(), lr=args.lr, eps=args.adam_eps,
                             weight_decay=args.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / args.warmup)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -659,7 +666,7 @@ def new_run(args, ctx, model, train, state, rank0):
     _, curriculum = pipeline.problems_of(len(train), 0, 1, args.seed, args.no_positive_resampling)
     run = Run(model, full_model, forward, opt, sched, curriculum,
               n_params, sorted({p.get("domain", "math") for p in train}), state.get("step", 0),
-              state.get("compute_s", 0.0), state.get("flops", 0.0))
+              state.get("compute_s", 0.0), state.get("flops", 0.0), master=master)
     if state:
         # --fsdp: every trainer keeps its shard of the saved full optimizer state
         if forward is not None:
@@ -715,6 +722,18 @@ def make_batch(groups, args, ctx):
                  group, truncated, valid, rows, adv, sums)
 
 
+def master_weights(model, saved=None):
+    """Mixed precision as the paper trains (bf16 weights, float32 optimizer): for weights in a half
+    dtype, float32 copies for AdamW to step (the saved ones on --resume), else None. Stepping bf16
+    weights directly rounds away every update under half a unit in their last place: at lr 5e-7 a
+    weight of 0.02 (bf16 spacing 1.2e-4) would never move."""
+    params = list(model.parameters())
+    if params[0].dtype == torch.float32:
+        return None
+    return [torch.nn.Parameter(s.to(p.device) if s is not None else p.detach().float())
+            for p, s in zip(params, saved or [None] * len(params))]
+
+
 def optimize(run, batch, args, ctx, device, pad_id):
     """Loss, backward over micro-batches, (all-reduce), clip, AdamW step; a non-finite loss or
     gradient skips the step (--max_bad_steps in a row stop the run).
@@ -736,13 +755,21 @@ def optimize(run, batch, args, ctx, device, pad_id):
     n_micro = math.ceil(n_local / (args.micro_prompts or max(n_local, 1)))
     loss_value, mismatch = pipeline.batch_grads(ctx, model, forward, n_micro, passes, pad_id,
                                                 args.fp32_head, args.temperature)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+    if run.master:  # the (all-reduced) half-precision gradients onto the float32 copies
+        for p, m in zip(model.parameters(), run.master):
+            m.grad = None if p.grad is None else p.grad.float()
+    stepped = run.master or list(model.parameters())
+    grad_norm = torch.nn.utils.clip_grad_norm_(stepped, args.grad_clip or float("inf"))
     grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
     # grads are all-reduced: all trainers agree
     if math.isfinite(grad_norm) and math.isfinite(loss_value):
         run.opt.step()
         run.sched.step()
         run.bad_steps = 0
+        if run.master:  # the weights sampled and trained with: the float32 copies, rounded
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), run.master):
+                    p.copy_(m)
     else:
         # a NaN/inf loss or gradient: skip the update (the weights sent next are the last good
         # ones)
@@ -756,6 +783,7 @@ def optimize(run, batch, args, ctx, device, pad_id):
                              f"gradient (up to step {run.step + 1}); stopping. The last checkpoint "
                              "holds the last good weights.")
     run.opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     return loss_value, mismatch, grad_norm
 
 
@@ -845,9 +873,11 @@ def gather_shards(run, rank0, with_optimizer):
         gathered = pipeline.full_weights(run.model)
         if rank0:
             for p, full in zip(run.full_model.parameters(), gathered):
-                p.copy_(full)
+                p.copy_(full)  # a half --dtype: rounded from FSDP2's float32 shards
     if with_optimizer:
         run.full_opt = pipeline.full_optimizer_state(run.model, run.opt)
+        half = next(run.full_model.parameters()).dtype != torch.float32 if rank0 else False
+        run.full_master = [g.detach().cpu() for g in gathered] if half else None
 
 
 def run_eval(run, args, tokenizer, val_ids, val, log):
@@ -884,7 +914,9 @@ def save(run, args, tokenizer):
     state = {"optimizer": run.full_opt if run.forward is not None else run.opt.state_dict(),
              "scheduler": run.sched.state_dict(), "curriculum": run.curriculum.state_dict(),
              "step": run.step, "compute_s": run.compute_s, "flops": run.flops,
-             "torch_rng": torch.get_rng_state(), "args": vars(args)}
+             "torch_rng": torch.get_rng_state(), "args": vars(args),
+             # a half --dtype: the float32 weights AdamW steps (the saved model holds them rounded)
+             "master": ([m.detach().cpu() for m in run.master] if run.master else run.full_master)}
     print(
         f"saved {save_checkpoint(args.out, run.step, run.full_model, tokenizer, state, args.keep)}",
         flush=True)
@@ -974,7 +1006,7 @@ def main(args):
         t_train = time.time() - t_train
         run.step += 1
         sync_s, sync_bytes = pipeline.publish_weights(ctx, model, run.step, run.step == args.steps,
-                                                      args.bucket_mb)
+                                                      args.bucket_mb, getattr(torch, args.dtype))
 
         # ---- accounting and logging (sums over every trainer's part of the batch)
         dt = time.time() - t0
