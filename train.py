@@ -7,7 +7,7 @@ KV-cache sampler (generate.py, forced interruptions), verify the final answers (
 run in sandbox.py; reward +1 / -1), drop prompts whose G rewards are all equal (zero-variance
 filtering), compute advantages and the CISPO loss with prompt-level aggregation (loss.py) from the
 generator's recorded log-probs, take an AdamW step (eps 1e-15, weight decay 0.01, linear warm-up
-then constant; on float32 master weights when --dtype is bfloat16 or float16), update the pass-rate history (No-Positive-Resampling). Every N steps: held-out pass
+then constant; on float32 master weights under --dtype bfloat16), update the pass-rate history (No-Positive-Resampling). Every N steps: held-out pass
 rate (mean@k) and the live scaling-curve fit (fit.py). Every ScaleRL choice is a flag whose default
 is ScaleRL's; the sizes default to the tiny CPU run.
 
@@ -114,9 +114,10 @@ def model_flags(g):
                         "fewer than 2,000 problems")
     g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the weights' dtype for sampling and the loss's forward and backward; "
-                        "AdamW always steps a float32 master copy")
+                        "AdamW always steps a float32 master copy (no float16: its gradients "
+                        "underflow without loss scaling, which train.py does not do)")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the split, the curriculum and the sampling noise")
 
@@ -645,7 +646,7 @@ class Run:
     # (compute_s, held-out pass rate) of every eval, for the live fit
     evals: list = field(default_factory=list)
     full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
-    # --dtype bfloat16/float16, replicated trainer: the float32 copies AdamW steps (None: AdamW
+    # --dtype bfloat16, replicated trainer: the float32 copies AdamW steps (None: AdamW
     # steps the weights themselves: float32, or FSDP2's float32 shards)
     master: list = None
     full_master: list = None  # --fsdp and a half dtype: the float32 weights gathered for the save
