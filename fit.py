@@ -508,7 +508,7 @@ def plot(runs, png, png_linear, extrapolate_to=None):
     plt = pyplot()
     (fig, ax), (fig_lin, ax_lin) = plt.subplots(figsize=(6, 4)), plt.subplots(figsize=(6, 4))
     for k, run in enumerate(runs):
-        f, C, R, used, col = run["fit"], run["C"], run["R"], run["used"], f"C{k}"
+        f, C, R, used, col = run["fit"], run["C"], run["R"], run["used"], color(plt, k, len(runs))
         rest, params = (C > 0) & ~used, (f["A"], f["B"], f["C_mid"], f["R0"])
         F = np.exp(linear_view(R, *params))                     # (N,), NaN: R outside (R0, A)
         name = f"{run['run']}: B={f['B']:.2f}"
@@ -528,10 +528,22 @@ def plot(runs, png, png_linear, extrapolate_to=None):
     ax_lin.set(xscale="log", yscale="log", xlabel=f"compute C ({unit})",
                ylabel="F(R) = C_mid^B / ((A - R0)/(R - R0) - 1)")
     for fig_, ax_, path in ((fig, ax, png), (fig_lin, ax_lin, png_linear)):
-        ax_.legend(fontsize=7)
-        fig_.tight_layout()
-        fig_.savefig(path, dpi=90)
+        save_figure(fig_, ax_, path, len(runs))
         plt.close(fig_)
+
+
+def color(plt, k, n):
+    """Run k's color of n: matplotlib's 10-color cycle, or 20 distinct colors for more runs."""
+    return f"C{k}" if n <= 10 else plt.get_cmap("tab20")(k % 20)
+
+
+def save_figure(fig, ax, path, n):
+    """Save with the legend inside the axes for up to 4 entries, else beside them (n: entries)."""
+    if n > 4:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
 
 
 def main(argv=None):

@@ -50,7 +50,7 @@ The design, and why:
   similar A: the paper's Fig. 4a names B, but in Eq. 1 a run that spends a constant factor more
   compute per step (an idle rank) is the same curve moved along log C, which is C_mid, not B.
 - The float32 runs make the float32 LM head a no-op, so the precision finding is read on a bf16
-  pair: bf16 weights with and without the float32 head.
+  pair: bf16 weights (AdamW on float32 master copies) with and without the float32 head.
 - Per variant: A is the mean (and sd) of its seeds' own fits; B and C_mid come from the paper's
   comparison rule: every run refitted with A fixed to the mean A of all runs, B averaged over seeds.
 - Margin of a finding on A: the largest of 0.02 (the paper's), the seeds' spread sd_X + sd_Y, and
@@ -85,8 +85,8 @@ import time
 import numpy as np
 
 from data import read_jsonl, toy_model_dir, toy_problems
-from fit import (NOISE_A, check_points, extrapolation_check, fit_sigmoid, fit_start, load_run, plot,
-                 sigmoid)
+from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid, fit_start, load_run,
+                 plot, save_figure, sigmoid)
 
 SEEDS = 3
 HELD_OUT = 2000       # held-out prompts, the same for every run
@@ -537,20 +537,21 @@ def draw(out, table):
     plot(pooled, os.path.join(out, "study.png"), os.path.join(out, "study_linear.png"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (name, t) in enumerate(table.items()):
+        col = color(plt, k, len(table))
         for r in t["runs"]:
             C, R, x = r["C"], r["R"], r["extrap"]
-            ax.scatter(C[C > 0], R[C > 0], s=4, color=f"C{k % 10}", alpha=0.4)
+            ax.scatter(C[C > 0], R[C > 0], s=4, color=col, alpha=0.4)
             if x:
                 half = fit_sigmoid(C[C <= x["C_half"]], R[C <= x["C_half"]])
                 grid = np.geomspace(C[C > 0][0], C[-1], 100)
                 ax.plot(grid, sigmoid(grid, half["A"], half["B"], half["C_mid"], half["R0"]), "--",
-                        lw=0.8, color=f"C{k % 10}", label=name if r["seed"] == 0 else None)
+                        lw=0.8, color=col, label=name if r["seed"] == 0 else None)
     ax.set(xscale="log", xlabel="compute (FLOPs)", ylabel="held-out pass rate",
            title="each run fitted on the first half of its compute, extrapolated to its end")
     if ax.get_legend_handles_labels()[0]:  # none when no run had enough points in its first half
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "study_extrap.png"), dpi=90)
+        save_figure(fig, ax, os.path.join(out, "study_extrap.png"), len(table))
+    else:
+        fig.savefig(os.path.join(out, "study_extrap.png"), dpi=90, bbox_inches="tight")
     plt.close(fig)
 
 
