@@ -506,14 +506,15 @@ def batch_grads(ctx, model, forward, n_micro, passes, pad_id, fp32_head, tempera
 
 
 def all_reduce_grads(ctx, model):
-    """Sum the trainers' gradients (each already scaled by its share of the global batch)."""
+    """Sum the trainers' gradients (each already scaled by its share of the global batch), in
+    float32: bf16 gradients are rounded once, after the sum, not at every step of the reduction."""
     params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                       for p in params])
     dist.all_reduce(flat, group=ctx.trainers)
     offset = 0
     for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
         offset += p.numel()
 
 
