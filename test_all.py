@@ -10,6 +10,7 @@ import collections
 import contextlib
 import errno
 import hashlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -1984,7 +1985,9 @@ def test_generate_in_flight_update_uses_old_cache_and_new_weights():
         seq = torch.tensor([prompt + s.tokens])
         cut = len(prompt) + switch - 1
         cache = model_a(seq[:, :cut], use_cache=True).past_key_values
-        ref = model_b(seq[:, cut:-1], past_key_values=cache).logits[0].float().log_softmax(-1)
+        # the keyword is `cache` from transformers 5 on (`past_key_values`, deprecated, goes in 5.40)
+        name = "cache" if "cache" in inspect.signature(model_b.forward).parameters else "past_key_values"
+        ref = model_b(seq[:, cut:-1], **{name: cache}).logits[0].float().log_softmax(-1)
         ref = ref.gather(-1, seq[0, cut + 1:, None]).squeeze(-1)
         pure_b = model_b(seq[:, :-1]).logits[0, cut:].float().log_softmax(-1).gather(-1, seq[0, cut + 1:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(s.logps[switch:]), ref, atol=1e-5)
