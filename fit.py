@@ -538,11 +538,11 @@ def color(plt, k, n):
 
 
 def save_figure(fig, ax, path, n):
-    """Save with the legend inside the axes for up to 4 entries, else beside them (n: entries)."""
-    if n > 4:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax.legend(fontsize=7)
+    """Save with the legend inside the axes for up to 4 entries, else beside them (n: entries;
+    no legend when nothing is labeled)."""
+    if ax.get_legend_handles_labels()[0]:
+        beside = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if n > 4 else {}
+        ax.legend(fontsize=7, **beside)
     fig.savefig(path, dpi=90, bbox_inches="tight")
 
 

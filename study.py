@@ -85,8 +85,8 @@ import time
 import numpy as np
 
 from data import read_jsonl, toy_model_dir, toy_problems
-from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid, fit_start, load_run,
-                 plot, save_figure, sigmoid)
+from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid, fit_start,
+                 load_run, plot, save_figure, sigmoid)
 
 SEEDS = 3
 HELD_OUT = 2000       # held-out prompts, the same for every run
@@ -548,10 +548,8 @@ def draw(out, table):
                         lw=0.8, color=col, label=name if r["seed"] == 0 else None)
     ax.set(xscale="log", xlabel="compute (FLOPs)", ylabel="held-out pass rate",
            title="each run fitted on the first half of its compute, extrapolated to its end")
-    if ax.get_legend_handles_labels()[0]:  # none when no run had enough points in its first half
-        save_figure(fig, ax, os.path.join(out, "study_extrap.png"), len(table))
-    else:
-        fig.savefig(os.path.join(out, "study_extrap.png"), dpi=90, bbox_inches="tight")
+    # no legend when no run had enough points in its first half
+    save_figure(fig, ax, os.path.join(out, "study_extrap.png"), len(table))
     plt.close(fig)
 
 

@@ -7,8 +7,9 @@ KV-cache sampler (generate.py, forced interruptions), verify the final answers (
 run in sandbox.py; reward +1 / -1), drop prompts whose G rewards are all equal (zero-variance
 filtering), compute advantages and the CISPO loss with prompt-level aggregation (loss.py) from the
 generator's recorded log-probs, take an AdamW step (eps 1e-15, weight decay 0.01, linear warm-up
-then constant; on float32 master weights under --dtype bfloat16), update the pass-rate history (No-Positive-Resampling). Every N steps: held-out pass
-rate (mean@k) and the live scaling-curve fit (fit.py). Every ScaleRL choice is a flag whose default
+then constant; on float32 master weights under --dtype bfloat16), update the pass-rate history
+(No-Positive-Resampling). Every N steps: held-out pass rate (mean@k) and the live scaling-curve fit
+(fit.py). Every ScaleRL choice is a flag whose default
 is ScaleRL's; the sizes default to the tiny CPU run.
 
 Outputs in --out: metrics.jsonl (one JSON object per step and per eval; fit.py reads it), one log
