@@ -438,13 +438,19 @@ def extrapolation_sources(table):
     xs = [(r["extrap"], r["fit"]) for t in table.values() for r in t["runs"] if r["extrap"]]
     if not xs:
         return ""
-    pred = sum(abs(x["vs_trend"]) <= NOISE_A for x, _ in xs)
+    vs_trend = np.array([x["vs_trend"] for x, _ in xs])
+    pred = int((abs(vs_trend) <= NOISE_A).sum())
     last = sum(abs(x["measured"] - x["trend"]) <= NOISE_A for x, _ in xs)
-    depth = float(np.median([x["C_half"] / f["C_mid"] for x, f in xs]))
+    depth = np.array([x["C_half"] / f["C_mid"] for x, f in xs])
+    # the share of the gain (A - R0) still to come at C_half, by the run's full fit
+    left = np.percentile([1 / (1 + d ** f["B"]) for d, (_, f) in zip(depth, xs)], [25, 50, 75])
     return (f"Where the misses come from: against each run's own full fit at its end (its trend, "
             f"without the last eval's wobble), {pred} of {len(xs)} first-half predictions land "
-            f"within 0.02; the last evals lie within 0.02 of that trend in {last} of {len(xs)}. "
-            f"The first half ends at a median {depth:.1f} x the run's C_mid (the paper's Fig. 1 "
+            f"within 0.02 (their errors: mean {vs_trend.mean():+.3f}, sd {vs_trend.std():.3f}); "
+            f"the last evals lie within 0.02 of that trend in {last} of {len(xs)}. The first half "
+            f"ends at a median {np.median(depth):.1f} x the run's C_mid, with a median "
+            f"{left[1]:.0%} of the gain still to come (quartiles {left[0]:.0%}, {left[2]:.0%}) "
+            f"(the paper's Fig. 1 "
             f"fits its 8B run up to 50k GPU-hours, about 20x its C_mid of 2.5k, and its MoE run "
             f"up to 16k, about 4x its C_mid of 4.2k).")
 
