@@ -2448,10 +2448,13 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
     assert collapsed == [("no_zero_var", 0)] and "Collapsed runs: no_zero_var-s0." in text
     within = 0
     for r in rep["runs"]:
+        C_run, R_run, _ = fit.load_run(str(tmp_path / f"{r['variant']}-s{r['seed']}"), "flops")
+        full, late = fit.fit_sigmoid(C_run, R_run), C_run >= 0.3 * C_run[-1]  # the wobble: evals about the full fit
+        trend = full["R0"] + (full["A"] - full["R0"]) / (1 + (full["C_mid"] / C_run[late]) ** full["B"])
+        assert r["wobble"] == pytest.approx(np.std(R_run[late] - trend))
         if r["collapsed"]:
             assert r["extrap_error"] is None
             continue
-        C_run, R_run, _ = fit.load_run(str(tmp_path / f"{r['variant']}-s{r['seed']}"), "flops")
         half = C_run <= C_run[-1] / 2
         f = fit.fit_sigmoid(C_run[half], R_run[half])
         by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
@@ -2465,6 +2468,8 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
     by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_avg[-1]) ** f["B"]) - R_avg[-1]
     assert rep["extrapolation_seed_averaged"]["loss_dapo"] == pytest.approx(by_hand)
     assert f"{within} of {len(rep['runs']) - 1} runs within 0.02" in text
+    checked = [r["wobble"] for r in rep["runs"] if not r["collapsed"]]
+    assert f"wobble about it by a median sd of {np.median(checked):.3f}" in text
     for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
                     "## Extrapolation test"):
         assert section in text
