@@ -44,7 +44,8 @@ The design, and why:
   it and most findings are read on efficiency (B, C_mid). --think_budget 64 (4 operations take
   ~25 thinking tokens): 0.2% of held-out samples are interrupted at step 0, none by step 50, so
   the ceiling is the model's, not the budget's.
-  lr 2e-4, 200 steps, an eval every 10 (the fit's first half holds 10 evals).
+  lr 2e-4, 200 steps, an eval every 10 (a first half holds 10 evals, 8 of them past the fit's
+  start at 10% of its compute).
 - Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the
   synchronous loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock
   x the 2 processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded).
