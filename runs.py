@@ -296,7 +296,8 @@ def truncate_metrics(path, step):
         if problem:
             sys.exit(f"error: {path}:{i + 1}: {problem} (a line edited by hand?); "
                      "fix or delete it, then --resume")
-    records = [r for r in records if r.get("step", -1) <= step]  # the config line has no step
+    # the config line has no step; a "stopped" line ends a run that is now going on
+    records = [r for r in records if r.get("step", -1) <= step and r["kind"] != "stopped"]
     write_file(path, "".join(json.dumps(r) + "\n" for r in records))
     return records
 
@@ -304,8 +305,9 @@ def truncate_metrics(path, step):
 def metrics_problem(r):
     """What is wrong with one metrics.jsonl record for a resume (None if nothing): a JSON object
     with a known kind, a whole step, and for an eval the numbers the live fit reads."""
-    if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval"):
-        return "not a metrics record (a JSON object whose kind is config, train or eval)"
+    if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval", "stopped"):
+        return ("not a metrics record (a JSON object whose kind is config, train, eval or "
+                "stopped)")
     if r["kind"] != "config" and not (isinstance(r.get("step"), int) and r["step"] >= 0):
         return "no whole step number"
     if r["kind"] == "eval" and not all(isinstance(r.get(k), (int, float))

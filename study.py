@@ -25,7 +25,10 @@ The design, and why:
   torchrun (58 s against 41.5 s a run for 40 steps, measured), and it takes the off-policy lag out
   of comparisons that are not about it.
 - One task, one held-out set. The problems are toy-hard's chains of 2 to 4 operations (MAX_OPS),
-  drawn once with a fixed seed and split once (problems/train.jsonl, problems/val.jsonl): every run
+  drawn once with a fixed seed and split once (problems/train.jsonl, problems/val.jsonl): TRAIN
+  (1500) training prompts, so that 200 steps of 16 serve each about twice and No-Positive-Resampling
+  has retired prompts to skip (with all 7,013 none came back, and the no-NPR runs equalled ScaleRL's
+  eval for eval); every run
   is evaluated on the same 2000 held-out prompts x 1 sample (the paper: 1000 x 16), so runs differ
   by their seed's curriculum and sampling noise, not by which prompts they were scored on. Each eval
   logs its standard error over the prompts (pass_rate_se: the spread of the per-prompt means /
@@ -41,11 +44,17 @@ The design, and why:
   (whose hard corner no sigmoid fits) did not help. On chains of at most 4 operations ScaleRL's
   evals wobble ~0.006, bend by step 100 (0.93) and creep to ~0.96 at step 200, at 2 machine-minutes
   a run. The price: the ceiling sits near 1 (fitted A ~0.99), so differences in A are squeezed under
-  it and most findings are read on efficiency (B, C_mid). --think_budget 64 (4 operations take
-  ~25 thinking tokens): 0.2% of held-out samples are interrupted at step 0, none by step 50, so
-  the ceiling is the model's, not the budget's.
+  it and most findings are read on efficiency (B, C_mid).
   lr 2e-4, 200 steps, an eval every 10 (a first half holds 10 evals, 8 of them past the fit's
   start at 10% of its compute).
+- Length control that acts. The base model thinks 13/19/25 tokens for 2/3/4 operations, and in a
+  fifth of its traces checks its work, which doubles them (27/39/51). --think_budget 32 cuts those
+  checks (~14% of held-out samples interrupted at step 0; the chains themselves fit, so the ceiling
+  stays the model's); the length-penalty variant gets the same total, --l_max 48 (32 + 16: the
+  penalty from 42 tokens on, -1 past 48), under the same generation budget. With a 64-token
+  thinking budget neither ever acted. The answer budget stays 64: with 16, one of 3 ScaleRL seeds
+  wrote past it after </think>, its truncated samples got no gradient, and it collapsed
+  (BENCHMARKS.md section 9).
 - Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the
   synchronous loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock
   x the 2 processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded).
@@ -94,12 +103,13 @@ from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid,
 
 SEEDS = 3
 HELD_OUT = 2000       # held-out prompts, the same for every run
+TRAIN = 1500          # training prompts: 200 steps x 16 serve each about twice (NPR has prompts to retire)
 MAX_OPS = 4           # the study's problems: toy-hard's chains of 2 to 4 operations (docstring)
 # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
 COLLAPSE_DROP = 0.05
 WOBBLE_FROM = 0.3     # a run's wobble: the sd of its evals about its own fit from 30% of its compute on
 STEPS = 200
-TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
+TASK = ["--think_budget", "32", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
         "--save_every", "0"]
 # name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget (the
 # paper names the off-policy algorithm, the loss and the precision the most important choices; the
@@ -108,7 +118,7 @@ TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "10", "--eval_sa
 VARIANTS = {
     "scalerl": [],  # one process: the synchronous loop, one policy version per batch
     "batch8": ["--prompts", "8"],
-    "length_penalty": ["--length_control", "penalty"],
+    "length_penalty": ["--length_control", "penalty", "--l_max", "48"],  # 32 + 16 (docstring)
     "pipelinerl": [],  # ScaleRL as the paper runs it: PipelineRL-8 over generator and trainer ranks
     "loss_dapo": ["--loss", "dapo"],
     "loss_grpo": ["--loss", "grpo"],
@@ -166,8 +176,8 @@ QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; the
 
 def make_problems(out, held_out=HELD_OUT):
     """out/problems/{train,val}.jsonl: the distinct toy-hard problems of at most MAX_OPS operations
-    among 20000 drawn with a fixed seed, shuffled once, `held_out` of them held out (kept when
-    already there)
+    among 20000 drawn with a fixed seed, shuffled once, `held_out` of them held out and the next
+    TRAIN kept for training (kept when already there)
     -> (train path, val path)."""
     folder = os.path.join(out, "problems")
     paths = os.path.join(folder, "train.jsonl"), os.path.join(folder, "val.jsonl")
@@ -180,7 +190,7 @@ def make_problems(out, held_out=HELD_OUT):
             distinct.setdefault(p["prompt"], {"prompt": p["prompt"], "answer": p["answer"]})
     problems = list(distinct.values())
     random.Random(0).shuffle(problems)
-    for path, rows in zip(paths, (problems[held_out:], problems[:held_out])):
+    for path, rows in zip(paths, (problems[held_out:held_out + TRAIN], problems[:held_out])):
         with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(path + ".tmp", path)
@@ -202,10 +212,13 @@ def run_minutes(path):
 
 
 def finished(path, steps):
-    """A run is finished when its metrics hold the eval of its last step."""
+    """A run is finished when its metrics hold the eval of its last step, or when train.py stopped
+    it early (a "stopped" line: e.g. a collapse that left no prompt to train on; training it again
+    with the same seed would only repeat it)."""
     try:
         records = read_jsonl(os.path.join(path, "metrics.jsonl"))
-        return any(r.get("kind") == "eval" and r.get("step") == steps for _, r in records)
+        return any(r.get("kind") == "stopped" or (r.get("kind") == "eval" and r.get("step") == steps)
+                   for _, r in records)
     except (OSError, ValueError):
         return False
 
@@ -304,6 +317,24 @@ def last_eval_se(path):
     return float(evals[-1].get("pass_rate_se", float("nan"))) if evals else float("nan")
 
 
+def training_stats(path):
+    """What the run's knobs did, from its train lines: the shares of samples interrupted and
+    truncated, of prompts dropped as zero-variance, the mean length and lag (means over steps), and
+    at the end the prompts retired by No-Positive-Resampling and the epoch reached (a retired prompt
+    is only ever skipped from epoch 1 on). NaN where the run did not log the field."""
+    train = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))
+             if r.get("kind") == "train"]
+
+    def field(key, f=lambda r, k: r[k]):
+        values = [f(r, key) for r in train if key in r]
+        return values or [float("nan")]
+    return dict(interrupted=float(np.mean(field("intr"))), truncated=float(np.mean(field("trunc"))),
+                zero_var=float(np.mean(field("dropped_zero_var",
+                                             lambda r, k: r[k] / max(r.get("prompts", 1), 1)))),
+                length=float(np.mean(field("len"))), lag=float(np.mean(field("lag"))),
+                retired=float(field("retired")[-1]), epoch=float(field("epoch")[-1]))
+
+
 def seed_average(runs):
     """The seeds' curves averaged at their common evals -> (C, R)."""
     n = min(len(r[0]) for r in runs)
@@ -331,7 +362,7 @@ def analyze(out, names, seeds, compute):
                 trend = float(sigmoid(C[-1], fit["A"], fit["B"], fit["C_mid"], fit["R0"]))
                 extrap |= dict(trend=trend, vs_trend=extrap["predicted"] - trend)
             runs.append(dict(seed=s, C=C, R=R, fit=fit, se=last_eval_se(path), wobble=wobble,
-                             collapsed=collapsed, extrap=extrap))
+                             collapsed=collapsed, extrap=extrap, training=training_stats(path)))
         fits[name] = runs
     shared_A = float(np.mean([r["fit"]["A"] for runs in fits.values() for r in runs]))
     table = {}
@@ -429,6 +460,21 @@ def variant_rows(table):
     return rows
 
 
+def training_rows(table):
+    """What each variant's knobs did in training (seed means): whether the choice a finding is
+    about acted at all (interruptions, truncations, prompts retired and revisited)."""
+    rows = ["| variant | interrupted | truncated | zero-variance prompts dropped | length | lag | "
+            "retired by NPR at the end | last epoch |", "|---|---|---|---|---|---|---|---|"]
+    show = lambda v, spec: "-" if np.isnan(v) else format(v, spec)  # noqa: E731
+    for name, t in table.items():
+        m = {k: np.mean([r["training"][k] for r in t["runs"]]) for k in t["runs"][0]["training"]}
+        rows.append(f"| {name} | {show(m['interrupted'], '.1%')} | {show(m['truncated'], '.1%')} | "
+                    f"{show(m['zero_var'], '.0%')} | {show(m['length'], '.1f')} | "
+                    f"{show(m['lag'], '.1f')} | {show(m['retired'], '.0f')} | "
+                    f"{show(m['epoch'], '.1f')} |")
+    return rows
+
+
 def extrapolation_rows(table):
     rows = ["| run | fitted on C <= | points | predicted at the end | measured | error | "
             "full fit at the end | error vs full fit | C_half / C_mid | wobble |",
@@ -517,6 +563,8 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
         lines += ["",
                   f"## Per variant, compute in {UNIT_NAMES[unit]} (shared A = {shared_A:.3f})", ""]
         lines += variant_rows(t)
+    lines += (["", "## What the knobs did in training (seed means; shares over the steps)", ""] +
+              training_rows(table))
     lines += (["", f"## Extrapolation test (FLOPs): {within} of {n} runs within 0.02", ""] +
               extrapolation_rows(table))
     lines += ["", f"Seed-averaged curves, the same test: {avg_within} of {len(averaged)} within "
@@ -531,7 +579,7 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
                          "extrap_error_vs_full_fit": (r["extrap"]["vs_trend"] if r["extrap"]
                                                       else None),
                          "collapsed": r["collapsed"], "eval_se": r["se"], "wobble": r["wobble"],
-                         "compute": "FLOPs"}
+                         "training": r["training"], "compute": "FLOPs"}
                         for r in runs],
                "findings": [{k: f[k] for k in ("name", "paper", "verdict", "margin", "unit", "why")}
                             for f in found],

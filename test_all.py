@@ -2124,14 +2124,14 @@ def fit_curve(C_mid, B, A, seed=0, noise=0.003, n=61, span=4.0):
     return C, R
 
 
-def write_run(run_dir, C, R, lines=None, se=None):
+def write_run(run_dir, C, R, lines=None, se=None, train=None):
     """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s; se: the evals'
-    standard error, pass_rate_se)."""
+    standard error, pass_rate_se; train: step -> more fields of that step's train line)."""
     os.makedirs(run_dir, exist_ok=True)
     recs = [{"kind": "config", "loss": "cispo", "batch": 8}]
     for step, (c, r) in enumerate(zip(C, R)):
         recs.append({"kind": "train", "step": step, "compute_s": c, "flops": c * 1e9,
-                     "reward": 2 * r - 1, "pass_rate": r})
+                     "reward": 2 * r - 1, "pass_rate": r, **(train(step) if train else {})})
         recs.append({"kind": "eval", "step": step, "compute_s": c, "flops": c * 1e9,
                      "pass_rate": r, "pass_rate/math": r, "n": 800, **({} if se is None else {"pass_rate_se": se})})
     text = lines if lines is not None else [json.dumps(x) for x in recs]
@@ -2426,8 +2426,11 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
             if name == "no_zero_var" and seed == 0:
                 R[-1] = R.max() - 0.06  # a collapse at the end
             # loss_grpo's and pipelinerl's evals are noisy: the eval margin 2 sqrt(2 x 0.04^2 / 3) = 0.065 > 0.06
-            write_run(tmp_path / f"{name}-s{seed}", C, R,
-                      se=0.04 if name in ("loss_grpo", "pipelinerl") else 0.001)
+            knobs = (lambda step, seed=seed: {"intr": 0.1 * seed, "trunc": 0.01 * (step % 2), "len": 30.0 + step,
+                                              "lag": 0.0, "prompts": 16, "dropped_zero_var": 4 + 8 * (step % 2),
+                                              "retired": 5 * step + seed, "epoch": step // 8})
+            write_run(tmp_path / f"{name}-s{seed}", C, R, se=0.04 if name in ("loss_grpo", "pipelinerl") else 0.001,
+                      train=knobs if name == "no_npr" else None)
     text = study.write_report(str(tmp_path), list(curves), 3, 20)
     rep = json.loads((tmp_path / "study_report.json").read_text())
     assert set(rep) >= {"runs", "findings", "minutes"} and len(rep["runs"]) == 3 * len(curves)
@@ -2470,6 +2473,11 @@ def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolatio
     assert f"{within} of {len(rep['runs']) - 1} runs within 0.02" in text
     checked = [r["wobble"] for r in rep["runs"] if not r["collapsed"]]
     assert f"wobble about it by a median sd of {np.median(checked):.3f}" in text
+    # what the knobs did, seed means written out: steps 0..20 (11 even, 10 odd), seeds 0..2
+    trunc, dropped, length = 0.01 * 10 / 21, (4 * 11 + 12 * 10) / 21 / 16, 30 + 10
+    assert (f"| no_npr | 10.0% | {trunc:.1%} | {dropped:.0%} | {length:.1f} | 0.0 | 101 | 2.0 |" in text)
+    assert "| scalerl | - | - | - | - | - | - | - |" in text  # logged none of them
+    assert rep["runs"][[r["variant"] for r in rep["runs"]].index("no_npr")]["training"]["retired"] == 100
     for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
                     "## Extrapolation test"):
         assert section in text
@@ -3227,6 +3235,12 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert "stopping at step 3: 3 steps in a row kept no prompt" in out
     assert "Raise --answer_budget, or train on them with --keep_truncated" in out
     assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 3] and (tmp_path / "ckpt-000003").exists()
+    stopped = [r for r in recs if r["kind"] == "stopped"]  # the run says it ended itself: study.py counts it done
+    assert stopped == [{"kind": "stopped", "step": 3, "reason": stopped[0]["reason"]}]
+    assert stopped[0]["reason"].startswith("stopping at step 3: 3 steps in a row kept no prompt")
+    assert study.finished(str(tmp_path), 20)  # no eval at step 20, but over
+    runs.truncate_metrics(str(tmp_path / "metrics.jsonl"), 3)  # resumed, it goes on: no longer stopped
+    assert not study.finished(str(tmp_path), 20)
 
 
 def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():

@@ -979,7 +979,7 @@ def main(args):
     if run.step == 0:
         held_out_eval()
     evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
-    signaled, loop_start = False, (time.time(), run.step)
+    signaled, stopped, loop_start = False, None, (time.time(), run.step)
     while run.step < args.steps:
         signaled = pipeline.all_reduce_stats(
             ctx, {"stop": pipeline.stop_requested(ctx)})[0]["stop"] > 0
@@ -994,8 +994,9 @@ def main(args):
             signaled = True
             break
         if pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})[0]["short"]:
-            print(f"stopping at step {run.step}: out of prompts "
-                  "(No-Positive-Resampling retired every one)")
+            stopped = (f"stopping at step {run.step}: out of prompts "
+                       "(No-Positive-Resampling retired every one)")
+            print(stopped, flush=True)
             break
 
         # ---- batch, then train: loss, backward, (all-reduce), clip, AdamW step
@@ -1036,10 +1037,14 @@ def main(args):
         if stop:
             if rank0:
                 print(stop, flush=True)
+            stopped = stop
             break
 
     # ---- the end: a run stopped early (every prompt retired, a signal) is saved, and evaluated
-    # unless a signal asked it to stop; ranks leave together
+    # unless a signal asked it to stop; ranks leave together. A run that stopped itself says so in
+    # its metrics (kind "stopped"): it is over, not interrupted (study.py counts it as finished)
+    if stopped:
+        log({"kind": "stopped", "step": run.step, "reason": stopped})
     evaluated_at = run.step if signaled else evaluated_at
     if run.forward is not None and (run.step != saved_at or run.step != evaluated_at):
         gather_shards(run, rank0, run.step != saved_at)
