@@ -309,30 +309,25 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
 # fitting and judging
 
 
-def last_eval_se(path):
-    """The standard error of the run's last eval (pass_rate_se), NaN when the run did not
-    log one."""
-    evals = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))
-             if r.get("kind") == "eval"]
-    return float(evals[-1].get("pass_rate_se", float("nan"))) if evals else float("nan")
-
-
-def training_stats(path):
-    """What the run's knobs did, from its train lines: the shares of samples interrupted and
-    truncated, of prompts dropped as zero-variance, the mean length and lag (means over steps), and
-    at the end the prompts retired by No-Positive-Resampling and the epoch reached (a retired prompt
-    is only ever skipped from epoch 1 on). NaN where the run did not log the field."""
-    train = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))
-             if r.get("kind") == "train"]
-
-    def field(key, f=lambda r, k: r[k]):
-        values = [f(r, key) for r in train if key in r]
-        return values or [float("nan")]
-    return dict(interrupted=float(np.mean(field("intr"))), truncated=float(np.mean(field("trunc"))),
-                zero_var=float(np.mean(field("dropped_zero_var",
-                                             lambda r, k: r[k] / max(r.get("prompts", 1), 1)))),
-                length=float(np.mean(field("len"))), lag=float(np.mean(field("lag"))),
-                retired=float(field("retired")[-1]), epoch=float(field("epoch")[-1]))
+def run_logs(path):
+    """What a run's metrics say besides its curve, read once -> (the standard error of its last eval,
+    pass_rate_se, NaN when it logged none; what its knobs did: the shares of samples interrupted and
+    truncated, of prompts dropped as zero-variance, the mean length and lag (means over the steps),
+    and at the end the prompts retired by No-Positive-Resampling and the epoch reached (a retired
+    prompt is only ever skipped from epoch 1 on); NaN where the run did not log a field)."""
+    records = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    train = [r for r in records if r.get("kind") == "train"]
+    nan = float("nan")
+    se = float(evals[-1].get("pass_rate_se", nan)) if evals else nan
+    values = lambda key: [r[key] for r in train if key in r]  # noqa: E731
+    mean = lambda v: float(np.mean(v)) if v else nan  # noqa: E731
+    zero_var = [r["dropped_zero_var"] / max(r.get("prompts", 1), 1) for r in train
+                if "dropped_zero_var" in r]
+    return se, dict(interrupted=mean(values("intr")), truncated=mean(values("trunc")),
+                    zero_var=mean(zero_var), length=mean(values("len")), lag=mean(values("lag")),
+                    retired=float((values("retired") or [nan])[-1]),
+                    epoch=float((values("epoch") or [nan])[-1]))
 
 
 def seed_average(runs):
@@ -361,8 +356,9 @@ def analyze(out, names, seeds, compute):
                 # trend, without the last eval's wobble)
                 trend = float(sigmoid(C[-1], fit["A"], fit["B"], fit["C_mid"], fit["R0"]))
                 extrap |= dict(trend=trend, vs_trend=extrap["predicted"] - trend)
-            runs.append(dict(seed=s, C=C, R=R, fit=fit, se=last_eval_se(path), wobble=wobble,
-                             collapsed=collapsed, extrap=extrap, training=training_stats(path)))
+            se, training = run_logs(path)
+            runs.append(dict(seed=s, C=C, R=R, fit=fit, se=se, wobble=wobble,
+                             collapsed=collapsed, extrap=extrap, training=training))
         fits[name] = runs
     shared_A = float(np.mean([r["fit"]["A"] for runs in fits.values() for r in runs]))
     table = {}
