@@ -103,7 +103,7 @@ from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid,
 
 SEEDS = 3
 HELD_OUT = 2000       # held-out prompts, the same for every run
-TRAIN = 1500          # training prompts: 200 steps x 16 serve each about twice (NPR has prompts to retire)
+TRAIN = 1500          # training prompts: 200 steps x 16 serve each about twice (NPR retires some)
 MAX_OPS = 4           # the study's problems: toy-hard's chains of 2 to 4 operations (docstring)
 # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
 COLLAPSE_DROP = 0.05
@@ -217,8 +217,8 @@ def finished(path, steps):
     with the same seed would only repeat it)."""
     try:
         records = read_jsonl(os.path.join(path, "metrics.jsonl"))
-        return any(r.get("kind") == "stopped" or (r.get("kind") == "eval" and r.get("step") == steps)
-                   for _, r in records)
+        return any(r.get("kind") == "stopped" or
+                   (r.get("kind") == "eval" and r.get("step") == steps) for _, r in records)
     except (OSError, ValueError):
         return False
 
@@ -310,11 +310,12 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
 
 
 def run_logs(path):
-    """What a run's metrics say besides its curve, read once -> (the standard error of its last eval,
-    pass_rate_se, NaN when it logged none; what its knobs did: the shares of samples interrupted and
-    truncated, of prompts dropped as zero-variance, the mean length and lag (means over the steps),
-    and at the end the prompts retired by No-Positive-Resampling and the epoch reached (a retired
-    prompt is only ever skipped from epoch 1 on); NaN where the run did not log a field)."""
+    """What a run's metrics say besides its curve, read once -> (the standard error of its last
+    eval, pass_rate_se, NaN when it logged none; what its knobs did: the shares of samples
+    interrupted and truncated, of prompts dropped as zero-variance, the mean length and lag (means
+    over the steps), and at the end the prompts retired by No-Positive-Resampling and the epoch
+    reached (a retired prompt is only ever skipped from epoch 1 on); NaN where the run did not log
+    a field)."""
     records = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))]
     evals = [r for r in records if r.get("kind") == "eval"]
     train = [r for r in records if r.get("kind") == "train"]
