@@ -59,7 +59,7 @@ import sys
 import time
 
 from sandbox import split_asserts
-from verify import last_boxed, prompt_opens_think, score_problems
+from verify import last_boxed, prompt_opens_think, reward, score_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # shipped in the repo (1.4 MB); `python data.py --build` remakes it
@@ -329,12 +329,13 @@ def completion_text(tokenizer, sample):
 
 
 def score_samples(tokenizer, samples, problems, unsafe_code=False):
-    """-> (texts, correct): a sample is correct only if it finished and verify.py accepts its
-    answer. A truncated sample (no eos within the budget) never gave its answer, so it is not
-    correct, whatever its text holds: for the reward, No-Positive-Resampling's pass rates, pass@1
-    and held-out evals alike (the paper's evals count a sample that never answers as wrong).
-    Truncated samples are not even scored. Where the chat template ends the prompt with an opened
-    <think> (DeepSeek-R1), an answer counts only after </think>."""
+    """-> (texts, correct, rewards): a sample is correct only if it finished and verify.py accepts
+    its answer; its reward is verify.reward's (a float: +1 / -1 for correct / not). A truncated
+    sample (no eos within the budget) never gave its answer, so it is not correct, whatever its
+    text holds: for the reward, No-Positive-Resampling's pass rates, pass@1 and held-out evals
+    alike (the paper's evals count a sample that never answers as wrong). Truncated samples are not
+    even scored. Where the chat template ends the prompt with an opened <think> (DeepSeek-R1), an
+    answer counts only after </think>."""
     texts = [completion_text(tokenizer, s) for s in samples]
     done = [i for i, s in enumerate(samples) if s.finish != "truncated"]
     correct = [False] * len(samples)
@@ -345,7 +346,9 @@ def score_samples(tokenizer, samples, problems, unsafe_code=False):
     for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done],
                                          unsafe_code=unsafe_code, think_open=think_open)):
         correct[i] = bool(v)
-    return texts, correct
+    rewards = [float(reward(t, p, c, s.finish)) for t, p, c, s in zip(texts, problems, correct,
+                                                                       samples)]
+    return texts, correct, rewards
 
 
 def split_problems(problems, val_size, seed=0):

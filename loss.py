@@ -17,6 +17,8 @@ as ScaleRL uses it (section 4). Pure functions of tensors.
     ratio_stats(logp, gen_logp, mask)         generator/trainer mismatch, for logging
     drift_by_lag(logp, gen_logp, mask, lag)   sum and count of |log rho| per policy-version lag,
                                               for logging
+    forgetting(logp, gen_logp, mask)          how much log-prob the trained policy lost on the
+                                              tokens its sampler was sure of, for the alarms
 
 Test: python -m pytest -q test_all.py -k loss   (CPU; nothing here needs a GPU or torchrun)
 
@@ -232,3 +234,16 @@ def drift_by_lag(logp, gen_logp, mask, lag):
     diff = (logp - gen_logp)[keep].abs().double()
     size = int(lag.max()) + 1 if lag.numel() else 1
     return torch.bincount(lag, weights=diff, minlength=size), torch.bincount(lag, minlength=size)
+
+
+@torch.no_grad()
+def forgetting(logp, gen_logp, mask, sure=0.9):
+    """The early sign of a policy drifting where its stale samples give no gradient -> (sum,
+    count): the sum over the masked tokens the generator sampled with p >= `sure` of the log-prob
+    the trained policy has lost on them, max(0, log p_gen - log p_train), and how many such
+    tokens there were. A format token (the answer after </think>) is sure and shared by right and
+    wrong samples alike: their advantages cancel on it, so the loss holds it nowhere, and a
+    policy k versions ahead of its samples can lose it unseen (BENCHMARKS.md section 6). In one
+    process (lag 0) this is numerics only."""
+    keep = mask.bool() & (gen_logp >= math.log(sure))
+    return (gen_logp - logp)[keep].clamp(min=0).double().sum(), keep.sum()

@@ -98,10 +98,11 @@ from torch.distributed.tensor import DTensor
 
 from data import Curriculum, score_samples, special_tokens
 from generate import FINISH, Sample, sampler, sequence_logprobs
+from loss import length_penalty
 
 # per packed row: generator rank, group index, prompt index, prompt length, completion length,
-# correct, finish
-HEADER = 7
+# correct, reward, finish
+HEADER = 8
 
 
 _CURRENT = {}  # this process's ctx, for report_failure
@@ -152,6 +153,17 @@ def stop_requested(ctx):
 def default_gen_ranks(world):
     return world - max(1, world // 4)
 
+
+def n_generators(args, world):
+    """--gen_ranks, or its default for `world` ranks."""
+    return args.gen_ranks if args.gen_ranks > 0 else default_gen_ranks(world)
+
+
+def generator_rank(args):
+    """Is this process one of the generator ranks (under torchrun: the last --gen_ranks ranks)?"""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world > 1 and int(os.environ["RANK"]) >= world - n_generators(args, world)
+
 # -----------------------------------------------------------------------------
 # set-up: roles, process groups, the store, heartbeats
 
@@ -193,7 +205,7 @@ def setup(args):
     if world == 1:
         return None
     rank = int(os.environ["RANK"])  # devices: device_plan over the local ranks
-    n_gens = args.gen_ranks if args.gen_ranks > 0 else default_gen_ranks(world)
+    n_gens = n_generators(args, world)
     n_trainers = world - n_gens
     if not 1 <= n_gens < world:  # checked before any rank waits on another
         sys.exit(f"--gen_ranks {n_gens} with {world} ranks: "
@@ -412,16 +424,17 @@ def trainer_of(gi, prompts, n_trainers):
     return (gi % prompts) % n_trainers
 
 
-def pack_group(gen_rank, gi, prompt_index, prompt, samples, correct, length):
-    """One prompt's G samples -> float32 (G, HEADER + 4 * length): header | prompt+completion ids |
-    gen log-probs | mask | versions (the last three aligned with the completion). Ids and versions
-    are exact in float32 below 2**24."""
+def pack_group(gen_rank, group, length):
+    """One prompt's group (finish_group's dict) -> float32 (G, HEADER + 4 * length): header |
+    prompt+completion ids | gen log-probs | mask | versions (the last three aligned with the
+    completion). Ids and versions are exact in float32 below 2**24; the reward travels as float32."""
+    prompt, samples = group["prompt"], group["samples"]
     rows = torch.zeros(len(samples), HEADER + 4 * length)
-    for row, s, c in zip(rows, samples, correct):
+    for row, s, c, r in zip(rows, samples, group["correct"], group["rewards"]):
         n, P = len(s.tokens), len(prompt)
         if P + n > length or max(prompt + s.tokens) >= 2 ** 24:
             raise ValueError(f"cannot pack: {P}+{n} tokens > {length} or a token id >= 2**24")
-        row[:HEADER] = torch.tensor([gen_rank, gi, prompt_index, P, n, float(c),
+        row[:HEADER] = torch.tensor([gen_rank, group["gi"], group["index"], P, n, float(c), r,
                                      FINISH.index(s.finish)])
         body = row[HEADER:].view(4, length)
         body[0, :P + n] = torch.tensor(prompt + s.tokens, dtype=torch.float)
@@ -431,20 +444,19 @@ def pack_group(gen_rank, gi, prompt_index, prompt, samples, correct, length):
 
 
 def unpack_group(rows):
-    """Inverse of pack_group -> dict(gen_rank, gi, index, prompt, samples, correct)."""
+    """Inverse of pack_group -> dict(gen_rank, gi, index, prompt, samples, correct, rewards)."""
     length = (rows.size(1) - HEADER) // 4
     gen_rank, gi, index, P = (int(x) for x in rows[0, :4].tolist())
-    samples, correct = [], []
+    samples = []
     for row in rows:
-        n, c, f = int(row[4]), bool(row[5]), int(row[6])
+        n, f = int(row[4]), int(row[7])
         body = row[HEADER:].view(4, length)
-        prompt = [int(x) for x in body[0, :P].tolist()]
         samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()],
                               body[1, :n].tolist(), [int(x) for x in body[2, :n].tolist()],
                               [int(x) for x in body[3, :n].tolist()], FINISH[f]))
-        correct.append(c)
-    return {"gen_rank": gen_rank, "gi": gi, "index": index, "prompt": prompt, "samples": samples,
-            "correct": correct}
+    return {"gen_rank": gen_rank, "gi": gi, "index": index,
+            "prompt": [int(x) for x in rows[0, HEADER:HEADER + P].tolist()], "samples": samples,
+            "correct": [bool(c) for c in rows[:, 5].tolist()], "rewards": rows[:, 6].tolist()}
 
 
 def weight_buckets(tensors, bucket_mb):
@@ -488,23 +500,6 @@ def broadcast_weights(ctx, model, bucket_mb, tensors=None):
     return nbytes
 
 
-def batch_grads(ctx, model, forward, n_micro, passes, pad_id, fp32_head, temperature):
-    """Run this trainer's n_micro forward/backward passes (passes() -> what it returns) so that its
-    gradient ends as the whole batch's. One process: it is. Replicated trainers: all_reduce_grads
-    after. FSDP2 (forward: the sharded LogProbs): every pass is a chain of collectives, so a trainer
-    with fewer micro-batches than another first runs passes that add nothing, until their counts
-    match."""
-    if ctx is not None and forward is not None:
-        n_all = int(all_reduce_stats(ctx, {}, {"n": n_micro})[1]["n"])
-        for _ in range(n_micro, n_all):
-            ids = torch.full((1, 2), pad_id, device=ctx.device)
-            (forward(ids, torch.ones_like(ids), fp32_head, temperature).sum() * 0).backward()
-    result = passes()
-    if ctx is not None and forward is None:
-        all_reduce_grads(ctx, model)
-    return result
-
-
 def all_reduce_grads(ctx, model):
     """Sum the trainers' gradients (each already scaled by its share of the global batch), in
     float32: bf16 gradients are rounded once, after the sum, not at every step of the reduction."""
@@ -533,7 +528,111 @@ def all_reduce_stats(ctx, sums, maxes=None):
     return sums, maxes or {}
 
 # -----------------------------------------------------------------------------
-# the trainer's side
+# rollout sources: where the training loop gets its groups and sends its weights. Chosen once at
+# start-up (train.rollout_source): the loop reads the same with one process and under torchrun.
+
+
+class LocalRollouts:
+    """One process: the generator code that generator ranks run (admit, sampler_step,
+    finish_group) runs here, as generator 0 of 1 under --mode sync: get(step) samples batch `step`
+    (its groups step*B .. step*B + B - 1) with the weights of version `step` and returns it whole;
+    the sampler reads the trainer's own weights, so publish() has nothing to send. `python train.py`
+    and `torchrun ... --mode sync` are the same experiment (tested)."""
+
+    def __init__(self, args, model, tokenizer, problems, prompt_ids, version, saved=None):
+        self.args, self.done = args, []
+        self.gen = new_generator(args, model, tokenizer, problems, prompt_ids, 0, 1, version,
+                                 self.done.append, saved)
+        self.share = args.prompts  # the groups a full batch gives this trainer
+
+    def get(self, step):
+        """Batch `step` -> (groups in index order, stats); fewer groups once the curriculum has
+        retired every prompt; (None, None) when a signal stops the sampling under way (nothing of
+        it is used, and the curriculum saved is the one from before it: state_dict)."""
+        gen, t0, verify_s = self.gen, time.time(), self.gen.verify_s
+        B = self.args.prompts
+        items = admit(gen, range(step * B, (step + 1) * B))
+        if gen.exhausted:
+            return [], {}
+        sampler_step(gen, items, step)
+        while gen.open:
+            if STOP:
+                return None, None
+            sampler_step(gen, [], step)
+        groups = sorted(self.done, key=lambda g: g["gi"])
+        self.done.clear()
+        verify_s = gen.verify_s - verify_s
+        stats = {"too_old": 0, "wait_s": 0.0, "gen_s": time.time() - t0 - verify_s,
+                 "verify_s": verify_s, "retired": len(gen.curriculum.retired),
+                 "epoch": gen.curriculum.epoch,
+                 "gen_tokens": sum(len(g["prompt"]) + len(s.tokens) for g in groups
+                                   for s in g["samples"])}
+        return groups, stats
+
+    def publish(self, trainer, last):
+        """The weights are the trainer's own: nothing moves; the curriculum copies that a resume
+        before this version would need are dropped. -> (seconds, bytes)."""
+        self.gen.snapshots = {b: c for b, c in self.gen.snapshots.items() if b >= trainer.version}
+        return 0.0, 0
+
+    def stop_requested(self):
+        return bool(STOP)
+
+    def held_out(self, step, evaluate):
+        """A held-out eval of `step`: here and now."""
+        evaluate()
+
+    def busy(self, dt, rstats, train_s, sync_s, sync_bytes):
+        """One process alternates: busy generating and verifying (rstats' seconds), then
+        training."""
+        return {"retired": rstats["retired"], "epoch": rstats["epoch"],
+                "gen_busy": (dt - train_s) / dt, "train_busy": train_s / dt, "sync_ms": 0.0,
+                "generate_ms": rstats["gen_s"] * 1000, "verify_ms": rstats["verify_s"] * 1000,
+                "train_ms": train_s * 1000}
+
+    def state_dict(self, version):
+        """The curriculum a resume at `version` starts from."""
+        return {"curriculum": self.gen.snapshots.get(version, self.gen.curriculum).state_dict()}
+
+    def close(self, version):
+        pass
+
+
+class RemoteRollouts:
+    """A trainer rank: its share of every batch comes from the generator ranks (receive_groups),
+    and trainer 0 broadcasts the weights after every step (publish_weights). Generators keep their
+    own curriculum files."""
+
+    def __init__(self, ctx, args):
+        self.ctx, self.args = ctx, args
+        self.share = args.prompts // ctx.n_trainers
+
+    def get(self, step):
+        return receive_groups(self.ctx, step)
+
+    def publish(self, trainer, last):
+        return publish_weights(self.ctx, trainer, trainer.version, last, self.args.bucket_mb,
+                               getattr(torch, self.args.dtype))
+
+    def stop_requested(self):
+        return stop_requested(self.ctx)
+
+    def held_out(self, step, evaluate):
+        on_trainer0(self.ctx, step, evaluate)
+
+    def busy(self, dt, rstats, train_s, sync_s, sync_bytes):
+        return busy_metrics(self.ctx, dt, rstats, train_s, sync_s, sync_bytes)
+
+    def state_dict(self, version):
+        return {}
+
+    def close(self, version):
+        """After the last step: drain the generators, then leave with the other ranks."""
+        drain(self.ctx, version)
+        finish(self.ctx)
+
+# -----------------------------------------------------------------------------
+# the trainer's side of the ranks
 
 
 def _receive_one(ctx):
@@ -576,21 +675,19 @@ def receive_groups(ctx, step):
     return got, stats
 
 
-def publish_weights(ctx, model, step, last, bucket_mb, dtype=torch.float32):
+def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
     """After each optimizer step: announce version `step`, trainer 0 broadcasts -> (seconds, bytes).
-    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Sharded trainers all
-    take part in gathering the full weights first (float32 shards: sent in the generators' `dtype`).
-    One process (ctx None): nothing to send."""
-    if (ctx is None or last or step % (1 if ctx.mode == "pipeline" else ctx.k)
-            or (ctx.rank != 0 and not ctx.fsdp)):
+    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Every trainer takes
+    part in trainer.broadcast_tensors (sharded trainers gather the full weights first)."""
+    if last or step % (1 if ctx.mode == "pipeline" else ctx.k):
         return 0.0, 0
     t0 = time.time()
     set_status(ctx, f"gathering and broadcasting weights version {step}")
-    tensors = [t.to(dtype) for t in full_weights(model)] if ctx.fsdp else None
+    tensors = trainer.broadcast_tensors(dtype)
     if ctx.rank != 0:
         return 0.0, 0
     ctx.store.set("version", str(step))
-    nbytes = broadcast_weights(ctx, model, bucket_mb, tensors)
+    nbytes = broadcast_weights(ctx, None, bucket_mb, tensors)
     return time.time() - t0, nbytes
 
 
@@ -605,32 +702,6 @@ class LogProbs(torch.nn.Module):
 
     def forward(self, ids, attention_mask, fp32_head, temperature):
         return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature)
-
-
-def trainer_model(ctx, model, fsdp, rank0, master=None):
-    """The trainer's three views of its model -> (the model trained, the model evaluated and saved,
-    the loss's forward). Replicated (one process, or trainers without --fsdp): the model itself, and
-    forward None (generate.sequence_logprobs). --fsdp: the model sharded in place (shard_trainer),
-    its LogProbs wrapper, and rank 0's unsharded copy to evaluate and save (None on the other
-    trainers). A half-precision model is sharded in float32 (`master`: the saved float32 weights,
-    on --resume), gathered in its own dtype for the forward and backward."""
-    if ctx is None or not fsdp:
-        return model, model, None
-    full = copy.deepcopy(model) if rank0 else None
-    dtype = next(model.parameters()).dtype
-    if dtype != torch.float32:
-        model.float()
-        if master is not None:
-            with torch.no_grad():
-                for p, m in zip(model.parameters(), master):
-                    p.copy_(m)
-    forward = shard_trainer(model, ctx.trainers, ctx.device, dtype)
-    if rank0:
-        local = sum(p.to_local().numel() for p in model.parameters())
-        total = sum(p.numel() for p in full.parameters())
-        print(f"FSDP2: trainer 0 holds {local} of {total} parameters (and their AdamW state)",
-              flush=True)
-    return model, full, forward
 
 
 def shard_trainer(model, trainers, device, dtype=torch.float32):
@@ -676,13 +747,7 @@ def generator_stats(ctx):
 
 def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
     """Trainer 0's per-step view of both roles: busy fractions since the last step, sync speed,
-    tokens/s. One process alternates: busy generating and verifying (rstats' seconds), then
-    training."""
-    if ctx is None:
-        return {"retired": rstats["retired"], "epoch": rstats["epoch"],
-                "gen_busy": (dt - train_s) / dt, "train_busy": train_s / dt, "sync_ms": 0.0,
-                "generate_ms": rstats["gen_s"] * 1000, "verify_ms": rstats["verify_s"] * 1000,
-                "train_ms": train_s * 1000}
+    tokens/s."""
     wait_s = rstats["wait_s"]
     now = generator_stats(ctx)
     before = ctx.genstats_before or [{}] * len(now)
@@ -698,14 +763,6 @@ def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
             "epoch": max((s.get("epoch", 0) for s in now), default=0)}
 
 
-def end_trainer(ctx, step):
-    """A trainer after its last step (`step`): drain the generators (drain), then leave with the
-    other ranks (finish). One process: nothing to do."""
-    if ctx is not None:
-        drain(ctx, step)
-        finish(ctx)
-
-
 def drain(ctx, step):
     """After the last step (`step`: the last one trained): stop the generators, take every group
     still in flight, so they exit cleanly; each saves its curriculum as it was for a resume at
@@ -718,41 +775,171 @@ def drain(ctx, step):
         _receive_one(ctx)
 
 # -----------------------------------------------------------------------------
-# the generator's side
+# a generator: the same code on a generator rank and inside the one-process loop
 
 
 @dataclass
 class Generator:
-    """A generator rank's state, shared by run_generator and the functions after it."""
+    """A generator's state, shared by the functions after it. `send` says where a finished, verified
+    group goes: to its trainer rank (run_generator) or back to the one-process loop
+    (LocalRollouts)."""
     args: object
-    model: object
+    model: object  # the weights it samples with (new ones are copied in: poll)
     tokenizer: object
     problems: list  # every training problem, and their prompts as token ids
     prompt_ids: list
-    index: int  # this generator's index among the generators (g)
+    index: int  # g: this generator's index among the generators
     mine: list  # the problems it owns (i % n_gens == g); its curriculum picks among them
     curriculum: Curriculum
-    curriculum_path: str
+    send: object  # send(group): where a finished group goes
     start_version: int  # the weights version it started from (the resumed step)
     version: int  # the weights version now in its model
     steps: object = None  # the sampler: steps.send((new items, version)) -> (finished, free slots)
     free: int = 0  # free sampler slots
     admitted: int = 0  # groups started since start_version
+    exhausted: bool = False  # its curriculum has retired every prompt
     # global index gi -> {"c": curriculum slot, "samples": [G]}
     open: dict = field(default_factory=dict)
-    # (trainer, isend work, rows) not yet known to be received
-    sends: list = field(default_factory=list)
     # batch b -> the curriculum for a resume at step b (see admit)
     snapshots: dict = field(default_factory=dict)
-    pruned: list = None  # per trainer: sends forgotten because that trainer received them
+    tokens: int = 0  # completion tokens generated
+    verify_s: float = 0.0  # seconds spent verifying
+    # a generator rank's own bookkeeping (run_generator): its sends not yet known to be received
+    # (trainer, isend work, rows), per trainer the sends forgotten, where its curriculum is saved,
+    # and its time: since start, idle (k batches ahead, or frozen weights), receiving weights
+    sends: list = field(default_factory=list)
+    pruned: list = None
+    curriculum_path: str = ""
     t0: float = field(default_factory=time.time)
-    # seconds waiting: k batches ahead (pipeline) or frozen weights (ppo_offpolicy)
     idle: float = 0.0
     idle_since: float = None  # the start of a wait under way
-    sync: float = 0.0  # seconds receiving weights
-    tokens: int = 0  # completion tokens generated
+    sync: float = 0.0
     last_poll: float = 0.0
     last_stats: float = 0.0
+
+
+def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, version, send,
+                  saved=None):
+    """Generator g of n_gens, its sampler started on `model` at weights version `version`; saved:
+    its curriculum's state on a resume."""
+    mine, curriculum = curriculum_of(len(problems), g, n_gens, args, saved)
+    gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, send,
+                    version, version)
+    gen.steps = make_sampler(model, tokenizer, args, max(map(len, prompt_ids)), version)
+    _, gen.free = next(gen.steps)
+    return gen
+
+
+def make_sampler(model, tokenizer, args, max_prompt_len, version=0, slots=None):
+    """generate.sampler with the run's settings: the one place train.py's flags reach the
+    sampler (training rollouts and held-out evals alike)."""
+    interrupt, _ = length_control(args)
+    return sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
+                   answer_budget=args.answer_budget, max_prompt_len=max_prompt_len,
+                   interrupt=interrupt, slots=slots or args.slots, temperature=args.temperature,
+                   fp32_head=args.fp32_head, seed=args.seed, version=version)
+
+
+def sample_all(steps, items, stop=None):
+    """Run a sampler made by make_sampler over `items` [(prompt ids, noise key, tag)] until every
+    one has finished -> {tag: Sample}; None once stop() is true (polled between decode steps)."""
+    next(steps)
+    out, new = {}, items
+    while len(out) < len(items):
+        if stop is not None and stop():
+            steps.close()
+            return None
+        finished, _ = steps.send((new, 0))
+        new = []
+        out.update(finished)
+    steps.close()
+    return out
+
+
+def length_control(args):
+    """--length_control, ScaleRL's choice of how long samples may be (paper section 3.2) -> (does
+    the sampler force the interruption, the length penalty of a correct answer as a function of
+    the completion lengths or None). interrupt: forced interruptions in the thinking budget's last
+    sixth (ScaleRL); penalty: clip((L_max - |y|) / L_cache - 1, -1, 0) added to correct answers;
+    none: the budgets' hard truncation only."""
+    if args.length_control != "penalty":
+        return args.length_control == "interrupt", None
+    l_max = args.l_max or args.think_budget + args.answer_budget
+    return False, lambda lengths: length_penalty(lengths, l_max, args.l_cache or l_max // 7)
+
+
+def curriculum_of(n_problems, g, n_gens, args, saved=None):
+    """Generator g's share of the training problems (every n_gens-th) and the curriculum that picks
+    among them, No-Positive-Resampling as --no_positive_resampling says now (paper section 3.2; a
+    saved state keeps its history) -> (their indices, Curriculum). The one-process loop is
+    generator 0 of 1: with one generator, `python train.py` and `torchrun ... --mode sync` serve
+    the same prompts in the same order."""
+    mine = list(range(g, n_problems, n_gens))
+    curriculum = Curriculum(len(mine), args.seed + 1 + g)
+    if saved:
+        curriculum.load_state_dict(saved)
+    curriculum.npr = args.no_positive_resampling
+    return mine, curriculum
+
+
+def group_items(prompt, gi, G):
+    """The sampler items of group gi (the run's gi-th group: step * prompts + its place in the
+    batch): its prompt G times, sample j with the noise key gi * 1024 + j, tagged (gi, j). Every
+    layout of the ranks draws a group's samples from these keys, so a group's noise does not depend
+    on who samples it."""
+    return [(prompt, gi * 1024 + j, (gi, j)) for j in range(G)]
+
+
+def admit(gen, gis):
+    """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler
+    items (prompt ids, noise key, tag (gi, j)). Before the first group of a batch b, a copy of the
+    curriculum is kept: with the pass rates of earlier batches recorded into it as they come
+    (finish_group), it is the state a resume at step b must start from (the live one has served up
+    to k batches more by then). When every prompt is retired: the items so far, and gen.exhausted."""
+    items, G, B = [], gen.args.samples, gen.args.prompts
+    for gi in gis:
+        if gi // B not in gen.snapshots:
+            gen.snapshots[gi // B] = copy.deepcopy(gen.curriculum)
+        try:
+            (c,) = gen.curriculum.next_batch(1)
+        except StopIteration as err:
+            print(f"generator {gen.index}: {err}", flush=True)
+            gen.exhausted = True
+            break
+        gen.admitted += 1
+        gen.open[gi] = {"c": c, "samples": [None] * G}
+        items += group_items(gen.prompt_ids[gen.mine[c]], gi, G)
+    return items
+
+
+def sampler_step(gen, items, version):
+    """One send to the sampler (queue `items`, decode); the groups it completes are verified and
+    sent."""
+    finished, gen.free = gen.steps.send((items, version))
+    for (gi, j), sample in finished:
+        group = gen.open[gi]
+        group["samples"][j] = sample
+        gen.tokens += len(sample.tokens)
+        if all(group["samples"]):
+            del gen.open[gi]
+            finish_group(gen, gi, group["c"], group["samples"])
+
+
+def finish_group(gen, gi, c, samples):
+    """Verify a finished group (the verifier's reward and correctness of each sample, data.py), record
+    its pass rate in the curriculum (and in the copies kept for resumes at later batches), send it."""
+    t0, i, G = time.time(), gen.mine[c], len(samples)
+    _, correct, rewards = score_samples(gen.tokenizer, samples, [gen.problems[i]] * G,
+                                        unsafe_code=gen.args.unsafe_code_exec)
+    gen.verify_s += time.time() - t0
+    for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items()
+                                          if gi // gen.args.prompts < b]:
+        curriculum.record(c, sum(correct) / G)
+    gen.send({"gi": gi, "index": i, "prompt": gen.prompt_ids[i], "samples": samples,
+              "correct": correct, "rewards": rewards})
+
+# -----------------------------------------------------------------------------
+# a generator rank's life
 
 
 def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version,
@@ -760,22 +947,11 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     """A generator rank's whole life: sample groups, verify them, send them, take new weights; until
     the trainers say stop. Then it saves its curriculum and waits until its last sends are
     received."""
-    g = ctx.rank - ctx.n_trainers
-    mine, curriculum = problems_of(len(problems), g, ctx.n_gens, args.seed,
-                                   args.no_positive_resampling)
-    if args.resume and os.path.exists(curriculum_path):
-        curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
-        # as the flag says now (check_resume printed a change)
-        curriculum.npr = args.no_positive_resampling
-    gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum,
-                    curriculum_path, start_version, start_version, pruned=[0] * ctx.n_trainers)
-    gen.steps = sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
-                        answer_budget=args.answer_budget,
-                        max_prompt_len=max(len(p) for p in prompt_ids),
-                        interrupt=args.length_control == "interrupt", slots=args.slots,
-                        temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
-                        version=start_version)
-    _, gen.free = next(gen.steps)
+    saved = (torch.load(curriculum_path, weights_only=False)
+             if args.resume and os.path.exists(curriculum_path) else None)
+    gen = new_generator(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
+                        ctx.n_gens, start_version, lambda group: send_group(ctx, gen, group), saved)
+    gen.pruned, gen.curriculum_path = [0] * ctx.n_trainers, curriculum_path
     set_status(ctx, "generating")
     try:
         while True:
@@ -784,7 +960,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
         pass
     # args.steps, or the step the trainers stopped at (drain)
     last = int(ctx.store.get("last_step"))
-    _save_curriculum(gen.snapshots.get(last, curriculum), curriculum_path)
+    _save_curriculum(gen.snapshots.get(last, gen.curriculum), curriculum_path)
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
@@ -797,10 +973,11 @@ def generate_pipelined(ctx, gen):
     free slots, run the sampler; with nothing running and nothing admissible (k batches ahead),
     wait."""
     version = poll(ctx, gen)
-    items = (admit(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples), version))
+    items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples),
+                                                version))
              if gen.free else [])
     if items or gen.free < gen.args.slots:
-        sampler_step(ctx, gen, items, version)
+        sampler_step(gen, items, version)
         return
     gen.idle_since = time.time()
     wait_until(ctx,
@@ -815,18 +992,24 @@ def generate_frozen(ctx, gen):
     """ppo_offpolicy / sync, one round: sample the batches for the steps up to the next multiple of
     k with frozen weights, then wait for the weights of that step."""
     v, k, B = gen.version, ctx.k, ctx.prompts
-    sampler_step(ctx, gen,
-                 admit(ctx, gen,
-                       [v * B + j for j in range(gen.index, (k - v % k) * B, ctx.n_gens)]),
-                 v)
+    sampler_step(gen, admit_ranked(ctx, gen, [v * B + j for j in
+                                              range(gen.index, (k - v % k) * B, ctx.n_gens)]), v)
     while gen.free < gen.args.slots:  # until every sample of these batches is done
         poll(ctx, gen, apply=False)
-        sampler_step(ctx, gen, [], v)
+        sampler_step(gen, [], v)
     gen.idle_since = time.time()
     wait_until(ctx, lambda: poll(ctx, gen) >= v + k - v % k,
                f"weights version {v + k - v % k} (frozen for {k} steps)")
     gen.idle += time.time() - gen.idle_since
     gen.idle_since = None
+
+
+def admit_ranked(ctx, gen, gis):
+    """admit(), and the trainers told once this generator has no prompt left."""
+    items = admit(gen, gis)
+    if gen.exhausted and not get_int(ctx, "exhausted"):
+        ctx.store.add("exhausted", 1)
+    return items
 
 
 def poll(ctx, gen, apply=True):
@@ -873,23 +1056,6 @@ def publish_stats(ctx, gen, force=False):
             "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch}))
 
 
-def problems_of(n_problems, g, n_gens, seed, npr):
-    """Generator g's share of the training problems (every n_gens-th) and the curriculum that picks
-    among them -> (their indices, Curriculum). The one-process loop is generator 0 of 1: with one
-    generator, `python train.py` and `torchrun ... --mode sync` serve the same prompts in the same
-    order."""
-    mine = list(range(g, n_problems, n_gens))
-    return mine, Curriculum(len(mine), seed + 1 + g, npr=npr)
-
-
-def group_items(prompt, gi, G):
-    """The sampler items of group gi (the run's gi-th group: step * prompts + its place in the
-    batch): its prompt G times, sample j with the noise key gi * 1024 + j, tagged (gi, j). Every
-    layout of the ranks draws a group's samples from these keys, so a group's noise does not depend
-    on who samples it."""
-    return [(prompt, gi * 1024 + j, (gi, j)) for j in range(G)]
-
-
 def next_groups(ctx, gen, n_groups, version):
     """pipeline: the global indices of this generator's next groups (every n_gens-th; batches before
     the resumed version are done), as many as n_groups and as the lag rule allows at `version`."""
@@ -900,52 +1066,11 @@ def next_groups(ctx, gen, n_groups, version):
     return [gi for gi in gis if admit_ok(gi, version, ctx.k, B)]
 
 
-def admit(ctx, gen, gis):
-    """Start one group of G samples per global index (the curriculum picks each prompt) -> sampler
-    items (prompt ids, noise key, tag (gi, j)). Before the first group of a batch b, a copy of the
-    curriculum is kept: with the pass rates of earlier batches recorded into it as they come
-    (send_group), it is the state a resume at step b must start from (the live one has served up to
-    k batches more by then)."""
-    items, G = [], gen.args.samples
-    for gi in gis:
-        if gi // ctx.prompts not in gen.snapshots:
-            gen.snapshots[gi // ctx.prompts] = copy.deepcopy(gen.curriculum)
-        try:
-            (c,) = gen.curriculum.next_batch(1)
-        except StopIteration as err:
-            print(f"{role_of(ctx, ctx.rank)}: {err}", flush=True)
-            ctx.store.add("exhausted", 1)
-            break
-        gen.admitted += 1
-        gen.open[gi] = {"c": c, "samples": [None] * G}
-        items += group_items(gen.prompt_ids[gen.mine[c]], gi, G)
-    return items
-
-
-def sampler_step(ctx, gen, items, version):
-    """One send to the sampler (queue `items`, decode); the groups it completes are verified and
-    sent."""
-    finished, gen.free = gen.steps.send((items, version))
-    for (gi, j), sample in finished:
-        group = gen.open[gi]
-        group["samples"][j] = sample
-        gen.tokens += len(sample.tokens)
-        if all(group["samples"]):
-            del gen.open[gi]
-            send_group(ctx, gen, gi, group["c"], group["samples"])
-
-
-def send_group(ctx, gen, gi, c, samples):
-    """Verify a finished group, record its pass rate in the curriculum, send it to its trainer
-    (isend); then forget the sends the trainers have received."""
-    i, G = gen.mine[c], len(samples)
-    _, correct = score_samples(gen.tokenizer, samples, [gen.problems[i]] * G,
-                               unsafe_code=gen.args.unsafe_code_exec)
-    for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items()
-                                          if gi // ctx.prompts < b]:
-        curriculum.record(c, sum(correct) / G)
-    dst = trainer_of(gi, ctx.prompts, ctx.n_trainers)
-    rows = pack_group(ctx.rank, gi, i, gen.prompt_ids[i], samples, correct, ctx.length)
+def send_group(ctx, gen, group):
+    """A verified group to the trainer that trains it (isend); then forget the sends the trainers
+    have received."""
+    dst = trainer_of(group["gi"], ctx.prompts, ctx.n_trainers)
+    rows = pack_group(ctx.rank, group, ctx.length)
     gen.sends.append((dst, dist.isend(rows, dst=dst, group=ctx.rollouts, tag=1), rows))
     ctx.store.add(f"sent/{dst}", 1)
     # received sends, in order

@@ -2582,14 +2582,17 @@ def test_study_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_pat
 def test_pipeline_pack_unpack_round_trip():
     s = [gen.Sample(0, [5, 7, 0], [-0.5, -1.25, -2.0], [1, 1, 0], [3, 4, 4], "eos"),
          gen.Sample(1, [150000, 9], [-0.375, 0.0], [1, 0], [4, 4], "truncated")]
-    rows = pipeline.pack_group(3, 41, 17, [1, 2, 3], s, [True, False], length=8)
+    group = {"gi": 41, "index": 17, "prompt": [1, 2, 3], "samples": s, "correct": [True, False],
+             "rewards": [0.75, -1.0]}
+    rows = pipeline.pack_group(3, group, length=8)
     assert rows.shape == (2, pipeline.HEADER + 4 * 8) and rows.dtype == torch.float32
     g = pipeline.unpack_group(rows)
-    assert (g["gen_rank"], g["gi"], g["index"], g["prompt"], g["correct"]) == (3, 41, 17, [1, 2, 3], [True, False])
+    assert (g["gen_rank"], g["gi"], g["index"], g["prompt"], g["correct"], g["rewards"]) == \
+        (3, 41, 17, [1, 2, 3], [True, False], [0.75, -1.0])
     for a, b in zip(s, g["samples"]):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
     with pytest.raises(ValueError, match="cannot pack"):
-        pipeline.pack_group(0, 0, 0, [1] * 7, s, [True, True], length=8)
+        pipeline.pack_group(0, dict(group, prompt=[1] * 7), length=8)
 
 
 def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
@@ -2750,6 +2753,39 @@ def test_one_process_and_torchrun_sync_are_the_same_experiment(tmp_path, monkeyp
     assert [r["step"] for r in logged[0] if not r["eval"]] == [1, 2, 3] and len(logged[0]) == len(logged[1])
     for a, b in zip(*logged):  # the same samples; the loss's sum runs in another order (float rounding)
         assert a == pytest.approx(b, rel=1e-5, abs=1e-9)
+
+
+# partial credit for the toy's intermediate steps, the change a researcher would make for a graded reward:
+# verify.reward is the only function it touches
+GRADED_REWARD = (
+    "    return 1.0 if correct else -1.0\n",
+    "    import re\n"
+    "    steps = re.findall(r'(\\d+)([+-])(\\d+)=(\\d+)', response)\n"
+    "    right = sum(int(c) == int(a) + (int(b) if op == '+' else -int(b)) for a, op, b, c in steps)\n"
+    "    return (1.0 if correct else -1.0) + 0.5 * right / max(len(steps), 1)\n")
+
+
+def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path):
+    """A copy of the project with verify.reward giving partial credit (its one-file diff) trains in one process
+    and under torchrun: the logged batch rewards are the graded ones (not 2 x pass@1 - 1, as +1 / -1 give), and
+    the pass rates stay the verdicts'."""
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "assets",
+                                                             "toy_model_hard", "fixtures"))
+    source = (copy / "verify.py").read_text()
+    assert source.count(GRADED_REWARD[0]) == 1
+    (copy / "verify.py").write_text(source.replace(*GRADED_REWARD))
+    flags = [*PIPE_FLAGS, "--steps", "2"]
+    for name, launcher in (("one", [sys.executable]),
+                           ("ranks", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                      "--master_port", str(bench.free_port())])):
+        done = subprocess.run([*launcher, "train.py", "--out", str(tmp_path / name), *flags], cwd=copy,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        steps = [r for r in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if r["kind"] == "train"]
+        assert len(steps) == 2
+        for r in steps:  # each sample's reward: +-1 plus half its share of right steps (at most 0.5)
+            assert 2 * r["pass_rate"] - 1 < r["reward"] <= 2 * r["pass_rate"] - 1 + 0.5 + 1e-6
 
 
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
@@ -2980,7 +3016,8 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         for micro in ("0", "1"):
             model.zero_grad()
             args = train.get_args(["--agg", agg, "--micro_prompts", micro])
-            train.train_batch(model, (ids, attn, mask, gen_logp.double(), adv.double(), group, lag), args, 3)
+            logprobs = lambda ids, attn: gen.sequence_logprobs(model, ids, attn, args.fp32_head, args.temperature)
+            train.train_batch(logprobs, (ids, attn, mask, gen_logp.double(), adv.double(), group, lag), args, 3)
             grads.append(model.model.embed_tokens.weight.grad.clone())
         assert (grads[-2] - grads[-1]).abs().max() < 1e-12, (agg, (grads[-2] - grads[-1]).abs().max())
 
@@ -3183,11 +3220,14 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
     kept = {}
     for budget in ("16", str(train.get_args([]).answer_budget)):
         args = train.get_args(["--answer_budget", budget])
-        samples, texts, correct, _, _ = train.rollout(model, tok, [prompt] * 16, problems, args, list(range(16)))
+        steps = pipeline.make_sampler(model, tok, args, len(prompt))
+        done = pipeline.sample_all(steps, [(prompt, i, i) for i in range(16)])
+        samples = [done[i] for i in range(16)]
+        texts, correct, rewards = data.score_samples(tok, samples, problems)
         assert {t.split("</think>")[1][:4] for t in texts} == {" The", "1011"}  # both branches were sampled
         assert correct == [t.endswith("\\boxed{8}.") for t in texts]
-        groups = [{"index": 0, "prompt": prompt, "samples": samples, "correct": correct}]
-        batch = train.make_batch(groups, args, None)
+        groups = [{"index": 0, "prompt": prompt, "samples": samples, "correct": correct, "rewards": rewards}]
+        batch = train.make_batch(groups, args)
         kept[budget] = (sum(s.finish == "truncated" for s in samples), len(batch.rows), batch.adv)
     old, new = kept["16"], kept[str(train.get_args([]).answer_budget)]
     assert old[0] > 0 and old[1] == 0  # the long answers truncated; the group, all correct, dropped
@@ -3211,11 +3251,13 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     model.lm_head.weight.data[ids_of(tok, "10")[0], succ_loop] = 1.0  # ... 17 -> 10: a loop, no eos
     args = train.get_args(["--prompts", "2", "--samples", "4"])
     train_set = [dict(problem, prompt=f"?{i}") for i in range(2)]
-    curriculum = train.Curriculum(2, 0)
-    groups, _ = train.local_rollouts(model, tok, train_set, [ids_of(tok, "?")] * 2, curriculum, args, 0)
+    source = pipeline.LocalRollouts(args, model, tok, train_set, [ids_of(tok, "?")] * 2, 0)
+    groups, _ = source.get(0)
     assert all(s.finish == "truncated" for g in groups for s in g["samples"])
     assert "\\boxed{7}" in data.completion_text(tok, groups[0]["samples"][0])
     assert [c for g in groups for c in g["correct"]] == [False] * 8
+    assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
+    curriculum = source.gen.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
     result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
@@ -3231,7 +3273,9 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
     assert all(r["trunc"] == 1.0 and r["kept_prompts"] == 0 for r in recs if r["kind"] == "train")
     assert out.count("warning: step 1: 100% of the batch was truncated") == 1
-    assert out.count("warning: step 1: no prompt kept") == 1 and out.count("warning:") == 2
+    assert out.count("warning: step 1: no prompt kept") == 1
+    assert out.count("warning: step 0: 100.0% of the held-out samples ran out of budget") == 1
+    assert out.count("warning:") == 3
     assert "stopping at step 3: 3 steps in a row kept no prompt" in out
     assert "Raise --answer_budget, or train on them with --keep_truncated" in out
     assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 3] and (tmp_path / "ckpt-000003").exists()
@@ -3520,14 +3564,14 @@ def test_train_stopped_early_saves_and_evaluates_its_last_step(tmp_path, monkeyp
     """A run whose prompts run out between two checkpoints keeps what it trained: its last step is saved
     (and evaluated once). The embedded model learns here, so its steps update the weights: the logged
     learning rate is the one each step trained with."""
-    real, calls = train.Curriculum.next_batch, []
+    real, calls = data.Curriculum.next_batch, []
 
     def next_batch(self, k):  # called once per prompt, 4 per step
         calls.append(k)
         if len(calls) > 2 * 4:
             raise StopIteration("every training prompt is retired (pass rate >= 0.9): nothing left to train on")
         return real(self, k)
-    monkeypatch.setattr(train.Curriculum, "next_batch", next_batch)
+    monkeypatch.setattr(data.Curriculum, "next_batch", next_batch)
     recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "6", "--eval_every", "2", "--save_every", "5")
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
     assert [r["kept_prompts"] > 0 for r in recs if r["kind"] == "train"] == [True, True]

@@ -31,6 +31,7 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 """
 
 import argparse
+import copy
 import difflib
 import glob
 import json
@@ -42,7 +43,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -50,13 +50,12 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, Curriculum, format_prompt, load_source_problems, read_jsonl,
-                  resolve_model, score_samples, special_tokens, split_problems, toy_model_dir,
-                  toy_problems)
+from data import (PRESETS, format_prompt, load_source_problems, read_jsonl, resolve_model,
+                  score_samples, special_tokens, split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
-from generate import SUPPORTED, check_supported, generate, sequence_logprobs
-from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, drift_by_lag, length_penalty,
+from generate import SUPPORTED, check_supported, sequence_logprobs
+from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, drift_by_lag, forgetting,
                   policy_loss, ratio_stats, zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
                   resume_point, save_checkpoint, truncate_metrics, write_file)
@@ -305,219 +304,7 @@ def check_model_dir(path, error):
 
 
 # -----------------------------------------------------------------------------
-# rollouts: sample, decode, verify
-
-
-def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0, max_prompt_len=None):
-    """Sample one completion per prompt (keys: noise keys) and score it against its problem's answer
-    or tests -> (samples, texts, correct, seconds spent generating, seconds spent verifying); None
-    when a signal asked the run to stop meanwhile (the sampling is abandoned: nothing of it is
-    used)."""
-    t0 = time.time()
-    samples = generate(model, prompt_ids, **special_tokens(tokenizer),
-                       think_budget=args.think_budget, answer_budget=args.answer_budget,
-                       interrupt=args.length_control == "interrupt", slots=args.slots,
-                       temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
-                       keys=keys, version=version, stop=lambda: bool(pipeline.STOP),
-                       max_prompt_len=max_prompt_len)
-    if samples is None:
-        return None
-    t1 = time.time()
-    texts, correct = score_samples(tokenizer, samples, problems, unsafe_code=args.unsafe_code_exec)
-    return samples, texts, correct, t1 - t0, time.time() - t1
-
-
-def domain_rates(problems, correct):
-    """{"pass_rate/math": .., "pass_rate/code": ..} when problems mix domains (the paper fits one
-    curve per domain), else {}."""
-    domains = sorted({p.get("domain", "math") for p in problems})
-    if len(domains) < 2:
-        return {}
-    return {f"pass_rate/{d}": float(np.mean([c for p, c in zip(problems, correct)
-                                             if p.get("domain", "math") == d]))
-            for d in domains}
-
-
-def evaluate(model, tokenizer, val_ids, val, args):
-    """Held-out mean@k pass rate (and per domain) and its standard error over the prompts (the
-    spread of the per-prompt means / sqrt(prompts): the noise of the eval itself); the same noise
-    keys at every eval."""
-    k = args.eval_samples
-    keys = [10**12 + i for i in range(len(val_ids) * k)]
-    result = rollout(model, tokenizer, val_ids * k, val * k, args, keys)
-    if result is None:  # stopped by a signal
-        return None
-    samples, _, correct, _, _ = result
-    # sample i: prompt i % n
-    per_prompt = np.reshape(np.asarray(correct, dtype=float), (k, len(val_ids))).mean(0)
-    se = (float(per_prompt.std(ddof=1) / np.sqrt(len(per_prompt))) if len(per_prompt) > 1
-          else float("nan"))
-    return {"pass_rate": float(np.mean(correct)), "pass_rate_se": se,
-            "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
-            "intr": float(np.mean([0 in s.mask for s in samples])),
-            "len": float(np.mean([len(s.tokens) for s in samples])),
-            "n": len(correct), **domain_rates(val * k, correct)}
-
-
-def check_code_rewards(args, problems):
-    """Code problems need the bwrap sandbox (or --unsafe_code_exec): checked before any rank waits
-    on another."""
-    if not any(p.get("domain") == "code" for p in problems):
-        return
-    if not args.unsafe_code_exec and not bwrap_ready():
-        sys.exit(f"error: {not_ready_reason()}")
-    print("code rewards: " +
-          ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its reward"
-           if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
-
-
-def note_toy_model(args, paths, flag, verb):
-    """A real dataset without --model: say at start that the toy model only knows the toy task."""
-    if any(p not in PRESETS for p in (paths or "toy").split(",")) and not args.model:
-        print(f"note: {flag} without --model {verb} the embedded toy model, which only knows the "
-              "toy arithmetic task: expect a pass rate near 0; give --model a real checkpoint",
-              flush=True)
-
-
-def eval_only(args):
-    """--eval_only: the held-out mean@k of --model (default: the embedded toy model) on --val_data
-    (default: the held-out split of --data), printed; nothing is trained or written.
-    -> evaluate's dict."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sys.exit("error: --eval_only runs as one process: python train.py --eval_only ..., "
-                 "not under torchrun")
-    _, val = load_data(args)
-    note_toy_model(args, args.val_data, "--val_data", "evaluates")
-    model_dir = args.model_dir or base_model_dir(args)
-    tokenizer, model = load_model(model_dir, args, pick_device(args))
-    t0 = time.time()
-    r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
-    per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items()
-                         if k.startswith("pass_rate/"))
-    print(f"eval {args.model or model_dir} on "
-          f"{args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
-          f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, "
-          f"{r['n']} samples){per_domain} | trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | "
-          f"len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
-    return r
-
-
-def base_model_dir(args):
-    """Without --model: the embedded base model of the preset task in --data (toy or toy-hard)."""
-    return toy_model_dir(preset=args.data if args.data in PRESETS else "toy")
-
-
-def pick_device(args, ctx=None):
-    """The rank's device under torchrun, else --device (auto = cuda when available)."""
-    if ctx:
-        return torch.device(ctx.device)
-    if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(args.device)
-
-
-def load_model(model_dir, args, device):
-    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, args.dtype)).to(device)
-    check_supported(model)
-    return tokenizer, model
-
-
-def tokenize_prompts(tokenizer, problems):
-    """Each problem's prompt, formatted as in training, as token ids."""
-    return [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"]
-            for p in problems]
-
-
-def rewards_of(samples, correct, args):
-    """+1 correct, -1 otherwise; with --length_control penalty, correct answers also get the
-    length penalty."""
-    r = torch.tensor([1.0 if c else -1.0 for c in correct])
-    if args.length_control == "penalty":
-        l_max = args.l_max or args.think_budget + args.answer_budget
-        lengths = torch.tensor([len(s.tokens) for s in samples])
-        r = r + (torch.tensor(correct, dtype=torch.float)
-                 * length_penalty(lengths, l_max, args.l_cache or l_max // 7))
-    return r
-
-
-def collate(prompt_ids, samples, pad_id, device, step=0):
-    """Right-padded prompt+completion batch -> ids (N, T), attention (N, T), and, aligned with the
-    next-token targets ids[:, 1:], the loss mask (N, T-1), the generator's log-probs (N, T-1) and
-    each token's lag (N, T-1): how many versions older than `step` (the version trained) the weights
-    that sampled it were."""
-    T = max(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))
-    N = len(samples)
-    ids = torch.full((N, T), pad_id, dtype=torch.long)
-    attn, lag = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T - 1, dtype=torch.long)
-    mask, gen_logp = torch.zeros(N, T - 1), torch.zeros(N, T - 1)
-    for i, (p, s) in enumerate(zip(prompt_ids, samples)):
-        P, C = len(p), len(s.tokens)
-        ids[i, :P + C] = torch.tensor(p + s.tokens)
-        attn[i, :P + C] = 1
-        mask[i, P - 1:P - 1 + C] = torch.tensor(s.mask, dtype=torch.float)
-        gen_logp[i, P - 1:P - 1 + C] = torch.tensor(s.logps)
-        lag[i, P - 1:P - 1 + C] = step - torch.tensor(s.versions, dtype=torch.long)
-    return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
-
-
-def train_batch(model, batch, args, n_groups, total=None, forward=None):
-    """Forward/backward over micro-batches of whole prompt groups; gradients add up to the
-    full-batch loss's (each micro-batch's loss is weighted by its share of groups, sequences or
-    tokens; `total`: the whole batch's count when this is one trainer's part of it)."""
-    ids, attn, mask, gen_logp, adv, group, lag = batch
-    per = args.micro_prompts or n_groups
-    uniq = group.unique()
-    total = total or agg_counts(group, mask)[args.agg]
-    loss_sum, stats, drift = 0.0, [], []
-    for a in range(0, len(uniq), per):
-        rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
-        logp = (forward or partial(sequence_logprobs, model))(ids[rows], attn[rows],
-                                                              args.fp32_head, args.temperature)
-        loss = policy_loss(logp, gen_logp[rows], adv[rows], mask[rows], group[rows], kind=args.loss,
-                           agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high)
-        share = agg_counts(group[rows], mask[rows])[args.agg]
-        (loss * share / total).backward()
-        loss_sum += loss.item() * share / total
-        stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows], args.loss,
-                                 args.eps_high))
-        drift.append(drift_by_lag(logp.detach(), gen_logp[rows], mask[rows], lag[rows]))
-    mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
-    return loss_sum, {**mismatch, **lag_drift(drift)}
-
-
-def lag_drift(parts):
-    """loss.drift_by_lag of each micro-batch -> {"log_rho_by_lag": mean |log rho| at lag 0, 1, ..
-    (None where no token had that lag), "drift": the mean at the oldest lag present}."""
-    size = max(len(sums) for sums, _ in parts)
-    sums = sum(torch.nn.functional.pad(s, (0, size - len(s))) for s, _ in parts)
-    counts = sum(torch.nn.functional.pad(n, (0, size - len(n))) for _, n in parts)
-    by_lag = [float(s / n) if n else None for s, n in zip(sums.tolist(), counts.tolist())]
-    return {"log_rho_by_lag": by_lag,
-            "drift": next((v for v in reversed(by_lag) if v is not None), 0.0)}
-
-# -----------------------------------------------------------------------------
-# the run's metrics file (the folder itself: runs.py)
-
-
-def start_metrics(args, run, ckpt, world):
-    """Rank 0: a new run writes metrics.jsonl's config line; a resumed one drops what was logged
-    after its checkpoint and takes back the evals before it (for the live fit)."""
-    path = os.path.join(args.out, "metrics.jsonl")
-    if ckpt:
-        run.evals = [(r["compute_s"], r["pass_rate"]) for r in truncate_metrics(path, run.step)
-                     if r["kind"] == "eval"]
-        print(f"resumed from {ckpt} at step {run.step}")
-        return
-    ran = "one process, synchronous" if world == 1 else args.mode  # what actually ran
-    write_file(path, json.dumps({"kind": "config", **vars(args), "ran": ran,
-                                 "n_params": run.n_params, "world": world}) + "\n")
-
-
-# -----------------------------------------------------------------------------
-# data
+# data, the model, held-out evals
 
 
 def load_data(args):
@@ -556,135 +343,112 @@ def load_source(flag, path, seed):
         sys.exit(f"error: {flag}: {err}")
 
 
-def log_line(m, steps):
-    line = (f"step {m['step']}/{steps} | reward {m['reward']:+.3f} | pass@1 {m['pass_rate']:.3f} | "
-            f"len {m['len']:.1f} | ent {m['entropy']:.3f} | trunc {m['trunc']:.3f} | "
-            f"intr {m['intr']:.3f} | "
-            f"lag {m['lag']:.1f}/{m['lag_max']:.0f} | drift {m.get('drift', 0.0):.3f} | "
-            f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | "
-            f"dt {m['dt_ms']:.0f} ms | tok/s {m['tok_s']:.0f}")
-    if "generate_ms" in m:  # one process: where the step's time went
-        line += (f" | gen {m['generate_ms']:.0f} verify {m['verify_ms']:.0f} "
-                 f"train {m['train_ms']:.0f} ms")
-    if "gen_busy" in m:
-        line += (f" | busy gen {m['gen_busy']:.2f} train {m['train_busy']:.2f} "
-                 f"| sync {m['sync_ms']:.0f} ms")
-    return line
+def check_code_rewards(args, problems):
+    """Code problems need the bwrap sandbox (or --unsafe_code_exec): checked before any rank waits
+    on another."""
+    if not any(p.get("domain") == "code" for p in problems):
+        return
+    if not args.unsafe_code_exec and not bwrap_ready():
+        sys.exit(f"error: {not_ready_reason()}")
+    print("code rewards: " +
+          ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its reward"
+           if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
 
 
-def progress(run, args, loop_start):
-    """The end of a step line: the last held-out pass rate and the time left at this run's pace so
-    far (evals and checkpoints included)."""
-    t0, step0 = loop_start
-    left = (time.time() - t0) / max(run.step - step0, 1) * (args.steps - run.step)
-    held_out = f" | held-out {run.evals[-1][1]:.3f}" if run.evals else ""
-    return f"{held_out} | ETA {int(left // 60)}m{int(left % 60):02d}s"
+def note_toy_model(args, paths, flag, verb):
+    """A real dataset without --model: say at start that the toy model only knows the toy task."""
+    if any(p not in PRESETS for p in (paths or "toy").split(",")) and not args.model:
+        print(f"note: {flag} without --model {verb} the embedded toy model, which only knows the "
+              "toy arithmetic task: expect a pass rate near 0; give --model a real checkpoint",
+              flush=True)
 
 
-def local_rollouts(model, tokenizer, train, train_ids, curriculum, args, step):
-    """One process, as generator 0 of 1 under --mode sync: the step's groups (step * prompts + p),
-    one prompt each from the curriculum, their G samples drawn with pipeline.group_items' noise
-    keys, verified, their pass rates recorded. -> (groups, each dict(index, prompt, samples,
-    correct) as pipeline.receive_groups returns them; stats like receive_groups's: too_old, wait_s,
-    gen_tokens, and seconds generating and verifying, the curriculum's retired prompts and epoch).
-    No groups when the curriculum has retired every prompt; None when a signal stopped the
-    sampling."""
-    before = curriculum.state_dict()
-    try:
-        # as pipeline.admit picks them
-        idx = [i for _ in range(args.prompts) for i in curriculum.next_batch(1)]
-    except StopIteration as err:
-        print(err, flush=True)
-        return [], None
-    items = [it for p, i in enumerate(idx)
-             for it in pipeline.group_items(train_ids[i], step * args.prompts + p, args.samples)]
-    prompt_ids = [prompt for prompt, _, _ in items]
-    problems = [train[i] for i in idx for _ in range(args.samples)]
-    model.eval()
-    result = rollout(model, tokenizer, prompt_ids, problems, args, [key for _, key, _ in items],
-                     version=step, max_prompt_len=max(map(len, train_ids)))
-    # stopped by a signal: this step is not taken, and its prompts are not served
-    if result is None:
-        curriculum.load_state_dict(before)
-        return None, None
-    samples, _, correct, gen_s, verify_s = result
-    groups = []
-    for j, i in enumerate(idx):  # samples come in blocks of G per prompt
-        block = slice(j * args.samples, (j + 1) * args.samples)
-        curriculum.record(i, float(np.mean(correct[block])))
-        groups.append({"index": i, "prompt": train_ids[i], "samples": samples[block],
-                       "correct": correct[block]})
-    stats = {"too_old": 0, "wait_s": 0.0, "gen_s": gen_s, "verify_s": verify_s,
-             "retired": len(curriculum.retired), "epoch": curriculum.epoch,
-             "gen_tokens": sum(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))}
-    return groups, stats
+def base_model_dir(args):
+    """Without --model: the embedded base model of the preset task in --data (toy or toy-hard)."""
+    return toy_model_dir(preset=args.data if args.data in PRESETS else "toy")
+
+
+def pick_device(args, ctx=None):
+    """The rank's device under torchrun, else --device (auto = cuda when available)."""
+    if ctx:
+        return torch.device(ctx.device)
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def load_model(model_dir, args, device):
+    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    check_supported(model)
+    return tokenizer, model
+
+
+def tokenize_prompts(tokenizer, problems):
+    """Each problem's prompt, formatted as in training, as token ids."""
+    return [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"]
+            for p in problems]
+
+
+def domain_rates(problems, correct):
+    """{"pass_rate/math": .., "pass_rate/code": ..} when problems mix domains (the paper fits one
+    curve per domain), else {}."""
+    domains = sorted({p.get("domain", "math") for p in problems})
+    if len(domains) < 2:
+        return {}
+    return {f"pass_rate/{d}": float(np.mean([c for p, c in zip(problems, correct)
+                                             if p.get("domain", "math") == d]))
+            for d in domains}
+
+
+def evaluate(model, tokenizer, val_ids, val, args):
+    """Held-out mean@k pass rate (and per domain) and its standard error over the prompts (the
+    spread of the per-prompt means / sqrt(prompts): the noise of the eval itself); the same noise
+    keys at every eval. None when a signal stopped it."""
+    k, n = args.eval_samples, len(val_ids)
+    items = [(val_ids[i % n], 10**12 + i, i) for i in range(n * k)]  # sample i: prompt i % n
+    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
+                                  slots=min(args.slots, n * k))
+    done = pipeline.sample_all(steps, items, stop=lambda: bool(pipeline.STOP))
+    if done is None:
+        return None
+    samples = [done[i] for i in range(n * k)]
+    _, correct, _ = score_samples(tokenizer, samples, val * k, unsafe_code=args.unsafe_code_exec)
+    per_prompt = np.reshape(np.asarray(correct, dtype=float), (k, n)).mean(0)
+    se = float(per_prompt.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+    return {"pass_rate": float(np.mean(correct)), "pass_rate_se": se,
+            "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
+            "intr": float(np.mean([0 in s.mask for s in samples])),
+            "len": float(np.mean([len(s.tokens) for s in samples])),
+            "n": len(correct), **domain_rates(val * k, correct)}
+
+
+def eval_only(args):
+    """--eval_only: the held-out mean@k of --model (default: the embedded toy model) on --val_data
+    (default: the held-out split of --data), printed; nothing is trained or written.
+    -> evaluate's dict."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("error: --eval_only runs as one process: python train.py --eval_only ..., "
+                 "not under torchrun")
+    _, val = load_data(args)
+    note_toy_model(args, args.val_data, "--val_data", "evaluates")
+    model_dir = args.model_dir or base_model_dir(args)
+    tokenizer, model = load_model(model_dir, args, pick_device(args))
+    t0 = time.time()
+    r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
+    per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items()
+                         if k.startswith("pass_rate/"))
+    print(f"eval {args.model or model_dir} on "
+          f"{args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
+          f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, "
+          f"{r['n']} samples){per_domain} | trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | "
+          f"len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
+    return r
 
 # -----------------------------------------------------------------------------
-# the trainer: its state, one batch, one optimizer step, the metrics of a step
-
-
-@dataclass
-class Run:
-    """What the training loop carries from step to step (and a checkpoint saves)."""
-    model: object  # the model trained (under --fsdp: sharded)
-    # the model evaluated and saved (under --fsdp: rank 0's unsharded copy; else `model`)
-    full_model: object
-    # the loss's forward: None = generate.sequence_logprobs; --fsdp: pipeline.LogProbs, sharded
-    forward: object
-    opt: object
-    sched: object
-    curriculum: Curriculum  # one process only (generators keep their own)
-    n_params: int
-    domains: list  # the training problems' domains: one pass-rate curve each when they mix
-    step: int = 0
-    compute_s: float = 0.0  # device-seconds: training wall-clock x processes
-    flops: float = 0.0
-    bad_steps: int = 0  # consecutive skipped optimizer steps (non-finite loss or gradient)
-    empty_steps: int = 0  # consecutive steps that kept no prompt (nothing to train on)
-    warned: set = field(default_factory=set)  # the alarms already raised (each is said once)
-    # the learning rate of the step just taken (the scheduler already holds the next one)
-    lr: float = 0.0
-    # (compute_s, held-out pass rate) of every eval, for the live fit
-    evals: list = field(default_factory=list)
-    full_opt: dict = None  # --fsdp: the optimizer state gathered on rank 0 for the next save
-    # --dtype bfloat16, replicated trainer: the float32 copies AdamW steps (None: AdamW
-    # steps the weights themselves: float32, or FSDP2's float32 shards)
-    master: list = None
-    full_master: list = None  # --fsdp and a half dtype: the float32 weights gathered for the save
-
-
-def new_run(args, ctx, model, train, state, rank0):
-    """The trainer's state: AdamW, the warm-up schedule, the curriculum, FSDP2 shards (--fsdp), and
-    on --resume everything the checkpoint saved."""
-    n_params = sum(p.numel() for p in model.parameters())
-    model, full_model, forward = pipeline.trainer_model(ctx, model, args.fsdp, rank0,
-                                                        state.get("master"))
-    master = master_weights(model, state.get("master")) if forward is None else None
-    opt = torch.optim.AdamW(master or model.parameters(), lr=args.lr, eps=args.adam_eps,
-                            weight_decay=args.weight_decay)
-    warmup = lambda s: min(1.0, (s + 1) / args.warmup)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    # generator 0 of 1
-    _, curriculum = pipeline.problems_of(len(train), 0, 1, args.seed, args.no_positive_resampling)
-    run = Run(model, full_model, forward, opt, sched, curriculum,
-              n_params, sorted({p.get("domain", "math") for p in train}), state.get("step", 0),
-              state.get("compute_s", 0.0), state.get("flops", 0.0), master=master)
-    if state:
-        # --fsdp: every trainer keeps its shard of the saved full optimizer state
-        if forward is not None:
-            pipeline.load_sharded_optimizer(model, opt, state["optimizer"])
-        else:
-            opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        run.curriculum.load_state_dict(state["curriculum"])
-        torch.set_rng_state(state["torch_rng"])
-        # the flags given now apply from here (check_resume printed the changes)
-        for group in opt.param_groups:
-            group.update(lr=args.lr * warmup(sched.last_epoch), initial_lr=args.lr,
-                         eps=args.adam_eps, weight_decay=args.weight_decay)
-        sched.base_lrs = [args.lr] * len(opt.param_groups)
-        run.curriculum.npr = args.no_positive_resampling
-    return run
+# a batch: rewards, the samples that enter the loss, advantages; the loss over micro-batches
 
 
 @dataclass
@@ -704,24 +468,91 @@ class Batch:
     sums: dict
 
 
-def make_batch(groups, args, ctx):
-    """Rewards, truncated samples out (paper A.15), zero-variance filtering, advantages (the batch
-    std over every trainer's part of the batch)."""
+def make_batch(groups, args, all_sum=None):
+    """Rewards (the verifier's, plus the length penalty of a correct answer under --length_control
+    penalty), truncated samples out (paper A.15), zero-variance filtering, advantages (the batch
+    std over every trainer's part of the batch; all_sum: sums a dict over the trainer ranks, None
+    when these groups are the whole batch)."""
     samples = [s for g in groups for s in g["samples"]]
     correct = [c for g in groups for c in g["correct"]]
-    rewards = rewards_of(samples, correct, args)
+    rewards = torch.tensor([r for g in groups for r in g["rewards"]])
+    _, penalty = pipeline.length_control(args)
+    if penalty:
+        lengths = torch.tensor([len(s.tokens) for s in samples])
+        rewards = rewards + torch.tensor(correct, dtype=torch.float) * penalty(lengths)
     group = torch.tensor([j for j, g in enumerate(groups) for _ in g["samples"]], dtype=torch.long)
     truncated = torch.tensor([s.finish == "truncated" for s in samples], dtype=torch.bool)
     valid = torch.ones(len(samples), dtype=torch.bool) if args.keep_truncated else ~truncated
     keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
     rows = keep.nonzero().squeeze(1).tolist()
-    adv = advantages(rewards[rows], group[rows], args.adv_norm,
-                     all_sum=(lambda d: pipeline.all_reduce_stats(ctx, d)[0]) if ctx else None)
+    adv = advantages(rewards[rows], group[rows], args.adv_norm, all_sum=all_sum)
     masks = [torch.tensor(samples[r].mask) for r in rows]
-    sums, _ = pipeline.all_reduce_stats(
-        ctx, agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
+    sums = (all_sum or dict)(agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
     return Batch([g["prompt"] for g in groups for _ in g["samples"]], samples, correct, rewards,
                  group, truncated, valid, rows, adv, sums)
+
+
+def collate(prompt_ids, samples, pad_id, device, step=0):
+    """Right-padded prompt+completion batch -> ids (N, T), attention (N, T), and, aligned with the
+    next-token targets ids[:, 1:], the loss mask (N, T-1), the generator's log-probs (N, T-1) and
+    each token's lag (N, T-1): how many versions older than `step` (the version trained) the weights
+    that sampled it were."""
+    T = max(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))
+    N = len(samples)
+    ids = torch.full((N, T), pad_id, dtype=torch.long)
+    attn, lag = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T - 1, dtype=torch.long)
+    mask, gen_logp = torch.zeros(N, T - 1), torch.zeros(N, T - 1)
+    for i, (p, s) in enumerate(zip(prompt_ids, samples)):
+        P, C = len(p), len(s.tokens)
+        ids[i, :P + C] = torch.tensor(p + s.tokens)
+        attn[i, :P + C] = 1
+        mask[i, P - 1:P - 1 + C] = torch.tensor(s.mask, dtype=torch.float)
+        gen_logp[i, P - 1:P - 1 + C] = torch.tensor(s.logps)
+        lag[i, P - 1:P - 1 + C] = step - torch.tensor(s.versions, dtype=torch.long)
+    return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
+
+
+def train_batch(logprobs, batch, args, n_groups, total=None):
+    """Forward/backward over micro-batches of whole prompt groups; gradients add up to the
+    full-batch loss's (each micro-batch's loss is weighted by its share of groups, sequences or
+    tokens; `total`: the whole batch's count when this is one trainer's part of it). logprobs(ids,
+    attention) -> (N, T-1): the trainer's forward. -> (loss, stats: generator/trainer mismatch,
+    drift by lag, forgetting)."""
+    ids, attn, mask, gen_logp, adv, group, lag = batch
+    per = args.micro_prompts or n_groups
+    uniq = group.unique()
+    total = total or agg_counts(group, mask)[args.agg]
+    loss_sum, stats, drift, lost = 0.0, [], [], []
+    for a in range(0, len(uniq), per):
+        rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
+        logp = logprobs(ids[rows], attn[rows])
+        loss = policy_loss(logp, gen_logp[rows], adv[rows], mask[rows], group[rows], kind=args.loss,
+                           agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high)
+        share = agg_counts(group[rows], mask[rows])[args.agg]
+        (loss * share / total).backward()
+        loss_sum += loss.item() * share / total
+        stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows], args.loss,
+                                 args.eps_high))
+        drift.append(drift_by_lag(logp.detach(), gen_logp[rows], mask[rows], lag[rows]))
+        lost.append(forgetting(logp.detach(), gen_logp[rows], mask[rows]))
+    mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
+    lost_sum, sure = (sum(x) for x in zip(*lost))
+    return loss_sum, {**mismatch, **lag_drift(drift),
+                      "forget": float(lost_sum / max(int(sure), 1))}
+
+
+def lag_drift(parts):
+    """loss.drift_by_lag of each micro-batch -> {"log_rho_by_lag": mean |log rho| at lag 0, 1, ..
+    (None where no token had that lag), "drift": the mean at the oldest lag present}."""
+    size = max(len(sums) for sums, _ in parts)
+    sums = sum(torch.nn.functional.pad(s, (0, size - len(s))) for s, _ in parts)
+    counts = sum(torch.nn.functional.pad(n, (0, size - len(n))) for _, n in parts)
+    by_lag = [float(s / n) if n else None for s, n in zip(sums.tolist(), counts.tolist())]
+    return {"log_rho_by_lag": by_lag,
+            "drift": next((v for v in reversed(by_lag) if v is not None), 0.0)}
+
+# -----------------------------------------------------------------------------
+# the trainer: its weights, the optimizer, one step
 
 
 def master_weights(model, saved=None):
@@ -736,66 +567,256 @@ def master_weights(model, saved=None):
             for p, s in zip(params, saved or [None] * len(params))]
 
 
-def optimize(run, batch, args, ctx, device, pad_id):
-    """Loss, backward over micro-batches, (all-reduce), clip, AdamW step; a non-finite loss or
-    gradient skips the step (--max_bad_steps in a row stop the run).
-    -> (loss, mismatch stats, gradient norm)."""
-    model, forward, rows = run.model, run.forward, batch.rows
-    model.train()
-    n_local = len(set(batch.group[rows].tolist()))
+class Trainer:
+    """A trainer's weights and optimizer, replicated on every trainer rank (one process: the only
+    one): AdamW (eps 1e-15, weight decay 0.01) with a linear warm-up, on float32 weights: the
+    model's own, or under a half --dtype float32 master copies that the model's weights are rounded
+    from after every step. `version` counts the optimizer steps taken: the policy version of the
+    weights. Each trainer computes the gradient of its share of the batch; they are summed
+    (all_reduce_grads), so a step equals the single-trainer full-batch step."""
 
-    # the loss and backward over this trainer's micro-batches -> (loss, mismatch stats)
-    def passes():
+    def __init__(self, args, model, ctx, state):
+        self.args, self.model, self.ctx = args, model, ctx
+        # sums over the trainer ranks, for the batch's statistics (None: one process holds it all)
+        self.ranks_sum = None if ctx is None else self.all_sum
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.master = self.optimized_weights(state)
+        self.opt = torch.optim.AdamW(self.master or model.parameters(), lr=args.lr,
+                                     eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.warmup)
+        self.version, self.bad_steps = state.get("step", 0), 0
+        if state:
+            self.load_state_dict(state)
+
+    def warmup(self, s):
+        return min(1.0, (s + 1) / self.args.warmup)
+
+    def optimized_weights(self, state):
+        """The float32 copies AdamW steps under a half dtype (None: the model's own)."""
+        return master_weights(self.model, state.get("master"))
+
+    def logprobs(self, ids, attention_mask):
+        """The loss's forward: the trained policy's log-probs of ids (generate.sequence_logprobs)."""
+        return sequence_logprobs(self.model, ids, attention_mask, self.args.fp32_head,
+                                 self.args.temperature)
+
+    def all_sum(self, sums):
+        """Sum a dict of numbers over the trainer ranks."""
+        return pipeline.all_reduce_stats(self.ctx, sums)[0]
+
+    def any(self, flag):
+        """Is `flag` true on any trainer?"""
+        return self.all_sum({"flag": bool(flag)})["flag"] > 0
+
+    def step(self, batch, pad_id):
+        """Loss, backward over micro-batches, the gradients summed over the trainers, clip, AdamW
+        step; a non-finite loss or gradient skips the step (--max_bad_steps in a row stop the
+        run). -> (loss, stats: mismatch, drift, the gradient norm, the learning rate used)."""
+        lr = self.opt.param_groups[0]["lr"]  # the rate this step trains with
+        if not batch.sums["sample"]:  # no trainer kept a sample: nothing to step on
+            self.version += 1
+            return 0.0, {"grad_norm": 0.0, "skipped_bad": self.bad_steps > 0, "lr": lr}
+        self.model.train()
+        loss, stats = self.backward(batch, pad_id)
+        self.reduce_grads()
+        if self.master:  # the (all-reduced) half-precision gradients onto the float32 copies
+            for p, m in zip(self.model.parameters(), self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+        stepped = self.master or list(self.model.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        if math.isfinite(norm) and math.isfinite(loss):  # every trainer sees the same sums
+            self.opt.step()
+            self.sched.step()
+            self.bad_steps = 0
+            self.copy_master()
+        else:
+            self.skip_step(loss, norm)
+        self.opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.version += 1
+        return loss, {**stats, "grad_norm": norm, "skipped_bad": self.bad_steps > 0, "lr": lr}
+
+    def backward(self, batch, pad_id):
+        """This trainer's micro-batches, forward and backward -> (loss, stats)."""
+        rows = batch.rows
         if not rows:
             return 0.0, {}
+        device = next(self.model.parameters()).device
         ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[r] for r in rows],
                                                  [batch.samples[r] for r in rows], pad_id, device,
-                                                 run.step)
-        return train_batch(model, (ids, attn, mask, gen_logp, batch.adv.to(device),
-                                   batch.group[rows].to(device), lag),
-                           args, n_local, total=batch.sums[args.agg], forward=forward)
-    n_micro = math.ceil(n_local / (args.micro_prompts or max(n_local, 1)))
-    loss_value, mismatch = pipeline.batch_grads(ctx, model, forward, n_micro, passes, pad_id,
-                                                args.fp32_head, args.temperature)
-    if run.master:  # the (all-reduced) half-precision gradients onto the float32 copies
-        for p, m in zip(model.parameters(), run.master):
-            m.grad = None if p.grad is None else p.grad.float()
-    stepped = run.master or list(model.parameters())
-    grad_norm = torch.nn.utils.clip_grad_norm_(stepped, args.grad_clip or float("inf"))
-    grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
-    # grads are all-reduced: all trainers agree
-    if math.isfinite(grad_norm) and math.isfinite(loss_value):
-        run.opt.step()
-        run.sched.step()
-        run.bad_steps = 0
-        if run.master:  # the weights sampled and trained with: the float32 copies, rounded
+                                                 self.version)
+        n_local = len(set(batch.group[rows].tolist()))
+        return train_batch(self.logprobs, (ids, attn, mask, gen_logp, batch.adv.to(device),
+                                           batch.group[rows].to(device), lag),
+                           self.args, n_local, total=batch.sums[self.args.agg])
+
+    def reduce_grads(self):
+        if self.ctx is not None:
+            pipeline.all_reduce_grads(self.ctx, self.model)
+
+    def copy_master(self):
+        """The weights sampled and trained with: the float32 copies, rounded."""
+        if self.master:
             with torch.no_grad():
-                for p, m in zip(model.parameters(), run.master):
+                for p, m in zip(self.model.parameters(), self.master):
                     p.copy_(m)
-    else:
-        # a NaN/inf loss or gradient: skip the update (the weights sent next are the last good
-        # ones)
-        run.bad_steps += 1
-        if ctx is None or ctx.rank == 0:
-            print(f"step {run.step + 1}: loss {loss_value} / gradient norm {grad_norm}: "
-                  f"not finite, optimizer step skipped ({run.bad_steps} in a row, "
-                  f"--max_bad_steps {args.max_bad_steps})", flush=True)
-        if run.bad_steps >= args.max_bad_steps:
-            raise SystemExit(f"error: {run.bad_steps} consecutive steps with a non-finite loss or "
-                             f"gradient (up to step {run.step + 1}); stopping. The last checkpoint "
-                             "holds the last good weights.")
-    run.opt.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    return loss_value, mismatch, grad_norm
+
+    def skip_step(self, loss, norm):
+        """A NaN/inf loss or gradient: no update (the weights sent next are the last good ones)."""
+        self.bad_steps += 1
+        print0(f"step {self.version + 1}: loss {loss} / gradient norm {norm}: not finite, "
+               f"optimizer step skipped ({self.bad_steps} in a row, --max_bad_steps "
+               f"{self.args.max_bad_steps})", flush=True)
+        if self.bad_steps >= self.args.max_bad_steps:
+            raise SystemExit(f"error: {self.bad_steps} consecutive steps with a non-finite loss "
+                             f"or gradient (up to step {self.version + 1}); stopping. The last "
+                             "checkpoint holds the last good weights.")
+
+    def broadcast_tensors(self, dtype):
+        """The weights the generators get, in named_parameters order."""
+        return [p for _, p in self.model.named_parameters()]
+
+    def eval_model(self):
+        """The whole model, on trainer 0, to evaluate and save."""
+        return self.model
+
+    def state_dict(self):
+        """What --resume needs of the trainer."""
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                "step": self.version, "torch_rng": torch.get_rng_state(),
+                # a half --dtype: the float32 weights AdamW steps (the model holds them rounded)
+                "master": [m.detach().cpu() for m in self.master] if self.master else None}
+
+    def load_state_dict(self, state):
+        self.load_optimizer(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        # the flags given now apply from here (check_resume printed the changes)
+        for group in self.opt.param_groups:
+            group.update(lr=self.args.lr * self.warmup(self.sched.last_epoch),
+                         initial_lr=self.args.lr, eps=self.args.adam_eps,
+                         weight_decay=self.args.weight_decay)
+        self.sched.base_lrs = [self.args.lr] * len(self.opt.param_groups)
+
+    def load_optimizer(self, saved):
+        self.opt.load_state_dict(saved)
 
 
-def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, mismatch, dt):
+class ShardedTrainer(Trainer):
+    """--fsdp: the model and its AdamW state sharded over the trainer ranks with FSDP2 (each holds
+    1/T of them; pipeline.shard_trainer). A half --dtype keeps float32 shards (they are AdamW's
+    master weights) and computes in the half dtype. Every trainer takes part in gathering the full
+    weights for each broadcast, eval and checkpoint; trainer 0 keeps one unsharded copy to evaluate
+    and save, and the checkpoints hold the full optimizer state (each trainer keeps its shard of it
+    on --resume)."""
+
+    def optimized_weights(self, state):
+        """Shard the model in place (float32 shards, the saved master weights on --resume); AdamW
+        steps the shards themselves."""
+        model, ctx = self.model, self.ctx
+        self.full = copy.deepcopy(model) if ctx.rank == 0 else None
+        dtype = next(model.parameters()).dtype
+        if dtype != torch.float32:
+            model.float()
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), state.get("master") or []):
+                    p.copy_(m)
+        self.forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device, dtype)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        print0(f"FSDP2: trainer 0 holds {local} of {self.n_params} parameters (and their AdamW "
+               "state)", flush=True)
+        return None
+
+    def logprobs(self, ids, attention_mask):
+        return self.forward(ids, attention_mask, self.args.fp32_head, self.args.temperature)
+
+    def backward(self, batch, pad_id):
+        """Every micro-batch is a chain of collectives: a trainer with fewer micro-batches than
+        another first runs passes that add nothing, until their counts match."""
+        n_local = len(set(batch.group[batch.rows].tolist()))
+        n_micro = math.ceil(n_local / (self.args.micro_prompts or max(n_local, 1)))
+        n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
+        for _ in range(n_micro, n_all):
+            ids = torch.full((1, 2), pad_id, device=self.ctx.device)
+            (self.logprobs(ids, torch.ones_like(ids)).sum() * 0).backward()
+        return super().backward(batch, pad_id)
+
+    def reduce_grads(self):
+        pass  # FSDP2 reduce-scatters the gradients in the backward
+
+    def broadcast_tensors(self, dtype):
+        return [t.to(dtype) for t in pipeline.full_weights(self.model)]
+
+    def eval_model(self):
+        """The shards gathered into trainer 0's copy (a collective; None on other trainers)."""
+        with torch.no_grad():
+            gathered = pipeline.full_weights(self.model)
+            for p, full in zip(self.full.parameters() if self.full else [], gathered):
+                p.copy_(full)  # a half --dtype: rounded from FSDP2's float32 shards
+        return self.full
+
+    def state_dict(self):
+        """The full optimizer state and float32 weights, gathered to trainer 0 (a collective)."""
+        gathered = pipeline.full_weights(self.model)
+        half = self.full is not None and next(self.full.parameters()).dtype != torch.float32
+        return {**super().state_dict(),
+                "optimizer": pipeline.full_optimizer_state(self.model, self.opt),
+                "master": [g.detach().cpu() for g in gathered] if half else None}
+
+    def load_optimizer(self, saved):
+        pipeline.load_sharded_optimizer(self.model, self.opt, saved)
+
+# -----------------------------------------------------------------------------
+# the run's record: compute, the metrics of a step, alarms, evals, checkpoints
+
+
+@dataclass
+class Record:
+    """What the loop counts and logs from step to step: compute in device-seconds and FLOPs, the
+    evals (for the live fit), the alarms raised; `log` writes metrics.jsonl (rank 0; elsewhere it
+    does nothing)."""
+    args: object
+    log: object
+    world: int  # processes: every one counts in compute_s
+    n_params: int
+    domains: list  # the training problems' domains: one pass-rate curve each when they mix
+    compute_s: float = 0.0  # device-seconds: training wall-clock x processes
+    flops: float = 0.0
+    evals: list = field(default_factory=list)  # (compute_s, held-out pass rate) of every eval
+    warned: set = field(default_factory=set)  # the alarms already raised (each is said once)
+    empty_steps: int = 0  # consecutive steps that kept no prompt (nothing to train on)
+    saved: int = -1  # the step of the last checkpoint written
+    evaluated: int = -1  # the step of the last held-out eval
+    loop_start: tuple = (0.0, 0)  # (time, step) when this process's loop began: the ETA
+
+
+def new_record(env, trainer):
+    """The record of a new run (metrics.jsonl's config line), or of a resumed one: the metrics
+    logged after its checkpoint dropped, the evals before it taken back for the live fit."""
+    args, state = env.args, env.state
+    rec = Record(args, env.log, env.ctx.world if env.ctx else 1, trainer.n_params,
+                 sorted({p.get("domain", "math") for p in env.train}),
+                 state.get("compute_s", 0.0), state.get("flops", 0.0),
+                 loop_start=(time.time(), trainer.version))
+    path = os.path.join(args.out, "metrics.jsonl")
+    if env.rank0 and env.ckpt:
+        rec.evals = [(r["compute_s"], r["pass_rate"])
+                     for r in truncate_metrics(path, trainer.version) if r["kind"] == "eval"]
+        print(f"resumed from {env.ckpt} at step {trainer.version}")
+    elif env.rank0:
+        ran = "one process, synchronous" if rec.world == 1 else args.mode  # what actually ran
+        write_file(path, json.dumps({"kind": "config", **vars(args), "ran": ran,
+                                     "n_params": rec.n_params, "world": rec.world}) + "\n")
+    return rec
+
+
+def step_metrics(rec, trainer, batch, groups, rstats, train, loss_value, stats, dt):
     """The step just taken, summed over every trainer's part of its batch (a collective; every
-    trainer calls it) -> the metrics dict that rank 0 logs. Adds the step's FLOPs to run.flops."""
-    step, samples, rows = run.step - 1, batch.samples, batch.rows  # the version the step trained
+    trainer calls it) -> the metrics dict that rank 0 logs. Adds the step's FLOPs to rec.flops."""
+    step, samples, rows = trainer.version - 1, batch.samples, batch.rows  # the version trained
     lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
-    domains = run.domains
-    sums, maxes = pipeline.all_reduce_stats(ctx, {
+    sums, maxes = pipeline.all_reduce_stats(trainer.ctx, {
         "groups": len(groups), "kept": len(set(batch.group[rows].tolist())), "n": len(samples),
         "reward": batch.rewards.sum().item(), "correct": sum(batch.correct),
         "len": sum(len(s.tokens) for s in samples),
@@ -810,11 +831,11 @@ def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, 
         **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups
                              if train[g["index"]].get("domain", "math") == d
                              for c in g["correct"])
-           for d in domains for key in ("correct", "n")}},
+           for d in rec.domains for key in ("correct", "n")}},
         {"lag_max": max(lags, default=0)})
-    run.flops += 2 * run.n_params * sums["gen_tokens"] + 6 * run.n_params * sums["train_tokens"]
+    rec.flops += 2 * rec.n_params * sums["gen_tokens"] + 6 * rec.n_params * sums["train_tokens"]
     n = sums["n"]
-    m = {"kind": "train", "step": run.step, "compute_s": run.compute_s, "flops": run.flops,
+    m = {"kind": "train", "step": trainer.version, "compute_s": rec.compute_s, "flops": rec.flops,
          "reward": sums["reward"] / n, "pass_rate": sums["correct"] / n, "len": sums["len"] / n,
          "trunc": sums["trunc"] / n, "intr": sums["intr"] / n,
          "excluded_truncated": int(sums["excluded"]),
@@ -823,35 +844,92 @@ def step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm, 
          "lag": sums["lag"] / max(sums["lag_n"], 1), "lag_max": maxes.get("lag_max", 0),
          "prompts": int(sums["groups"]),
          "kept_prompts": int(sums["kept"]), "dropped_zero_var": int(sums["groups"] - sums["kept"]),
-         "too_old": int(sums["too_old"]), "skipped_bad": run.bad_steps > 0, "loss": sums["loss"],
-         "grad_norm": grad_norm, "lr": run.lr, "dt_ms": dt * 1000,
-         "tok_s": sums["len"] / rstats["gen_s"] if ctx is None else sums["train_tokens"] / dt,
-         **mismatch}
-    if len(domains) > 1:  # one pass-rate curve per domain, as the paper fits them
-        m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1) for d in domains})
+         "too_old": int(sums["too_old"]), "skipped_bad": stats["skipped_bad"],
+         "loss": sums["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+         "dt_ms": dt * 1000,
+         "tok_s": (sums["len"] / rstats["gen_s"] if "gen_s" in rstats
+                   else sums["train_tokens"] / dt),
+         **{k: v for k, v in stats.items() if k not in ("grad_norm", "skipped_bad", "lr")}}
+    if len(rec.domains) > 1:  # one pass-rate curve per domain, as the paper fits them
+        m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1)
+                  for d in rec.domains})
     return m
 
 
-def alarms(run, m, args, rank0):
-    """Paper A.15: watch the truncations. Rank 0 warns once, in one line, when a batch's
-    hard-truncation rate passes 10% (where the paper's instability band starts) and when a step
-    keeps no prompt. After --max_empty_steps steps in a row that kept nothing -> why the run should
-    stop (every trainer computes the same from the summed metrics), else None: with nothing kept the
-    optimizer never steps again, and the run would spin."""
-    def warn(key, text):
-        if rank0 and key not in run.warned:
-            print(f"warning: step {m['step']}: {text}", flush=True)
-        run.warned.add(key)
+def log_line(m, steps):
+    line = (f"step {m['step']}/{steps} | reward {m['reward']:+.3f} | pass@1 {m['pass_rate']:.3f} | "
+            f"len {m['len']:.1f} | ent {m['entropy']:.3f} | trunc {m['trunc']:.3f} | "
+            f"intr {m['intr']:.3f} | "
+            f"lag {m['lag']:.1f}/{m['lag_max']:.0f} | drift {m.get('drift', 0.0):.3f} | "
+            f"forget {m.get('forget', 0.0):.3f} | "
+            f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | "
+            f"dt {m['dt_ms']:.0f} ms | tok/s {m['tok_s']:.0f}")
+    if "generate_ms" in m:  # one process: where the step's time went
+        line += (f" | gen {m['generate_ms']:.0f} verify {m['verify_ms']:.0f} "
+                 f"train {m['train_ms']:.0f} ms")
+    if "gen_busy" in m:
+        line += (f" | busy gen {m['gen_busy']:.2f} train {m['train_busy']:.2f} "
+                 f"| sync {m['sync_ms']:.0f} ms")
+    return line
+
+
+def progress(rec, step):
+    """The end of a step line: the last held-out pass rate and the time left at this run's pace so
+    far (evals and checkpoints included)."""
+    t0, step0 = rec.loop_start
+    left = (time.time() - t0) / max(step - step0, 1) * (rec.args.steps - step)
+    held_out = f" | held-out {rec.evals[-1][1]:.3f}" if rec.evals else ""
+    return f"{held_out} | ETA {int(left // 60)}m{int(left % 60):02d}s"
+
+
+def log_step(rec, m):
+    """metrics.jsonl gets every step; the console every --log_every-th (and the last)."""
+    rec.log(m)
+    if m["step"] % rec.args.log_every == 0 or m["step"] == rec.args.steps:
+        print0(log_line(m, rec.args.steps) + progress(rec, m["step"]), flush=True)
+
+
+# the alarms' thresholds, set from healthy and collapsing runs (BENCHMARKS.md section 6)
+FORGET_ALARM = 0.01  # forget: mean log-prob lost on the tokens the sampler was >= 90% sure of
+HELD_OUT_TRUNC_ALARM = 0.05  # held-out hard truncation
+HELD_OUT_DROP_ALARM = 0.1  # held-out pass rate fallen since the eval before
+
+
+def warn_once(rec, key, step, text):
+    """One warning line per kind of alarm in a run (rank 0 says it)."""
+    if key not in rec.warned:
+        print0(f"warning: step {step}: {text}", flush=True)
+    rec.warned.add(key)
+
+
+def alarms(rec, m):
+    """Paper A.15: watch the truncations; and, before them, a policy that forgets what its stale
+    samples hold. Rank 0 warns once per kind, in one line naming the likely cause and the flags:
+    when a batch's hard-truncation rate passes 10% (where the paper's instability band starts),
+    when the trained policy has lost the tokens its sampler was sure of (`forget`: the early sign
+    of a collapse under PipelineRL-k, BENCHMARKS.md section 6), and when a step keeps no prompt.
+    After --max_empty_steps steps in a row that kept nothing -> why the run should stop (every
+    trainer computes the same from the summed metrics), else None: with nothing kept the optimizer
+    never steps again, and the run would spin."""
+    args, step = rec.args, m["step"]
     if m["trunc"] > 0.10:
-        warn("trunc", f"{m['trunc']:.0%} of the batch was truncated (no eos within the budgets); "
-             "the paper's runs became unstable above 10-15%. Truncated samples leave the loss, so "
-             "a format that runs out of budget gets no gradient: watch trunc and drift")
-    run.empty_steps = run.empty_steps + 1 if m["kept_prompts"] == 0 else 0
-    if run.empty_steps:
-        warn("empty", f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 {m['pass_rate']:.2f}): "
-             "nothing to train on, the optimizer step is skipped; the run stops after "
-             f"{args.max_empty_steps} such steps in a row")
-    if run.empty_steps < args.max_empty_steps:
+        warn_once(rec, "trunc", step, f"{m['trunc']:.0%} of the batch was truncated (no eos "
+                  "within the budgets); the paper's runs became unstable above 10-15%. Truncated "
+                  "samples leave the loss, so a format that runs out of budget gets no gradient: "
+                  "watch trunc and forget")
+    if m.get("forget", 0.0) > FORGET_ALARM:
+        warn_once(rec, "forget", step, f"forget {m['forget']:.3f}: the trained policy has lost "
+                  f"log-prob on tokens its sampler was sure of, {m['lag_max']:.0f} versions ago. "
+                  "Such tokens (the answer format after </think>) are shared by right and wrong "
+                  "samples, so the loss holds them nowhere; the policy drifts there unseen until its "
+                  "own samples, k steps later, show it: a collapse may follow within ~k steps. Lower "
+                  "--lr, or --max_lag")
+    rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
+    if rec.empty_steps:
+        warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
+                  f"{m['pass_rate']:.2f}): nothing to train on, the optimizer step is skipped; the "
+                  f"run stops after {args.max_empty_steps} such steps in a row")
+    if rec.empty_steps < args.max_empty_steps:
         return None
     if m["trunc"] >= 0.5:
         cause = ("the samples run out of budget (the policy writes past --answer_budget / "
@@ -864,79 +942,109 @@ def alarms(run, m, args, rank0):
     else:
         cause = ("every group was all wrong: the prompts are too hard for this policy "
                  "(easier data, more --samples)")
-    return (f"stopping at step {m['step']}: {run.empty_steps} steps in a row kept no prompt "
+    return (f"stopping at step {step}: {rec.empty_steps} steps in a row kept no prompt "
             f"(--max_empty_steps {args.max_empty_steps}): {cause}")
 
 
-def gather_shards(run, rank0, with_optimizer):
-    """--fsdp, every trainer: the shards into rank 0's unsharded copy (and the full optimizer
-    state)."""
-    with torch.no_grad():
-        gathered = pipeline.full_weights(run.model)
-        if rank0:
-            for p, full in zip(run.full_model.parameters(), gathered):
-                p.copy_(full)  # a half --dtype: rounded from FSDP2's float32 shards
-    if with_optimizer:
-        run.full_opt = pipeline.full_optimizer_state(run.model, run.opt)
-        half = next(run.full_model.parameters()).dtype != torch.float32 if rank0 else False
-        run.full_master = [g.detach().cpu() for g in gathered] if half else None
+def eval_alarms(rec, step, result):
+    """Trainer 0, after a held-out eval: warn once when the held-out samples truncate (the trained
+    policy's own samples, k versions ahead of the batches: truncation shows here before it reaches
+    the training batches) and when the held-out pass rate fell since the eval before."""
+    if result["trunc"] > HELD_OUT_TRUNC_ALARM:
+        warn_once(rec, "held-out trunc", step, f"{result['trunc']:.1%} of the held-out samples ran "
+                  "out of budget: the policy being trained already writes past its budgets (its "
+                  "training batches are older). Raise --answer_budget, lower --lr or --max_lag, or "
+                  "train on truncated samples with --keep_truncated")
+    if len(rec.evals) > 1 and rec.evals[-2][1] - rec.evals[-1][1] > HELD_OUT_DROP_ALARM:
+        warn_once(rec, "held-out drop", step, f"the held-out pass rate fell from "
+                  f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval. Look at "
+                  "forget, trunc and the held-out truncation; lower --lr or --max_lag")
 
 
-def run_eval(run, args, tokenizer, val_ids, val, log):
-    """Trainer 0 (pipeline.on_trainer0): the held-out pass rate now, the live fit of the curve so
-    far, one log line."""
-    run.full_model.eval()
-    result = evaluate(run.full_model, tokenizer, val_ids, val, args)
+def run_eval(rec, model, env, step):
+    """Trainer 0 (one process: the trainer): the held-out pass rate of `model` at `step`, the live
+    fit of the curve so far, one log line."""
+    args = env.args
+    model.eval()
+    result = evaluate(model, env.tokenizer, env.val_ids, env.val, args)
     if result is None:  # a signal stopped it: no eval line
         return
-    m = {"kind": "eval", "step": run.step, "compute_s": run.compute_s, "flops": run.flops, **result}
-    run.evals.append((run.compute_s, result["pass_rate"]))
-    C, R = np.array(run.evals).T
+    m = {"kind": "eval", "step": step, "compute_s": rec.compute_s, "flops": rec.flops, **result}
+    rec.evals.append((rec.compute_s, result["pass_rate"]))
+    C, R = np.array(rec.evals).T
     try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
-        pred = predict_final(C, R, C_end=run.compute_s / max(run.step, 1) * args.steps)
+        pred = predict_final(C, R, C_end=rec.compute_s / max(step, 1) * args.steps)
     except ValueError as err:
         pred = None
-        print(f"eval step {run.step}: no live fit ({err})")
+        print(f"eval step {step}: no live fit ({err})")
     if pred:
         m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"],
                  predicted_final=pred["R_end"])
-    log(m)
+    rec.log(m)
     fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s "
                f"-> predicted {pred['R_end']:.3f} at step {args.steps}") if pred else ""
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items()
                          if k.startswith("pass_rate/"))
-    print(f"eval step {run.step} | held-out pass rate {result['pass_rate']:.3f} "
+    print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} "
           f"+- {result['pass_rate_se']:.3f} (mean@{args.eval_samples}, n={result['n']})"
           f"{per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}",
           flush=True)
+    eval_alarms(rec, step, result)
 
 
-def save(run, args, tokenizer):
-    """Rank 0: a checkpoint of the weights and everything --resume needs."""
-    state = {"optimizer": run.full_opt if run.forward is not None else run.opt.state_dict(),
-             "scheduler": run.sched.state_dict(), "curriculum": run.curriculum.state_dict(),
-             "step": run.step, "compute_s": run.compute_s, "flops": run.flops,
-             "torch_rng": torch.get_rng_state(), "args": vars(args),
-             # a half --dtype: the float32 weights AdamW steps (the saved model holds them rounded)
-             "master": ([m.detach().cpu() for m in run.master] if run.master else run.full_master)}
-    print(
-        f"saved {save_checkpoint(args.out, run.step, run.full_model, tokenizer, state, args.keep)}",
-        flush=True)
+def held_out_eval(rec, env, trainer, source):
+    """A held-out eval of the trainer's version (not counted as compute): the whole model
+    (gathered, under --fsdp) evaluated on trainer 0, the other trainers wait."""
+    model, step = trainer.eval_model(), trainer.version
+    source.held_out(step, lambda: run_eval(rec, model, env, step))
+    rec.evaluated = step
 
+
+def save(rec, env, trainer, source):
+    """A checkpoint of the weights and everything --resume needs (trainer 0 writes it; under
+    --fsdp every trainer takes part in gathering it)."""
+    model, state = trainer.eval_model(), trainer.state_dict()
+    state.update(source.state_dict(trainer.version), compute_s=rec.compute_s, flops=rec.flops,
+                 args=vars(env.args))
+    if env.rank0:
+        path = save_checkpoint(env.args.out, trainer.version, model, env.tokenizer, state,
+                               env.args.keep)
+        print(f"saved {path}", flush=True)
+    rec.saved = trainer.version
 
 # -----------------------------------------------------------------------------
-# the training loop
+# start-up: every rank's set-up, then the two things the loop depends on
 
 
-def main(args):
-    # the log holds our own lines (no "Loading weights" / "Writing shards" bars)
-    hf_logging.disable_progress_bar()
-    if args.eval_only:
-        return eval_only(args)
-    # ---- setup: output folder, data, ranks, device, model
-    t_start = time.time()
+def print0(*args, **kw):
+    """print on rank 0 only (one process: always)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kw)
+
+
+@dataclass
+class Setup:
+    """What start() gives every rank."""
+    args: object
+    ctx: object  # this rank's place under torchrun (pipeline.Context), None for one process
+    rank0: bool
+    log: object  # metrics.jsonl (and the trackers) on rank 0; a no-op elsewhere
+    train: list
+    val: list
+    train_ids: list
+    val_ids: list
+    tokenizer: object
+    model: object
+    model_dir: str
+    ckpt: str  # the checkpoint resumed from (None for a new run)
+    state: dict  # its state.pt ({} for a new run)
+
+
+def start(args):
+    """Every rank, before any training: user errors first (nothing is made in --out before they
+    are all checked), the output folder, the data, the resume point, the ranks, the model."""
+    hf_logging.disable_progress_bar()  # the log holds our own lines (no "Loading weights" bars)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    # user errors first: nothing is made in --out before they are all checked
     train, val = load_data(args)
     check_code_rewards(args, train + val)
     prepare_out_dir(args)
@@ -946,125 +1054,135 @@ def main(args):
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
     torch.manual_seed(args.seed)
     model_dir = ckpt or args.model_dir or base_model_dir(args)
-    device = pick_device(args, ctx)
-    tokenizer, model = load_model(model_dir, args, device)
+    tokenizer, model = load_model(model_dir, args, pick_device(args, ctx))
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
     if ctx:  # rollouts travel as packed rows of this many tokens per sample
         pipeline.start(ctx, state.get("step", 0),
                        max(map(len, train_ids)) + args.think_budget + args.answer_budget +
                        len(special_tokens(tokenizer)["interrupt_ids"]))
-        if ctx.role == "generator":
-            path = os.path.join(args.out, f"curriculum-rank{ctx.rank}.pt")
-            pipeline.run_generator(ctx, args, model, tokenizer, train, train_ids,
-                                   state.get("step", 0), path)
-            return pipeline.finish(ctx)
+    return Setup(args, ctx, rank0, log, train, val, train_ids, val_ids, tokenizer, model,
+                 model_dir, ckpt, state)
 
-    # ---- the trainer's state: optimizer, schedule, curriculum (one process), FSDP2 shards, the
-    # resumed step
-    run = new_run(args, ctx, model, train, state, rank0)
-    # need: groups per step here
-    world, need = (ctx.world, args.prompts // ctx.n_trainers) if ctx else (1, args.prompts)
-    if rank0:
-        start_metrics(args, run, ckpt, world)
-        roles = (f"{ctx.n_trainers} trainer + {ctx.n_gens} generator ranks, {args.mode}, "
-                 f"max lag {ctx.k}" if ctx else "one process, synchronous")
-        print(f"model {model_dir} ({run.n_params / 1e6:.2f}M params, {model.config.model_type}) "
-              f"on {device} | {roles} | {len(train)} train / {len(val)} held-out problems | "
-              f"{args.prompts} prompts x {args.samples} samples")
-    held_out_eval = lambda: pipeline.on_trainer0(
-        ctx, run.step, partial(run_eval, run, args, tokenizer, val_ids, val, log))
-    # step -> (groups, stats): sampled here or by generators
-    rollouts = (partial(local_rollouts, model, tokenizer, train, train_ids, run.curriculum, args)
-                if ctx is None else partial(pipeline.receive_groups, ctx))
-    if run.step == 0:
-        held_out_eval()
-    evaluated_at = saved_at = run.step  # step 0 is evaluated above; a resumed step was saved
-    signaled, stopped, loop_start = False, None, (time.time(), run.step)
-    while run.step < args.steps:
-        signaled = pipeline.all_reduce_stats(
-            ctx, {"stop": pipeline.stop_requested(ctx)})[0]["stop"] > 0
-        if signaled:
-            # SIGINT / SIGTERM (any rank): save the last finished step below and say how to resume
-            break
-        # ---- rollouts: G samples per prompt; one process: sampled here (lag 0), else from the
-        # generators
-        t0 = time.time()
-        groups, rstats = rollouts(run.step)
-        if groups is None:  # one process: a signal stopped the sampling under way
+
+def rollout_source(env):
+    """Where the loop's groups come from: sampled in this process (LocalRollouts), or by the
+    generator ranks (RemoteRollouts)."""
+    if env.ctx is None:
+        return pipeline.LocalRollouts(env.args, env.model, env.tokenizer, env.train, env.train_ids,
+                                      env.state.get("step", 0), env.state.get("curriculum"))
+    return pipeline.RemoteRollouts(env.ctx, env.args)
+
+
+def make_trainer(env):
+    """Replicated (one process, or data-parallel trainer ranks), or sharded with --fsdp."""
+    sharded = env.args.fsdp and env.ctx is not None
+    return (ShardedTrainer if sharded else Trainer)(env.args, env.model, env.ctx, env.state)
+
+
+def describe(env, trainer):
+    """Rank 0's start-up line: the model, the device, the roles, the data, the batch."""
+    args, ctx = env.args, env.ctx
+    roles = (f"{ctx.n_trainers} trainer + {ctx.n_gens} generator ranks, {args.mode}, "
+             f"max lag {ctx.k}" if ctx else "one process, synchronous")
+    device = next(env.model.parameters()).device
+    print0(f"model {env.model_dir} ({trainer.n_params / 1e6:.2f}M params, "
+           f"{env.model.config.model_type}) on {device} | {roles} | {len(env.train)} train / "
+           f"{len(env.val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
+
+# -----------------------------------------------------------------------------
+# the training loop
+
+
+def main(args):
+    """The training loop: one process (the rollouts are sampled here, between steps), or a trainer
+    rank under torchrun (from the generator ranks: serve_rollouts). -> None; --eval_only: its
+    dict."""
+    if args.eval_only:
+        return eval_only(args)
+    t_start = time.time()
+    env = start(args)
+    trainer, source = make_trainer(env), rollout_source(env)
+    rec = new_record(env, trainer)
+    describe(env, trainer)
+    if trainer.version == 0:
+        held_out_eval(rec, env, trainer, source)
+    rec.saved = rec.evaluated = trainer.version  # step 0 is evaluated; a resumed step was saved
+    stopped, signaled = None, False
+    while trainer.version < args.steps:
+        if trainer.any(source.stop_requested()):  # SIGINT / SIGTERM to any rank: save, then stop
             signaled = True
             break
-        if pipeline.all_reduce_stats(ctx, {"short": len(groups) < need})[0]["short"]:
-            stopped = (f"stopping at step {run.step}: out of prompts "
-                       "(No-Positive-Resampling retired every one)")
-            print(stopped, flush=True)
+        # ---- rollouts: G samples per prompt, verified (one process: sampled here, lag 0)
+        t0 = time.time()
+        groups, rstats = source.get(trainer.version)
+        if groups is None:  # a signal stopped the sampling under way
+            signaled = True
             break
-
-        # ---- batch, then train: loss, backward, (all-reduce), clip, AdamW step
-        batch = make_batch(groups, args, ctx)
-        # the rate this step trains with
-        t_train, run.lr = time.time(), run.opt.param_groups[0]["lr"]
-        loss_value, mismatch, grad_norm = (
-            optimize(run, batch, args, ctx, device, tokenizer.pad_token_id or 0)
-            if batch.sums["sample"] else (0.0, {}, 0.0))
+        if trainer.any(len(groups) < source.share):
+            stopped = (f"stopping at step {trainer.version}: out of prompts "
+                       "(No-Positive-Resampling retired every one)")
+            print0(stopped, flush=True)
+            break
+        # ---- the batch, then one optimizer step, then the new weights to the generators
+        batch = make_batch(groups, args, trainer.ranks_sum)
+        t_train = time.time()
+        loss, stats = trainer.step(batch, env.tokenizer.pad_token_id or 0)
         t_train = time.time() - t_train
-        run.step += 1
-        sync_s, sync_bytes = pipeline.publish_weights(ctx, model, run.step, run.step == args.steps,
-                                                      args.bucket_mb, getattr(torch, args.dtype))
-
-        # ---- accounting and logging (sums over every trainer's part of the batch)
+        sync_s, sync_bytes = source.publish(trainer, last=trainer.version == args.steps)
+        # ---- accounting, logging, alarms (sums over every trainer's part of the batch)
         dt = time.time() - t0
-        run.compute_s += dt * world  # every device, busy or not
-        m = step_metrics(run, batch, groups, rstats, train, ctx, loss_value, grad_norm,
-                         mismatch, dt)
-        eval_now = run.step % args.eval_every == 0 or run.step == args.steps
-        save_now = (args.save_every and run.step % args.save_every == 0) or run.step == args.steps
-        evaluated_at = run.step if eval_now else evaluated_at
-        saved_at = run.step if save_now else saved_at
-        if run.forward is not None and (eval_now or save_now):
-            gather_shards(run, rank0, save_now)
-        if rank0:
-            log(m | pipeline.busy_metrics(ctx, dt, rstats, t_train, sync_s, sync_bytes))
-            if run.step % args.log_every == 0 or run.step == args.steps:
-                print(log_line(m, args.steps) + progress(run, args, loop_start), flush=True)
-        stop = alarms(run, m, args, rank0)
-
-        # ---- checkpoint, then eval (trainer 0; not counted as compute): an eval that fails loses
-        # no step
-        if rank0 and save_now:
-            save(run, args, tokenizer)
-        if eval_now:
-            held_out_eval()
+        rec.compute_s += dt * rec.world  # every device, busy or not
+        m = step_metrics(rec, trainer, batch, groups, rstats, env.train, loss, stats, dt)
+        log_step(rec, m | source.busy(dt, rstats, t_train, sync_s, sync_bytes))
+        stop = alarms(rec, m)
+        # ---- checkpoint, then eval (not counted as compute): an eval that fails loses no step
+        if (args.save_every and trainer.version % args.save_every == 0) or \
+                trainer.version == args.steps:
+            save(rec, env, trainer, source)
+        if trainer.version % args.eval_every == 0 or trainer.version == args.steps:
+            held_out_eval(rec, env, trainer, source)
         if stop:
-            if rank0:
-                print(stop, flush=True)
+            print0(stop, flush=True)
             stopped = stop
             break
+    finish(rec, env, trainer, source, stopped, signaled, t_start)
 
-    # ---- the end: a run stopped early (every prompt retired, a signal) is saved, and evaluated
-    # unless a signal asked it to stop; ranks leave together. A run that stopped itself says so in
-    # its metrics (kind "stopped"): it is over, not interrupted (study.py counts it as finished)
+
+def finish(rec, env, trainer, source, stopped, signaled, t_start):
+    """The end: a run stopped early (every prompt retired, a signal) is saved, and evaluated unless
+    a signal asked it to stop; ranks leave together. A run that stopped itself says so in its
+    metrics (kind "stopped"): it is over, not interrupted (study.py counts it as finished)."""
     if stopped:
-        log({"kind": "stopped", "step": run.step, "reason": stopped})
-    evaluated_at = run.step if signaled else evaluated_at
-    if run.forward is not None and (run.step != saved_at or run.step != evaluated_at):
-        gather_shards(run, rank0, run.step != saved_at)
-    if rank0 and run.step != saved_at:
-        save(run, args, tokenizer)
-    if run.step != evaluated_at:
-        held_out_eval()
-    pipeline.end_trainer(ctx, run.step)
-    if rank0 and signaled:
-        saved = checkpoints(args.out)[-1:] or ["nothing (no step finished yet)"]
-        print(f"stopped by a signal after step {run.step}/{args.steps}; saved {saved[0]}; "
-              f"continue with: {resume_command()}", flush=True)
-    elif rank0:
-        summary(args, time.time() - t_start)
+        rec.log({"kind": "stopped", "step": trainer.version, "reason": stopped})
+    if trainer.version != rec.saved:
+        save(rec, env, trainer, source)
+    if trainer.version != rec.evaluated and not signaled:
+        held_out_eval(rec, env, trainer, source)
+    source.close(trainer.version)
+    if signaled:
+        saved = checkpoints(env.args.out)[-1:] or ["nothing (no step finished yet)"]
+        print0(f"stopped by a signal after step {trainer.version}/{env.args.steps}; saved "
+               f"{saved[0]}; continue with: {resume_command()}", flush=True)
+    else:
+        summary(env.args, time.time() - t_start)
     release_lock()  # the run is over: --out is free again
 
 
+def serve_rollouts(args):
+    """A generator rank's life (pipeline.run_generator): sample, verify and send groups to the
+    trainers, take every new version of the weights, until the trainers say stop."""
+    env = start(args)
+    path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.pt")
+    pipeline.run_generator(env.ctx, args, env.model, env.tokenizer, env.train, env.train_ids,
+                           env.state.get("step", 0), path)
+    pipeline.finish(env.ctx)
+
+
 def summary(args, seconds):
-    """The end of a run in a few lines: time, held-out first -> last, the fit's prediction, where
-    things are."""
+    """Rank 0: the end of a run in a few lines: time, held-out first -> last, the fit's prediction,
+    where things are."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     evals = [r for _, r in read_jsonl(metrics_path) if r.get("kind") == "eval"]
     print(f"done in {seconds / 60:.1f} min | held-out pass rate {evals[0]['pass_rate']:.3f} -> "
@@ -1083,11 +1201,13 @@ if __name__ == "__main__":
     args = get_args()
     if not args.eval_only:  # an eval has nothing to save: a signal stops it at once
         pipeline.stop_on_signals()
+    # under torchrun the last --gen_ranks ranks serve rollouts, the others train
+    entry = serve_rollouts if pipeline.generator_rank(args) else main
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        main(args)
+        entry(args)
     else:
         try:
-            main(args)
+            entry(args)
         except SystemExit as err:
             # a user error: one line, said by rank 0 alone (every rank meets it)
             if (err.code not in (None, 0) and not isinstance(err.code, int)

@@ -801,6 +801,15 @@ def score_problems(responses, problems, workers=2, unsafe_code=False, think_open
     return results
 
 
+def reward(response, problem, correct, finish):
+    """The reward of one sample (the paper, section 2): +1 for a verified-correct final answer, -1
+    otherwise. A float all the way to the loss: a graded reward (partial credit, say) is this
+    function returning other values; correctness stays the verdict above, for pass rates.
+    response: the completion's text; problem: data.py's dict; finish: the sampler's finish reason
+    ("eos", "interrupted", "truncated": a truncated sample is never correct)."""
+    return 1.0 if correct else -1.0
+
+
 def bench(n=768, workers=2):
     """Verifications per second on an optimizer batch: n (gold, response) pairs cycled from
     fixtures/verify_pairs.jsonl (MATH-500 answers, rewrites, near misses, GSM8K), scored by
