@@ -83,7 +83,7 @@ SIZE_FLAGS = [
     ("mem_vocab", 151936, "figure 2 memory: vocab (Qwen2's)"),
     ("mem_seqs", 1, "figure 2 memory: sequences"),
     ("mem_len", 1024, "figure 2 memory: tokens per sequence"),
-    ("chunk", 128, "sequence_logprobs chunk (its default)"),
+    ("chunk", 128, "figure 2: sequence_logprobs chunk, positions (its default: by LOGITS_BYTES)"),
     ("bcast_mb", 500, "figure 3: size of the extra broadcast buffer, MB"),
     ("agree_seqs", 8, "figure 4: samples per setting"),
     ("target", 0.9, "figure 6: held-out pass rate to reach"),

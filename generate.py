@@ -43,6 +43,12 @@ model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of so
 temperature), the distribution actually sampled; the trainer divides its logits by the same
 temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
+The trainer's forward (sequence_logprobs) is the model's own decoder layers on a right-padded batch
+with no mask (SDPA's causal kernels, grouped K/V) and no KV cache, each layer checkpointed above
+CHECKPOINT_ABOVE layers (it keeps its input alone: 2 KB per token at Qwen3-0.6B's width, against
+72 KB), then the final norm, float32 head and log-softmax in chunks of at most LOGITS_BYTES of
+logits. flash-attn's varlen path (packed rows) is not used.
+
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
     python generate.py --model DIR --prompt "What is 2+2?" --think_budget 512
@@ -576,25 +582,85 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
 # the trainer's side: log-probs of given tokens, float32 head, in chunks
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
-    logits = logits_of(hidden, weight)  # (N, t, V) float32, one chunk at a time
-    if temperature:
+# "auto": activation checkpointing of the decoder layers for models of more than this many layers
+# (the toy's 2-layer models run as before; a 0.5B-8B model has 24-36)
+CHECKPOINT_ABOVE = 4
+# attention implementations that are causal without a mask (SDPA's is_causal, flash-attn's causal)
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+# the float32 logits of one chunk of the trainer's head: 256 MiB (441 tokens at a 152k vocab; the
+# toy's whole batch)
+LOGITS_BYTES = 2 ** 28
+
+
+def checkpointing(n_layers, checkpoint_layers=None):
+    """Whether the training forward of a model of n_layers decoder layers recomputes each layer in
+    the backward: True / "on", False / "off", or None / "auto" (on above CHECKPOINT_ABOVE)."""
+    if checkpoint_layers in (None, "auto"):
+        return n_layers > CHECKPOINT_ABOVE
+    if checkpoint_layers in (True, "on", False, "off"):
+        return checkpoint_layers in (True, "on")
+    raise ValueError(f"checkpoint_layers must be auto, on or off, got {checkpoint_layers!r}")
+
+
+def decoder_states(model, ids, checkpoint_layers=None):
+    """The last decoder layer's output for a right-padded batch ids (N, T), before the final norm
+    -> (N, T, d), with grad.
+
+    The decoder layers are the model's own, called without a mask and without a KV cache: a causal
+    model's position t reads positions 0..t only, and in a right-padded row those are all real
+    tokens, so the positions the loss reads need no mask (the padding's outputs are garbage that the
+    loss mask drops). SDPA then takes its causal (flash / memory-efficient) path with grouped K/V
+    heads, instead of an (N, 1, T, T) mask and K/V expanded to every head. With checkpointing,
+    each layer keeps only its input (N, T, d) for the backward and is run again there
+    (non-reentrant torch.utils.checkpoint: it composes with FSDP2's per-layer hooks)."""
+    inner = model.model
+    if model.config._attn_implementation not in CAUSAL_WITHOUT_MASK:
+        raise ValueError(f"attention implementation {model.config._attn_implementation!r}: the "
+                         f"training forward needs one that is causal without a mask "
+                         f"({', '.join(CAUSAL_WITHOUT_MASK)})")
+    x = inner.embed_tokens(ids)  # (N, T, d)
+    pos = torch.arange(ids.size(1), device=ids.device)[None]  # (1, T)
+    rope = inner.rotary_emb(x, pos)  # cos, sin (1, T, D)
+    recompute = checkpointing(len(inner.layers), checkpoint_layers)
+    for layer in inner.layers:
+        x = (checkpoint(_layer, layer, x, *rope, pos, use_reentrant=False) if recompute
+             else _layer(layer, x, *rope, pos))
+    return x
+
+
+def _layer(layer, x, cos, sin, pos):
+    """One decoder layer, its tensors as positional arguments: a checkpoint saves those where
+    saved-tensor hooks see them (bench.saved_bytes)."""
+    return layer(x, position_embeddings=(cos, sin), position_ids=pos)
+
+
+def _chunk_logprobs(norm, states, weight, targets, temperature):
+    logits = logits_of(norm(states), weight)  # (N, t, V) float32, one chunk at a time
+    if temperature not in (0, 1):
         logits = logits / temperature
     return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
-def sequence_logprobs(model, ids, attention_mask, fp32_head=True, temperature=1.0, chunk=128):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for every t -> (N, T-1), with grad.
+def sequence_logprobs(model, ids, attention_mask=None, fp32_head=True, temperature=1.0,
+                      chunk=None, checkpoint_layers=None):
+    """log p(ids[:, t+1] | ids[:, :t+1]) for every t of a right-padded batch ids (N, T) -> (N, T-1),
+    with grad (decoder_states: no mask, no KV cache, checkpointed layers per checkpoint_layers).
+    attention_mask (N, T), optional: checked to be right padding, the one layout this is exact for.
 
-    The (N, chunk, V) float32 logits of one chunk exist at a time, in the forward and (recomputed
-    by activation checkpointing) in the backward, so memory is O(N x chunk x V), not O(N x T x V).
-    """
-    hidden = model.model(input_ids=ids,
-                         attention_mask=attention_mask).last_hidden_state[:, :-1]  # (N, T-1, d)
+    The final norm, the float32 head and the log-softmax run in chunks of `chunk` positions
+    (default: as many as keep one chunk's float32 logits within LOGITS_BYTES, whatever N and the
+    vocab) under activation checkpointing: the backward keeps only the last layer's output
+    (N, T, d) and the targets, and the (N, chunk, V) logits of one chunk exist at a time, in the
+    forward and (recomputed) in the backward, so memory is O(N x chunk x V), not O(N x T x V)."""
+    if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+        raise ValueError("sequence_logprobs needs right-padded rows (real tokens, then padding)")
+    states = decoder_states(model, ids, checkpoint_layers)[:, :-1]  # (N, T-1, d)
     weight = head_weight(model, fp32_head)  # with grad: the cast is part of the graph
     targets = ids[:, 1:]
-    parts = [checkpoint(_chunk_logprobs, hidden[:, a:a + chunk], weight, targets[:, a:a + chunk],
-                        temperature, use_reentrant=False) for a in range(0, hidden.size(1), chunk)]
+    chunk = chunk or max(1, LOGITS_BYTES // (ids.size(0) * weight.size(0) * 4))
+    parts = [checkpoint(_chunk_logprobs, model.model.norm, states[:, a:a + chunk], weight,
+                        targets[:, a:a + chunk], temperature, use_reentrant=False)
+             for a in range(0, states.size(1), chunk)]
     return torch.cat(parts, 1)
 
 

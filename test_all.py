@@ -2079,6 +2079,44 @@ def test_sequence_logprobs_chunks_equal_full_logsoftmax_values_and_grads():
     assert torch.allclose(g_chunk, model.model.embed_tokens.weight.grad, atol=1e-10)
 
 
+def right_padded(n=5, T=12, vocab=40, seed=3):
+    """A right-padded batch of rows of 3..T real tokens -> ids (n, T), attention (n, T), lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [T] + torch.randint(3, T, (n - 1,), generator=g).tolist()
+    ids = torch.zeros(n, T, dtype=torch.long)
+    for i, L in enumerate(lens):
+        ids[i, :L] = torch.randint(4, vocab, (L,), generator=g)
+    return ids, (torch.arange(T) < torch.tensor(lens)[:, None]).long(), lens
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_sequence_logprobs_of_a_right_padded_batch_equal_each_row_alone_with_and_without_checkpoints(kind):
+    """No mask, no KV cache: the positions the loss reads equal each row's unpadded forward (the model's own,
+    full logits); the gradients are the same with the decoder layers checkpointed or not, and equal the rows'."""
+    model = tiny_model(kind).train()
+    ids, attn, lens = right_padded()
+    weights = torch.randn(ids.size(0), ids.size(1) - 1, generator=torch.Generator().manual_seed(0)) * attn[:, 1:]
+    grads = {}
+    for ckpt in (False, True, "slow"):
+        model.zero_grad()
+        if ckpt == "slow":  # each row alone, unpadded, the model's own forward
+            lp = torch.zeros(weights.shape)
+            for i, L in enumerate(lens):
+                lp[i, :L - 1] = model(ids[i:i + 1, :L]).logits[0, :-1].float().log_softmax(-1).gather(
+                    -1, ids[i, 1:L, None])[:, 0]
+        else:
+            lp = gen.sequence_logprobs(model, ids, attn, checkpoint_layers=ckpt, chunk=5)
+        (lp * weights).sum().backward()
+        grads[ckpt] = (lp.detach() * attn[:, 1:], [p.grad.clone() for p in model.parameters()])
+    for ckpt in (True, "slow"):
+        assert torch.allclose(grads[False][0], grads[ckpt][0], atol=1e-5), ckpt
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads[False][1], grads[ckpt][1])), ckpt
+    with pytest.raises(ValueError, match="right-padded"):
+        gen.sequence_logprobs(model, ids, attn.flip(1))
+    assert gen.checkpointing(gen.CHECKPOINT_ABOVE) is False and gen.checkpointing(gen.CHECKPOINT_ABOVE + 1) is True
+    assert gen.checkpointing(28, "off") is False and gen.checkpointing(2, True) is True
+
+
 def test_generate_rejects_unsupported_architecture():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
     with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
