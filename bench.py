@@ -63,8 +63,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from data import format_prompt, read_jsonl, toy_model_dir, toy_problems
-from generate import check_supported, generate, sequence_logprobs
+from data import prompt_ids, read_jsonl, toy_model_dir, toy_problems
+from generate import Decoder, check_supported, generate, kv_bytes_per_token, sequence_logprobs
 from loss import policy_loss
 
 # -----------------------------------------------------------------------------
@@ -244,8 +244,7 @@ def copy_bandwidth(gb=1.0):
 
 def task_prompts(tokenizer, n):
     """n toy-task prompts as token ids (data.toy_problems, formatted as in training)."""
-    return [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"]
-            for p in toy_problems(n, 0)]
+    return [prompt_ids(tokenizer, p["prompt"]) for p in toy_problems(n, 0)]
 
 
 def time_ours_task(model, prompts, eos_id, max_new, slots):

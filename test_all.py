@@ -1639,6 +1639,36 @@ def test_format_prompt_plain_and_chat_template(toy_dir):
     assert chat.startswith("<|user|>") and chat.endswith("<|assistant|>") and "What is 2+2?" in chat
 
 
+def bos_tokenizer(template=True):
+    """A word-level tokenizer that adds a BOS to whatever it tokenizes (as Llama-3's does), with a chat template
+    that writes its own BOS first (as Llama-3's does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = ["<s>", "</s>", "<unk>"] + sorted(set(re.findall(r"\w+|[^\w\s]", data.INSTRUCTION + " Problem Solution "
+                                                                                "What is 2+2? <|user|> <|assistant|>")))
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(r"<\|\w+\|>|\w+|[^\w\s]", "isolated")
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if template:
+        tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                             "<|assistant|>")
+    return tok
+
+
+def test_prompt_ids_have_one_bos_whether_a_chat_template_writes_it_or_the_tokenizer_adds_it(toy_dir):
+    for template in (True, False):
+        tok = bos_tokenizer(template)
+        ids = data.prompt_ids(tok, "What is 2+2?")
+        assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1, template
+        assert tok.decode(ids, skip_special_tokens=True).split() == \
+            tok.decode(tok(data.format_prompt(tok, "What is 2+2?"))["input_ids"], skip_special_tokens=True).split()
+    assert tok(data.format_prompt(bos_tokenizer(), "What is 2+2?"))["input_ids"][:2] == [0, 0]  # the old way: two
+    toy = AutoTokenizer.from_pretrained(toy_dir)  # the toy's prompts: exactly as before
+    for p in data.toy_problems(20, 3):
+        assert data.prompt_ids(toy, p["prompt"]) == toy(data.format_prompt(toy, p["prompt"]))["input_ids"]
+
+
 def test_split_is_seeded_and_disjoint():
     probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     tr, va = data.split_problems(probs, 20, seed=3)
@@ -1689,7 +1719,7 @@ def test_toy_model_loads_like_any_hf_model(toy_dir):
     assert tok.decode(ids) == text  # lossless round trip, so verify.py sees exactly what was sampled
     assert "18" in tok.convert_ids_to_tokens(ids) and "</think>" in tok.convert_ids_to_tokens(ids)
     special = data.special_tokens(tok)  # the sampler's ids: the phrase and </think> round-trip too
-    assert tok.decode(special["interrupt_ids"]) == data.INTERRUPT_PHRASE and special["eos_id"] == tok.eos_token_id
+    assert tok.decode(special["interrupt_ids"]) == data.INTERRUPT_PHRASE and special["eos_id"] == [tok.eos_token_id]
     assert tok.convert_ids_to_tokens(special["think_end"]) == ["</think>"]
     sample = gen.Sample(0, ids + [tok.eos_token_id], [], [], [], "eos")
     assert data.completion_text(tok, sample) == text  # the final eos is dropped, nothing else
@@ -1811,6 +1841,69 @@ def test_generate_continuous_batching_equals_decoding_alone():
         alone = gen.generate(model, [p], slots=1, temperature=1.0, seed=11, keys=[key], **GEN)[0]
         assert alone.tokens == batched[key].tokens and alone.finish == batched[key].finish
         assert np.allclose(alone.logps, batched[key].logps, atol=1e-9)
+
+
+def test_generate_chunked_prefill_gives_the_same_samples_and_stays_within_its_token_budget():
+    """Admitting 12 prompts at once: prefill forwards of at most prefill_tokens padded tokens (one prompt each at
+    a budget of 1) give exactly the samples of one forward for all (the sampler is deterministic given keys)."""
+    model, prompts = tiny_model("qwen3"), tiny_prompts(12, seed=5) + [list(range(4, 30))]
+    whole = gen.generate(model, prompts, slots=13, seed=2, prefill_tokens=10 ** 6, **GEN)
+    for budget in (1, 40):
+        chunked = gen.generate(model, prompts, slots=13, seed=2, prefill_tokens=budget, **GEN)
+        assert [(s.tokens, s.logps, s.mask, s.finish) for s in chunked] == \
+            [(s.tokens, s.logps, s.mask, s.finish) for s in whole]
+    lens = [len(p) for p in prompts]
+    groups = gen.prefill_groups(lens, 40, 64)
+    assert [i for a, b, _ in groups for i in range(a, b)] == list(range(len(prompts)))
+    for a, b, width in groups:
+        assert width == -(-(max(lens[a:b]) - 1) // 16) * 16 and (b - a == 1 or (b - a) * width <= 40)
+    assert len(gen.prefill_groups(lens, 10 ** 6, 64)) == 1 and len(gen.prefill_groups(lens, 1, 64)) == len(lens)
+
+
+@pytest.mark.parametrize("dtype, fp32_head", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
+    """The sampler's memory arithmetic (generate.decoder_bytes: the KV cache and bookkeeping per slot, what
+    does not grow with the slots) against the bytes of every tensor a Decoder holds."""
+    model = tiny_model("qwen3", dtype)
+    for slots, max_len, max_new in ((3, 40, 20), (7, 64, 9)):
+        dec = gen.Decoder(model, slots, max_len, max_new, eos_id=[0, 3], think_end=[1], interrupt_ids=[5, 6, 7],
+                          think_budget=4, answer_budget=4, interrupt=True, temperature=1.0, fp32_head=fp32_head,
+                          seed=0, version=0, graphs=False)
+        params = {p.data_ptr() for p in model.parameters()}  # the head weight itself, where it needs no copy
+        held = [t for t in vars(dec).values() if isinstance(t, torch.Tensor) and t.data_ptr() not in params]
+        held += [t for kv in dec.cache for t in kv] + list(dec.rope)
+        per_slot, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6)
+        assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + fixed
+    kv = sum(k.nbytes + v.nbytes for k, v in dec.cache)
+    assert kv == slots * max_len * gen.kv_bytes_per_token(model.config, dtype)
+    assert gen.slots_in(10 * per_slot + fixed, model.config, dtype, max_len, max_new, fp32_head)[:2] == (10, per_slot)
+    assert gen.slots_in(10 * per_slot + fixed, model.config, dtype, max_len, max_new, fp32_head, cap=4)[0] == 4
+    assert gen.fit_slots(model, max_len, max_new) == (gen.CPU_SLOTS, None)  # off CUDA: not sized by memory
+    assert gen.fit_slots(model, max_len, max_new, cap=5) == (5, None)
+
+
+def test_generate_stops_on_every_eos_id_of_the_generation_config(toy_dir):
+    """A model whose generation_config lists two eos ids (as Qwen2.5/3 instruct and Llama-3 do): special_tokens
+    gives the tokenizer's and both, and each sample ends at its first token among them, exactly where the same
+    sample drawn with no eos at all first meets one (the draws depend on the noise keys alone)."""
+    tok, model = AutoTokenizer.from_pretrained(toy_dir), tiny_model()
+    model.generation_config.eos_token_id = [9, 11]
+    special = data.special_tokens(tok, model)
+    assert special["eos_id"] == [tok.eos_token_id, 9, 11]
+    prompts = tiny_prompts(16, seed=4)
+    settings = dict(think_end=[1], interrupt_ids=[], think_budget=30, answer_budget=0, interrupt=False, seed=6)
+    free = gen.generate(model, prompts, eos_id=-1, **settings)
+    stopped = gen.generate(model, prompts, eos_id=[9, 11], **settings)
+    ends = set()
+    for a, b in zip(free, stopped):
+        cut = next((i + 1 for i, t in enumerate(a.tokens) if t in (9, 11)), None)
+        assert b.tokens == a.tokens[:cut] and b.finish == ("eos" if cut else "truncated")
+        ends.add(b.tokens[-1] if cut else None)
+    assert {9, 11} <= ends
+    assert data.completion_text(tok, gen.Sample(0, [5, 9], [], [], [], "eos")) == tok.decode([5, 9])  # 9: not special
+    special = tok.convert_tokens_to_ids("<think>")  # a special token that ended a sample on eos is dropped
+    assert data.completion_text(tok, gen.Sample(0, [5, special], [], [], [], "eos")) == tok.decode([5])
+    assert data.completion_text(tok, gen.Sample(0, [5, special], [], [], [], "truncated")) == tok.decode([5, special])
 
 
 def test_sampler_draws_from_the_softmax():
@@ -3174,7 +3267,8 @@ def chain_model(tokenizer, successors):
     V = len(tokenizer)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=8, num_hidden_layers=1,
                                          num_attention_heads=1, num_key_value_heads=1, head_dim=V,
-                                         max_position_embeddings=512, tie_word_embeddings=False))
+                                         max_position_embeddings=512, tie_word_embeddings=False,
+                                         eos_token_id=tokenizer.eos_token_id))  # the sampler stops on it
     with torch.no_grad():
         for p in model.model.layers[0].parameters():
             p.zero_()
@@ -3312,6 +3406,20 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     for path in (empty, bad_arch):
         train.check_model_dir(str(path), errors.append)
     assert "no weights" in errors[0] and "'gpt2' is not supported" in errors[-1]
+    short = tmp_path / "short"  # a 112-token context (Qwen2.5-Math's is 4096)
+    short.mkdir()
+    (short / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 112}')
+    (short / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        train.get_args(["--model", str(short), "--think_budget", "100", "--answer_budget", "13"])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "train.py: error: --think_budget 100 + --answer_budget 13 = 113 tokens: more than the model's context "
+        "(max_position_embeddings 112); lower the budgets (--help lists the flags)"]
+    args = train.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
+    assert train.context_error(args, 112) is None
+    assert train.context_error(args, 112, 30, 8) == (
+        "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
+        "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets")
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)

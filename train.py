@@ -50,12 +50,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, Curriculum, format_prompt, load_source_problems, read_jsonl,
+from data import (PRESETS, Curriculum, load_source_problems, prompt_ids, read_jsonl,
                   resolve_model, score_samples, special_tokens, split_problems, toy_model_dir,
                   toy_problems)
 import pipeline
 from fit import predict_final
-from generate import SUPPORTED, check_supported, generate, sequence_logprobs
+from generate import (SUPPORTED, cache_length, check_supported, fit_slots, generate,
+                      sequence_logprobs)
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, drift_by_lag, length_penalty,
                   policy_loss, ratio_stats, zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
@@ -129,8 +130,13 @@ def rollout_flags(g):
     g.add_argument("--samples", type=int, default=8, help="completions per prompt, G (paper: 16)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (paper: 1.0)")
-    g.add_argument("--slots", type=int, default=128,
-                   help="rows the sampler decodes at once (continuous batching)")
+    g.add_argument("--slots", type=int, default=None,
+                   help="rows the sampler decodes at once (continuous batching); None = 128 on "
+                        "CPU, as many as --gen_memory fits on CUDA (where --slots caps them)")
+    g.add_argument("--gen_memory", type=float, default=0.85,
+                   help="CUDA: the fraction of the device memory left after the weights that the "
+                        "sampler's KV cache takes (vLLM's gpu_memory_utilization); the sequences "
+                        "that fit at the full budget are printed")
     g.add_argument("--think_budget", type=int, default=48, help="thinking tokens (paper: 12288)")
     g.add_argument("--answer_budget", type=int, default=64,
                    help="answer tokens after </think> (paper: 2048). The toy's answer is 11 "
@@ -258,15 +264,18 @@ def check_args(args, error):
     """Flag values that would fail late (after the model loads) or silently train wrong:
     error(message)."""
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
-                 "eval_samples", "slots", "max_lag", "timeout", "heartbeat_timeout", "bucket_mb",
+                 "eval_samples", "max_lag", "timeout", "heartbeat_timeout", "bucket_mb",
                  "warmup", "max_empty_steps", "log_every"):
         if getattr(args, name) <= 0:
             error(f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("micro_prompts", "grad_clip", "save_every"):  # 0 has a meaning (see --help)
         if getattr(args, name) < 0:
             error(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.val_size is not None and args.val_size <= 0:
-        error(f"--val_size must be positive, got {args.val_size}")
+    for name in ("val_size", "slots"):  # None has a meaning (see --help)
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            error(f"--{name} must be positive, got {getattr(args, name)}")
+    if not 0 < args.gen_memory <= 1:
+        error(f"--gen_memory is a fraction of the device memory, in (0, 1], got {args.gen_memory}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         error(f"--device {args.device}: " +
               ("this PyTorch build has no CUDA (a CPU wheel); install the CUDA build"
@@ -275,6 +284,26 @@ def check_args(args, error):
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     # what loads; args.model stays as typed (--resume compares it)
     args.model_dir = check_model_dir(args.model, error)
+    if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        with open(os.path.join(args.model_dir, "config.json")) as f:
+            context = json.load(f).get("max_position_embeddings")
+        if (why := context_error(args, context)):
+            error(why)
+
+
+def context_error(args, context, prompt_len=0, phrase_len=0):
+    """The budgets against the model's context (max_position_embeddings; Qwen2.5-Math has 4096):
+    the longest prompt, the thinking budget, the interruption phrase and the answer budget must
+    fit in it -> a one-line error naming the flags, or None. At argument parsing the prompts are
+    not tokenized yet (0); main checks again once they are."""
+    need = prompt_len + args.think_budget + args.answer_budget + phrase_len
+    if context is None or need <= context:
+        return None
+    prompt = f"the longest prompt ({prompt_len} tokens) + " if prompt_len else ""
+    phrase = f" + the interruption phrase ({phrase_len})" if phrase_len else ""
+    return (f"{prompt}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
+            f"{phrase} = {need} tokens: more than the model's context (max_position_embeddings "
+            f"{context}); lower the budgets")
 
 
 def check_model_dir(path, error):
@@ -314,9 +343,10 @@ def rollout(model, tokenizer, prompt_ids, problems, args, keys, version=0, max_p
     when a signal asked the run to stop meanwhile (the sampling is abandoned: nothing of it is
     used)."""
     t0 = time.time()
-    samples = generate(model, prompt_ids, **special_tokens(tokenizer),
+    samples = generate(model, prompt_ids, **special_tokens(tokenizer, model),
                        think_budget=args.think_budget, answer_budget=args.answer_budget,
                        interrupt=args.length_control == "interrupt", slots=args.slots,
+                       gen_memory=args.gen_memory,
                        temperature=args.temperature, fp32_head=args.fp32_head, seed=args.seed,
                        keys=keys, version=version, stop=lambda: bool(pipeline.STOP),
                        max_prompt_len=max_prompt_len)
@@ -426,9 +456,21 @@ def load_model(model_dir, args, device):
 
 
 def tokenize_prompts(tokenizer, problems):
-    """Each problem's prompt, formatted as in training, as token ids."""
-    return [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"]
-            for p in problems]
+    """Each problem's prompt, formatted as in training, as token ids (data.prompt_ids)."""
+    return [prompt_ids(tokenizer, p["prompt"], p.get("domain")) for p in problems]
+
+
+def sampler_slots(model, args, tokenizer, max_prompt_len, who):
+    """The rows this process's sampler decodes at once (generate.fit_slots: on CUDA as many as
+    --gen_memory of the free memory holds at the full budget, at most --slots), said on CUDA."""
+    phrase = special_tokens(tokenizer)["interrupt_ids"]
+    slots, why = fit_slots(model, *cache_length(max_prompt_len, args.think_budget,
+                                                args.answer_budget, phrase,
+                                                args.length_control == "interrupt"),
+                           args.gen_memory, args.slots, args.fp32_head)
+    if why:
+        print(f"{who}: {why}", flush=True)
+    return slots
 
 
 def rewards_of(samples, correct, args):
@@ -949,11 +991,18 @@ def main(args):
     device = pick_device(args, ctx)
     tokenizer, model = load_model(model_dir, args, device)
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
+    phrase_len = len(special_tokens(tokenizer)["interrupt_ids"])
+    if (why := context_error(args, getattr(model.config, "max_position_embeddings", None),
+                             max(map(len, train_ids + val_ids)), phrase_len)):
+        sys.exit(f"error: {why}")
     if ctx:  # rollouts travel as packed rows of this many tokens per sample
         pipeline.start(ctx, state.get("step", 0),
                        max(map(len, train_ids)) + args.think_budget + args.answer_budget +
                        len(special_tokens(tokenizer)["interrupt_ids"]))
         if ctx.role == "generator":
+            # this generator's sampler rows (its KV cache sized by --gen_memory on CUDA)
+            args.slots = sampler_slots(model, args, tokenizer, max(map(len, train_ids)),
+                                       f"generator rank {ctx.rank}")
             path = os.path.join(args.out, f"curriculum-rank{ctx.rank}.pt")
             pipeline.run_generator(ctx, args, model, tokenizer, train, train_ids,
                                    state.get("step", 0), path)
