@@ -2210,6 +2210,56 @@ def test_sequence_logprobs_of_a_right_padded_batch_equal_each_row_alone_with_and
     assert gen.checkpointing(28, "off") is False and gen.checkpointing(2, True) is True
 
 
+def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
+    """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
+    151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
+    saved-tensor hooks count what each layer keeps for the backward (its input: 2 KB per token; 72 KB without
+    checkpointing) and what the head keeps (no logits: ~2.6 KB per token, whatever the vocab)."""
+    model = bench.two_layer_model("Qwen3-0.6B")
+    part = bench.saved_by_part(model, lengths=(16, 32), checkpoint_layers=True)
+    plan = pipeline.plan_activations(pipeline.plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
+    assert part["layer"] <= 4096 and part["layer"] == plan["checkpointed"] == 2048
+    assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
+
+
+@pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True)),
+                                                  ("qwen2", torch.bfloat16, {}),
+                                                  ("qwen3", torch.bfloat16, dict(tie_word_embeddings=True))])
+def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, dtype, changes):
+    """pipeline.memory_plan's figures against what a tiny model holds: the bytes its forward saves per token per
+    layer, checkpointed and not, and outside the layers (saved-tensor hooks), its parameters, and an FSDP2
+    trainer's shares."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, **changes)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**common)), "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+                "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common))}[kind]
+    model = cls(cfg).to(dtype).train()
+    s = pipeline.plan_shape(model.config)
+    plan = pipeline.plan_activations(s, dtype.itemsize)
+    on, off = (bench.saved_by_part(model, checkpoint_layers=c) for c in (True, False))
+    assert (on["layer"], off["layer"]) == (plan["checkpointed"], plan["layer"])
+    assert on["rest"] == plan["head"] and 0 <= plan["head"] - off["rest"] <= 8  # unused there: the position ids
+    assert pipeline.plan_param_count(s) == sum(p.numel() for p in model.parameters())
+    one, two = (pipeline.plan_trainer(s, dtype.itemsize, 1000, True, fsdp, n) for fsdp, n in ((False, 1), (True, 2)))
+    assert two["AdamW state"] == one["AdamW state"] / 2 == 4 * pipeline.plan_param_count(s)
+
+
+def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
+    """The plan of bench.py --figures memory: Qwen2.5-7B at 16 x 16 x 8k on 8 x 80 GB (6 generators, 2 FSDP2
+    trainers) fits at 8,192 tokens per micro-batch and not at 16,384; the README's Qwen3-0.6B command fits one
+    GPU; a sampler that cannot hold one group does not fit."""
+    plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
+                                                                                           "micro_tokens": mt}))
+             for mt in (8192, 16384)}
+    assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[16384]["roles"]["trainer"]["fits"]
+    assert plans[8192]["sequences"] * 6 >= 256
+    readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
+    assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
+    small = pipeline.PlanRun(**{**bench.README_RUN, "device_bytes": 30e9})
+    assert not pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), small)["roles"]["one process"]["fits"]
+
+
 def test_generate_rejects_unsupported_architecture():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
     with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
@@ -3020,6 +3070,37 @@ def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_pat
     dp, fs = runs["dp"][2], runs["fsdp"][2]
     for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder
+
+def _fsdp_checkpoint_rank(rank, world, port, out):
+    """One of 2 FSDP2 trainers (pipeline.shard_trainer) of a tiny Qwen3 whose decoder layers are checkpointed (as
+    a 0.5B-8B model's are by default): the forward and backward of its own right-padded rows."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    gen.CHECKPOINT_ABOVE, calls, real = 0, [], gen.checkpoint
+    gen.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
+    model = tiny_model("qwen3").train()
+    forward = pipeline.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
+    ids, attn, _ = right_padded(seed=rank)
+    (forward(ids, attn, True, 1.0) * attn[:, 1:]).sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    if rank == 0:
+        torch.save((grads, calls), out)
+    torch.distributed.destroy_process_group()
+
+
+def test_pipeline_fsdp2_trainers_with_checkpointed_layers_sum_the_unsharded_gradient(tmp_path):
+    """Activation checkpointing (non-reentrant) inside FSDP2's per-layer units: the gathered gradient of 2 sharded
+    trainers equals one unsharded model's over both trainers' rows, computed without checkpointing."""
+    torch.multiprocessing.start_processes(_fsdp_checkpoint_rank, args=(2, bench.free_port(), str(tmp_path / "g.pt")),
+                                          nprocs=2, start_method="forkserver")
+    grads, calls = torch.load(tmp_path / "g.pt")
+    assert calls.count("_layer") == 2  # both layers went through the checkpoint
+    model = tiny_model("qwen3").train()
+    for rank in range(2):
+        ids, attn, _ = right_padded(seed=rank)
+        (gen.sequence_logprobs(model, ids, attn, checkpoint_layers=False) * attn[:, 1:]).sum().backward()
+    assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+
 
 def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(tmp_path):
     """--fsdp --dtype bfloat16: FSDP2 keeps float32 shards (AdamW's master weights), computes with the

@@ -1020,6 +1020,8 @@ def main(args):
         print(f"model {model_dir} ({run.n_params / 1e6:.2f}M params, {model.config.model_type}) "
               f"on {device} | {roles} | {len(train)} train / {len(val)} held-out problems | "
               f"{args.prompts} prompts x {args.samples} samples")
+        pipeline.print_memory_plan(model.config, args, ctx, device, max(map(len, train_ids)),
+                                   phrase_len)
     held_out_eval = lambda: pipeline.on_trainer0(
         ctx, run.step, partial(run_eval, run, args, tokenizer, val_ids, val, log))
     # step -> (groups, stats): sampled here or by generators
