@@ -25,7 +25,17 @@ Figures, one printed line per measurement (--json adds one machine-readable dict
 7. FSDP2 under a memory cap (not in the default set: about 2 minutes on 2 cores): a random-weight
    Qwen2 model trained by one unsharded trainer and by 2 FSDP2 trainers (pipeline.shard_trainer),
    first uncapped (peak memory of each), then with every process capped (RLIMIT_DATA) halfway
-   between the two peaks.
+   between the two peaks;
+memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the 7B shape): the
+   memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B (their published
+   config.json in fixtures/configs; nothing downloaded) on one 8 x 80 GB node at 16 prompts x 16
+   samples x 8k tokens, and of the README's Qwen3-0.6B command on one GPU; each shape's per-token
+   and per-parameter figures are checked against measurements on CPU (the bytes the trainer's
+   forward saves for its backward, counted with saved-tensor hooks on a 2-layer bf16 model of the
+   shape; a Decoder's KV cache; a replicated trainer's weights, master, AdamW state and gradients
+   after one step), within 10%. --json gives per shape saved_bytes_per_token_layer: the bytes per
+   token per layer that sequence_logprobs saves with the defaults of the full model (its layers
+   checkpointed), the layer being recomputed in the backward excluded.
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
@@ -44,6 +54,7 @@ may stay).
     python bench.py --figures 3 --device cuda  # nccl broadcast (needs 2 GPUs)
     python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
+    python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
         --new_tokens 256 --batch 256
     python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16
@@ -61,11 +72,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
+                          Qwen2ForCausalLM)
 
-from data import format_prompt, read_jsonl, toy_model_dir, toy_problems
-from generate import check_supported, generate, sequence_logprobs
+from data import prompt_ids, read_jsonl, toy_model_dir, toy_problems
+from generate import Decoder, check_supported, generate, kv_bytes_per_token, sequence_logprobs
 from loss import policy_loss
+import pipeline
 
 # -----------------------------------------------------------------------------
 # flags: defaults are the CPU run (under 5 minutes on 2 cores)
@@ -83,7 +96,7 @@ SIZE_FLAGS = [
     ("mem_vocab", 151936, "figure 2 memory: vocab (Qwen2's)"),
     ("mem_seqs", 1, "figure 2 memory: sequences"),
     ("mem_len", 1024, "figure 2 memory: tokens per sequence"),
-    ("chunk", 128, "sequence_logprobs chunk (its default)"),
+    ("chunk", 128, "figure 2: sequence_logprobs chunk, positions (its default: by LOGITS_BYTES)"),
     ("bcast_mb", 500, "figure 3: size of the extra broadcast buffer, MB"),
     ("agree_seqs", 8, "figure 4: samples per setting"),
     ("target", 0.9, "figure 6: held-out pass rate to reach"),
@@ -103,7 +116,8 @@ def get_args(argv=None):
                     help="model weights dtype")
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
-    ap.add_argument("--figures", default="1,2,3,4,5", help="comma-separated figure numbers to run")
+    ap.add_argument("--figures", default="1,2,3,4,5",
+                    help="comma-separated figures to run: 1 to 7, memory")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
@@ -244,8 +258,7 @@ def copy_bandwidth(gb=1.0):
 
 def task_prompts(tokenizer, n):
     """n toy-task prompts as token ids (data.toy_problems, formatted as in training)."""
-    return [tokenizer(format_prompt(tokenizer, p["prompt"]))["input_ids"]
-            for p in toy_problems(n, 0)]
+    return [prompt_ids(tokenizer, p["prompt"]) for p in toy_problems(n, 0)]
 
 
 def time_ours_task(model, prompts, eos_id, max_new, slots):
@@ -637,7 +650,6 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
     --fsdp). cap_bytes: RLIMIT_DATA = the process's data size before the model is built + cap_bytes
     (0: no cap)."""
     import resource
-    import pipeline
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -708,6 +720,168 @@ def bench_fsdp(args):
     return out
 
 # -----------------------------------------------------------------------------
+# memory: what the trainer's forward saves for its backward, measured, and the memory plan of real
+# shapes (pipeline.memory_plan) checked against it
+
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "configs")
+PLAN_SHAPES = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen3-0.6B")
+# one 8 x 80 GB node (taken as 80e9 bytes each), 6 generators and 2 FSDP2 trainers, 16 prompts x 16
+# samples, prompts of up to 512 tokens, 7,168 thinking + 1,024 answer tokens (8k), bf16
+NODE_RUN = dict(prompts=16, samples=16, prompt_len=512, think_budget=7168, answer_budget=1024,
+                phrase_len=20, micro_tokens=8192, fsdp=True, trainers=2, generators=6)
+# the README's real-model command: Qwen3-0.6B, one process on one 80 GB GPU, 48 x 16, 12,288 + 2,048
+README_RUN = dict(prompts=48, samples=16, prompt_len=512, think_budget=12288, answer_budget=2048,
+                  phrase_len=20, micro_tokens=8192)
+
+
+def shape_config(name, **changes):
+    """A published model's config (fixtures/configs/NAME.json, its config.json), with changes."""
+    with open(os.path.join(CONFIGS, f"{name}.json")) as f:
+        return AutoConfig.for_model(**{**json.load(f), **changes})
+
+
+def saved_bytes(fn, model):
+    """fn() under torch.autograd.graph.saved_tensors_hooks -> (bytes of the distinct storages its
+    forward saves for the backward, fn's result). Views of one storage count once, the model's
+    parameters not at all. A checkpointed region's own tensors are not seen (the checkpoint's
+    hooks take them and recompute them in the backward); what it keeps to recompute from is."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def saved_bytes_per_token(model, lengths=(32, 64), **kw):
+    """Bytes per token that the trainer's forward (generate.sequence_logprobs, kw its keywords)
+    saves for one row: the difference between two lengths, so that what does not grow with the
+    tokens (the float32 head's copy of the head weight) drops out."""
+    device, vocab = model.device, model.config.vocab_size
+    sizes = [saved_bytes(lambda: sequence_logprobs(model, random_ids(1, n, vocab, n, device),
+                                                   **kw), model)[0] for n in lengths]
+    return (sizes[1] - sizes[0]) / (lengths[1] - lengths[0])
+
+
+def saved_by_part(model, **kw):
+    """What the trainer's forward saves per token -> {"layer": per decoder layer, "rest": outside
+    the layers (embedding, head, rotary tables)}: the difference between the model and the model
+    with its first layer alone. The hooks see the forward only, so a checkpointed layer counts
+    what it keeps, not its recompute in the backward."""
+    inner, whole = model.model, saved_bytes_per_token(model, **kw)
+    layers = inner.layers
+    inner.layers = layers[:1]
+    try:
+        one = saved_bytes_per_token(model, **kw)
+    finally:
+        inner.layers = layers
+    per_layer = (whole - one) / (len(layers) - 1)
+    return {"layer": per_layer, "rest": one - per_layer}
+
+
+def two_layer_model(name, dtype=torch.bfloat16, **changes):
+    """A random-weight model of a published shape, 2 decoder layers (its width, heads, MLP)."""
+    torch.manual_seed(0)
+    config = shape_config(name, num_hidden_layers=2, **changes)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+
+
+def measured_figures(name):
+    """The plan's per-token and per-parameter figures of a shape, planned and measured on CPU: the
+    bytes saved per token per layer, checkpointed (the default above generate.CHECKPOINT_ABOVE
+    layers) and not (the layer being recomputed), and outside the layers (a 2-layer bf16 model of
+    the shape); KV-cache bytes per token (a Decoder's cache); weights, float32 master, AdamW state
+    and gradient bytes per parameter (one step on a 2-layer model with a 4,096-token vocab).
+    -> {figure: (planned, measured)}."""
+    full = shape_config(name)
+    s, model = pipeline.plan_shape(full), two_layer_model(name)
+    act = pipeline.plan_activations(s, 2)
+    on, off = saved_by_part(model, checkpoint_layers=True), saved_by_part(model,
+                                                                         checkpoint_layers=False)
+    dec = Decoder(model, 2, 64, 8, eos_id=0, think_end=[1], interrupt_ids=[2], think_budget=4,
+                  answer_budget=4, interrupt=True, temperature=1.0, fp32_head=True, seed=0,
+                  version=0, graphs=False)
+    kv = sum(k.nbytes + v.nbytes for k, v in dec.cache) / (2 * 64) * s["L"] / 2
+    del model, dec
+    out = {"saved_checkpointed_layer": (act["checkpointed"], on["layer"]),
+           "saved_recomputed_layer": (act["layer"], off["layer"]),
+           "saved_head": (act["head"], on["rest"]),
+           "kv_cache": (kv_bytes_per_token(full, torch.bfloat16), kv)}
+    return out | optimizer_figures(name)
+
+
+def optimizer_figures(name):
+    """Bytes per parameter of a replicated bf16 trainer (train.py's master weights: AdamW steps a
+    float32 copy), planned (pipeline.plan_trainer, one trainer) and measured after one step of a
+    2-layer model of the shape with a 4,096-token vocab."""
+    model = two_layer_model(name, vocab_size=4096, bos_token_id=None, eos_token_id=None)
+    s = pipeline.plan_shape(model.config)
+    n = pipeline.plan_param_count(s)
+    plan = pipeline.plan_trainer(s, 2, 0, True, False, 1)
+    master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
+    opt = torch.optim.AdamW(master)
+    sequence_logprobs(model, random_ids(1, 16, 4096, 0, "cpu")).sum().backward()
+    for p, m in zip(model.parameters(), master):
+        m.grad = p.grad.float()
+    opt.step()
+    state = sum(t.nbytes for st in opt.state.values() for t in st.values() if t.dim())
+    grads = sum(p.grad.nbytes for p in model.parameters()) + sum(m.grad.nbytes for m in master)
+    measured = {"weights": sum(p.nbytes for p in model.parameters()),
+                "float32 master": sum(m.nbytes for m in master), "AdamW state": state,
+                "gradients": grads}
+    return {f"{k} per parameter": (plan[k] / n, v / n) for k, v in measured.items()}
+
+
+def figures_line(name, figures):
+    """One printed line: each planned figure against its measurement, and the worst relative
+    error -> (line, worst)."""
+    worst = max(abs(m / p - 1) for p, m in figures.values())
+    per_token = " | ".join(f"{k} {p:,.0f} / {m:,.0f}" for k, (p, m) in figures.items()
+                           if "parameter" not in k)
+    per_param = ", ".join(f"{k.removesuffix(' per parameter')} {p:.1f} / {m:.1f}"
+                          for k, (p, m) in figures.items() if "parameter" in k)
+    verdict = "within 10%" if worst <= 0.1 else "OFF BY MORE THAN 10%"
+    return (f"memory | {name} | planned / measured, bytes per token: {per_token} | per parameter: "
+            f"{per_param} | worst {worst:.1%}: {verdict}"), worst
+
+
+def print_plan(name, config, run):
+    """pipeline.memory_plan of one configuration, printed -> the plan."""
+    plan = pipeline.memory_plan(config, run)
+    print(f"memory | {name}")
+    print("\n".join(pipeline.plan_lines(plan, run, config.max_position_embeddings)), flush=True)
+    return plan
+
+
+def bench_memory_plan(args):
+    """The memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B on one
+    8 x 80 GB node (NODE_RUN) and of the README's Qwen3-0.6B command (README_RUN), each shape's
+    per-token figures checked against measurements on CPU (measured_figures) within 10%; the 7B
+    trainers also at 16,384 tokens per micro-batch."""
+    out = {}
+    for name in PLAN_SHAPES:
+        figures = measured_figures(name)
+        line, worst = figures_line(name, figures)
+        print(line, flush=True)
+        plan = print_plan(f"{name}, 16 x 16 x 8k on 8 x 80 GB: 6 generators, 2 FSDP2 trainers",
+                          shape_config(name), pipeline.PlanRun(**NODE_RUN))
+        out[name] = {"saved_bytes_per_token_layer": figures["saved_checkpointed_layer"][1],
+                     "figures": figures, "worst_error": worst, "sequences": plan["sequences"],
+                     "roles": plan["roles"]}
+    wide = print_plan("Qwen2.5-7B at 16384 tokens per micro-batch", shape_config("Qwen2.5-7B"),
+                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 16384}))
+    readme = print_plan("the README's Qwen3-0.6B command, one process on one 80 GB GPU",
+                        shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
+    return out | {"Qwen2.5-7B micro_tokens 16384": wide["roles"], "readme": readme["roles"]}
+
+
+# -----------------------------------------------------------------------------
 
 
 def write_model(args):
@@ -727,31 +901,33 @@ def main(args):
     if args.write_model:
         return write_model(args)
     t_start = time.perf_counter()
-    figures = {int(f) for f in args.figures.split(",")}
+    figures = set(args.figures.split(","))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
-    models = bench_models(args)
+    models = bench_models(args) if figures - {"memory"} else []
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
-    if 1 in figures:
+    if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
         results["sampler_task"] = bench_sampler_task(models[0][1], args)
-    if 2 in figures:
+    if "2" in figures:
         results["trainer"] = [bench_trainer_speed(name, m, args) for name, m in models]
         results["memory"] = bench_trainer_memory(args)
         results["paper_logits"] = paper_scale_logits(chunk=args.chunk)
-    if 3 in figures:
+    if "3" in figures:
         results["broadcast"] = bench_broadcast(args, models)
-    if 4 in figures:
+    if "4" in figures:
         results["agreement"] = [r for name, m in models for r in bench_agreement(name, m, args)]
-    if 5 in figures:
+    if "5" in figures:
         results["roofline"] = [decode_roofline(SIZES["0.5b"], context=ctx, fp32_head=h, quiet=False)
                                for ctx, h in ((1024, False), (1024, True), (8192, True))]
-    if 6 in figures:
+    if "6" in figures:
         results["pipeline"] = bench_pipeline(args)
-    if 7 in figures:
+    if "7" in figures:
         results["fsdp"] = bench_fsdp(args)
+    if "memory" in figures:
+        results["memory_plan"] = bench_memory_plan(args)
     results["seconds"] = time.perf_counter() - t_start
     print(f"total {results['seconds']:.0f} s")
     if args.json:

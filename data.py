@@ -22,9 +22,10 @@ reward and data of section 2, the curriculum of section 3.2).
   Failures: one line saying what to do.
 - format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
   otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
-- special_tokens(tokenizer): the sampler's token ids (eos, "</think>", INTERRUPT_PHRASE) as keyword
-  arguments of generate.sampler / generate.generate; completion_text(tokenizer, sample): a sample's
-  text without its final eos.
+  prompt_ids(tokenizer, problem): its token ids, with one BOS (a template writes its own).
+- special_tokens(tokenizer, model): the sampler's token ids (every eos id, "</think>",
+  INTERRUPT_PHRASE) as keyword arguments of generate.sampler / generate.generate;
+  completion_text(tokenizer, sample): a sample's text without its final eos.
 - split_problems: the seeded held-out validation split.
 - Curriculum: epochs over the training prompts, the per-prompt pass-rate history and
   No-Positive-Resampling (a prompt whose pass rate reaches 0.9 is never sampled again).
@@ -313,19 +314,43 @@ def format_prompt(tokenizer, problem, domain="math"):
     return f"{instruction}\nProblem: {problem}\nSolution: "
 
 
-def special_tokens(tokenizer):
+def prompt_ids(tokenizer, problem, domain="math"):
+    """A problem's prompt (format_prompt) as token ids, with one BOS: a chat template writes the
+    model's own special tokens (Llama-3's begins with its BOS), so its text is tokenized without
+    adding them again, as apply_chat_template(tokenize=True) does; a plain prompt gets the
+    tokenizer's."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    return tokenizer(format_prompt(tokenizer, problem, domain),
+                     add_special_tokens=not templated)["input_ids"]
+
+
+def eos_ids(tokenizer, model=None):
+    """Every id that ends a sample: the tokenizer's eos, then the model's generation_config ones
+    (Qwen2.5/3 instruct and Llama-3 list several: <|im_end|> and <|endoftext|>, <|eot_id|> and
+    <|end_of_text|>)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    return list(dict.fromkeys(i for i in [tokenizer.eos_token_id, *listed] if i is not None))
+
+
+def special_tokens(tokenizer, model=None):
     """The sampler's special token ids, ready as keyword arguments of generate.sampler /
-    generate.generate: eos_id, think_end (the ids of "</think>") and interrupt_ids (the ids of
-    INTERRUPT_PHRASE)."""
+    generate.generate: eos_id (a list: eos_ids), think_end (the ids of "</think>") and
+    interrupt_ids (the ids of INTERRUPT_PHRASE)."""
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    return dict(eos_id=tokenizer.eos_token_id, think_end=ids("</think>"),
+    return dict(eos_id=eos_ids(tokenizer, model), think_end=ids("</think>"),
                 interrupt_ids=ids(INTERRUPT_PHRASE))
 
 
 def completion_text(tokenizer, sample):
-    """The text of a sampled completion (a generate.Sample), without its final eos."""
-    tokens = sample.tokens
-    return tokenizer.decode(tokens[:-1] if tokens[-1:] == [tokenizer.eos_token_id] else tokens)
+    """The text of a sampled completion (a generate.Sample), without its final eos: the tokenizer's,
+    or the special token that ended a sample which was not truncated (one of eos_ids: the sampler
+    ends a sample on nothing else)."""
+    last = sample.tokens[-1] if sample.tokens else None
+    added = tokenizer.added_tokens_decoder.get(last)
+    ended = last == tokenizer.eos_token_id or (sample.finish != "truncated" and added is not None
+                                               and added.special)
+    return tokenizer.decode(sample.tokens[:-1] if ended else sample.tokens)
 
 
 def score_samples(tokenizer, samples, problems, unsafe_code=False):

@@ -9,16 +9,20 @@ frequencies, the projections called as functions), the norms and rotary embeddin
 same arithmetic); this file owns the cache, the attention call, the sampling and the batching. What
 it adds over `model.generate`:
 - continuous batching: `slots` rows decode together; a finished row's slot is refilled with the next
-  prompt (its prompt is prefilled into that slot's cache), so the batch stays full. `sampler` is the
-  sampler as a Python generator that the caller drives, sending new prompts and taking finished
-  samples (pipeline.py's generator ranks stream through it); `generate` runs one list of prompts;
+  prompt (its prompt is prefilled into that slot's cache, in forwards of at most PREFILL_TOKENS
+  padded tokens), so the batch stays full. `sampler` is the sampler as a Python generator that the
+  caller drives, sending new prompts and taking finished samples (pipeline.py's generator ranks
+  stream through it); `generate` runs one list of prompts;
+- a KV cache sized by memory (fit_slots): on CUDA, as many slots as a fraction of the memory left
+  after the weights holds at the full budget (vLLM's gpu_memory_utilization), --slots a cap;
 - a decode step with static shapes (class Decoder): every slot's bookkeeping (position, budgets,
   interruption point, forced phrase, eos and </think> detection, finish reason) lives in device
   tensors, so a step needs no per-slot Python and no host sync; on CUDA each step size is captured
   once as a CUDA graph and replayed. Finished rows are collected every `sync_every` steps;
 - per-token records: the generator's log-prob of each sampled token under the sampling distribution
   (float32 LM head), a loss mask (0 on forced tokens), the policy version that produced each token,
-  and the finish reason ("eos", "interrupted", "truncated");
+  and the finish reason ("eos", "interrupted", "truncated"); any of the model's eos ids ends a
+  sample (Qwen2.5/3 instruct and Llama-3 list several);
 - forced interruption: each sample gets a cut point drawn uniformly in the last ~1/6 of its thinking
   budget; if it is still thinking there, the interruption phrase (the caller's interrupt_ids: the
   tokens of data.INTERRUPT_PHRASE, ending in </think>) is forced in token by token (mask 0), then
@@ -43,6 +47,12 @@ model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of so
 temperature), the distribution actually sampled; the trainer divides its logits by the same
 temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
+The trainer's forward (sequence_logprobs) is the model's own decoder layers on a right-padded batch
+with no mask (SDPA's causal kernels, grouped K/V) and no KV cache, each layer checkpointed above
+CHECKPOINT_ABOVE layers (it keeps its input alone: 2 KB per token at Qwen3-0.6B's width, against
+72 KB), then the final norm, float32 head and log-softmax in chunks of at most LOGITS_BYTES of
+logits. flash-attn's varlen path (packed rows) is not used.
+
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
     python generate.py --model DIR --prompt "What is 2+2?" --think_budget 512
@@ -63,6 +73,8 @@ from torch.utils.checkpoint import checkpoint
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 FINISH = ("eos", "interrupted", "truncated")  # a slot's finish code c > 0 means FINISH[c - 1]
+CPU_SLOTS = 128  # the sampler's rows off CUDA, where memory does not size them (fit_slots)
+PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward (one prompt at least)
 
 
 @dataclass
@@ -93,13 +105,17 @@ def check_supported(model):
 # the forward pass with a preallocated cache
 
 
+def head_dim_of(config):
+    """The attention head size: the config's head_dim (Qwen3), else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def new_cache(model, slots, max_len):
     """One (k, v) pair per layer, each (slots, n_kv_heads, max_len, head_dim): SDPA's layout, so a
     decode step reads keys 0..L-1 of every row as a view with contiguous rows."""
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     p = next(model.parameters())
-    shape = (slots, cfg.num_key_value_heads, max_len, head_dim)
+    shape = (slots, cfg.num_key_value_heads, max_len, head_dim_of(cfg))
     return [(torch.zeros(shape, dtype=p.dtype, device=p.device),
              torch.zeros(shape, dtype=p.dtype, device=p.device))
             for _ in range(cfg.num_hidden_layers)]
@@ -317,6 +333,26 @@ def bucket(n, sizes):
     return next(s for s in sizes if s >= n)
 
 
+def prefill_width(length, max_len):
+    """The padded width of a prefill forward whose longest prompt has `length` tokens: all but the
+    last, rounded up to a multiple of 16."""
+    return min(-(-(length - 1) // 16) * 16, max_len)
+
+
+def prefill_groups(lens, budget, max_len):
+    """Consecutive prompts of lengths `lens` grouped into prefill forwards whose rows x padded
+    width stays within `budget` tokens (one prompt at least): admitting many prompts never runs
+    one huge forward -> [(first, end, width)]."""
+    groups, a = [], 0
+    while a < len(lens):
+        b, top = a + 1, lens[a]
+        while b < len(lens) and (b + 1 - a) * prefill_width(max(top, lens[b]), max_len) <= budget:
+            top, b = max(top, lens[b]), b + 1
+        groups.append((a, b, prefill_width(top, max_len)))
+        a = b
+    return groups
+
+
 class Decoder:
     """The sampler's device side: the KV cache, every slot's state as (slots,) tensors, and the
     decode step.
@@ -333,11 +369,13 @@ class Decoder:
 
     def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids,
                  think_budget, answer_budget, interrupt, temperature, fp32_head, seed,
-                 version, graphs):
+                 version, graphs, prefill_tokens=PREFILL_TOKENS):
         dev = next(model.parameters()).device
         self.model, self.max_len, self.device = model, max_len, dev
-        self.eos_id, self.think_budget, self.answer_budget = eos_id, think_budget, answer_budget
+        self.think_budget, self.answer_budget = think_budget, answer_budget
         self.interrupt, self.temperature, self.seed = interrupt, temperature, seed
+        self.prefill_tokens = prefill_tokens
+        self.eos = torch.tensor(eos_id, dtype=torch.long, device=dev).view(-1)  # (E,) any ends
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)  # (E,)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long,
                                    device=dev)  # (P,); unused without interrupt
@@ -371,18 +409,23 @@ class Decoder:
         if self.weight is not self.model.lm_head.weight:
             self.weight.copy_(self.model.lm_head.weight)
 
+    def prefill(self, slots, prompts):
+        """Fill the cache rows `slots` with their prompts but the last token (which the next decode
+        step feeds), in forwards of at most prefill_tokens padded tokens (prefill_groups)."""
+        for a, b, width in prefill_groups([len(p) for p in prompts], self.prefill_tokens,
+                                          self.max_len):
+            if width:
+                ids = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts[a:b]],
+                                   device=self.device)  # (b - a, width)
+                forward(self.model, ids,
+                        torch.arange(width, device=self.device).expand(b - a, width), self.cache,
+                        self.rope, rows=torch.tensor(slots[a:b], device=self.device))
+
     def admit(self, slots, prompts, keys):
-        """Start samples in free slots: prefill each prompt but its last token (which the next
-        decode step feeds), all of them in one forward padded to a multiple of 16 tokens."""
-        dev, n = self.device, len(slots)
+        """Start samples in free slots: their prompts prefilled, their state set."""
+        dev, lens = self.device, [len(p) for p in prompts]
         rows = torch.tensor(slots, device=dev)
-        lens = [len(p) for p in prompts]
-        width = min(-(-(max(lens) - 1) // 16) * 16, self.max_len)
-        if width:
-            ids = torch.tensor([p[:-1] + [0] * (width + 1 - len(p)) for p in prompts],
-                               device=dev)  # (n, width)
-            forward(self.model, ids, torch.arange(width, device=dev).expand(n, width), self.cache,
-                    self.rope, rows=rows)
+        self.prefill(slots, prompts)
         cut = [cut_point(self.seed, k, self.think_budget) if self.interrupt else self.max_len
                for k in keys]
         state = torch.tensor([[p[-1] for p in prompts], [m - 1 for m in lens], keys, cut],
@@ -433,7 +476,7 @@ class Decoder:
         self.logps[:R].scatter_(1, col, logp[:, None])
         self.versions[:R].scatter_(1, col, self.version.expand(R, 1))
         # finishing: eos (not inside the phrase), the end of the thought, the budgets
-        eos = tok == self.eos_id
+        eos = (tok[:, None] == self.eos).any(-1)  # (R,): any of the eos ids
         if self.interrupt:
             pending = forced & (at < P - 1)  # more phrase tokens to come
             eos &= ~pending
@@ -476,13 +519,82 @@ class Decoder:
                 for i, (s, m) in enumerate(zip(done, lens))}
 
 # -----------------------------------------------------------------------------
+# the sampler's size: its KV cache by memory, not by a slot count
+
+
+def cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids, interrupt=True):
+    """-> (max_len, max_new): the cache positions of one slot (the longest prompt, every budget and
+    the interruption phrase; the last completion token never enters the cache: one spare) and the
+    completion tokens one sample may have."""
+    max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
+    return max_prompt_len + max_new, max_new
+
+
+def kv_bytes_per_token(config, dtype):
+    """KV-cache bytes of one token: a key and a value per layer and kv head."""
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config)
+            * dtype.itemsize)
+
+
+def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3):
+    """What a Decoder allocates -> (bytes per slot: its KV cache at max_len tokens and its
+    bookkeeping, six int64 and four bool scalars plus max_new + 1 columns of token, log-prob, mask,
+    version and noise; bytes whatever the slots: the rotary tables, the float32 head copy, the
+    n_ids ids of </think>, the phrase and eos, the version)."""
+    size = dtype.itemsize
+    per_slot = (kv_bytes_per_token(config, dtype) * max_len + 6 * 8 + 4
+                + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))  # log-probs: >= float32
+    copy = fp32_head and size < 4  # head_weight's float32 copy of a half-precision head
+    fixed = (2 * max_len * head_dim_of(config) * size
+             + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1))
+    return per_slot, fixed
+
+
+def free_device_bytes(device):
+    """Device memory free for new tensors: the driver's free memory plus what torch's caching
+    allocator holds but does not use."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None):
+    """How many slots a Decoder can have in `room` bytes (decoder_bytes), at most cap -> (slots,
+    bytes per slot, the slots that would fit without the cap)."""
+    per_slot, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    fit = max(0, int((room - fixed) // per_slot))
+    return min(fit, cap or fit), per_slot, fit
+
+
+def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True):
+    """How many sequences the sampler decodes at once -> (slots, a line saying why, or None).
+
+    On CUDA the KV cache is sized by memory, not by a slot count (vLLM's gpu_memory_utilization,
+    read here of the memory left after the weights): as many slots as gen_memory x the device
+    memory free now holds at the full budget (slots_in), at most cap. The rest is headroom for the
+    decode step's logits, the prefill forward and the CUDA graphs. Elsewhere: cap, or CPU_SLOTS."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return cap or CPU_SLOTS, None
+    free = free_device_bytes(p.device)
+    slots, per_slot, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
+                                    fp32_head, cap)
+    if not slots:
+        raise ValueError(f"one sequence of {max_len} tokens needs {per_slot / 1e9:.2f} GB of KV "
+                         f"cache; {gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
+                         "--gen_memory, lower the budgets, or use a device with more memory)")
+    return slots, (f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache "
+                   f"{slots * per_slot / 1e9:.1f} GB ({per_slot / 1e6:.0f} MB each; "
+                   f"--gen_memory {gen_memory} of the {free / 1e9:.1f} GB free after the weights "
+                   f"fits {fit}{f', --slots {cap}' if cap else ''})")
+
+# -----------------------------------------------------------------------------
 # the continuous-batching loop
 
 
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
-            graphs=None, sync_every=None):
+            graphs=None, sync_every=None, prefill_tokens=PREFILL_TOKENS):
     """The continuous-batching sampler as a Python generator, driven by the caller:
 
         steps = sampler(model, ...)
@@ -491,14 +603,16 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
     new: prompts to queue, [(prompt ids, noise key, tag)]; version: the policy version now in the
     model's weights (the caller may copy new weights in between two sends; the cache stays). A send
-    admits queued prompts into free slots (one batched prefill), runs sync_every decode steps
+    admits queued prompts into free slots (batched prefills of at most prefill_tokens padded
+    tokens each, one prompt at least), runs sync_every decode steps
     (default: 8 on CUDA, where a host sync drains the GPU's queue; 1 elsewhere), then yields the
     samples that finished, [(tag, Sample)], and how many slots are free for more prompts. With
     nothing running or queued it yields ([], slots) at once. Without interruption (interrupt=False)
-    a sample is simply cut at think_budget + answer_budget tokens. eos_id, think_end (the token ids
-    of "</think>") and interrupt_ids (the interruption phrase's): data.special_tokens(tokenizer)
-    gives all three. max_prompt_len sizes the cache; a longer prompt is an error. graphs: capture
-    decode steps as CUDA graphs (default: on CUDA).
+    a sample is simply cut at think_budget + answer_budget tokens. eos_id (the id, or a list of the
+    ids, that end a sample), think_end (the token ids of "</think>") and interrupt_ids (the
+    interruption phrase's): data.special_tokens(tokenizer, model) gives all three. max_prompt_len
+    sizes the cache (cache_length); a longer prompt is an error. slots: fit_slots sizes them by
+    memory. graphs: capture decode steps as CUDA graphs (default: on CUDA).
     """
     check_supported(model)
     if interrupt and not interrupt_ids:
@@ -506,13 +620,13 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
     device = next(model.parameters()).device
     graphs = device.type == "cuda" if graphs is None else graphs
     sync_every = (8 if device.type == "cuda" else 1) if sync_every is None else sync_every
-    max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
-    max_len = max_prompt_len + max_new  # the last completion token never enters the
-                                        # cache: one spare
+    max_len, max_new = cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids,
+                                    interrupt)
     dec = Decoder(model, slots, max_len, max_new, eos_id=eos_id, think_end=think_end,
                   interrupt_ids=interrupt_ids, think_budget=think_budget,
                   answer_budget=answer_budget, interrupt=interrupt, temperature=temperature,
-                  fp32_head=fp32_head, seed=seed, version=version, graphs=graphs)
+                  fp32_head=fp32_head, seed=seed, version=version, graphs=graphs,
+                  prefill_tokens=prefill_tokens)
     row_sizes = bucket_sizes(slots, 8)  # a step decodes rows 0..R-1, R one of these
     len_sizes = bucket_sizes(max_len, 64)  # and attends over cache keys 0..L-1, L one of these
     pending = deque()  # (prompt ids, key, tag) waiting for a slot
@@ -549,15 +663,22 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
 
 def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None,
-             **settings):
+             gen_memory=None, **settings):
     """Sample one completion per prompt (lists of token ids) -> list of Sample, in prompt order.
     keys: per-prompt noise keys (default 0..n-1): equal keys and seed give equal draws, whatever the
     batching. stop: a callable polled between decode steps; once it returns true, generate gives up
     and returns None (a Ctrl-C under way). max_prompt_len: sizes the cache (default: the longest
-    prompt). settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
+    prompt). gen_memory: size the slots by the memory free now (fit_slots; slots is then a cap, or
+    None). settings: the sampler's (eos_id, think_end, interrupt_ids, the budgets, ...)."""
     keys = range(len(prompts)) if keys is None else keys
     results = [None] * len(prompts)
     max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
+    if gen_memory:
+        slots, _ = fit_slots(model, *cache_length(max_prompt_len, settings["think_budget"],
+                                                  settings["answer_budget"],
+                                                  settings["interrupt_ids"],
+                                                  settings.get("interrupt", True)),
+                             gen_memory, slots, settings.get("fp32_head", True))
     steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
                     version=version, **settings)
     next(steps)
@@ -576,32 +697,92 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
 # the trainer's side: log-probs of given tokens, float32 head, in chunks
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
-    logits = logits_of(hidden, weight)  # (N, t, V) float32, one chunk at a time
-    if temperature:
+# "auto": activation checkpointing of the decoder layers for models of more than this many layers
+# (the toy's 2-layer models run as before; a 0.5B-8B model has 24-36)
+CHECKPOINT_ABOVE = 4
+# attention implementations that are causal without a mask (SDPA's is_causal, flash-attn's causal)
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+# the float32 logits of one chunk of the trainer's head: 256 MiB (441 tokens at a 152k vocab; the
+# toy's whole batch)
+LOGITS_BYTES = 2 ** 28
+
+
+def checkpointing(n_layers, checkpoint_layers=None):
+    """Whether the training forward of a model of n_layers decoder layers recomputes each layer in
+    the backward: True / "on", False / "off", or None / "auto" (on above CHECKPOINT_ABOVE)."""
+    if checkpoint_layers in (None, "auto"):
+        return n_layers > CHECKPOINT_ABOVE
+    if checkpoint_layers in (True, "on", False, "off"):
+        return checkpoint_layers in (True, "on")
+    raise ValueError(f"checkpoint_layers must be auto, on or off, got {checkpoint_layers!r}")
+
+
+def decoder_states(model, ids, checkpoint_layers=None):
+    """The last decoder layer's output for a right-padded batch ids (N, T), before the final norm
+    -> (N, T, d), with grad.
+
+    The decoder layers are the model's own, called without a mask and without a KV cache: a causal
+    model's position t reads positions 0..t only, and in a right-padded row those are all real
+    tokens, so the positions the loss reads need no mask (the padding's outputs are garbage that the
+    loss mask drops). SDPA then takes its causal (flash / memory-efficient) path with grouped K/V
+    heads, instead of an (N, 1, T, T) mask and K/V expanded to every head. With checkpointing,
+    each layer keeps only its input (N, T, d) for the backward and is run again there
+    (non-reentrant torch.utils.checkpoint: it composes with FSDP2's per-layer hooks)."""
+    inner = model.model
+    if model.config._attn_implementation not in CAUSAL_WITHOUT_MASK:
+        raise ValueError(f"attention implementation {model.config._attn_implementation!r}: the "
+                         f"training forward needs one that is causal without a mask "
+                         f"({', '.join(CAUSAL_WITHOUT_MASK)})")
+    x = inner.embed_tokens(ids)  # (N, T, d)
+    pos = torch.arange(ids.size(1), device=ids.device)[None]  # (1, T)
+    rope = inner.rotary_emb(x, pos)  # cos, sin (1, T, D)
+    recompute = checkpointing(len(inner.layers), checkpoint_layers)
+    for layer in inner.layers:
+        x = (checkpoint(_layer, layer, x, *rope, pos, use_reentrant=False) if recompute
+             else _layer(layer, x, *rope, pos))
+    return x
+
+
+def _layer(layer, x, cos, sin, pos):
+    """One decoder layer, its tensors as positional arguments: a checkpoint saves those where
+    saved-tensor hooks see them (bench.saved_bytes)."""
+    return layer(x, position_embeddings=(cos, sin), position_ids=pos)
+
+
+def _chunk_logprobs(norm, states, weight, targets, temperature):
+    logits = logits_of(norm(states), weight)  # (N, t, V) float32, one chunk at a time
+    if temperature not in (0, 1):
         logits = logits / temperature
     return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
-def sequence_logprobs(model, ids, attention_mask, fp32_head=True, temperature=1.0, chunk=128):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for every t -> (N, T-1), with grad.
+def sequence_logprobs(model, ids, attention_mask=None, fp32_head=True, temperature=1.0,
+                      chunk=None, checkpoint_layers=None):
+    """log p(ids[:, t+1] | ids[:, :t+1]) for every t of a right-padded batch ids (N, T) -> (N, T-1),
+    with grad (decoder_states: no mask, no KV cache, checkpointed layers per checkpoint_layers).
+    attention_mask (N, T), optional: checked to be right padding, the one layout this is exact for.
 
-    The (N, chunk, V) float32 logits of one chunk exist at a time, in the forward and (recomputed
-    by activation checkpointing) in the backward, so memory is O(N x chunk x V), not O(N x T x V).
-    """
-    hidden = model.model(input_ids=ids,
-                         attention_mask=attention_mask).last_hidden_state[:, :-1]  # (N, T-1, d)
+    The final norm, the float32 head and the log-softmax run in chunks of `chunk` positions
+    (default: as many as keep one chunk's float32 logits within LOGITS_BYTES, whatever N and the
+    vocab) under activation checkpointing: the backward keeps only the last layer's output
+    (N, T, d) and the targets, and the (N, chunk, V) logits of one chunk exist at a time, in the
+    forward and (recomputed) in the backward, so memory is O(N x chunk x V), not O(N x T x V)."""
+    if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+        raise ValueError("sequence_logprobs needs right-padded rows (real tokens, then padding)")
+    states = decoder_states(model, ids, checkpoint_layers)[:, :-1]  # (N, T-1, d)
     weight = head_weight(model, fp32_head)  # with grad: the cast is part of the graph
     targets = ids[:, 1:]
-    parts = [checkpoint(_chunk_logprobs, hidden[:, a:a + chunk], weight, targets[:, a:a + chunk],
-                        temperature, use_reentrant=False) for a in range(0, hidden.size(1), chunk)]
+    chunk = chunk or max(1, LOGITS_BYTES // (ids.size(0) * weight.size(0) * 4))
+    parts = [checkpoint(_chunk_logprobs, model.model.norm, states[:, a:a + chunk], weight,
+                        targets[:, a:a + chunk], temperature, use_reentrant=False)
+             for a in range(0, states.size(1), chunk)]
     return torch.cat(parts, 1)
 
 
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import (completion_text, format_prompt, resolve_model, special_tokens, toy_model_dir,
+    from data import (completion_text, prompt_ids, resolve_model, special_tokens, toy_model_dir,
                       toy_problems)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -626,8 +807,9 @@ if __name__ == "__main__":
                         AutoModelForCausalLM.from_pretrained(path).eval())
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]
-    prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]
-    out = generate(model, prompts, **special_tokens(tokenizer), think_budget=args.think_budget,
-                   answer_budget=args.answer_budget, temperature=args.temperature, seed=args.seed)
+    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    out = generate(model, prompts, **special_tokens(tokenizer, model),
+                   think_budget=args.think_budget, answer_budget=args.answer_budget,
+                   temperature=args.temperature, seed=args.seed)
     for p, s in zip(problems, out):
         print(f"{p!r} -> [{s.finish}] {completion_text(tokenizer, s)!r}")

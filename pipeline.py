@@ -98,6 +98,7 @@ from torch.distributed.tensor import DTensor
 
 from data import Curriculum, score_samples, special_tokens
 from generate import FINISH, Sample, sampler, sequence_logprobs
+import generate
 from loss import length_penalty
 
 # per packed row: generator rank, group index, prompt index, prompt length, completion length,
@@ -540,10 +541,15 @@ class LocalRollouts:
     and `torchrun ... --mode sync` are the same experiment (tested)."""
 
     def __init__(self, args, model, tokenizer, problems, prompt_ids, version, saved=None):
-        self.args, self.done = args, []
+        self.args, self.done, self.said = args, [], False
         self.gen = new_generator(args, model, tokenizer, problems, prompt_ids, 0, 1, version,
                                  self.done.append, saved)
         self.share = args.prompts  # the groups a full batch gives this trainer
+
+    def say(self, line):
+        """The sampler's size, said once."""
+        print(line, flush=True)
+        self.said = True
 
     def get(self, step):
         """Batch `step` -> (groups in index order, stats); fewer groups once the curriculum has
@@ -554,11 +560,13 @@ class LocalRollouts:
         items = admit(gen, range(step * B, (step + 1) * B))
         if gen.exhausted:
             return [], {}
+        start_sampler(gen, step, say=None if self.said else self.say)
         sampler_step(gen, items, step)
         while gen.open:
             if STOP:
                 return None, None
             sampler_step(gen, [], step)
+        gen.steps.close()  # its KV cache is freed before the step trains
         groups = sorted(self.done, key=lambda g: g["gi"])
         self.done.clear()
         verify_s = gen.verify_s - verify_s
@@ -795,6 +803,7 @@ class Generator:
     start_version: int  # the weights version it started from (the resumed step)
     version: int  # the weights version now in its model
     steps: object = None  # the sampler: steps.send((new items, version)) -> (finished, free slots)
+    slots: int = 0  # the sampler's rows
     free: int = 0  # free sampler slots
     admitted: int = 0  # groups started since start_version
     exhausted: bool = False  # its curriculum has retired every prompt
@@ -823,20 +832,36 @@ def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, versi
     """Generator g of n_gens, its sampler started on `model` at weights version `version`; saved:
     its curriculum's state on a resume."""
     mine, curriculum = curriculum_of(len(problems), g, n_gens, args, saved)
-    gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, send,
-                    version, version)
-    gen.steps = make_sampler(model, tokenizer, args, max(map(len, prompt_ids)), version)
+    return Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, send,
+                     version, version)
+
+
+def start_sampler(gen, version, say=None):
+    """The generator's sampler, started at weights version `version`: its slots (as many sequences
+    as fit, generate.fit_slots) all free."""
+    gen.steps = make_sampler(gen.model, gen.tokenizer, gen.args, max(map(len, gen.prompt_ids)),
+                             version, say=say)
     _, gen.free = next(gen.steps)
-    return gen
+    gen.slots = gen.free
 
 
-def make_sampler(model, tokenizer, args, max_prompt_len, version=0, slots=None):
+def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, say=None):
     """generate.sampler with the run's settings: the one place train.py's flags reach the
-    sampler (training rollouts and held-out evals alike)."""
+    sampler (training rollouts and held-out evals alike). Its slots: on CUDA as many sequences as
+    --gen_memory of the free memory holds at the full budget (generate.fit_slots: say(line) says
+    how many), at most --slots and cap; elsewhere --slots (128 by default), at most cap."""
     interrupt, _ = length_control(args)
-    return sampler(model, **special_tokens(tokenizer), think_budget=args.think_budget,
+    special = special_tokens(tokenizer, model)
+    caps = [c for c in (args.slots, cap) if c]
+    slots, why = generate.fit_slots(
+        model, *generate.cache_length(max_prompt_len, args.think_budget, args.answer_budget,
+                                      special["interrupt_ids"], interrupt),
+        args.gen_memory, min(caps) if caps else None, args.fp32_head)
+    if why and say:
+        say(why)
+    return sampler(model, **special, think_budget=args.think_budget,
                    answer_budget=args.answer_budget, max_prompt_len=max_prompt_len,
-                   interrupt=interrupt, slots=slots or args.slots, temperature=args.temperature,
+                   interrupt=interrupt, slots=slots, temperature=args.temperature,
                    fp32_head=args.fp32_head, seed=args.seed, version=version)
 
 
@@ -952,6 +977,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     gen = new_generator(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
                         ctx.n_gens, start_version, lambda group: send_group(ctx, gen, group), saved)
     gen.pruned, gen.curriculum_path = [0] * ctx.n_trainers, curriculum_path
+    start_sampler(gen, start_version, say=lambda line: print(f"generator rank {ctx.rank}: {line}",
+                                                             flush=True))
     set_status(ctx, "generating")
     try:
         while True:
@@ -976,7 +1003,7 @@ def generate_pipelined(ctx, gen):
     items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples),
                                                 version))
              if gen.free else [])
-    if items or gen.free < gen.args.slots:
+    if items or gen.free < gen.slots:
         sampler_step(gen, items, version)
         return
     gen.idle_since = time.time()
@@ -994,7 +1021,7 @@ def generate_frozen(ctx, gen):
     v, k, B = gen.version, ctx.k, ctx.prompts
     sampler_step(gen, admit_ranked(ctx, gen, [v * B + j for j in
                                               range(gen.index, (k - v % k) * B, ctx.n_gens)]), v)
-    while gen.free < gen.args.slots:  # until every sample of these batches is done
+    while gen.free < gen.slots:  # until every sample of these batches is done
         poll(ctx, gen, apply=False)
         sampler_step(gen, [], v)
     gen.idle_since = time.time()
@@ -1086,3 +1113,193 @@ def send_group(ctx, gen, group):
 def _save_curriculum(curriculum, path):
     torch.save(curriculum.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
+
+# -----------------------------------------------------------------------------
+# memory plan: the bytes each role will hold, from the model's config and the run's sizes (rank 0
+# prints it at start-up; bench.py --figures memory prints it for real shapes on an 8-GPU node and
+# checks its per-token figures against measurements)
+
+
+def plan_shape(config):
+    """What a Llama / Qwen2 / Qwen3 / Mistral config's memory depends on: width d, layers L, heads
+    H, kv heads K, head dim D, MLP width I, vocab V, a tied head, Qwen3's q/k norms, the biases."""
+    get = lambda key: getattr(config, key, None)
+    d, H = config.hidden_size, config.num_attention_heads
+    return dict(d=d, L=config.num_hidden_layers, H=H, K=get("num_key_value_heads") or H,
+                D=generate.head_dim_of(config), I=config.intermediate_size, V=config.vocab_size,
+                tied=bool(get("tie_word_embeddings")), qk_norm=config.model_type == "qwen3",
+                qkv_bias=config.model_type == "qwen2" or bool(get("attention_bias")),
+                o_bias=bool(get("attention_bias")))
+
+
+def plan_params(s):
+    """Parameter counts -> (one decoder layer, the embedding, the untied LM head (0 when tied), the
+    final norm)."""
+    d, H, K, D = s["d"], s["H"], s["K"], s["D"]
+    attn = (d * D * (2 * H + 2 * K) + s["qkv_bias"] * D * (H + 2 * K) + s["o_bias"] * d
+            + s["qk_norm"] * 2 * D)
+    return attn + 3 * d * s["I"] + 2 * d, s["V"] * d, (not s["tied"]) * s["V"] * d, d
+
+
+def plan_param_count(s):
+    """Every parameter of the model."""
+    layer, embed, head, norm = plan_params(s)
+    return s["L"] * layer + embed + head + norm
+
+
+def plan_activations(s, size):
+    """Bytes per token that the trainer's forward (generate.sequence_logprobs) saves for the
+    backward, `size` the weights' bytes per element (checked against saved-tensor hooks in the
+    tests and bench.py) -> {"layer": a decoder layer run without checkpointing, or the one being
+    recomputed in the backward: its two RMSNorms keep their float32 input, rsqrt and two outputs,
+    SDPA its q, k, v, output and float32 logsumexp (Qwen3's q/k norms add theirs), the MLP gate,
+    up, their SiLU and product; "checkpointed": a checkpointed layer keeps its input alone;
+    "head": the last layer's output (the head's chunks recompute the final norm), the token ids,
+    and per position (one row's worth: shared by the rows and the layers) the rotary tables and
+    the position ids}."""
+    d, H, K, D, b = s["d"], s["H"], s["K"], s["D"], size
+    norms = 2 * ((4 + 2 * b) * d + 4)
+    attn = b * D * (2 * H + 2 * K) + 4 * H + s["qk_norm"] * ((4 + b) * D + 4) * (H + K)
+    return {"layer": norms + attn + 4 * b * s["I"], "checkpointed": b * d,
+            "head": b * d + 8 + 2 * D * b + 8}
+
+
+def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True):
+    """The bytes one trainer rank holds -> {part: bytes}. Replicated: the weights, a float32 master
+    under a half dtype (AdamW steps it), AdamW's two float32 moments, the backward's gradients in
+    the weights' dtype and their float32 accumulation. FSDP2: float32 shards (the master), their
+    AdamW state and float32 gradients, 1/trainers each, and what is gathered in the weights' dtype:
+    the root unit (embedding, final norm, head) for the whole step with its gradients, a layer and
+    the prefetched next. Per micro-batch of micro_tokens tokens: the saved activations, the layer
+    recomputed in the backward and its MLP's gradients (3 x (micro_tokens, I), an estimate), the
+    float32 head's copy of the head weight and its gradient, one chunk's logits, their softmax and
+    gradients (4 x generate.LOGITS_BYTES)."""
+    layer, embed, head, norm = plan_params(s)
+    P, root, half, n = plan_param_count(s), embed + head + norm, size < 4, trainers
+    act = plan_activations(s, size)
+    saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
+    step = ckpt * act["layer"] + 3 * size * s["I"]
+    head_fp32 = (fp32_head and half) * 2 * 4 * s["V"] * s["d"]
+    return {"weights": (root + 2 * layer) * size if fsdp else P * size,
+            "float32 master": 4 * P / n if fsdp else 4 * P * half,
+            "AdamW state": 8 * P / (n if fsdp else 1),
+            "gradients": 4 * P / n + root * size if fsdp else (size + 4 * half) * P,
+            "activations": (micro_tokens * (saved + step) + head_fp32
+                            + 4 * generate.LOGITS_BYTES)}
+
+
+def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
+                   prefill_tokens=generate.PREFILL_TOKENS):
+    """The sampler's bytes beyond the weights -> ({part: bytes}, sequences at the full budget,
+    bytes per sequence). room: what its Decoder may take (gen_memory x the memory free after the
+    weights: generate.slots_in), or None where memory does not size it (CPU: slots, or
+    generate.CPU_SLOTS). The workspace (an estimate): the decode step's float32 logits, their exp
+    and a copy per row, and one prefill forward's largest tensors (hidden states, q/k/v, attention
+    output, the MLP's three)."""
+    per_slot, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    seqs = (slots or generate.CPU_SLOTS if room is None else
+            generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)[0])
+    b = dtype.itemsize
+    prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
+    return ({"decoder fixed": fixed, "KV cache": seqs * per_slot,
+             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, per_slot)
+
+
+@dataclass
+class PlanRun:
+    """A run's sizes, as the memory plan reads them."""
+    prompts: int
+    samples: int
+    prompt_len: int  # the longest prompt, tokens
+    think_budget: int
+    answer_budget: int
+    phrase_len: int  # the interruption phrase, tokens
+    micro_tokens: int  # tokens per forward/backward
+    dtype: torch.dtype = torch.bfloat16
+    ckpt_layers: object = "auto"  # generate.checkpointing's
+    fsdp: bool = False
+    trainers: int = 1
+    generators: int = 0  # 0: one process, trainer and sampler in turn on one device
+    device_bytes: float = 80e9
+    gen_memory: float = 0.85
+    sized: bool = True  # the KV cache sized by memory (CUDA), else by slots
+    slots: int = None
+    fp32_head: bool = True
+
+
+def memory_plan(config, run):
+    """The bytes each role holds (plan_trainer, plan_generator) and whether they fit the device ->
+    {"roles": {role: {"count", "parts", "total", "fits"}}, "shape", "ckpt", "max_len", "sequences",
+    "per_slot", "per_token"}. One process holds the trainer's weights, master and AdamW state
+    throughout, then in turn its gradients and activations or the sampler's cache: its total is
+    the larger phase. A sampler fits if it holds one group of samples at the full budget."""
+    s, size = plan_shape(config), run.dtype.itemsize
+    ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
+    max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
+                                             [0] * run.phrase_len)
+    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head)
+    resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
+    weights = plan_param_count(s) * size
+    held = resident if run.generators == 0 else weights
+    room = run.gen_memory * (run.device_bytes - held) if run.sized else None
+    gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room, run.slots,
+                                         run.fp32_head)
+    if run.generators == 0:
+        roles = {"one process": (1, {**trainer, **gen},
+                                 max(sum(trainer.values()), resident + sum(gen.values())), seqs)}
+    else:
+        roles = {"trainer": (run.trainers, trainer, sum(trainer.values()), run.samples),
+                 "generator": (run.generators, {"weights": weights, **gen},
+                               weights + sum(gen.values()), seqs)}
+    return {"roles": {r: {"count": n, "parts": parts, "total": total,
+                          "fits": total <= run.device_bytes and holds >= run.samples}
+                      for r, (n, parts, total, holds) in roles.items()},
+            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "per_slot": per_slot,
+            "per_token": plan_activations(s, size)}
+
+
+def plan_lines(plan, run, context=None):
+    """The plan in a few printed lines (GB = 1e9 bytes)."""
+    s, act, gb = plan["shape"], plan["per_token"], lambda x: f"{x / 1e9:.1f}"
+    lines = [f"memory plan per rank (GB = 1e9 bytes) on a {gb(run.device_bytes)} GB device, "
+             f"{str(run.dtype).removeprefix('torch.')}:"]
+    for role, r in plan["roles"].items():
+        parts = " | ".join(f"{k} {gb(v)}" for k, v in r["parts"].items())
+        lines.append(f"  {role} (x{r['count']}): {parts} | total {gb(r['total'])}: "
+                     + ("fits" if r["fits"] else "DOES NOT FIT"))
+    per_layer = act["checkpointed"] if plan["ckpt"] else act["layer"]
+    lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves {per_layer / 1e3:.1f} KB "
+                 f"per token x {s['L']} {'checkpointed ' * plan['ckpt']}layers + head "
+                 f"{act['head'] / 1e3:.1f} KB" + (f"; the layer recomputed in the backward "
+                                                  f"{act['layer'] / 1e3:.1f} KB per token"
+                                                  if plan["ckpt"] else ""))
+    where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
+             if run.generators else "")
+    lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
+                 f"once ({plan['per_slot'] / 1e6:,.1f} MB each){where}, for a batch of "
+                 f"{run.prompts * run.samples}"
+                 + (f"; the model's context {context}" if context else ""))
+    return lines
+
+
+def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len):
+    """Rank 0 at start-up: the run's memory plan on this device (one device per rank; on CPU the
+    machine's memory), printed. Micro-batches hold --micro_tokens tokens (where train.py has none:
+    --micro_prompts groups, or a trainer's whole share of the batch)."""
+    trainers, cuda = ctx.n_trainers if ctx else 1, device.type == "cuda"
+    seq = prompt_len + args.think_budget + args.answer_budget + phrase_len
+    groups = args.micro_prompts or -(-args.prompts // trainers)
+    total = (torch.cuda.get_device_properties(device).total_memory if cuda
+             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    run = PlanRun(prompts=args.prompts, samples=args.samples, prompt_len=prompt_len,
+                  think_budget=args.think_budget, answer_budget=args.answer_budget,
+                  phrase_len=phrase_len,
+                  micro_tokens=getattr(args, "micro_tokens", 0) or groups * args.samples * seq,
+                  dtype=getattr(torch, args.dtype),
+                  ckpt_layers=getattr(args, "ckpt_layers", "auto"), fsdp=bool(ctx and args.fsdp),
+                  trainers=trainers, generators=ctx.n_gens if ctx else 0, device_bytes=total,
+                  gen_memory=args.gen_memory, sized=cuda, slots=args.slots,
+                  fp32_head=args.fp32_head)
+    lines = plan_lines(memory_plan(config, run), run,
+                       getattr(config, "max_position_embeddings", None))
+    print("\n".join(lines), flush=True)

@@ -1639,6 +1639,36 @@ def test_format_prompt_plain_and_chat_template(toy_dir):
     assert chat.startswith("<|user|>") and chat.endswith("<|assistant|>") and "What is 2+2?" in chat
 
 
+def bos_tokenizer(template=True):
+    """A word-level tokenizer that adds a BOS to whatever it tokenizes (as Llama-3's does), with a chat template
+    that writes its own BOS first (as Llama-3's does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = ["<s>", "</s>", "<unk>"] + sorted(set(re.findall(r"\w+|[^\w\s]", data.INSTRUCTION + " Problem Solution "
+                                                                                "What is 2+2? <|user|> <|assistant|>")))
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(r"<\|\w+\|>|\w+|[^\w\s]", "isolated")
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if template:
+        tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                             "<|assistant|>")
+    return tok
+
+
+def test_prompt_ids_have_one_bos_whether_a_chat_template_writes_it_or_the_tokenizer_adds_it(toy_dir):
+    for template in (True, False):
+        tok = bos_tokenizer(template)
+        ids = data.prompt_ids(tok, "What is 2+2?")
+        assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1, template
+        assert tok.decode(ids, skip_special_tokens=True).split() == \
+            tok.decode(tok(data.format_prompt(tok, "What is 2+2?"))["input_ids"], skip_special_tokens=True).split()
+    assert tok(data.format_prompt(bos_tokenizer(), "What is 2+2?"))["input_ids"][:2] == [0, 0]  # the old way: two
+    toy = AutoTokenizer.from_pretrained(toy_dir)  # the toy's prompts: exactly as before
+    for p in data.toy_problems(20, 3):
+        assert data.prompt_ids(toy, p["prompt"]) == toy(data.format_prompt(toy, p["prompt"]))["input_ids"]
+
+
 def test_split_is_seeded_and_disjoint():
     probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     tr, va = data.split_problems(probs, 20, seed=3)
@@ -1689,7 +1719,7 @@ def test_toy_model_loads_like_any_hf_model(toy_dir):
     assert tok.decode(ids) == text  # lossless round trip, so verify.py sees exactly what was sampled
     assert "18" in tok.convert_ids_to_tokens(ids) and "</think>" in tok.convert_ids_to_tokens(ids)
     special = data.special_tokens(tok)  # the sampler's ids: the phrase and </think> round-trip too
-    assert tok.decode(special["interrupt_ids"]) == data.INTERRUPT_PHRASE and special["eos_id"] == tok.eos_token_id
+    assert tok.decode(special["interrupt_ids"]) == data.INTERRUPT_PHRASE and special["eos_id"] == [tok.eos_token_id]
     assert tok.convert_ids_to_tokens(special["think_end"]) == ["</think>"]
     sample = gen.Sample(0, ids + [tok.eos_token_id], [], [], [], "eos")
     assert data.completion_text(tok, sample) == text  # the final eos is dropped, nothing else
@@ -1811,6 +1841,69 @@ def test_generate_continuous_batching_equals_decoding_alone():
         alone = gen.generate(model, [p], slots=1, temperature=1.0, seed=11, keys=[key], **GEN)[0]
         assert alone.tokens == batched[key].tokens and alone.finish == batched[key].finish
         assert np.allclose(alone.logps, batched[key].logps, atol=1e-9)
+
+
+def test_generate_chunked_prefill_gives_the_same_samples_and_stays_within_its_token_budget():
+    """Admitting 12 prompts at once: prefill forwards of at most prefill_tokens padded tokens (one prompt each at
+    a budget of 1) give exactly the samples of one forward for all (the sampler is deterministic given keys)."""
+    model, prompts = tiny_model("qwen3"), tiny_prompts(12, seed=5) + [list(range(4, 30))]
+    whole = gen.generate(model, prompts, slots=13, seed=2, prefill_tokens=10 ** 6, **GEN)
+    for budget in (1, 40):
+        chunked = gen.generate(model, prompts, slots=13, seed=2, prefill_tokens=budget, **GEN)
+        assert [(s.tokens, s.logps, s.mask, s.finish) for s in chunked] == \
+            [(s.tokens, s.logps, s.mask, s.finish) for s in whole]
+    lens = [len(p) for p in prompts]
+    groups = gen.prefill_groups(lens, 40, 64)
+    assert [i for a, b, _ in groups for i in range(a, b)] == list(range(len(prompts)))
+    for a, b, width in groups:
+        assert width == -(-(max(lens[a:b]) - 1) // 16) * 16 and (b - a == 1 or (b - a) * width <= 40)
+    assert len(gen.prefill_groups(lens, 10 ** 6, 64)) == 1 and len(gen.prefill_groups(lens, 1, 64)) == len(lens)
+
+
+@pytest.mark.parametrize("dtype, fp32_head", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
+    """The sampler's memory arithmetic (generate.decoder_bytes: the KV cache and bookkeeping per slot, what
+    does not grow with the slots) against the bytes of every tensor a Decoder holds."""
+    model = tiny_model("qwen3", dtype)
+    for slots, max_len, max_new in ((3, 40, 20), (7, 64, 9)):
+        dec = gen.Decoder(model, slots, max_len, max_new, eos_id=[0, 3], think_end=[1], interrupt_ids=[5, 6, 7],
+                          think_budget=4, answer_budget=4, interrupt=True, temperature=1.0, fp32_head=fp32_head,
+                          seed=0, version=0, graphs=False)
+        params = {p.data_ptr() for p in model.parameters()}  # the head weight itself, where it needs no copy
+        held = [t for t in vars(dec).values() if isinstance(t, torch.Tensor) and t.data_ptr() not in params]
+        held += [t for kv in dec.cache for t in kv] + list(dec.rope)
+        per_slot, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6)
+        assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + fixed
+    kv = sum(k.nbytes + v.nbytes for k, v in dec.cache)
+    assert kv == slots * max_len * gen.kv_bytes_per_token(model.config, dtype)
+    assert gen.slots_in(10 * per_slot + fixed, model.config, dtype, max_len, max_new, fp32_head)[:2] == (10, per_slot)
+    assert gen.slots_in(10 * per_slot + fixed, model.config, dtype, max_len, max_new, fp32_head, cap=4)[0] == 4
+    assert gen.fit_slots(model, max_len, max_new) == (gen.CPU_SLOTS, None)  # off CUDA: not sized by memory
+    assert gen.fit_slots(model, max_len, max_new, cap=5) == (5, None)
+
+
+def test_generate_stops_on_every_eos_id_of_the_generation_config(toy_dir):
+    """A model whose generation_config lists two eos ids (as Qwen2.5/3 instruct and Llama-3 do): special_tokens
+    gives the tokenizer's and both, and each sample ends at its first token among them, exactly where the same
+    sample drawn with no eos at all first meets one (the draws depend on the noise keys alone)."""
+    tok, model = AutoTokenizer.from_pretrained(toy_dir), tiny_model()
+    model.generation_config.eos_token_id = [9, 11]
+    special = data.special_tokens(tok, model)
+    assert special["eos_id"] == [tok.eos_token_id, 9, 11]
+    prompts = tiny_prompts(16, seed=4)
+    settings = dict(think_end=[1], interrupt_ids=[], think_budget=30, answer_budget=0, interrupt=False, seed=6)
+    free = gen.generate(model, prompts, eos_id=-1, **settings)
+    stopped = gen.generate(model, prompts, eos_id=[9, 11], **settings)
+    ends = set()
+    for a, b in zip(free, stopped):
+        cut = next((i + 1 for i, t in enumerate(a.tokens) if t in (9, 11)), None)
+        assert b.tokens == a.tokens[:cut] and b.finish == ("eos" if cut else "truncated")
+        ends.add(b.tokens[-1] if cut else None)
+    assert {9, 11} <= ends
+    assert data.completion_text(tok, gen.Sample(0, [5, 9], [], [], [], "eos")) == tok.decode([5, 9])  # 9: not special
+    special = tok.convert_tokens_to_ids("<think>")  # a special token that ended a sample on eos is dropped
+    assert data.completion_text(tok, gen.Sample(0, [5, special], [], [], [], "eos")) == tok.decode([5])
+    assert data.completion_text(tok, gen.Sample(0, [5, special], [], [], [], "truncated")) == tok.decode([5, special])
 
 
 def test_sampler_draws_from_the_softmax():
@@ -2077,6 +2170,94 @@ def test_sequence_logprobs_chunks_equal_full_logsoftmax_values_and_grads():
     ref.sum().backward()
     assert torch.allclose(lp, ref, atol=1e-10)
     assert torch.allclose(g_chunk, model.model.embed_tokens.weight.grad, atol=1e-10)
+
+
+def right_padded(n=5, T=12, vocab=40, seed=3):
+    """A right-padded batch of rows of 3..T real tokens -> ids (n, T), attention (n, T), lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [T] + torch.randint(3, T, (n - 1,), generator=g).tolist()
+    ids = torch.zeros(n, T, dtype=torch.long)
+    for i, L in enumerate(lens):
+        ids[i, :L] = torch.randint(4, vocab, (L,), generator=g)
+    return ids, (torch.arange(T) < torch.tensor(lens)[:, None]).long(), lens
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_sequence_logprobs_of_a_right_padded_batch_equal_each_row_alone_with_and_without_checkpoints(kind):
+    """No mask, no KV cache: the positions the loss reads equal each row's unpadded forward (the model's own,
+    full logits); the gradients are the same with the decoder layers checkpointed or not, and equal the rows'."""
+    model = tiny_model(kind).train()
+    ids, attn, lens = right_padded()
+    weights = torch.randn(ids.size(0), ids.size(1) - 1, generator=torch.Generator().manual_seed(0)) * attn[:, 1:]
+    grads = {}
+    for ckpt in (False, True, "slow"):
+        model.zero_grad()
+        if ckpt == "slow":  # each row alone, unpadded, the model's own forward
+            lp = torch.zeros(weights.shape)
+            for i, L in enumerate(lens):
+                lp[i, :L - 1] = model(ids[i:i + 1, :L]).logits[0, :-1].float().log_softmax(-1).gather(
+                    -1, ids[i, 1:L, None])[:, 0]
+        else:
+            lp = gen.sequence_logprobs(model, ids, attn, checkpoint_layers=ckpt, chunk=5)
+        (lp * weights).sum().backward()
+        grads[ckpt] = (lp.detach() * attn[:, 1:], [p.grad.clone() for p in model.parameters()])
+    for ckpt in (True, "slow"):
+        assert torch.allclose(grads[False][0], grads[ckpt][0], atol=1e-5), ckpt
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads[False][1], grads[ckpt][1])), ckpt
+    with pytest.raises(ValueError, match="right-padded"):
+        gen.sequence_logprobs(model, ids, attn.flip(1))
+    assert gen.checkpointing(gen.CHECKPOINT_ABOVE) is False and gen.checkpointing(gen.CHECKPOINT_ABOVE + 1) is True
+    assert gen.checkpointing(28, "off") is False and gen.checkpointing(2, True) is True
+
+
+def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
+    """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
+    151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
+    saved-tensor hooks count what each layer keeps for the backward (its input: 2 KB per token; 72 KB without
+    checkpointing) and what the head keeps (no logits: ~2.6 KB per token, whatever the vocab)."""
+    model = bench.two_layer_model("Qwen3-0.6B")
+    part = bench.saved_by_part(model, lengths=(16, 32), checkpoint_layers=True)
+    plan = pipeline.plan_activations(pipeline.plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
+    assert part["layer"] <= 4096 and part["layer"] == plan["checkpointed"] == 2048
+    assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
+
+
+@pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True)),
+                                                  ("qwen2", torch.bfloat16, {}),
+                                                  ("qwen3", torch.bfloat16, dict(tie_word_embeddings=True))])
+def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, dtype, changes):
+    """pipeline.memory_plan's figures against what a tiny model holds: the bytes its forward saves per token per
+    layer, checkpointed and not, and outside the layers (saved-tensor hooks), its parameters, and an FSDP2
+    trainer's shares."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, **changes)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**common)), "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+                "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common))}[kind]
+    model = cls(cfg).to(dtype).train()
+    s = pipeline.plan_shape(model.config)
+    plan = pipeline.plan_activations(s, dtype.itemsize)
+    on, off = (bench.saved_by_part(model, checkpoint_layers=c) for c in (True, False))
+    assert (on["layer"], off["layer"]) == (plan["checkpointed"], plan["layer"])
+    assert on["rest"] == plan["head"] and 0 <= plan["head"] - off["rest"] <= 8  # unused there: the position ids
+    assert pipeline.plan_param_count(s) == sum(p.numel() for p in model.parameters())
+    one, two = (pipeline.plan_trainer(s, dtype.itemsize, 1000, True, fsdp, n) for fsdp, n in ((False, 1), (True, 2)))
+    assert two["AdamW state"] == one["AdamW state"] / 2 == 4 * pipeline.plan_param_count(s)
+
+
+def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
+    """The plan of bench.py --figures memory: Qwen2.5-7B at 16 x 16 x 8k on 8 x 80 GB (6 generators, 2 FSDP2
+    trainers) fits at 8,192 tokens per micro-batch and not at 16,384; the README's Qwen3-0.6B command fits one
+    GPU; a sampler that cannot hold one group does not fit."""
+    plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
+                                                                                           "micro_tokens": mt}))
+             for mt in (8192, 16384)}
+    assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[16384]["roles"]["trainer"]["fits"]
+    assert plans[8192]["sequences"] * 6 >= 256
+    readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
+    assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
+    small = pipeline.PlanRun(**{**bench.README_RUN, "device_bytes": 30e9})
+    assert not pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), small)["roles"]["one process"]["fits"]
 
 
 def test_generate_rejects_unsupported_architecture():
@@ -2926,6 +3107,37 @@ def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_pat
     for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder
 
+def _fsdp_checkpoint_rank(rank, world, port, out):
+    """One of 2 FSDP2 trainers (pipeline.shard_trainer) of a tiny Qwen3 whose decoder layers are checkpointed (as
+    a 0.5B-8B model's are by default): the forward and backward of its own right-padded rows."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    gen.CHECKPOINT_ABOVE, calls, real = 0, [], gen.checkpoint
+    gen.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
+    model = tiny_model("qwen3").train()
+    forward = pipeline.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
+    ids, attn, _ = right_padded(seed=rank)
+    (forward(ids, attn, True, 1.0) * attn[:, 1:]).sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    if rank == 0:
+        torch.save((grads, calls), out)
+    torch.distributed.destroy_process_group()
+
+
+def test_pipeline_fsdp2_trainers_with_checkpointed_layers_sum_the_unsharded_gradient(tmp_path):
+    """Activation checkpointing (non-reentrant) inside FSDP2's per-layer units: the gathered gradient of 2 sharded
+    trainers equals one unsharded model's over both trainers' rows, computed without checkpointing."""
+    torch.multiprocessing.start_processes(_fsdp_checkpoint_rank, args=(2, bench.free_port(), str(tmp_path / "g.pt")),
+                                          nprocs=2, start_method="forkserver")
+    grads, calls = torch.load(tmp_path / "g.pt")
+    assert calls.count("_layer") == 2  # both layers went through the checkpoint
+    model = tiny_model("qwen3").train()
+    for rank in range(2):
+        ids, attn, _ = right_padded(seed=rank)
+        (gen.sequence_logprobs(model, ids, attn, checkpoint_layers=False) * attn[:, 1:]).sum().backward()
+    assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+
+
 def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(tmp_path):
     """--fsdp --dtype bfloat16: FSDP2 keeps float32 shards (AdamW's master weights), computes with the
     weights gathered in bf16 and broadcasts bf16 to the generator. Against two bf16 replicas with float32
@@ -3173,7 +3385,8 @@ def chain_model(tokenizer, successors):
     V = len(tokenizer)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=8, num_hidden_layers=1,
                                          num_attention_heads=1, num_key_value_heads=1, head_dim=V,
-                                         max_position_embeddings=512, tie_word_embeddings=False))
+                                         max_position_embeddings=512, tie_word_embeddings=False,
+                                         eos_token_id=tokenizer.eos_token_id))  # the sampler stops on it
     with torch.no_grad():
         for p in model.model.layers[0].parameters():
             p.zero_()
@@ -3318,6 +3531,20 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     for path in (empty, bad_arch):
         train.check_model_dir(str(path), errors.append)
     assert "no weights" in errors[0] and "'gpt2' is not supported" in errors[-1]
+    short = tmp_path / "short"  # a 112-token context (Qwen2.5-Math's is 4096)
+    short.mkdir()
+    (short / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 112}')
+    (short / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        train.get_args(["--model", str(short), "--think_budget", "100", "--answer_budget", "13"])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "train.py: error: --think_budget 100 + --answer_budget 13 = 113 tokens: more than the model's context "
+        "(max_position_embeddings 112); lower the budgets (--help lists the flags)"]
+    args = train.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
+    assert train.context_error(args, 112) is None
+    assert train.context_error(args, 112, 30, 8) == (
+        "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
+        "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets")
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)

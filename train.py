@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, format_prompt, load_source_problems, read_jsonl, resolve_model,
+from data import (PRESETS, load_source_problems, prompt_ids, read_jsonl, resolve_model,
                   score_samples, special_tokens, split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
@@ -128,8 +128,13 @@ def rollout_flags(g):
     g.add_argument("--samples", type=int, default=8, help="completions per prompt, G (paper: 16)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (paper: 1.0)")
-    g.add_argument("--slots", type=int, default=128,
-                   help="rows the sampler decodes at once (continuous batching)")
+    g.add_argument("--slots", type=int, default=None,
+                   help="rows the sampler decodes at once (continuous batching); None = 128 on "
+                        "CPU, as many as --gen_memory fits on CUDA (where --slots caps them)")
+    g.add_argument("--gen_memory", type=float, default=0.85,
+                   help="CUDA: the fraction of the device memory left after the weights that the "
+                        "sampler's KV cache takes (vLLM's gpu_memory_utilization); the sequences "
+                        "that fit at the full budget are printed")
     g.add_argument("--think_budget", type=int, default=48, help="thinking tokens (paper: 12288)")
     g.add_argument("--answer_budget", type=int, default=64,
                    help="answer tokens after </think> (paper: 2048). The toy's answer is 11 "
@@ -257,15 +262,18 @@ def check_args(args, error):
     """Flag values that would fail late (after the model loads) or silently train wrong:
     error(message)."""
     for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
-                 "eval_samples", "slots", "max_lag", "timeout", "heartbeat_timeout", "bucket_mb",
+                 "eval_samples", "max_lag", "timeout", "heartbeat_timeout", "bucket_mb",
                  "warmup", "max_empty_steps", "log_every"):
         if getattr(args, name) <= 0:
             error(f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("micro_prompts", "grad_clip", "save_every"):  # 0 has a meaning (see --help)
         if getattr(args, name) < 0:
             error(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.val_size is not None and args.val_size <= 0:
-        error(f"--val_size must be positive, got {args.val_size}")
+    for name in ("val_size", "slots"):  # None has a meaning (see --help)
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            error(f"--{name} must be positive, got {getattr(args, name)}")
+    if not 0 < args.gen_memory <= 1:
+        error(f"--gen_memory is a fraction of the device memory, in (0, 1], got {args.gen_memory}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         error(f"--device {args.device}: " +
               ("this PyTorch build has no CUDA (a CPU wheel); install the CUDA build"
@@ -274,6 +282,26 @@ def check_args(args, error):
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     # what loads; args.model stays as typed (--resume compares it)
     args.model_dir = check_model_dir(args.model, error)
+    if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        with open(os.path.join(args.model_dir, "config.json")) as f:
+            context = json.load(f).get("max_position_embeddings")
+        if (why := context_error(args, context)):
+            error(why)
+
+
+def context_error(args, context, prompt_len=0, phrase_len=0):
+    """The budgets against the model's context (max_position_embeddings; Qwen2.5-Math has 4096):
+    the longest prompt, the thinking budget, the interruption phrase and the answer budget must
+    fit in it -> a one-line error naming the flags, or None. At argument parsing the prompts are
+    not tokenized yet (0); start() checks again once they are."""
+    need = prompt_len + args.think_budget + args.answer_budget + phrase_len
+    if context is None or need <= context:
+        return None
+    prompt = f"the longest prompt ({prompt_len} tokens) + " if prompt_len else ""
+    phrase = f" + the interruption phrase ({phrase_len})" if phrase_len else ""
+    return (f"{prompt}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
+            f"{phrase} = {need} tokens: more than the model's context (max_position_embeddings "
+            f"{context}); lower the budgets")
 
 
 def check_model_dir(path, error):
@@ -387,9 +415,8 @@ def load_model(model_dir, args, device):
 
 
 def tokenize_prompts(tokenizer, problems):
-    """Each problem's prompt, formatted as in training, as token ids."""
-    return [tokenizer(format_prompt(tokenizer, p["prompt"], p.get("domain")))["input_ids"]
-            for p in problems]
+    """Each problem's prompt, formatted as in training, as token ids (data.prompt_ids)."""
+    return [prompt_ids(tokenizer, p["prompt"], p.get("domain")) for p in problems]
 
 
 def domain_rates(problems, correct):
@@ -409,8 +436,7 @@ def evaluate(model, tokenizer, val_ids, val, args):
     keys at every eval. None when a signal stopped it."""
     k, n = args.eval_samples, len(val_ids)
     items = [(val_ids[i % n], 10**12 + i, i) for i in range(n * k)]  # sample i: prompt i % n
-    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
-                                  slots=min(args.slots, n * k))
+    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)), cap=n * k)
     done = pipeline.sample_all(steps, items, stop=lambda: bool(pipeline.STOP))
     if done is None:
         return None
@@ -1056,10 +1082,14 @@ def start(args):
     model_dir = ckpt or args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args, ctx))
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
+    phrase_len = len(special_tokens(tokenizer)["interrupt_ids"])
+    if (why := context_error(args, getattr(model.config, "max_position_embeddings", None),
+                             max(map(len, train_ids + val_ids)), phrase_len)):
+        sys.exit(f"error: {why}")
     if ctx:  # rollouts travel as packed rows of this many tokens per sample
         pipeline.start(ctx, state.get("step", 0),
                        max(map(len, train_ids)) + args.think_budget + args.answer_budget +
-                       len(special_tokens(tokenizer)["interrupt_ids"]))
+                       phrase_len)
     return Setup(args, ctx, rank0, log, train, val, train_ids, val_ids, tokenizer, model,
                  model_dir, ckpt, state)
 
@@ -1088,6 +1118,10 @@ def describe(env, trainer):
     print0(f"model {env.model_dir} ({trainer.n_params / 1e6:.2f}M params, "
            f"{env.model.config.model_type}) on {device} | {roles} | {len(env.train)} train / "
            f"{len(env.val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
+    if env.rank0:
+        pipeline.print_memory_plan(env.model.config, args, env.ctx, device,
+                                   max(map(len, env.train_ids)),
+                                   len(special_tokens(env.tokenizer)["interrupt_ids"]))
 
 # -----------------------------------------------------------------------------
 # the training loop
