@@ -3287,6 +3287,26 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         train.get_args(["--resume", "--overwrite"])
 
 
+def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(tmp_path, capsys):
+    """nan, inf and negative values went through (`--temperature -1` trained silently to 0.000): each is one line
+    naming the flag, at parsing, before --out exists."""
+    out = tmp_path / "run"
+    for flag in ("lr", "temperature", "adam_eps", "weight_decay", "grad_clip", "eps_high", "eps_low", "timeout",
+                 "heartbeat_timeout"):
+        for value in ("nan", "inf", "-1"):
+            with pytest.raises(SystemExit):
+                train.get_args(["--out", str(out), f"--{flag}", value])
+            said = capsys.readouterr().err.strip().splitlines()
+            assert len(said) == 1 and said[0].startswith(f"train.py: error: --{flag} must be "), (flag, value, said)
+    for argv in (["--timeout", "1e300"], ["--seed", "-1"], ["--keep", "0"], ["--l_cache", "-3"], ["--eps_low", "5"],
+                 ["--loss", "grpo", "--eps_low", "1.5"]):
+        with pytest.raises(SystemExit):
+            train.get_args(["--out", str(out), *argv])
+        assert capsys.readouterr().err.count("\n") == 1, argv
+    assert not out.exists()
+    assert train.get_args(["--eps_low", "0", "--grad_clip", "0", "--weight_decay", "0"]).grad_clip == 0  # 0: off
+
+
 def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, tmp_path, capsys):
     for argv, line in [(["--prompt", "8"], "train.py: error: unrecognized arguments: --prompt 8 (--prompt: did you "
                                            "mean --prompts?) (--help lists the flags)"),

@@ -56,8 +56,8 @@ from data import (PRESETS, Curriculum, format_prompt, load_source_problems, read
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, generate, sequence_logprobs
-from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, drift_by_lag, length_penalty,
-                  policy_loss, ratio_stats, zero_variance_keep)
+from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
+                  length_penalty, policy_loss, ratio_stats, zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
                   resume_point, save_checkpoint, truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
@@ -254,19 +254,31 @@ def get_args(argv=None):
     return args
 
 
+# what each numeric flag may be, besides finite: nan, inf or a negative value would fail late or
+# train silently wrong (a negative --temperature sampled the argmax and trained to 0.000)
+MAX_SECONDS = 1e7  # --timeout, --heartbeat_timeout: past this, waits overflow their clocks
+POSITIVE, AT_LEAST_0 = (lambda v: v > 0, "positive"), (lambda v: v >= 0, ">= 0")
+SECONDS = (lambda v: 0 < v <= MAX_SECONDS, f"in (0, {MAX_SECONDS:g}] seconds")
+FLAG_RANGES = {
+    **dict.fromkeys(("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
+                     "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
+                     "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
+                     "adam_eps", "eps_high"), POSITIVE),
+    **dict.fromkeys(("micro_prompts", "grad_clip", "save_every", "l_max", "l_cache", "gen_ranks",
+                     "weight_decay", "eps_low"), AT_LEAST_0),  # 0 has a meaning (see --help)
+    "timeout": SECONDS, "heartbeat_timeout": SECONDS,
+    "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
+}
+
+
 def check_args(args, error):
     """Flag values that would fail late (after the model loads) or silently train wrong:
-    error(message)."""
-    for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
-                 "eval_samples", "slots", "max_lag", "timeout", "heartbeat_timeout", "bucket_mb",
-                 "warmup", "max_empty_steps", "log_every"):
-        if getattr(args, name) <= 0:
-            error(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("micro_prompts", "grad_clip", "save_every"):  # 0 has a meaning (see --help)
-        if getattr(args, name) < 0:
-            error(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.val_size is not None and args.val_size <= 0:
-        error(f"--val_size must be positive, got {args.val_size}")
+    error(message), one line, before anything is made in --out."""
+    for name, (ok, what) in FLAG_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and (not ok(value) or abs(value) == math.inf):
+            error(f"--{name} must be {what} and finite, got {value}")
+    check_clip_bounds(args, error)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         error(f"--device {args.device}: " +
               ("this PyTorch build has no CUDA (a CPU wheel); install the CUDA build"
@@ -275,6 +287,16 @@ def check_args(args, error):
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     # what loads; args.model stays as typed (--resume compares it)
     args.model_dir = check_model_dir(args.model, error)
+
+
+def check_clip_bounds(args, error):
+    """--eps_low / --eps_high as the loss reads them (loss.py): CISPO's are absolute bounds on the
+    ratio (low below high), the clipped losses' 1 - eps_low may not be negative."""
+    low, high = clip_eps(args.loss, args.eps_low, args.eps_high)
+    if args.loss == "cispo" and low is not None and low >= high:
+        error(f"--eps_low {low} must be below --eps_high {high} (CISPO: bounds on the ratio)")
+    if args.loss != "cispo" and low > 1:
+        error(f"--eps_low {low}: {args.loss} clips the ratio at 1 - eps_low, which must be >= 0")
 
 
 def check_model_dir(path, error):
