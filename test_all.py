@@ -949,6 +949,93 @@ def test_code_memory_limit():
     assert score_code(fenced(alloc.format(600 << 20)), ["assert x"], memory=256 << 20) is False
 
 
+PAST_THE_GUARD = "import sys\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\nlibc = ctypes.CDLL(None)\n"
+HOARD = PAST_THE_GUARD + """import os, time
+kids, reported, dead, (r, w) = {}, set(), set(), os.pipe()
+for k in range(4):                          # 4 processes of 400 MiB, each within its own 1 GiB RLIMIT_AS
+    pid = libc.fork()
+    if pid == 0:
+        try:
+            hoard = b"\\x01" * (400 << 20)  # written: resident
+            os.write(w, bytes([k]))
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    kids[pid] = k
+os.set_blocking(r, False)
+end = time.time() + 6
+while time.time() < end and len(reported | dead) < 4:
+    time.sleep(0.05)
+    try:
+        reported.update(os.read(r, 16))
+        while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:    # a child the kernel killed
+            dead.add(kids[pid])
+    except (BlockingIOError, ChildProcessError):
+        pass
+print("holding", len(reported - dead), flush=True)
+"""
+
+
+@BWRAP
+@pytest.mark.skipif(not sandbox.cgroup_plan()[0], reason="no cgroup can be made here (not root, no delegated "
+                    "subtree): sandbox.cgroup_plan's line says why; the per-process limits are tested above")
+def test_code_a_sample_cannot_hold_more_memory_than_its_cgroup_allows():
+    """RLIMIT_AS binds each process alone: 4 forked processes of 400 MiB held 1.6 GiB against a 1 GiB limit. In a
+    cgroup of its own the sample's processes together hold at most CODE_SAMPLE_MEMORY (the kernel kills past it)."""
+    code, out, _ = sandbox._run_program(HOARD, "", "", 10.0, sandbox.CODE_MEMORY, False)
+    held = re.search(r"holding (\d+)", out)
+    assert held or code != 0, out                            # the sample ran, or the kernel killed it whole
+    assert held is None or int(held[1]) * (400 << 20) <= sandbox.CODE_SAMPLE_MEMORY, out
+    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
+
+
+@BWRAP
+def test_code_without_a_cgroup_the_sample_runs_and_is_the_oom_killers_first_pick(monkeypatch):
+    """Where no cgroup can be made, the sandbox says so in one line and runs with its per-process limits; either
+    way its processes are the OOM killer's first pick (oom_score_adj 1000), so a sample that fills the memory is
+    killed, not the trainer."""
+    monkeypatch.setattr(sandbox, "_own_cgroups", lambda: {})
+    sandbox.cgroup_plan.cache_clear()
+    try:
+        plan, line = sandbox.cgroup_plan()
+        assert plan == [] and line.startswith("code sandbox: no cgroup for the samples (no memory hierarchy")
+        sleeper = fenced("import time\ntime.sleep(2)" + RAN)
+        thread = threading.Thread(target=score_code, args=(sleeper, RUN))
+        thread.start()
+        seen, deadline = {}, time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            for pid in sandbox_processes():
+                with contextlib.suppress(OSError):
+                    seen[pid] = (open(f"/proc/{pid}/oom_score_adj").read().strip(), open(f"/proc/{pid}/cgroup").read())
+            time.sleep(0.05)
+        thread.join()
+        assert seen and all(adj == "1000" and "scalerl-sandboxes" not in groups for adj, groups in seen.values())
+        assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
+    finally:
+        monkeypatch.undo()
+        sandbox.cgroup_plan.cache_clear()
+
+
+@BWRAP
+def test_code_one_time_budget_for_all_the_cases_of_a_sample():
+    """A correct but slow program costs its sample's budget once, not once per case (5 cases of 1 s each ran 5 s
+    under a 3 s limit per run)."""
+    slow = fenced("import time\ntime.sleep(1)\nprint(2 * int(input()))")
+    assert score_code(slow, {"inputs": ["4"], "outputs": ["8"]}, timeout=3.0) is True
+    start = time.perf_counter()
+    assert score_code(slow, {"inputs": [str(k) for k in range(5)], "outputs": [str(2 * k) for k in range(5)]},
+                      timeout=3.0) is False
+    assert time.perf_counter() - start < 4.5
+
+
+def test_code_a_sample_runs_on_at_most_code_max_cases_cases(monkeypatch):
+    runs = []
+    monkeypatch.setattr(sandbox, "_run_program", lambda program, tests, stdin, *_: (runs.append(stdin), 0, stdin, b"")[1:])
+    many = {"inputs": [str(k) for k in range(100)], "outputs": [str(k) for k in range(100)]}
+    assert score_code(fenced("print(input())"), many) is True
+    assert runs == [str(k) for k in range(32)] and sandbox.CODE_MAX_CASES == 32
+
+
 def test_code_output_flood_is_cut():
     start = time.perf_counter()
     flood = fenced("while True:\n    print('x' * 100000)" + RAN)
@@ -1315,7 +1402,8 @@ def refused(expression):
 """)
     denied = ["os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)", "os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)",
               "fcntl.flock(fd, fcntl.LOCK_SH)", "resource.getrusage(resource.RUSAGE_SELF)",
-              "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)", "socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)"]
+              "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)", "socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)",
+              "os.memfd_create('hoard')", "os.sched_setaffinity(0, {0})"]
     allowed = ["os.pread(fd, 1, 0)", "os.preadv(fd, [bytearray(1)], 0)", "socket.socket().close()",
                "socket.socketpair()", "threading.Thread(target=print).start()", "fcntl.fcntl(fd, fcntl.F_GETFL)"]
     checks = [f"assert refused({e!r}) == 'EPERM'" for e in denied]
@@ -1400,9 +1488,46 @@ def test_code_batch_never_runs_two_samples_of_one_problem_at_once(monkeypatch):
         return response
 
     monkeypatch.setattr(sandbox, "score_code", fake_score)
-    tests = [["assert a() == 1"], ["assert b() == 1"]] * 4
+    tests = [["assert a(1) == 1"], ["assert b(2) == 4"]] * 4
     assert score_code_batch(list(range(8)), tests, workers=4) == list(range(8))
     assert most_of_one == [1] and most_at_once == [2]
+
+
+def test_code_batch_keeps_one_problem_apart_however_its_tests_are_written(monkeypatch):
+    """"The same problem" is decided on the tests as the judge reads them: another spacing, order, subset of cases
+    or name of the solution does not make another problem (two such samples ran side by side, and one could pass
+    its answer to the other as CPU load). Different problems still run side by side."""
+    same = {"stdin": ({"inputs": ["1 2\n", "5 5"], "outputs": ["3\n", "10"]}, {"inputs": ["5  5\n"], "outputs": ["10 \n"]}),
+            "asserts": (["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
+                        "def check(candidate):\n    assert 3 == (candidate(1,2)), 'sums'\ncheck(add)")}
+    running, worst, lock = collections.Counter(), collections.Counter(), threading.Lock()
+
+    def fake_score(label, tests, **_):
+        with lock:
+            running[label] += 1
+            worst[label], worst["all"] = max(worst[label], running[label]), max(worst["all"], sum(running.values()))
+        time.sleep(0.05)
+        with lock:
+            running[label] -= 1
+        return True
+
+    monkeypatch.setattr(sandbox, "score_code", fake_score)
+    labels = [label for label in same for _ in (0, 1)] * 2
+    score_code_batch(labels, [tests for pair in same.values() for tests in pair] * 2, workers=2)
+    assert (worst["stdin"], worst["asserts"], worst["all"]) == (1, 1, min(2, len(os.sched_getaffinity(0))))
+
+
+SPINNERS = PAST_THE_GUARD + "for _ in range(30):\n    if libc.fork() == 0:\n        libc.setsid()\n        break\nwhile True:\n    pass\n"
+
+
+@BWRAP
+def test_code_a_neighbours_processes_cannot_starve_a_sample():
+    """A sample of another problem that spins 31 processes, each in a session of its own, beside a correct sample
+    that needs under a second of CPU: on 2 cores it got a 16th of one and failed its time limit. Each sandbox now
+    has a CPU of its own (pinned, and kept there by the system-call filter; and a cgroup's one-CPU share)."""
+    work = fenced("n = 0\nfor i in range(8_000_000):\n    n += i\nprint(n % 7)")
+    spin_tests, work_tests = {"inputs": [""], "outputs": ["x"]}, {"inputs": [""], "outputs": [str(sum(range(8_000_000)) % 7)]}
+    assert score_code_batch([fenced(SPINNERS), work], [spin_tests, work_tests], workers=2, timeout=6.0) == [False, True]
 
 
 def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
