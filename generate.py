@@ -622,8 +622,8 @@ if __name__ == "__main__":
         path = resolve_model(args.model) if args.model else toy_model_dir()
     except ValueError as err:
         sys.exit(f"error: --model {err}")
-    tokenizer, model = (AutoTokenizer.from_pretrained(path),
-                        AutoModelForCausalLM.from_pretrained(path).eval())
+    tokenizer, model = (AutoTokenizer.from_pretrained(path, trust_remote_code=False),
+                        AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval())
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]
     prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]

@@ -1547,6 +1547,50 @@ def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
     assert [p["answer"] for p in data.load_problems(str(path))] == ["7", "0"]
 
 
+def test_data_reads_regular_files_only_and_every_error_names_file_and_line(tmp_path, capsys):
+    """--data naming a FIFO waited for a writer forever, /dev/zero was read into memory without end, and deeply
+    nested JSON, a 5000-digit integer or an assert nested past the parser's depth gave a traceback or an error
+    without file:line."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    said = {}
+    reader = threading.Thread(target=lambda: said.update(exit=pytest.raises(SystemExit, train.load_data,
+                                                                            train.get_args(["--data", str(fifo)]))),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    assert str(said["exit"].value.code) == f"error: --data {fifo}: not a regular file (a FIFO): give a jsonl file"
+    for path, kind in (("/dev/zero", "a device"), (tmp_path, "a directory")):
+        with pytest.raises(OSError, match=rf"not a regular file \({kind}\)"):
+            data.load_problems(str(path))
+    ok = '{"problem": "ok", "answer": "1"}\n'
+    cases = {ok + '{"problem": "p", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n": ":2: invalid JSON (nested too deeply)",
+             ok + '{"problem": "p", "answer": ' + "9" * 5000 + "}\n": ":2: invalid JSON (Exceeds the limit",
+             ok + '{"prompt": "p", "tests": ["assert f(1)' + " + 1" * 100_000 + '"]}\n':
+                 ":2: field 'tests': an expression nested too deeply to parse",
+             ok + '{"problem": "' + "x" * data.MAX_LINE_BYTES + '", "answer": "1"}\n': ":2: a line over 16 MiB"}
+    assert_load_errors(tmp_path, cases)
+    for i in range(len(cases)):
+        with pytest.raises(SystemExit) as exit_:
+            train.load_data(train.get_args(["--data", str(tmp_path / f"bad{i}.jsonl")]))
+        assert re.fullmatch(rf"error: --data: \S*bad{i}.jsonl:2: [^\n]+", exit_.value.code), exit_.value.code
+
+
+def test_data_counts_golds_no_response_can_match_and_cuts_tests_to_the_cases_a_sample_runs(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    many = {"inputs": [str(k) for k in range(40)], "outputs": [str(k) for k in range(40)]}
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"problem": "a", "answer": "1"}, {"problem": "b", "answer": "2" * 1001}, {"problem": "c", "answer": "\\$"},
+        {"problem": "d", "answer": "3" * 1001}, {"prompt": "e", "tests": many}]) + "\n")
+    problems = data.load_problems(str(path))
+    err = capsys.readouterr().err
+    assert f"2 gold answer(s) that no response can match (longer than 1000 characters): kept" in err and f"{path}:2)" in err
+    assert f"1 gold answer(s) that no response can match (nothing is left of it once normalized)" in err
+    assert f"1 code problem(s) with more than 32 test cases: each keeps its first 32" in err and f"{path}:5)" in err
+    assert len(problems) == 5 and problems[4]["tests"] == {"inputs": many["inputs"][:32], "outputs": many["outputs"][:32]}
+    assert not verify.score(r"\boxed{" + "2" * 1001 + "}", "2" * 1001)  # what the warning says
+
+
 def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retired_prompt():
     for seed in range(40):
         c = data.Curriculum(5, seed=seed)
@@ -1762,6 +1806,34 @@ def test_format_prompt_plain_and_chat_template(toy_dir):
     tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
     chat = data.format_prompt(tok, "What is 2+2?")
     assert chat.startswith("<|user|>") and chat.endswith("<|assistant|>") and "What is 2+2?" in chat
+
+
+LOOPING_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                    "{{ messages[0].content }}")
+
+
+def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_path, monkeypatch):
+    """A model folder's chat template is code: one that loops (here 10^10 iterations) is rendered once, under a time
+    limit, and stops the run with one line (it ran for minutes with no message)."""
+    folder = tmp_path / "model"
+    shutil.copytree(toy_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = LOOPING_TEMPLATE
+    tok.save_pretrained(folder)
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0)
+    said, start = {}, time.monotonic()
+
+    def evaluate():
+        try:
+            train.eval_only(train.get_args(["--eval_only", "--model", str(folder), "--val_size", "4"]))
+        except SystemExit as err:
+            said["exit"] = str(err.code)
+
+    thread = threading.Thread(target=evaluate, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert said.get("exit", "").startswith(f"error: --model {folder}: its chat template took over 1 s to render")
+    assert time.monotonic() - start < 15 and "\n" not in said["exit"]
 
 
 def test_split_is_seeded_and_disjoint():

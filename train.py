@@ -439,10 +439,17 @@ def pick_device(args, ctx=None):
 
 
 def load_model(model_dir, args, device):
-    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs. Nothing in
+    the folder runs as code (no trust_remote_code; its chat template, rendered once here under a
+    time limit, is data.format_prompt's): a folder that needs it stops the run with one line."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        for domain in ("math", "code"):
+            format_prompt(tokenizer, "", domain)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype), trust_remote_code=False).to(device)
+    except ValueError as err:
+        sys.exit(f"error: --model {model_dir}: {' '.join(str(err).split())[:400]}")
     check_supported(model)
     return tokenizer, model
 

@@ -261,6 +261,14 @@ def quick_check(answer, gold):
         return x == y
     return None
 
+
+def never_matched(gold):
+    """Why no response can ever match this gold answer (quick_check refuses it before comparing),
+    or None: it is longer than MAX_ANSWER_CHARS, or nothing is left of it once normalized."""
+    if len(gold) > MAX_ANSWER_CHARS:
+        return f"longer than {MAX_ANSWER_CHARS} characters"
+    return None if normalize(gold) else "nothing is left of it once normalized"
+
 # -----------------------------------------------------------------------------
 # The full check: answer shapes, then values with sympy (runs in a worker process)
 
