@@ -766,7 +766,8 @@ def test_verify_negated_or_hedged_text_is_not_a_unit():
     cases = [(r"\text{not } 5", "5", False), (r"5 \text{ is not correct}", "5", False),
              (r"\text{no solution except } 5", "5", False), (r"5 \text{ or perhaps } 6", "56", False),
              (r"\text{at least } 5", "5", False), ("5 or more", "5", False), ("5 or six", "5", False),
-             (r"5 \text{ apples}", "5", True), (r"5 \text{ more cookies}", "5", True), ("18 dollars", "18", True),
+             (r"5 \text{ apples}", "5", False), (r"5 \text{ more cookies}", "5", False),  # no units: off the list
+             ("18 dollars", "18", True),
              (r"5\text{ or }6", "6, 5", True), (r"5 \text{ OR } 6", "5, 6", True)]
     assert _verdicts(cases) == [expected for _, _, expected in cases]
 
@@ -795,7 +796,7 @@ HEDGED = [  # (answer, gold): a qualifier or a negation changes the claim
 ]
 PLAIN = [  # (answer, gold): forms Math-Verify accepts, kept
     ("x = 5", "5"), (r"5 \text{ cm}", "5"), (r"\text{(A)}", "A"), (r"\dfrac{1}{2}", "0.5"), ("1,000", "1000"),
-    (r"\alpha = 5", "5"), (r"\theta=5", "5"), (r"5 \text{ min}", "5"), (r"5 \text{ apples}", "5"),
+    (r"\alpha = 5", "5"), (r"\theta=5", "5"), (r"5 \text{ min}", "5"), (r"12 \text{ sq. ft}", "12"),
 ]
 
 
@@ -809,6 +810,30 @@ def test_verify_hedged_or_negated_answers_are_false():
     verdicts = _verdicts([(a, g, False) for a, g in HEDGED] + [(a, g, True) for a, g in PLAIN])
     assert [pair for pair, ok in zip(HEDGED, verdicts) if ok] == []
     assert [pair for pair, ok in zip(PLAIN, verdicts[len(HEDGED):]) if not ok] == []
+
+
+DENIED = [r"5 \text{ false}", r"5 \text{ impossible}", r"5 \text{ is false}", "5 false", r"5 \text{ untrue}",
+          r"5 \text{ invalid}", r"5 \text{ disproved}", r"5 \text{ nope}", r"5 \text{ apples}", "5 wrongly"]
+UNITS = [r"5 \text{ cm}", r"5\text{ km/h}", r"5 \text{ inches}", r"5 \text{ degrees}", r"5 \text{ sq ft}",
+         r"5 \text{ dollars}", "5 hours", r"5 \text{ units}", r"5 \text{ m}^2", r"5\text{ per hour}"]
+ON_THE_POINTS = [  # (answer, gold): a term that vanished at every point the old checker sampled (p / (997 * 10^k))
+    (r"x + x^{8}\sin(997000\pi x)", "x"), (r"x^2 + x^{8}(1 - \cos(1994000\pi x))", "x^2"),
+    (r"\frac{1}{x} + x^{9}\sin(997000\pi x)", r"\frac{1}{x}")]
+
+
+def test_verify_a_word_beside_the_answer_must_be_a_unit_and_points_alone_prove_nothing():
+    """A word beside a number is dropped only when it is on the allow-list of units and formatting words: no
+    phrasing of a denial passes (a deny-list missed "false" and "impossible"). And agreeing at the sample points
+    is not equality: sympy must prove the difference zero."""
+    verdicts = _verdicts([(a, "5", False) for a in DENIED] + [(a, "5", True) for a in UNITS]
+                         + [(a, g, False) for a, g in ON_THE_POINTS])
+    assert [a for a, ok in zip(DENIED, verdicts) if ok] == []
+    assert [a for a, ok in zip(UNITS, verdicts[len(DENIED):]) if not ok] == []
+    assert [pair for pair, ok in zip(ON_THE_POINTS, verdicts[len(DENIED) + len(UNITS):]) if ok] == []
+    u, v = verify.to_sympy("x"), verify.to_sympy("x^2")
+    firsts = [p[verify.to_sympy("x")] for p in verify._points(u, v)[4:12]]
+    seconds = [p[verify.to_sympy("x")] for p in verify._points(u, v)[4:12]]
+    assert firsts != seconds and len({abs(x).q for x in firsts}) == len(firsts)  # drawn afresh, no shared grid
 
 
 def test_verify_thinking_opened_by_the_prompt_must_close():
