@@ -764,7 +764,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     mine, curriculum = problems_of(len(problems), g, ctx.n_gens, args.seed,
                                    args.no_positive_resampling)
     if args.resume and os.path.exists(curriculum_path):
-        curriculum.load_state_dict(torch.load(curriculum_path, weights_only=False))
+        with open(curriculum_path) as f:
+            curriculum.load_state_dict(json.load(f))
         # as the flag says now (check_resume printed a change)
         curriculum.npr = args.no_positive_resampling
     gen = Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum,
@@ -959,5 +960,7 @@ def send_group(ctx, gen, gi, c, samples):
 
 
 def _save_curriculum(curriculum, path):
-    torch.save(curriculum.state_dict(), path + ".tmp")
+    """As JSON: plain data, which loading cannot turn into code (a pickle could)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(curriculum.state_dict(), f)
     os.replace(path + ".tmp", path)

@@ -3041,8 +3041,8 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     rcs, outs = finish_all(procs)
     assert rcs[0] != 0 and rcs[1] != 0 and time.time() - t_kill < 60
     assert "rank 0" in outs[1] and "ERROR" in outs[1], outs[1]
-    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.pt").exists()
-    saved = torch.load(tmp_path / "curriculum-rank1.pt", weights_only=False)  # for a resume at step 2 or 4
+    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.json").exists()
+    saved = json.loads((tmp_path / "curriculum-rank1.json").read_text())  # for a resume at step 2 or 4
     assert saved["epoch"] == 0 and saved["pos"] in (2 * 4, 4 * 4)  # exactly its batches served (not k more),
     assert sum(map(len, saved["history"].values())) == saved["pos"]  # with every one of their pass rates
     procs = launch(2, tmp_path, *flags, "--resume")
@@ -3307,7 +3307,7 @@ def test_pipeline_a_signal_to_one_rank_stops_every_rank_with_the_last_step_saved
     assert rcs == [128 + signal.SIGTERM] * 2, out
     done = len(train_records(tmp_path))
     assert f"stopped by a signal after step {done}/40; saved {tmp_path / f'ckpt-{done:06d}'}; continue with: " \
-           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.pt").exists()
+           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.json").exists()
     rcs, (out, _) = finish_all(launch(2, tmp_path, "--steps", str(done + 2), "--save_every", "0", "--resume"))
     assert rcs == [0, 0] and f"resumed from {tmp_path / f'ckpt-{done:06d}'} at step {done}" in out, out
     assert [r["step"] for r in train_records(tmp_path)] == list(range(1, done + 3))
@@ -3742,10 +3742,45 @@ def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_d
     assert "--lr 0.0003 -> 0.0001" in capsys.readouterr().out
     assert [r["step"] for r in recs if r["kind"] == "train"][-1] == 5
     assert [r["lr"] for r in recs if r["kind"] == "train"][-1] == pytest.approx(warmed_up(recs, 1e-4)[-1])  # new --lr
-    state = torch.load(out / "ckpt-000005" / "state.pt", weights_only=False)
+    state = torch.load(out / "ckpt-000005" / "state.pt", weights_only=True)
     group = state["optimizer"]["param_groups"][0]
     assert (group["initial_lr"], group["eps"], group["weight_decay"]) == (1e-4, 1e-8, 0.5)
     assert state["scheduler"]["base_lrs"] == [1e-4] and state["curriculum"]["npr"] is False
+
+
+class RunsCode:
+    """What a hostile run folder can hold: a pickle whose loading calls a function of the author's choice (here one
+    that creates a file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_train_resume_unpickles_nothing_that_could_run_code(toy_dir, tmp_path):
+    """A run folder shared or downloaded is data: --resume loads state.pt as tensors and plain data only, and a
+    state.pt or generator curriculum holding anything else stops the run with one line before any of it runs.
+    Everything train.py saves (optimizer, schedule, curriculum, RNG, flags, float32 master weights) loads so."""
+    out, ran = tmp_path / "run", tmp_path / "ran"
+    run_train(toy_dir, out, "--steps", "1")  # bf16's master weights: test_train_bf16_steps_float32_master_weights_*
+    state = out / "ckpt-000001" / "state.pt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(state) == []
+    saved = torch.load(state, weights_only=True)
+    assert {"optimizer", "scheduler", "curriculum", "torch_rng", "args"} <= set(saved) and saved["args"]["steps"] == 1
+    torch.save({**saved, "note": RunsCode(str(ran))}, state)
+    with pytest.raises(SystemExit) as exit_:
+        run_train(toy_dir, out, "--steps", "2", "--resume")
+    assert str(exit_.value.code).startswith(f"error: --resume: {state} holds objects other than tensors and plain "
+                                            "data") and "\n" not in str(exit_.value.code)
+    assert not ran.exists()
+    torch.save(saved, state)
+    torch.save(RunsCode(str(ran)), out / "curriculum-rank1.pt")  # a generator's curriculum, pickled by an older run
+    args = train.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "8", "--resume"])
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*curriculum-rank1.pt is a curriculum of an older "):
+        runs.resume_point(args, quiet=True)
+    assert not ran.exists()
 
 
 def warmed_up(records, lr, warmup=10):

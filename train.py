@@ -983,7 +983,7 @@ def main(args):
                        max(map(len, train_ids)) + args.think_budget + args.answer_budget +
                        len(special_tokens(tokenizer)["interrupt_ids"]))
         if ctx.role == "generator":
-            path = os.path.join(args.out, f"curriculum-rank{ctx.rank}.pt")
+            path = os.path.join(args.out, f"curriculum-rank{ctx.rank}.json")
             pipeline.run_generator(ctx, args, model, tokenizer, train, train_ids,
                                    state.get("step", 0), path)
             return pipeline.finish(ctx)
