@@ -11,6 +11,7 @@ import contextlib
 import errno
 import hashlib
 import inspect
+import ipaddress
 import json
 import math
 import multiprocessing
@@ -3084,6 +3085,44 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
     assert p.wait(timeout=60) != 0
     for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+
+
+def listening_addresses(pids):
+    """The addresses the processes' TCP sockets listen on (ipaddress objects), read from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = []
+    for table in ("tcp", "tcp6"):
+        for row in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN; the address: 32-bit words, each little-endian
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                found.append(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+    return found
+
+
+def test_pipeline_torchrun_on_one_machine_listens_on_loopback_only_as_the_readme_says(tmp_path):
+    """Under `torchrun --standalone` (or without flags) the launcher's store listened on every interface: a process
+    that was no rank listed its keys, set one and stopped the run. Run as the README says for one machine, every
+    socket of the run (launcher, store, gloo) listens on the loopback interface alone."""
+    readme = (ROOT / "README.md").read_text()
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               **dict([re.search(r"^export (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)=(\S+)", readme, re.M).groups()]))
+    flags = re.search(r'^LOCAL="([^"]+)"', readme, re.M)[1].split()
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, "--rdzv-endpoint", str(tmp_path / "rdzv"),
+                          "--nproc_per_node", "2", str(ROOT / "train.py"), "--out", str(tmp_path / "run"), *PIPE_FLAGS,
+                          "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    try:
+        wait_for_train_records(tmp_path / "run", 1, [p])
+        addresses = listening_addresses([p.pid, *worker_pids(p.pid).values()])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=120)
+    assert len(addresses) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
+                                       for a in addresses), addresses
 
 
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
