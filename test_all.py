@@ -1011,30 +1011,38 @@ def test_code_a_sample_cannot_hold_more_memory_than_its_cgroup_allows():
     code, out, _ = sandbox._run_program(HOARD, "", "", 10.0, sandbox.CODE_MEMORY, False)
     held = re.search(r"holding (\d+)", out)
     assert held or code != 0, out                            # the sample ran, or the kernel killed it whole
+    assert held is None or int(held[1]) * (400 << 20) <= 5 << 28, out                 # 1.25 GiB, for all of it
     assert held is None or int(held[1]) * (400 << 20) <= sandbox.CODE_SAMPLE_MEMORY, out
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
 
+def seen_while_running(path):
+    """{pid: (/proc/pid/<path>, /proc/pid/cgroup)} of the sandbox processes seen while a 2 s sample runs."""
+    thread = threading.Thread(target=score_code, args=(fenced("import time\ntime.sleep(2)" + RAN), RUN))
+    thread.start()
+    seen, deadline = {}, time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        for pid in sandbox_processes():
+            with contextlib.suppress(OSError):
+                seen[pid] = (open(f"/proc/{pid}/{path}").read().strip(), open(f"/proc/{pid}/cgroup").read())
+        time.sleep(0.05)
+    thread.join()
+    return seen
+
+
 @BWRAP
-def test_code_without_a_cgroup_the_sample_runs_and_is_the_oom_killers_first_pick(monkeypatch):
-    """Where no cgroup can be made, the sandbox says so in one line and runs with its per-process limits; either
-    way its processes are the OOM killer's first pick (oom_score_adj 1000), so a sample that fills the memory is
-    killed, not the trainer."""
+def test_code_a_sample_is_the_oom_killers_first_pick_and_runs_without_a_cgroup(monkeypatch):
+    """A sample's processes are the OOM killer's first pick (oom_score_adj 1000: one that fills the memory is
+    killed, not the trainer). Where no cgroup can be made, the sandbox says so in one line and the sample runs
+    with its per-process limits."""
+    seen = seen_while_running("oom_score_adj")
+    assert seen and all(adj == "1000" for adj, _ in seen.values()), seen
     monkeypatch.setattr(sandbox, "_own_cgroups", lambda: {})
     sandbox.cgroup_plan.cache_clear()
     try:
         plan, line = sandbox.cgroup_plan()
         assert plan == [] and line.startswith("code sandbox: no cgroup for the samples (no memory hierarchy")
-        sleeper = fenced("import time\ntime.sleep(2)" + RAN)
-        thread = threading.Thread(target=score_code, args=(sleeper, RUN))
-        thread.start()
-        seen, deadline = {}, time.monotonic() + 10
-        while not seen and time.monotonic() < deadline:
-            for pid in sandbox_processes():
-                with contextlib.suppress(OSError):
-                    seen[pid] = (open(f"/proc/{pid}/oom_score_adj").read().strip(), open(f"/proc/{pid}/cgroup").read())
-            time.sleep(0.05)
-        thread.join()
+        seen = seen_while_running("oom_score_adj")
         assert seen and all(adj == "1000" and "scalerl-sandboxes" not in groups for adj, groups in seen.values())
         assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
     finally:
@@ -1846,7 +1854,7 @@ def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_pat
     tok = AutoTokenizer.from_pretrained(folder)
     tok.chat_template = LOOPING_TEMPLATE
     tok.save_pretrained(folder)
-    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0)
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0, raising=False)
     said, start = {}, time.monotonic()
 
     def evaluate():
