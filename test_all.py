@@ -1017,14 +1017,22 @@ def test_code_a_sample_cannot_hold_more_memory_than_its_cgroup_allows():
 
 
 def seen_while_running(path):
-    """{pid: (/proc/pid/<path>, /proc/pid/cgroup)} of the sandbox processes seen while a 2 s sample runs."""
+    """{pid: (/proc/pid/<path>, /proc/pid/cgroup)} of this process's sandbox processes (not another test run's on
+    this machine) seen while a 2 s sample runs."""
+    def mine(pid):
+        while pid > 1:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            if pid == os.getpid():
+                return True
+        return False
     thread = threading.Thread(target=score_code, args=(fenced("import time\ntime.sleep(2)" + RAN), RUN))
     thread.start()
     seen, deadline = {}, time.monotonic() + 10
     while not seen and time.monotonic() < deadline:
         for pid in sandbox_processes():
             with contextlib.suppress(OSError):
-                seen[pid] = (open(f"/proc/{pid}/{path}").read().strip(), open(f"/proc/{pid}/cgroup").read())
+                if mine(int(pid)):
+                    seen[pid] = (open(f"/proc/{pid}/{path}").read().strip(), open(f"/proc/{pid}/cgroup").read())
         time.sleep(0.05)
     thread.join()
     return seen
