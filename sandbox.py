@@ -576,30 +576,42 @@ _GROUP_NUMBERS = itertools.count()
 @functools.cache
 def cgroup_plan():
     """Where this process's sandboxes get a cgroup each -> ([(parent folder, [(file, value)])],
-    the line it logs, once, on stderr). cgroup v2 where a group of ours can have the memory, pids
-    and cpu controllers (_cgroup2_parent: root, or a delegated subtree); else a group of ours in
-    each of cgroup v1's memory, pids and cpu hierarchies; else none, and the line says why and
-    what then bounds a sample (per-process limits, its pinned CPU, the OOM killer's first pick)."""
-    folders = _own_cgroups()
+    the line it logs, once, on stderr): _cgroup_parents', or none, and then the line says why and
+    what bounds a sample instead (per-process limits, its pinned CPU, the OOM killer's first
+    pick)."""
     try:
-        if "2" in folders and (v2 := _cgroup2_parent(*folders["2"])):
-            plan, kind = [(v2, _V2_LIMITS)], f"cgroup v2, under {v2}"
-        else:
-            plan = [(_our_group(folders[c][1], v2=False), limits)
-                    for c, limits in _V1_LIMITS.items()]
-            kind = f"cgroup v1, under {plan[0][0]} and the pids and cpu hierarchies"
-        line = (f"code sandbox: each sample in a cgroup of its own ({kind}): "
-                f"{CODE_SAMPLE_MEMORY / 2**30:.2f} GiB, {CODE_SAMPLE_TASKS} tasks and one CPU "
-                "for all its processes together")
-    except (OSError, KeyError) as err:
+        plan, kind = _cgroup_parents(_own_cgroups())
+        line = (f"code sandbox: each sample in a cgroup of its own ({kind}, under "
+                f"{plan[0][0]}): {CODE_SAMPLE_MEMORY / 2**30:.2f} GiB, {CODE_SAMPLE_TASKS} tasks "
+                "and one CPU for all its processes together")
+    except OSError as err:
         plan = []
-        why = f"no {err.args[0]} hierarchy" if isinstance(err, KeyError) else err.strerror or err
-        line = (f"code sandbox: no cgroup for the samples ({why}; a cgroup needs root or a "
-                f"delegated subtree): a sample's memory is limited per process only (RLIMIT_AS "
-                f"{CODE_MEMORY >> 20} MiB, up to {CODE_NPROC_MARGIN} more tasks), its CPU is the "
-                "one it is pinned to, and the OOM killer picks a sandbox first")
+        line = (f"code sandbox: no cgroup for the samples ({err.strerror or err}; a cgroup needs "
+                "root or a delegated subtree): a sample's memory is limited per process only "
+                f"(RLIMIT_AS {CODE_MEMORY >> 20} MiB, up to {CODE_NPROC_MARGIN} more tasks), its "
+                "CPU is the one it is pinned to, and the OOM killer picks a sandbox first")
     print(line, file=sys.stderr, flush=True)
     return plan, line
+
+
+def _cgroup_parents(folders):
+    """-> ([(parent folder, limits)], "cgroup v2" or "cgroup v1"): a group of ours where cgroup v2
+    can give it the memory, pids and cpu controllers (_cgroup2_parent), else one in each of cgroup
+    v1's memory, pids and cpu hierarchies. OSError saying why where neither can be made."""
+    why = []
+    if "2" in folders:
+        try:
+            return [(_cgroup2_parent(*folders["2"]), _V2_LIMITS)], "cgroup v2"
+        except OSError as err:
+            why.append("cgroup v2: no group here may have the memory, pids and cpu controllers "
+                       f"({err.strerror or err})")
+    if all(c in folders for c in _V1_LIMITS):
+        try:
+            return ([(_our_group(folders[c][1], v2=False), limits)
+                     for c, limits in _V1_LIMITS.items()], "cgroup v1")
+        except OSError as err:
+            why.append(f"cgroup v1: cannot make a group ({err.strerror or err})")
+    raise OSError(errno.ENOENT, "; ".join(why) or "no cgroup file system for this process")
 
 
 def _own_cgroups():
@@ -627,12 +639,13 @@ def _own_cgroups():
 def _cgroup2_parent(mount, folder):
     """cgroup v2: our group under the deepest of this process's cgroup and its ancestors whose
     children may have the memory, pids and cpu controllers (enabling them fails in a cgroup that
-    holds processes, unless it is the root) -> its folder, or None where none may."""
+    holds processes, unless it is the root) -> its folder; the root's OSError where none may."""
     while True:
-        with contextlib.suppress(OSError):
+        try:
             return _our_group(folder, v2=True)
-        if folder == mount:
-            return None
+        except OSError:
+            if folder == mount:
+                raise
         folder = os.path.dirname(folder)
 
 

@@ -1049,7 +1049,7 @@ def test_code_a_sample_is_the_oom_killers_first_pick_and_runs_without_a_cgroup(m
     sandbox.cgroup_plan.cache_clear()
     try:
         plan, line = sandbox.cgroup_plan()
-        assert plan == [] and line.startswith("code sandbox: no cgroup for the samples (no memory hierarchy")
+        assert plan == [] and line.startswith("code sandbox: no cgroup for the samples (no cgroup file system")
         seen = seen_while_running("oom_score_adj")
         assert seen and all(adj == "1000" and "scalerl-sandboxes" not in groups for adj, groups in seen.values())
         assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
