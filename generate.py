@@ -626,7 +626,10 @@ if __name__ == "__main__":
                         AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval())
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]
-    prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]
+    try:  # a chat template that fails or loops (format_prompt: once, under a time limit)
+        prompts = [tokenizer(format_prompt(tokenizer, p))["input_ids"] for p in problems]
+    except ValueError as err:
+        sys.exit(f"error: --model {path}: {err}")
     out = generate(model, prompts, **special_tokens(tokenizer), think_budget=args.think_budget,
                    answer_budget=args.answer_budget, temperature=args.temperature, seed=args.seed)
     for p, s in zip(problems, out):
