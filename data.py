@@ -2,7 +2,9 @@
 data.py: problems in, prompts out, and the curriculum that picks them (arXiv 2510.13786: the
 reward and data of section 2, the curriculum of section 3.2).
 
-- read_jsonl(path): the (line number, JSON object) pairs of a jsonl file; errors name FILE:LINE
+- read_jsonl(path): the (line number, JSON object) pairs of a jsonl file; a regular file only (a
+  FIFO or a device is refused at once, not read), lines up to 16 MiB; every error names FILE:LINE,
+  JSON nested too deeply and integers of more digits than Python converts included
   (load_problems and fit.py's load_run read with it).
 - load_problems(path): jsonl in the layouts users have -> [{"prompt": str, "answer": str,
   "domain": "math"}, ...]
@@ -13,15 +15,20 @@ reward and data of section 2, the curriculum of section 3.2).
     prompt + tests     (code: {"inputs": [...], "outputs": [...]} stdin/stdout pairs as in
                         TACO/APPS/DeepCoder, or asserts as in MBPP) -> {"prompt", "tests",
                         "domain": "code"}, scored by sandbox.score_code; fixtures/code_toy.jsonl
-                        has 20 tiny ones. An explicit "domain" ("math" or "code") is honoured.
+                        has 20 tiny ones; a sample runs a problem's first 32 stdin cases
+                        (sandbox.CODE_MAX_CASES), so only those are kept. An explicit "domain"
+                        ("math" or "code") is honoured.
+  One line on stderr each counts the duplicate prompts skipped, the gold answers no response can
+  match (verify.never_matched: kept, they score -1) and the code problems cut to 32 cases.
 - problems_of_records: the mapping itself, for jsonl lines and Hugging Face dataset rows alike.
 - The Hugging Face Hub, through its standard caches (nothing here works around them):
   resolve_model("Qwen/Qwen3-0.6B") -> a local folder (huggingface_hub.snapshot_download; a local
   folder is returned as is); load_source_problems("openai/gsm8k:main:test") -> problems
   (datasets.load_dataset, syntax owner/name[:config[:split]]; an existing path is a jsonl file).
   Failures: one line saying what to do.
-- format_prompt(tokenizer, problem): the tokenizer's chat template when it has one, a plain template
-  otherwise; both ask for reasoning inside <think></think> and the final answer in \\boxed{}.
+- format_prompt(tokenizer, problem): the tokenizer's chat template when it has one (rendered once,
+  under a time limit: a template is the model folder's code), a plain template otherwise; both ask
+  for reasoning inside <think></think> and the final answer in \\boxed{}.
   prompt_ids(tokenizer, problem): its token ids, with one BOS (a template writes its own).
 - special_tokens(tokenizer, model): the sampler's token ids (every eos id, "</think>",
   INTERRUPT_PHRASE) as keyword arguments of generate.sampler / generate.generate;
@@ -50,17 +57,21 @@ reward and data of section 2, the curriculum of section 3.2).
     python data.py openai/gsm8k:main:test  # a Hugging Face dataset (pip install datasets; cached)
 """
 
+import errno
 import json
 import math
 import os
 import random
 import re
 import shutil
+import stat
 import sys
+import threading
 import time
+import weakref
 
-from sandbox import split_asserts
-from verify import last_boxed, prompt_opens_think, reward, score_problems
+from sandbox import CODE_MAX_CASES, split_asserts
+from verify import last_boxed, never_matched, prompt_opens_think, reward, score_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # shipped in the repo (1.4 MB); `python data.py --build` remakes it
@@ -74,6 +85,11 @@ CODE_INSTRUCTION = ("Think inside <think> </think>, then answer with a Python pr
 # section 3.2); it ends the thought
 INTERRUPT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a final answer now. "
                     "</think>")
+# the longest line read_jsonl reads (one record: a code problem's tests may be megabytes)
+MAX_LINE_BYTES = 16 << 20
+TEMPLATE_SECONDS = 10.0  # a chat template renders once; past this it is refused
+PROBLEM_MARK = "\ue000problem\ue000"  # where chat_frame's render puts the problem
+_FRAMES = weakref.WeakKeyDictionary()  # tokenizer -> {(template, instruction): (head, tail)}
 
 # -----------------------------------------------------------------------------
 # loading real data
@@ -89,7 +105,10 @@ def _answer_of(rec, where):
                              f"got {type(ans).__name__}")
         if isinstance(ans, float) and not math.isfinite(ans):
             raise ValueError(f"{where}: field 'answer' must be a finite number, got {ans}")
-        ans = str(ans)
+        try:
+            ans = str(ans)
+        except ValueError as err:  # an int past Python's limit on digits converted to text
+            raise ValueError(f"{where}: field 'answer': {err}") from None
         gsm8k = "question" in rec and "####" in ans  # GSM8K: worked solution, then '#### 72'
         if gsm8k:
             ans = ans.rsplit("####", 1)[1]
@@ -106,8 +125,9 @@ def _answer_of(rec, where):
 
 
 def _tests_of(rec, where):
-    """The tests of a code record, checked: {"inputs": [str], "outputs": [str]} or asserts (a list
-    of strings or one string), the layouts sandbox.score_code runs."""
+    """The tests of a code record, checked: {"inputs": [str], "outputs": [str]} (its first
+    CODE_MAX_CASES cases: a sample runs no more) or asserts (a list of strings or one string), the
+    layouts sandbox.score_code runs."""
     tests = rec["tests"]
     if isinstance(tests, dict):
         inputs, outputs = tests.get("inputs"), tests.get("outputs")
@@ -116,7 +136,7 @@ def _tests_of(rec, where):
                 and all(isinstance(x, str) for x in inputs + outputs)):
             raise ValueError(f"{where}: field 'tests' must have 'inputs' and 'outputs': "
                              "equally long non-empty lists of strings")
-        return tests
+        return {"inputs": inputs[:CODE_MAX_CASES], "outputs": outputs[:CODE_MAX_CASES]}
     asserts = tests if isinstance(tests, list) else [tests]
     if not asserts or not all(isinstance(x, str) and x.strip() for x in asserts):
         raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of "
@@ -126,6 +146,9 @@ def _tests_of(rec, where):
         split_asserts("\n".join(asserts))
     except (SyntaxError, ValueError) as err:
         raise ValueError(f"{where}: field 'tests': {err}") from None
+    except (RecursionError, MemoryError):
+        raise ValueError(f"{where}: field 'tests': an expression nested too deeply to "
+                         "parse") from None
     return tests
 
 
@@ -141,27 +164,56 @@ def _problem_of(rec, where, key):
     return {"prompt": rec[key], "answer": _answer_of(rec, where), "domain": "math"}
 
 
+def open_regular(path):
+    """path opened for reading (binary) when it is a regular file; else OSError saying what it is:
+    a FIFO would wait for a writer forever, a device (/dev/zero) would be read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open returns at once
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise OSError(errno.EINVAL, f"not a regular file ({kind}): give a jsonl file")
+    return os.fdopen(fd, "rb")
+
+
 def read_jsonl(path):
     """The JSON objects of a jsonl file, one (line number, dict) pair at a time, blank lines
-    skipped. A line that is not UTF-8, not JSON or not an object: ValueError 'FILE:LINE: what is
-    wrong'."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} "
-                                 f"at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            yield lineno, rec
+    skipped. Only a regular file is read (open_regular), a line at most MAX_LINE_BYTES long. A line
+    that is too long, not UTF-8, not JSON (nested too deeply for the parser, a number with more
+    digits than Python converts) or not an object: ValueError 'FILE:LINE: what is wrong'."""
+    with open_regular(path) as f:
+        lineno = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            rec = _json_line(raw, f"{path}:{lineno}")
+            if rec is not None:
+                yield lineno, rec
+
+
+def _json_line(raw, where):
+    """One line of a jsonl file -> its JSON object, or None for a blank line; ValueError 'WHERE:
+    what is wrong'."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise ValueError(f"{where}: a line over {MAX_LINE_BYTES >> 20} MiB (one record a line)")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} "
+                         f"at column {e.start + 1})") from None
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    return rec
 
 
 def load_problems(path):
@@ -175,10 +227,11 @@ def load_problems(path):
 
 def problems_of_records(records, source):
     """(where, record dict) pairs, from a jsonl file or a Hugging Face dataset, -> problems in the
-    layouts of the docstring (load_problems). A prompt seen before is skipped (counted, one summary
-    line on stderr); a bad record: ValueError 'WHERE: what is wrong'; no record at all: ValueError
-    naming `source`."""
-    problems, seen, duplicates = [], set(), 0
+    layouts of the docstring (load_problems). A prompt seen before is skipped; a gold answer the
+    verifier can never match (verify.never_matched) and tests cut to CODE_MAX_CASES cases are kept;
+    each of the three is counted in one summary line on stderr. A bad record: ValueError 'WHERE:
+    what is wrong'; no record at all: ValueError naming `source`."""
+    problems, seen, notes = [], set(), {}
     for where, rec in records:
         key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
         if key is None:
@@ -186,17 +239,32 @@ def problems_of_records(records, source):
         if not isinstance(rec[key], str) or not rec[key].strip():
             raise ValueError(f"{where}: field '{key}' must be a non-empty string")
         problem = _problem_of(rec, where, key)
-        if problem["prompt"] in seen:
-            duplicates += 1
-            continue
-        seen.add(problem["prompt"])
-        problems.append(problem)
+        for note in _notes(problem, rec, seen):
+            notes.setdefault(note, []).append(where)
+        if problem["prompt"] not in seen:
+            seen.add(problem["prompt"])
+            problems.append(problem)
     if not problems:
         raise ValueError(f"{source}: no problems")
-    if duplicates:
-        print(f"{source}: skipped {duplicates} duplicate prompt(s); each is kept where it first "
-              "occurs", file=sys.stderr)
+    for note, wheres in notes.items():
+        print(f"{source}: {note.format(n=len(wheres))} (the first at {wheres[0]})",
+              file=sys.stderr)
     return problems
+
+
+def _notes(problem, rec, seen):
+    """The summary lines of problems_of_records that one problem counts in, as templates of their
+    count {n}."""
+    if problem["prompt"] in seen:
+        return ["skipped {n} duplicate prompt(s); each is kept where it first occurs"]
+    if problem["domain"] == "math":
+        why = never_matched(problem["answer"])
+        return [f"{{n}} gold answer(s) that no response can match ({why}): kept, every sample "
+                "of theirs scores -1"] if why else []
+    if isinstance(rec["tests"], dict) and len(rec["tests"]["inputs"]) > CODE_MAX_CASES:
+        return [f"{{n}} code problem(s) with more than {CODE_MAX_CASES} test cases: each keeps "
+                f"its first {CODE_MAX_CASES}, all that a sample is run on"]
+    return []
 
 # -----------------------------------------------------------------------------
 # the Hugging Face Hub: --model Qwen/Qwen3-0.6B, --data openai/gsm8k:main, read through the standard
@@ -305,13 +373,64 @@ def load_source_problems(source, split="train"):
 
 
 def format_prompt(tokenizer, problem, domain="math"):
-    """The text the generator continues: chat template if the tokenizer has one, else a plain
-    template."""
+    """The text the generator continues: the tokenizer's chat template when it has one (rendered
+    once per instruction: chat_frame), else a plain template. ValueError (one line) for a chat
+    template that fails, takes too long or does not hold the message once."""
     instruction = CODE_INSTRUCTION if domain == "code" else INSTRUCTION
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{instruction}\n\n{problem}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        head, tail = chat_frame(tokenizer, instruction)
+        return head + problem + tail
     return f"{instruction}\nProblem: {problem}\nSolution: "
+
+
+def chat_frame(tokenizer, instruction):
+    """The chat template's text before and after the problem in a user message that asks
+    `instruction`, rendered once (per tokenizer, template and instruction) with a marker where the
+    problem goes: a template is code from the model folder, and rendering it for every prompt would
+    run that code, and any loop in it, thousands of times. ValueError when the message does not
+    appear in the prompt exactly once (a template that rewrites it)."""
+    frames = _FRAMES.setdefault(tokenizer, {})
+    key = (tokenizer.chat_template, instruction)
+    if key not in frames:
+        text = render_chat_template(tokenizer, f"{instruction}\n\n{PROBLEM_MARK}")
+        if text.count(PROBLEM_MARK) != 1:
+            raise ValueError("its chat template does not put the user's message into the prompt "
+                             "once, as written")
+        frames[key] = tuple(text.split(PROBLEM_MARK))
+    return frames[key]
+
+
+def render_chat_template(tokenizer, content):
+    """tokenizer.apply_chat_template of one user message, in a thread of its own that stops at
+    TEMPLATE_SECONDS (a trace function ends a loop of the template's Python; a wait past it gives up
+    on anything else) -> the prompt text; ValueError, one line, when it fails or takes too long."""
+    seconds = TEMPLATE_SECONDS
+    result, deadline = {}, time.monotonic() + seconds
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        return trace
+
+    def render():
+        sys.settrace(trace)
+        try:
+            result["text"] = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        except Exception as err:
+            result["error"] = err
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    thread.join(seconds + 1)
+    if isinstance(result.get("text"), str):
+        return result["text"]
+    error = result.get("error", TimeoutError())
+    raise ValueError(f"its chat template took over {seconds:g} s to render one prompt (a loop in "
+                     "it?)" if isinstance(error, TimeoutError) else
+                     f"its chat template fails: {type(error).__name__}: {_one_line(error)}")
 
 
 def prompt_ids(tokenizer, problem, domain="math"):

@@ -803,11 +803,14 @@ if __name__ == "__main__":
         path = resolve_model(args.model) if args.model else toy_model_dir()
     except ValueError as err:
         sys.exit(f"error: --model {err}")
-    tokenizer, model = (AutoTokenizer.from_pretrained(path),
-                        AutoModelForCausalLM.from_pretrained(path).eval())
+    tokenizer, model = (AutoTokenizer.from_pretrained(path, trust_remote_code=False),
+                        AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval())
     problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
     problems = [p for p in problems for _ in range(args.n)]
-    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    try:  # a chat template that fails or loops (format_prompt: once, under a time limit)
+        prompts = [prompt_ids(tokenizer, p) for p in problems]
+    except ValueError as err:
+        sys.exit(f"error: --model {path}: {err}")
     out = generate(model, prompts, **special_tokens(tokenizer, model),
                    think_budget=args.think_budget, answer_budget=args.answer_budget,
                    temperature=args.temperature, seed=args.seed)

@@ -77,10 +77,12 @@ Readings chosen:
 """
 
 import copy
+import ipaddress
 import json
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -222,7 +224,8 @@ def setup(args):
     else:  # ranks on one machine share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group(plan["default"], timeout=timeout)
+    dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
+                            store=own_store(rank, world, timeout))
     if rank == 0:
         print(plan["line"], flush=True)
     ctx = Context(rank=rank, world=world, n_trainers=n_trainers, n_gens=n_gens,
@@ -240,6 +243,32 @@ def setup(args):
     ctx.heartbeat.start()
     _CURRENT["ctx"] = ctx
     return ctx
+
+
+def own_store(rank, world, timeout):
+    """The TCP store of the ranks when no launcher hosts it (torchrun's does unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): rank 0 hosts it on a socket bound to MASTER_ADDR alone,
+    since torch's TCPStore server listens on every interface whatever address it is given, and
+    whoever reaches a store can read and set its keys (stop or corrupt the run). None where the
+    launcher hosts it (init_process_group joins that one). On a loopback MASTER_ADDR (one machine)
+    gloo and nccl listen on the loopback interface too (unless GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME say otherwise)."""
+    host, port = os.environ["MASTER_ADDR"].strip("[]"), int(os.environ["MASTER_PORT"])
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(address[0]).is_loopback:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    listening = None
+    if rank == 0:
+        with socket.socket(family, kind, proto) as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(address)
+            server.listen(world)
+            listening = server.detach()  # the store's from here
+    return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                         master_listen_fd=listening)
 
 
 def start(ctx, version, length):
@@ -972,8 +1001,10 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     """A generator rank's whole life: sample groups, verify them, send them, take new weights; until
     the trainers say stop. Then it saves its curriculum and waits until its last sends are
     received."""
-    saved = (torch.load(curriculum_path, weights_only=False)
-             if args.resume and os.path.exists(curriculum_path) else None)
+    saved = None
+    if args.resume and os.path.exists(curriculum_path):
+        with open(curriculum_path) as f:
+            saved = json.load(f)
     gen = new_generator(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
                         ctx.n_gens, start_version, lambda group: send_group(ctx, gen, group), saved)
     gen.pruned, gen.curriculum_path = [0] * ctx.n_trainers, curriculum_path
@@ -1111,7 +1142,9 @@ def send_group(ctx, gen, group):
 
 
 def _save_curriculum(curriculum, path):
-    torch.save(curriculum.state_dict(), path + ".tmp")
+    """As JSON: plain data, which loading cannot turn into code (a pickle could)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(curriculum.state_dict(), f)
     os.replace(path + ".tmp", path)
 
 # -----------------------------------------------------------------------------

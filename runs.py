@@ -7,11 +7,13 @@ GPU-hours), so a run must survive being stopped and resumed, and never touch wha
   would clear (check_out_dir); a folder is a run of train.py when it holds RUN_MARK (or, written
   before that existed, a metrics.jsonl that opens with train.py's config line); --overwrite deletes,
   and checkpoint pruning prunes, only the names a run writes (RUN_NAME: metrics.jsonl, ckpt-STEP,
-  curriculum-rankN.pt, and tb/ or wandb/ when RUN_MARK says a run used them); run files are never
-  written through a symlink; rank 0 holds --out/.lock for the whole run.
+  curriculum-rankN.json (.pt before), and tb/ or wandb/ when RUN_MARK says a run used them); run
+  files are never written through a symlink; rank 0 holds --out/.lock for the whole run.
 - Checkpoints: written under a temporary name and renamed into place; --resume takes the newest one
   whose state, config and weight headers load (a broken newer one is skipped and named), refuses
-  another data set, split or model, and drops the metrics lines written after it.
+  another data set, split or model, and drops the metrics lines written after it. Nothing is
+  unpickled: state.pt loads as tensors and plain data only (load_state), the generators'
+  curricula are JSON; a state.pt or curriculum of another kind stops --resume with one line.
 - Metrics: metrics.jsonl, one JSON object a line, and the optional --wandb / --tensorboard trackers.
 - The exact command that resumes this run (printed when a signal stops it).
 
@@ -35,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
 RUN_MARK = ".train-run.json"
 # the names it writes
-RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.pt(\.tmp)?")
+RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.(json|pt)(\.tmp)?")
 # the repository's own folders
 SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")
 _LOCK = []  # the open lock file of this process's run
@@ -227,7 +229,7 @@ def intact_checkpoint(out, quiet=False):
     newer broken one (a crash mid-copy, a bad disk) is skipped and named."""
     for path in reversed(checkpoints(out)):
         try:
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            state = load_state(os.path.join(path, "state.pt"))
             with open(os.path.join(path, "config.json")) as f:
                 json.load(f)
             weights = glob.glob(os.path.join(path, "*.safetensors"))
@@ -244,6 +246,20 @@ def intact_checkpoint(out, quiet=False):
     return None, {}
 
 
+def load_state(path):
+    """A checkpoint's state.pt as tensors and plain data only (torch.load weights_only=True): to
+    unpickle anything else would run code named in the file. One that holds other objects (written
+    by an older train.py, or not by train.py) stops the run with one line: it is not broken, and
+    falling back to an older checkpoint would silently lose steps."""
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    if unsafe:
+        sys.exit(f"error: --resume: {path} holds objects other than tensors and plain data "
+                 f"({', '.join(unsafe[:3])}): it is not loaded, since loading them could run code "
+                 "from the file (a checkpoint of an older train.py, or not written by train.py); "
+                 "start another --out")
+    return torch.load(path, weights_only=True)
+
+
 def resume_point(args, quiet):
     """--resume: the newest intact checkpoint -> (its folder, its state), checked against the flags;
     else (None, {})."""
@@ -254,6 +270,11 @@ def resume_point(args, quiet):
         print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
     if ckpt:
         check_resume(state.get("args", {}), args)
+        old = sorted(glob.glob(os.path.join(args.out, "curriculum-rank*.pt")))
+        if old:
+            sys.exit(f"error: --resume: {old[0]} is a curriculum of an older train.py, a "
+                     "pickle: it is not loaded, since loading it could run code from the file; "
+                     "start another --out")
     return ckpt, state
 
 

@@ -36,12 +36,24 @@ at all, no /usr, no /etc, no home, no data, no /proc), a fresh 64 MiB tmpfs /tmp
 writable place and its cwd, uid 65534 inside (root's sandboxes: the real uid 65534),
 --die-with-parent, a new session, an environment of HOME, LANG, LD_LIBRARY_PATH; a seccomp filter
 (seccomp_filter: built with libseccomp, loaded by bwrap; without libseccomp code rewards refuse to
-run, as without bwrap); and limits: wall clock `timeout` s then SIGKILL; RLIMIT_CPU timeout+1 s;
-RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and the output read back 16 MiB; no core files;
+run, as without bwrap); and limits: one wall-clock budget for the whole sample, `timeout` s (10)
+for all its runs together, each run SIGKILLed when the budget is spent, and at most CODE_MAX_CASES
+(32) stdin cases, its problem's first (data.py keeps only those, and says so); RLIMIT_CPU budget+1
+s; RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and the output read back 16 MiB; no core files;
 RLIMIT_NPROC = 32 tasks more than the sandbox's user namespace counts (Linux >= 5.14; before, than
-its uid counts on the machine); os.fork/system/kill/
-setsid/posix_spawn and ctypes, subprocess, multiprocessing are removed first (a naive fork bomb
-fails at once). score_code_batch never runs two samples with the same tests at the same moment.
+its uid counts on the machine); os.fork/system/kill/setsid/posix_spawn and ctypes, subprocess,
+multiprocessing are removed first (a naive fork bomb fails at once).
+Those limits bind each process alone. For the whole sample, before it runs anything (bwrap waits on
+a pipe meanwhile: _confine): its processes are the OOM killer's first pick (oom_score_adj 1000, so a
+sample that fills the memory dies, not the trainer), and where the machine allows a cgroup (root,
+or a delegated subtree: cgroup_plan) they share one of their own: memory.max CODE_SAMPLE_MEMORY
+(1.19 GiB: the 1 GiB of a program, its /tmp, its copy of the interpreter; no swap; the whole sample
+killed at once where cgroup v2's memory.oom.group exists), pids.max 36, cpu.max one CPU (cgroup v2;
+else cgroup v1's memory, pids and cpu hierarchies). Where no cgroup can be made, cgroup_plan logs
+one line saying so and what then bounds a sample: its processes' own limits. score_code_batch runs
+at most one sample per CPU, each pinned to a CPU of its own, so that no neighbour's processes can
+starve it; and never two samples whose problems share a mark (problem_marks: the same problem with
+its tests written differently is one problem) at the same moment.
 
 What this guarantees: the program reaches the parent only through its stdin, the stdout and
 assert-value files it writes (read back capped) and its exit code; it reads nothing of the machine;
@@ -57,19 +69,23 @@ sockets); and it cannot hand an answer to a later sample through state the kerne
   keyring, file locks and inotify/fanotify/dnotify, the kernel log, machine-wide counters (sysinfo),
   sockets other than AF_UNIX/AF_INET/AF_INET6 (netlink; vsock, which network namespaces do not
   separate), ptrace, process_vm_*, perf_event_open, bpf, userfaultfd, new namespaces and mounts,
-  personality. Other architectures' system-call ABIs (x32, int 0x80) kill the program.
-What remains possible in principle is timing through state no filter names: (1) contention between
-runs at the same moment (CPU, memory bandwidth, caches): score_code_batch never runs two samples of
-one problem at once, and a program that carried an answer to a sample of another problem gains
-nothing; (2) micro-architectural state one run leaves for the next on the same core (branch
-predictors, CPU caches): bwrap's 45 MB copy between two runs overwrites the caches, and such
-channels carry a few noisy bits at best, far from the tens of reliable bits an answer needs; (3) a
-swap device, where the kernel may page the copies out under memory pressure (none on the machines
-this was measured on).
+  personality; and what would step out of its limits: sched_setaffinity (its pinned CPU),
+  memfd_create and SysV shmget (memory held unmapped, which RLIMIT_AS does not count). Other
+  architectures' system-call ABIs (x32, int 0x80) kill the program.
+What remains possible in principle: without a cgroup, a sample's memory is bounded per process only
+(up to 34 processes of 1 GiB, and pipe and socket buffers), though the OOM killer then takes the
+sample first; and timing through state no filter names: (1) contention between runs at the same
+moment (memory bandwidth, shared caches; not the CPU, which each has its own of):
+score_code_batch never runs two samples of one problem at once, and a program that carried an
+answer to a sample of another problem gains nothing; (2) micro-architectural state one run leaves
+for the next on the same core (branch predictors, CPU caches): bwrap's 45 MB copy between two runs
+overwrites the caches, and such channels carry a few noisy bits at best, far from the tens of
+reliable bits an answer needs; (3) a swap device, where the kernel may page the copies out under
+memory pressure (none on the machines this was measured on; a cgroup v2 allows the sample none).
 Without bwrap, score_code(..., unsafe=True) (train.py --unsafe_code_exec) runs the same program with
-the limits alone (no filter), in a temp dir, as `nobody` when root can drop to it: it can then read
-and write what that user can, use the network, and leave processes behind (setsid past the removed
-functions). Linux only (bwrap, seccomp, ldd, /proc, os.waitid).
+the limits alone (no filter, no cgroup), in a temp dir, as `nobody` when root can drop to it: it can
+then read and write what that user can, use the network, and leave processes behind (setsid past
+the removed functions). Linux only (bwrap, seccomp, ldd, /proc, os.waitid).
 
 Usage:
     from sandbox import score_code, score_code_batch
@@ -83,12 +99,14 @@ Usage:
     python -m pytest test_all.py -k code   # the sandbox tests (skip with the reason without them)
 """
 import ast
+import atexit
 import builtins
 import contextlib
 import ctypes
 import errno
 import functools
 import importlib.util
+import itertools
 import json
 import marshal
 import math
@@ -105,8 +123,10 @@ import time
 import types
 import zipfile
 
-# wall-clock seconds per program run (one run per stdin case, one for asserts)
-CODE_TIMEOUT = 6.0
+# wall-clock seconds for a whole sample: all its program runs together (one per stdin case, one
+# for asserts)
+CODE_TIMEOUT = 10.0
+CODE_MAX_CASES = 32        # stdin/stdout cases a sample is run on: its problem's first ones
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
 CODE_MAX_OUTPUT = 16 << 20
@@ -120,6 +140,12 @@ CODE_NPROC_MARGIN = 32
 SANDBOX_UID = 65534        # the unprivileged uid inside the sandbox ('nobody')
 # RLIMIT_NPROC's count in a fresh sandbox's user namespace, at most: bwrap init, program
 SANDBOX_TASKS = 2
+# what a sample's cgroup allows all its processes together (where the machine gives one): memory
+# (a program's address space, its /tmp and bwrap's copy of the interpreter), tasks (bwrap's two and
+# the program's), CPU time per period
+CODE_SAMPLE_MEMORY = CODE_MEMORY + CODE_TMPFS + (128 << 20)
+CODE_SAMPLE_TASKS = CODE_NPROC_MARGIN + SANDBOX_TASKS + 2
+CODE_SAMPLE_CPU_US = 100_000  # of every 100 ms: one CPU
 LIBSECCOMP = "libseccomp.so.2"
 BWRAP_MISSING = ("code rewards need bubblewrap (bwrap) to isolate model-written programs: "
                  "install it (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install "
@@ -379,27 +405,19 @@ def _asserts_pass(results, checks):
 
 
 def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
-    """True when the last Python block of `response` passes every test. `tests` is
-    {"inputs": [str], "outputs": [str]} (stdin -> stdout, each pair one run, exit code 0 needed; an
-    output over 4x the expected one + 4 KiB fails unparsed)
-    or asserts: a list of statements or one string, run after the program (split_asserts).
-    unsafe: rlimits only, no bwrap (see the module docstring). Never raises."""
+    """True when the last Python block of `response` passes every test, all its runs within
+    `timeout` seconds together. `tests` is {"inputs": [str], "outputs": [str]} (stdin -> stdout,
+    the first CODE_MAX_CASES pairs, each one run needing exit code 0; an output over 4x the expected
+    one + 4 KiB fails unparsed) or asserts: a list of statements or one string, run after the
+    program (split_asserts). unsafe: rlimits only, no bwrap (see the module docstring). Never
+    raises."""
     try:
         program = extract_code(response)
         if program is None:
             return False
+        deadline = time.monotonic() + timeout
         if isinstance(tests, dict):
-            inputs, outputs = tests["inputs"], tests["outputs"]
-            cases = list(zip(inputs, outputs, strict=True)) if isinstance(inputs, list) else []
-            if not cases or not all(isinstance(x, str) for case in cases for x in case):
-                return False
-            # the parent compares: expected outputs never enter the sandbox
-            for stdin, expected in cases:
-                code, out, _ = _run_program(program, "", stdin, timeout, memory, unsafe)
-                too_long = len(out) > 4 * len(expected) + 4096  # not parsed: up to 16 MiB of lines
-                if code != 0 or too_long or _output_lines(out) != _output_lines(expected):
-                    return False
-            return True
+            return _cases_pass(program, tests, deadline, memory, unsafe)
         asserts = "\n".join(tests) if isinstance(tests, list) else tests
         if not isinstance(asserts, str):
             return False
@@ -410,42 +428,104 @@ def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe
         return False
 
 
+def _cases_pass(program, tests, deadline, memory, unsafe):
+    """Whether the program passes each stdin/stdout case (the first CODE_MAX_CASES) before
+    `deadline` (time.monotonic()): one time budget for the whole sample, so that a slow program
+    costs its budget once, not once per case. The parent compares: expected outputs never enter
+    the sandbox."""
+    inputs, outputs = tests["inputs"], tests["outputs"]
+    cases = list(zip(inputs, outputs, strict=True)) if isinstance(inputs, list) else []
+    if not cases or not all(isinstance(x, str) for case in cases for x in case):
+        return False
+    for stdin, expected in cases[:CODE_MAX_CASES]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        code, out, _ = _run_program(program, "", stdin, left, memory, unsafe)
+        too_long = len(out) > 4 * len(expected) + 4096  # not parsed: up to 16 MiB of lines
+        if code != 0 or too_long or _output_lines(out) != _output_lines(expected):
+            return False
+    return True
+
+
 def score_code_batch(responses, tests_list, workers=2, timeout=CODE_TIMEOUT, memory=CODE_MEMORY,
                      unsafe=False):
-    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` programs at a time but
-    never two with the same tests at once: two samples of one problem never run side by side, so
-    contention (CPU, memory bandwidth) cannot carry one's answer to the other."""
+    """[score_code(r, t) for r, t in zip(responses, tests_list)], `workers` samples at a time, at
+    most one per CPU this process may run on: each worker pins itself and the sandboxes it starts
+    to a CPU of its own (which the system-call filter keeps them on), so that no neighbour's
+    processes can starve a sample of its CPU. Two samples whose problems share a mark
+    (problem_marks: tests compared as the judge reads them) never run at once, so contention cannot
+    carry one's answer to the other."""
     if len(responses) != len(tests_list):
         raise ValueError(f"{len(responses)} responses but {len(tests_list)} tests")
-    keys = [repr(t) for t in tests_list]
-    results, pending, running, changed = ([None] * len(responses), list(range(len(responses))),
-                                          set(), threading.Condition())
+    marks = [problem_marks(t) for t in tests_list]
+    results, pending, busy, changed = ([None] * len(responses), list(range(len(responses))),
+                                       set(), threading.Condition())
 
-    def work():
+    def work(cpu):
+        os.sched_setaffinity(0, {cpu})  # this thread only, and what it starts
         while True:
             with changed:
-                while ((i := next((i for i in pending if keys[i] not in running), None)) is None
+                while ((i := next((i for i in pending if not marks[i] & busy), None)) is None
                        and pending):
                     changed.wait()
                 if i is None:
                     return
                 pending.remove(i)
-                running.add(keys[i])
+                busy.update(marks[i])
             try:
                 results[i] = score_code(responses[i], tests_list[i], timeout=timeout, memory=memory,
                                         unsafe=unsafe)
             finally:
                 with changed:
-                    running.discard(keys[i])
+                    busy.difference_update(marks[i])
                     changed.notify_all()
 
-    threads = [threading.Thread(target=work, daemon=True)
-               for _ in range(max(1, min(workers, len(responses))))]
+    cpus = sorted(os.sched_getaffinity(0))[:max(1, min(workers, len(responses)))]
+    threads = [threading.Thread(target=work, args=(cpu,), daemon=True) for cpu in cpus]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     return results
+
+
+def problem_marks(tests):
+    """What makes two samples' problems one for score_code_batch: a set of marks, and two problems
+    that share one are kept apart. Stdin/stdout tests: each case, its input with whitespace
+    collapsed and its output as score_code compares it; asserts: each assert as parsed (spacing,
+    quotes, parentheses and its message aside), the functions it calls unnamed and the sides of an
+    == or != in order; tests that do not parse: their text. So the same problem written slightly
+    differently (another spacing, order, subset of cases, name of the solution) is one problem."""
+    if isinstance(tests, dict):
+        cases = zip(tests.get("inputs") or [], tests.get("outputs") or [])
+        return {repr((" ".join(str(i).split()), _output_lines(str(o)))) for i, o in cases} or {
+            repr(tests)}
+    try:
+        tree = ast.parse("\n".join(tests) if isinstance(tests, list) else tests)
+        marks = {ast.unparse(_Unnamed().visit(node.test)) for node in ast.walk(tree)
+                 if isinstance(node, ast.Assert)}
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        marks = set()
+    return marks or {repr(tests)}
+
+
+class _Unnamed(ast.NodeTransformer):
+    """An assert's test as problem_marks compares it: every called name is `f`, and the two sides of
+    a single == or != are in the order of their source."""
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Name):
+            node.func = ast.Name("f", ast.Load())
+        return node
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            left, right = sorted([node.left, node.comparators[0]], key=ast.unparse)
+            node.left, node.comparators = left, [right]
+        return node
 
 
 @functools.cache
@@ -455,8 +535,8 @@ def bwrap_ready():
     if shutil.which("bwrap") is None:
         return False
     try:
-        probe, _ = _start_sandbox([os.path.realpath(sys.executable), "-I", "-c", "pass"],
-                                  subprocess.DEVNULL, subprocess.DEVNULL, ())
+        probe, _, groups = _start_sandbox([os.path.realpath(sys.executable), "-I", "-c", "pass"],
+                                          subprocess.DEVNULL, subprocess.DEVNULL, ())
     except RuntimeError:  # no libseccomp
         return False
     try:
@@ -465,6 +545,8 @@ def bwrap_ready():
         probe.kill()
         probe.wait()
         return False
+    finally:
+        _remove_cgroups(groups)
 
 
 def not_ready_reason():
@@ -475,6 +557,159 @@ def not_ready_reason():
     except RuntimeError as err:
         return str(err)
     return BWRAP_MISSING
+
+# -----------------------------------------------------------------------------
+# A cgroup per sandbox: limits the kernel enforces on all of a sample's processes together
+
+# the limits of a sample's cgroup: cgroup v2's files, and v1's in each of its hierarchies; a file
+# in _IF_PRESENT is written where the kernel has it (swap accounting)
+_V2_LIMITS = [("memory.max", CODE_SAMPLE_MEMORY), ("memory.swap.max", 0), ("memory.oom.group", 1),
+              ("pids.max", CODE_SAMPLE_TASKS), ("cpu.max", f"{CODE_SAMPLE_CPU_US} 100000")]
+_V1_LIMITS = {"memory": [("memory.limit_in_bytes", CODE_SAMPLE_MEMORY),
+                         ("memory.memsw.limit_in_bytes", CODE_SAMPLE_MEMORY)],
+              "pids": [("pids.max", CODE_SAMPLE_TASKS)],
+              "cpu": [("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", CODE_SAMPLE_CPU_US)]}
+_IF_PRESENT = {"memory.swap.max", "memory.memsw.limit_in_bytes"}
+_GROUP_NUMBERS = itertools.count()
+
+
+@functools.cache
+def cgroup_plan():
+    """Where this process's sandboxes get a cgroup each -> ([(parent folder, [(file, value)])],
+    the line it logs, once, on stderr): _cgroup_parents', or none, and then the line says why and
+    what bounds a sample instead (per-process limits, its pinned CPU, the OOM killer's first
+    pick)."""
+    try:
+        plan, kind = _cgroup_parents(_own_cgroups())
+        line = (f"code sandbox: each sample in a cgroup of its own ({kind}, under "
+                f"{plan[0][0]}): {CODE_SAMPLE_MEMORY / 2**30:.2f} GiB, {CODE_SAMPLE_TASKS} tasks "
+                "and one CPU for all its processes together")
+    except OSError as err:
+        plan = []
+        line = (f"code sandbox: no cgroup for the samples ({err.strerror or err}; a cgroup needs "
+                "root or a delegated subtree): a sample's memory is limited per process only "
+                f"(RLIMIT_AS {CODE_MEMORY >> 20} MiB, up to {CODE_NPROC_MARGIN} more tasks), its "
+                "CPU is the one it is pinned to, and the OOM killer picks a sandbox first")
+    print(line, file=sys.stderr, flush=True)
+    return plan, line
+
+
+def _cgroup_parents(folders):
+    """-> ([(parent folder, limits)], "cgroup v2" or "cgroup v1"): a group of ours where cgroup v2
+    can give it the memory, pids and cpu controllers (_cgroup2_parent), else one in each of cgroup
+    v1's memory, pids and cpu hierarchies. OSError saying why where neither can be made."""
+    why = []
+    if "2" in folders:
+        try:
+            return [(_cgroup2_parent(*folders["2"]), _V2_LIMITS)], "cgroup v2"
+        except OSError as err:
+            why.append("cgroup v2: no group here may have the memory, pids and cpu controllers "
+                       f"({err.strerror or err})")
+    if all(c in folders for c in _V1_LIMITS):
+        try:
+            return ([(_our_group(folders[c][1], v2=False), limits)
+                     for c, limits in _V1_LIMITS.items()], "cgroup v1")
+        except OSError as err:
+            why.append(f"cgroup v1: cannot make a group ({err.strerror or err})")
+    raise OSError(errno.ENOENT, "; ".join(why) or "no cgroup file system for this process")
+
+
+def _own_cgroups():
+    """{"2" or a v1 controller: (its hierarchy's mount point, this process's cgroup folder)}, from
+    /proc/self/cgroup and /proc/self/mountinfo."""
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else ["2"]:
+                own[c] = path
+    folders = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            head, _, tail = line.partition(" - ")
+            root, point = head.split()[3:5]
+            kind, _, options = tail.split()[:3]
+            names = ["2"] if kind == "cgroup2" else options.split(",") if kind == "cgroup" else []
+            inside = lambda c: (own[c] + "/").startswith(root.rstrip("/") + "/")
+            for c in [c for c in names if c in own and c not in folders and inside(c)]:
+                folders[c] = (point, os.path.normpath(point + "/" + own[c][len(root):]))
+    return folders
+
+
+def _cgroup2_parent(mount, folder):
+    """cgroup v2: our group under the deepest of this process's cgroup and its ancestors whose
+    children may have the memory, pids and cpu controllers (enabling them fails in a cgroup that
+    holds processes, unless it is the root) -> its folder; the root's OSError where none may."""
+    while True:
+        try:
+            return _our_group(folder, v2=True)
+        except OSError:
+            if folder == mount:
+                raise
+        folder = os.path.dirname(folder)
+
+
+def _our_group(parent, v2):
+    """This process's group of sandbox cgroups, made under parent (v2: with the memory, pids and
+    cpu controllers enabled for it and its children) -> its folder; removed at exit."""
+    enable = "+memory +pids +cpu"
+    if v2:
+        _write(os.path.join(parent, "cgroup.subtree_control"), enable)
+    group = os.path.join(parent, f"scalerl-sandboxes-{os.getpid()}")
+    os.mkdir(group)
+    atexit.register(_remove_cgroups, [group], os.getpid())
+    if v2:
+        try:
+            _write(os.path.join(group, "cgroup.subtree_control"), enable)
+        except OSError:
+            os.rmdir(group)
+            raise
+    return group
+
+
+def _cgroup_for(pids):
+    """A cgroup of its own for one sandbox under each parent of cgroup_plan(), its limits set and
+    pids moved in -> its folders; [] where the machine gives none. RuntimeError if a step fails."""
+    made = []
+    try:
+        for parent, limits in cgroup_plan()[0]:
+            made.append(os.path.join(parent, f"{os.getpid()}-{next(_GROUP_NUMBERS)}"))
+            os.mkdir(made[-1])
+            for name, value in limits:
+                path = os.path.join(made[-1], name)
+                if name not in _IF_PRESENT or os.path.exists(path):
+                    _write(path, value)
+            for pid in pids:
+                _write(os.path.join(made[-1], "cgroup.procs"), pid)
+    except OSError as err:
+        _remove_cgroups(made)
+        raise RuntimeError(f"a sandbox's cgroup {made[-1]}: {err}") from None
+    return made
+
+
+def _remove_cgroups(folders, owner=None):
+    """Remove cgroup folders once their processes are gone (a moment after they die; 5 s at most,
+    then they are left); owner: only in that process (at exit: not in a forked child)."""
+    if owner not in (None, os.getpid()):
+        return
+    deadline = time.monotonic() + 5
+    for folder in reversed(folders):
+        while True:
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+def _write(path, value):
+    with open(path, "w") as f:
+        f.write(str(value))
+
 
 # -----------------------------------------------------------------------------
 # The system-call filter: what the sandboxed program may not ask the kernel
@@ -502,6 +737,9 @@ _DENIED = {
     "machine-wide counters, the kernel log, events on and locks of files": (
         "sysinfo", "syslog", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init",
         "fanotify_mark", "flock"),
+    "the sandbox's own limits: its CPU (score_code_batch pins it to one) and memory that no "
+    "per-process limit counts (memfd pages and SysV shared memory need not be mapped)": (
+        "sched_setaffinity", "memfd_create", "memfd_secret", "shmget"),
     "the machine's own settings": (
         "personality", "acct", "swapon", "swapoff", "reboot", "kexec_load", "kexec_file_load",
         "init_module", "finit_module", "delete_module", "quotactl", "quotactl_fd", "settimeofday",
@@ -512,8 +750,8 @@ _DENIED = {
 _NEW_SYSCALLS = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
                  "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
                  "fsmount": 432, "fspick": 433, "clone3": 435, "pidfd_getfd": 438,
-                 "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443, "cachestat": 451,
-                 "open_tree_attr": 467}
+                 "process_madvise": 440, "mount_setattr": 442, "quotactl_fd": 443,
+                 "memfd_secret": 447, "cachestat": 451, "open_tree_attr": 467}
 # CLONE_NEW*
 _CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 _NE, _EQ, _GE, _MASKED_EQ = 1, 4, 5, 7  # libseccomp's enum scmp_compare
@@ -731,7 +969,7 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
         else:
             # a venv's interpreter is a link into its base prefix
             cmd[0] = os.path.realpath(sys.executable)
-            child, namespace = _start_sandbox(cmd, stdin_file, stdout_file, fds)
+            child, namespace, groups = _start_sandbox(cmd, stdin_file, stdout_file, fds)
         finished = _wait_without_reaping(child.pid, timeout)
         with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
             os.killpg(child.pid, signal.SIGKILL)       # group id still names only its group
@@ -739,6 +977,8 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
         if not unsafe and not _namespace_emptied(namespace):
             raise RuntimeError(f"processes of a sandbox ({namespace}) were still alive "
                                "10 s after it ended")
+        if not unsafe:
+            _remove_cgroups(groups)
         stdout_file.seek(0), results_file.seek(0)
         out, results = stdout_file.read(CODE_MAX_OUTPUT + 1), results_file.read(CODE_MAX_OUTPUT + 1)
     finally:
@@ -753,34 +993,62 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
 
 def _start_sandbox(cmd, stdin, stdout, fds):
     """Start cmd in a fresh bwrap sandbox under the system-call filter, passing it fds -> (the bwrap
-    process, the sandbox's PID namespace or None). As root, bwrap waits (--userns-block-fd) while
-    this process writes the uid and gid maps of the sandbox's user namespace: root (bwrap sets the
+    process, the sandbox's PID namespace or None, its cgroup folders). bwrap waits (as root
+    --userns-block-fd, else --block-fd) until this process has confined it (_confine) and, as
+    root, written the uid and gid maps of the sandbox's user namespace: root (bwrap sets the
     sandbox up as the namespace's root) and SANDBOX_UID (the prelude drops to it), each to
     itself."""
     program = seccomp_filter()  # RuntimeError without libseccomp, before anything starts
-    bpf, (info_r, info_w) = os.memfd_create("seccomp"), os.pipe()
-    block_r, block_w = os.pipe() if os.geteuid() == 0 else (None, None)
-    passed = [fd for fd in (bpf, info_w, block_r) if fd is not None]
+    root = os.geteuid() == 0
+    bpf, (info_r, info_w), (block_r, block_w) = os.memfd_create("seccomp"), os.pipe(), os.pipe()
+    passed = [bpf, info_w, block_r]
     try:
         os.write(bpf, program)
         os.lseek(bpf, 0, os.SEEK_SET)
-        args = _bwrap_args(passed) + ["--seccomp", str(bpf), "--info-fd", str(info_w)]
-        args += [] if block_r is None else ["--userns-block-fd", str(block_r)]
+        args = _bwrap_args(passed) + ["--seccomp", str(bpf), "--info-fd", str(info_w),
+                                      "--userns-block-fd" if root else "--block-fd", str(block_r)]
         child = subprocess.Popen(args + cmd, env={}, stdin=stdin, stdout=stdout,
                                  stderr=subprocess.DEVNULL, start_new_session=True,
                                  pass_fds=(*fds, *passed))
+    except BaseException:
+        os.close(block_w)
+        raise
     finally:
         for fd in passed:
             os.close(fd)
     info = _read_info(info_r)
-    if block_w is not None:
+    try:
         # bwrap failed before its child: it exits on its own
         with contextlib.suppress(OSError, KeyError):
-            for name in ("uid_map", "gid_map"):
+            for name in ("uid_map", "gid_map") if root else ():
                 with open(f"/proc/{info['child-pid']}/{name}", "w") as f:
                     f.write(f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n")
+        groups = _confine(child.pid, info)
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    finally:
         os.close(block_w)  # bwrap goes on
-    return child, _pid_namespace(info)
+    return child, _pid_namespace(info), groups
+
+
+def _confine(bwrap_pid, info):
+    """Before the sandbox runs anything: bwrap and its first child (whose forks inherit this)
+    become the OOM killer's first pick (oom_score_adj 1000: a sample that fills the machine's
+    memory is killed, not the trainer; where the caller is not root this may be refused) and enter
+    a cgroup of their own (_cgroup_for) -> its folders ([] when bwrap failed before its child)."""
+    if "child-pid" not in info:
+        return []
+    pids = [bwrap_pid, info["child-pid"]]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            if os.geteuid() == 0:
+                raise
+    return _cgroup_for(pids)
 
 
 def _read_info(info_fd):

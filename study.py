@@ -137,6 +137,11 @@ VARIANTS = {
 # the sampling weights makes every ratio 1, so CISPO, DAPO and GRPO take the same step; measured:
 # DAPO and GRPO one-process runs were identical eval for eval)
 RANKS = {"pipelinerl", "loss_dapo", "loss_grpo", "ppo_offpolicy", "sync"}
+# how they run torchrun: every socket on 127.0.0.1 (README, "Generator and trainer ranks"): a file
+# rendezvous (run_command names it beside the run's folder), no store hosted by the launcher
+LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
+                     "--local-addr", "127.0.0.1"]
+LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
 PARALLEL = 2
 FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule, compute unit)
@@ -227,11 +232,21 @@ def run_command(name, flags, path, seed, steps, data, extra):
     """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants,
     else one process (the synchronous loop, `--mode sync` of one generator)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2"] if name in RANKS else [sys.executable])
+    launch = ([sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN,
+               "--rdzv-endpoint", rendezvous_file(path), "--nproc_per_node", "2"]
+              if name in RANKS else [sys.executable])
     return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite",
             "--seed", str(seed), "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"),
             "--data", data[0], "--val_data", data[1], *TASK, *extra, *flags]
+
+
+def rendezvous_file(path, remove=False):
+    """The file a torchrun run's launcher rendezvous in, beside the run's folder; remove: delete it
+    (before a run, as it holds the last one's keys, and after)."""
+    file = path + ".rendezvous"
+    if remove and os.path.exists(file):
+        os.remove(file)
+    return file
 
 
 def pace(minutes, name):
@@ -267,6 +282,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                     continue
                 running.remove(r)
                 r["log"].close()
+                rendezvous_file(r["path"], remove=True)
                 if code:
                     for other in running:
                         other["proc"].kill()
@@ -295,8 +311,9 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                   flush=True)
             log = open(os.path.join(out, f"{name}-s{seed}.log"), "w")
             cmd = run_command(name, flags, path, seed, steps, data, extra)
+            rendezvous_file(path, remove=True)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env=os.environ | {"OMP_NUM_THREADS": "1"})
+                                    env=os.environ | {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
             running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log, cores=cores,
                                 start=time.time(), expected=expected or 0.0))
     wait(PARALLEL)

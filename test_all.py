@@ -11,6 +11,7 @@ import contextlib
 import errno
 import hashlib
 import inspect
+import ipaddress
 import json
 import math
 import multiprocessing
@@ -766,7 +767,8 @@ def test_verify_negated_or_hedged_text_is_not_a_unit():
     cases = [(r"\text{not } 5", "5", False), (r"5 \text{ is not correct}", "5", False),
              (r"\text{no solution except } 5", "5", False), (r"5 \text{ or perhaps } 6", "56", False),
              (r"\text{at least } 5", "5", False), ("5 or more", "5", False), ("5 or six", "5", False),
-             (r"5 \text{ apples}", "5", True), (r"5 \text{ more cookies}", "5", True), ("18 dollars", "18", True),
+             (r"5 \text{ apples}", "5", False), (r"5 \text{ more cookies}", "5", False),  # no units: off the list
+             ("18 dollars", "18", True),
              (r"5\text{ or }6", "6, 5", True), (r"5 \text{ OR } 6", "5, 6", True)]
     assert _verdicts(cases) == [expected for _, _, expected in cases]
 
@@ -795,7 +797,7 @@ HEDGED = [  # (answer, gold): a qualifier or a negation changes the claim
 ]
 PLAIN = [  # (answer, gold): forms Math-Verify accepts, kept
     ("x = 5", "5"), (r"5 \text{ cm}", "5"), (r"\text{(A)}", "A"), (r"\dfrac{1}{2}", "0.5"), ("1,000", "1000"),
-    (r"\alpha = 5", "5"), (r"\theta=5", "5"), (r"5 \text{ min}", "5"), (r"5 \text{ apples}", "5"),
+    (r"\alpha = 5", "5"), (r"\theta=5", "5"), (r"5 \text{ min}", "5"), (r"12 \text{ sq. ft}", "12"),
 ]
 
 
@@ -809,6 +811,30 @@ def test_verify_hedged_or_negated_answers_are_false():
     verdicts = _verdicts([(a, g, False) for a, g in HEDGED] + [(a, g, True) for a, g in PLAIN])
     assert [pair for pair, ok in zip(HEDGED, verdicts) if ok] == []
     assert [pair for pair, ok in zip(PLAIN, verdicts[len(HEDGED):]) if not ok] == []
+
+
+DENIED = [r"5 \text{ false}", r"5 \text{ impossible}", r"5 \text{ is false}", "5 false", r"5 \text{ untrue}",
+          r"5 \text{ invalid}", r"5 \text{ disproved}", r"5 \text{ nope}", r"5 \text{ apples}", "5 wrongly"]
+UNITS = [r"5 \text{ cm}", r"5\text{ km/h}", r"5 \text{ inches}", r"5 \text{ degrees}", r"5 \text{ sq ft}",
+         r"5 \text{ dollars}", "5 hours", r"5 \text{ units}", r"5 \text{ m}^2", r"5\text{ per hour}"]
+ON_THE_POINTS = [  # (answer, gold): a term that vanished at every point the old checker sampled (p / (997 * 10^k))
+    (r"x + x^{8}\sin(997000\pi x)", "x"), (r"x^2 + x^{8}(1 - \cos(1994000\pi x))", "x^2"),
+    (r"\frac{1}{x} + x^{9}\sin(997000\pi x)", r"\frac{1}{x}")]
+
+
+def test_verify_a_word_beside_the_answer_must_be_a_unit_and_points_alone_prove_nothing():
+    """A word beside a number is dropped only when it is on the allow-list of units and formatting words: no
+    phrasing of a denial passes (a deny-list missed "false" and "impossible"). And agreeing at the sample points
+    is not equality: sympy must prove the difference zero."""
+    verdicts = _verdicts([(a, "5", False) for a in DENIED] + [(a, "5", True) for a in UNITS]
+                         + [(a, g, False) for a, g in ON_THE_POINTS])
+    assert [a for a, ok in zip(DENIED, verdicts) if ok] == []
+    assert [a for a, ok in zip(UNITS, verdicts[len(DENIED):]) if not ok] == []
+    assert [pair for pair, ok in zip(ON_THE_POINTS, verdicts[len(DENIED) + len(UNITS):]) if ok] == []
+    u, v = verify.to_sympy("x"), verify.to_sympy("x^2")
+    firsts = [p[verify.to_sympy("x")] for p in verify._points(u, v)[4:12]]
+    seconds = [p[verify.to_sympy("x")] for p in verify._points(u, v)[4:12]]
+    assert firsts != seconds and len({abs(x).q for x in firsts}) == len(firsts)  # drawn afresh, no shared grid
 
 
 def test_verify_thinking_opened_by_the_prompt_must_close():
@@ -947,6 +973,109 @@ def test_code_memory_limit():
     assert score_code(fenced(grow + RAN), RUN) is False
     assert time.perf_counter() - start < 15.0
     assert score_code(fenced(alloc.format(600 << 20)), ["assert x"], memory=256 << 20) is False
+
+
+PAST_THE_GUARD = "import sys\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\nlibc = ctypes.CDLL(None)\n"
+HOARD = PAST_THE_GUARD + """import os, time
+kids, reported, dead, (r, w) = {}, set(), set(), os.pipe()
+for k in range(4):                          # 4 processes of 400 MiB, each within its own 1 GiB RLIMIT_AS
+    pid = libc.fork()
+    if pid == 0:
+        try:
+            hoard = b"\\x01" * (400 << 20)  # written: resident
+            os.write(w, bytes([k]))
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    kids[pid] = k
+os.set_blocking(r, False)
+end = time.time() + 6
+while time.time() < end and len(reported | dead) < 4:
+    time.sleep(0.05)
+    try:
+        reported.update(os.read(r, 16))
+        while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:    # a child the kernel killed
+            dead.add(kids[pid])
+    except (BlockingIOError, ChildProcessError):
+        pass
+print("holding", len(reported - dead), flush=True)
+"""
+
+
+@BWRAP
+@pytest.mark.skipif(not sandbox.cgroup_plan()[0], reason="no cgroup can be made here (not root, no delegated "
+                    "subtree): sandbox.cgroup_plan's line says why; the per-process limits are tested above")
+def test_code_a_sample_cannot_hold_more_memory_than_its_cgroup_allows():
+    """RLIMIT_AS binds each process alone: 4 forked processes of 400 MiB held 1.6 GiB against a 1 GiB limit. In a
+    cgroup of its own the sample's processes together hold at most CODE_SAMPLE_MEMORY (the kernel kills past it)."""
+    code, out, _ = sandbox._run_program(HOARD, "", "", 10.0, sandbox.CODE_MEMORY, False)
+    held = re.search(r"holding (\d+)", out)
+    assert held or code != 0, out                            # the sample ran, or the kernel killed it whole
+    assert held is None or int(held[1]) * (400 << 20) <= 5 << 28, out                 # 1.25 GiB, for all of it
+    assert held is None or int(held[1]) * (400 << 20) <= sandbox.CODE_SAMPLE_MEMORY, out
+    assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
+
+
+def seen_while_running(path):
+    """{pid: (/proc/pid/<path>, /proc/pid/cgroup)} of this process's sandbox processes (not another test run's on
+    this machine) seen while a 2 s sample runs."""
+    def mine(pid):
+        while pid > 1:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            if pid == os.getpid():
+                return True
+        return False
+    thread = threading.Thread(target=score_code, args=(fenced("import time\ntime.sleep(2)" + RAN), RUN))
+    thread.start()
+    seen, deadline = {}, time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        for pid in sandbox_processes():
+            with contextlib.suppress(OSError):
+                if mine(int(pid)):
+                    seen[pid] = (open(f"/proc/{pid}/{path}").read().strip(), open(f"/proc/{pid}/cgroup").read())
+        time.sleep(0.05)
+    thread.join()
+    return seen
+
+
+@BWRAP
+def test_code_a_sample_is_the_oom_killers_first_pick_and_runs_without_a_cgroup(monkeypatch):
+    """A sample's processes are the OOM killer's first pick (oom_score_adj 1000: one that fills the memory is
+    killed, not the trainer). Where no cgroup can be made, the sandbox says so in one line and the sample runs
+    with its per-process limits."""
+    seen = seen_while_running("oom_score_adj")
+    assert seen and all(adj == "1000" for adj, _ in seen.values()), seen
+    monkeypatch.setattr(sandbox, "_own_cgroups", lambda: {})
+    sandbox.cgroup_plan.cache_clear()
+    try:
+        plan, line = sandbox.cgroup_plan()
+        assert plan == [] and line.startswith("code sandbox: no cgroup for the samples (no cgroup file system")
+        seen = seen_while_running("oom_score_adj")
+        assert seen and all(adj == "1000" and "scalerl-sandboxes" not in groups for adj, groups in seen.values())
+        assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
+    finally:
+        monkeypatch.undo()
+        sandbox.cgroup_plan.cache_clear()
+
+
+@BWRAP
+def test_code_one_time_budget_for_all_the_cases_of_a_sample():
+    """A correct but slow program costs its sample's budget once, not once per case (5 cases of 1 s each ran 5 s
+    under a 3 s limit per run)."""
+    slow = fenced("import time\ntime.sleep(1)\nprint(2 * int(input()))")
+    assert score_code(slow, {"inputs": ["4"], "outputs": ["8"]}, timeout=3.0) is True
+    start = time.perf_counter()
+    assert score_code(slow, {"inputs": [str(k) for k in range(5)], "outputs": [str(2 * k) for k in range(5)]},
+                      timeout=3.0) is False
+    assert time.perf_counter() - start < 4.5
+
+
+def test_code_a_sample_runs_on_at_most_code_max_cases_cases(monkeypatch):
+    runs = []
+    monkeypatch.setattr(sandbox, "_run_program", lambda program, tests, stdin, *_: (runs.append(stdin), 0, stdin, b"")[1:])
+    many = {"inputs": [str(k) for k in range(100)], "outputs": [str(k) for k in range(100)]}
+    assert score_code(fenced("print(input())"), many) is True
+    assert runs == [str(k) for k in range(32)] and sandbox.CODE_MAX_CASES == 32
 
 
 def test_code_output_flood_is_cut():
@@ -1315,7 +1444,8 @@ def refused(expression):
 """)
     denied = ["os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)", "os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)",
               "fcntl.flock(fd, fcntl.LOCK_SH)", "resource.getrusage(resource.RUSAGE_SELF)",
-              "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)", "socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)"]
+              "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)", "socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)",
+              "os.memfd_create('hoard')", "os.sched_setaffinity(0, {0})"]
     allowed = ["os.pread(fd, 1, 0)", "os.preadv(fd, [bytearray(1)], 0)", "socket.socket().close()",
                "socket.socketpair()", "threading.Thread(target=print).start()", "fcntl.fcntl(fd, fcntl.F_GETFL)"]
     checks = [f"assert refused({e!r}) == 'EPERM'" for e in denied]
@@ -1400,9 +1530,46 @@ def test_code_batch_never_runs_two_samples_of_one_problem_at_once(monkeypatch):
         return response
 
     monkeypatch.setattr(sandbox, "score_code", fake_score)
-    tests = [["assert a() == 1"], ["assert b() == 1"]] * 4
+    tests = [["assert a(1) == 1"], ["assert b(2) == 4"]] * 4
     assert score_code_batch(list(range(8)), tests, workers=4) == list(range(8))
     assert most_of_one == [1] and most_at_once == [2]
+
+
+def test_code_batch_keeps_one_problem_apart_however_its_tests_are_written(monkeypatch):
+    """"The same problem" is decided on the tests as the judge reads them: another spacing, order, subset of cases
+    or name of the solution does not make another problem (two such samples ran side by side, and one could pass
+    its answer to the other as CPU load). Different problems still run side by side."""
+    same = {"stdin": ({"inputs": ["1 2\n", "5 5"], "outputs": ["3\n", "10"]}, {"inputs": ["5  5\n"], "outputs": ["10 \n"]}),
+            "asserts": (["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
+                        "def check(candidate):\n    assert 3 == (candidate(1,2)), 'sums'\ncheck(add)")}
+    running, worst, lock = collections.Counter(), collections.Counter(), threading.Lock()
+
+    def fake_score(label, tests, **_):
+        with lock:
+            running[label] += 1
+            worst[label], worst["all"] = max(worst[label], running[label]), max(worst["all"], sum(running.values()))
+        time.sleep(0.05)
+        with lock:
+            running[label] -= 1
+        return True
+
+    monkeypatch.setattr(sandbox, "score_code", fake_score)
+    labels = [label for label in same for _ in (0, 1)] * 2
+    score_code_batch(labels, [tests for pair in same.values() for tests in pair] * 2, workers=2)
+    assert (worst["stdin"], worst["asserts"], worst["all"]) == (1, 1, min(2, len(os.sched_getaffinity(0))))
+
+
+SPINNERS = PAST_THE_GUARD + "for _ in range(30):\n    if libc.fork() == 0:\n        libc.setsid()\n        break\nwhile True:\n    pass\n"
+
+
+@BWRAP
+def test_code_a_neighbours_processes_cannot_starve_a_sample():
+    """A sample of another problem that spins 31 processes, each in a session of its own, beside a correct sample
+    that needs under a second of CPU: on 2 cores it got a 16th of one and failed its time limit. Each sandbox now
+    has a CPU of its own (pinned, and kept there by the system-call filter; and a cgroup's one-CPU share)."""
+    work = fenced("n = 0\nfor i in range(8_000_000):\n    n += i\nprint(n % 7)")
+    spin_tests, work_tests = {"inputs": [""], "outputs": ["x"]}, {"inputs": [""], "outputs": [str(sum(range(8_000_000)) % 7)]}
+    assert score_code_batch([fenced(SPINNERS), work], [spin_tests, work_tests], workers=2, timeout=6.0) == [False, True]
 
 
 def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
@@ -1420,6 +1587,50 @@ def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
         assert str(err.value) == f"{path}:2: {message}"
     path.write_text('{"question": "q", "answer": "3 + 4 = 7 #### 7"}\n{"problem": "p", "answer": 0}\n')
     assert [p["answer"] for p in data.load_problems(str(path))] == ["7", "0"]
+
+
+def test_data_reads_regular_files_only_and_every_error_names_file_and_line(tmp_path, capsys):
+    """--data naming a FIFO waited for a writer forever, /dev/zero was read into memory without end, and deeply
+    nested JSON, a 5000-digit integer or an assert nested past the parser's depth gave a traceback or an error
+    without file:line."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    said = {}
+    reader = threading.Thread(target=lambda: said.update(exit=pytest.raises(SystemExit, train.load_data,
+                                                                            train.get_args(["--data", str(fifo)]))),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    assert str(said["exit"].value.code) == f"error: --data {fifo}: not a regular file (a FIFO): give a jsonl file"
+    for path, kind in (("/dev/zero", "a device"), (tmp_path, "a directory")):
+        with pytest.raises(OSError, match=rf"not a regular file \({kind}\)"):
+            data.load_problems(str(path))
+    ok = '{"problem": "ok", "answer": "1"}\n'
+    cases = {ok + '{"problem": "p", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n": ":2: invalid JSON (nested too deeply)",
+             ok + '{"problem": "p", "answer": ' + "9" * 5000 + "}\n": ":2: invalid JSON (Exceeds the limit",
+             ok + '{"prompt": "p", "tests": ["assert f(1)' + " + 1" * 100_000 + '"]}\n':
+                 ":2: field 'tests': an expression nested too deeply to parse",
+             ok + '{"problem": "' + "x" * data.MAX_LINE_BYTES + '", "answer": "1"}\n': ":2: a line over 16 MiB"}
+    assert_load_errors(tmp_path, cases)
+    for i in range(len(cases)):
+        with pytest.raises(SystemExit) as exit_:
+            train.load_data(train.get_args(["--data", str(tmp_path / f"bad{i}.jsonl")]))
+        assert re.fullmatch(rf"error: --data: \S*bad{i}.jsonl:2: [^\n]+", exit_.value.code), exit_.value.code
+
+
+def test_data_counts_golds_no_response_can_match_and_cuts_tests_to_the_cases_a_sample_runs(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    many = {"inputs": [str(k) for k in range(40)], "outputs": [str(k) for k in range(40)]}
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"problem": "a", "answer": "1"}, {"problem": "b", "answer": "2" * 1001}, {"problem": "c", "answer": "\\$"},
+        {"problem": "d", "answer": "3" * 1001}, {"prompt": "e", "tests": many}]) + "\n")
+    problems = data.load_problems(str(path))
+    err = capsys.readouterr().err
+    assert f"2 gold answer(s) that no response can match (longer than 1000 characters): kept" in err and f"{path}:2)" in err
+    assert f"1 gold answer(s) that no response can match (nothing is left of it once normalized)" in err
+    assert f"1 code problem(s) with more than 32 test cases: each keeps its first 32" in err and f"{path}:5)" in err
+    assert len(problems) == 5 and problems[4]["tests"] == {"inputs": many["inputs"][:32], "outputs": many["outputs"][:32]}
+    assert not verify.score(r"\boxed{" + "2" * 1001 + "}", "2" * 1001)  # what the warning says
 
 
 def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retired_prompt():
@@ -1667,6 +1878,34 @@ def test_prompt_ids_have_one_bos_whether_a_chat_template_writes_it_or_the_tokeni
     toy = AutoTokenizer.from_pretrained(toy_dir)  # the toy's prompts: exactly as before
     for p in data.toy_problems(20, 3):
         assert data.prompt_ids(toy, p["prompt"]) == toy(data.format_prompt(toy, p["prompt"]))["input_ids"]
+
+
+LOOPING_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                    "{{ messages[0].content }}")
+
+
+def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_path, monkeypatch):
+    """A model folder's chat template is code: one that loops (here 10^10 iterations) is rendered once, under a time
+    limit, and stops the run with one line (it ran for minutes with no message)."""
+    folder = tmp_path / "model"
+    shutil.copytree(toy_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = LOOPING_TEMPLATE
+    tok.save_pretrained(folder)
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0, raising=False)
+    said, start = {}, time.monotonic()
+
+    def evaluate():
+        try:
+            train.eval_only(train.get_args(["--eval_only", "--model", str(folder), "--val_size", "4"]))
+        except SystemExit as err:
+            said["exit"] = str(err.code)
+
+    thread = threading.Thread(target=evaluate, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert said.get("exit", "").startswith(f"error: --model {folder}: its chat template took over 1 s to render")
+    assert time.monotonic() - start < 15 and "\n" not in said["exit"]
 
 
 def test_split_is_seeded_and_disjoint():
@@ -3036,8 +3275,8 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     rcs, outs = finish_all(procs)
     assert rcs[0] != 0 and rcs[1] != 0 and time.time() - t_kill < 60
     assert "rank 0" in outs[1] and "ERROR" in outs[1], outs[1]
-    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.pt").exists()
-    saved = torch.load(tmp_path / "curriculum-rank1.pt", weights_only=False)  # for a resume at step 2 or 4
+    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.json").exists()
+    saved = json.loads((tmp_path / "curriculum-rank1.json").read_text())  # for a resume at step 2 or 4
     assert saved["epoch"] == 0 and saved["pos"] in (2 * 4, 4 * 4)  # exactly its batches served (not k more),
     assert sum(map(len, saved["history"].values())) == saved["pos"]  # with every one of their pass rates
     procs = launch(2, tmp_path, *flags, "--resume")
@@ -3079,6 +3318,44 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
     assert p.wait(timeout=60) != 0
     for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+
+
+def listening_addresses(pids):
+    """The addresses the processes' TCP sockets listen on (ipaddress objects), read from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = []
+    for table in ("tcp", "tcp6"):
+        for row in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN; the address: 32-bit words, each little-endian
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                found.append(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+    return found
+
+
+def test_pipeline_torchrun_on_one_machine_listens_on_loopback_only_as_the_readme_says(tmp_path):
+    """Under `torchrun --standalone` (or without flags) the launcher's store listened on every interface: a process
+    that was no rank listed its keys, set one and stopped the run. Run as the README says for one machine, every
+    socket of the run (launcher, store, gloo) listens on the loopback interface alone."""
+    readme = (ROOT / "README.md").read_text()
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               **dict([re.search(r"^export (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)=(\S+)", readme, re.M).groups()]))
+    flags = re.search(r'^LOCAL="([^"]+)"', readme, re.M)[1].split()
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, "--rdzv-endpoint", str(tmp_path / "rdzv"),
+                          "--nproc_per_node", "2", str(ROOT / "train.py"), "--out", str(tmp_path / "run"), *PIPE_FLAGS,
+                          "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    try:
+        wait_for_train_records(tmp_path / "run", 1, [p])
+        addresses = listening_addresses([p.pid, *worker_pids(p.pid).values()])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=120)
+    assert len(addresses) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
+                                       for a in addresses), addresses
 
 
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
@@ -3334,7 +3611,7 @@ def test_pipeline_a_signal_to_one_rank_stops_every_rank_with_the_last_step_saved
     assert rcs == [128 + signal.SIGTERM] * 2, out
     done = len(train_records(tmp_path))
     assert f"stopped by a signal after step {done}/40; saved {tmp_path / f'ckpt-{done:06d}'}; continue with: " \
-           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.pt").exists()
+           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.json").exists()
     rcs, (out, _) = finish_all(launch(2, tmp_path, "--steps", str(done + 2), "--save_every", "0", "--resume"))
     assert rcs == [0, 0] and f"resumed from {tmp_path / f'ckpt-{done:06d}'} at step {done}" in out, out
     assert [r["step"] for r in train_records(tmp_path)] == list(range(1, done + 3))
@@ -3558,6 +3835,26 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         train.get_args(["--resume", "--overwrite"])
 
 
+def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(tmp_path, capsys):
+    """nan, inf and negative values went through (`--temperature -1` trained silently to 0.000): each is one line
+    naming the flag, at parsing, before --out exists."""
+    out = tmp_path / "run"
+    for flag in ("lr", "temperature", "adam_eps", "weight_decay", "grad_clip", "eps_high", "eps_low", "timeout",
+                 "heartbeat_timeout"):
+        for value in ("nan", "inf", "-1"):
+            with pytest.raises(SystemExit):
+                train.get_args(["--out", str(out), f"--{flag}", value])
+            said = capsys.readouterr().err.strip().splitlines()
+            assert len(said) == 1 and said[0].startswith(f"train.py: error: --{flag} must be "), (flag, value, said)
+    for argv in (["--timeout", "1e300"], ["--seed", "-1"], ["--keep", "0"], ["--l_cache", "-3"], ["--eps_low", "5"],
+                 ["--loss", "grpo", "--eps_low", "1.5"]):
+        with pytest.raises(SystemExit):
+            train.get_args(["--out", str(out), *argv])
+        assert capsys.readouterr().err.count("\n") == 1, argv
+    assert not out.exists()
+    assert train.get_args(["--eps_low", "0", "--grad_clip", "0", "--weight_decay", "0"]).grad_clip == 0  # 0: off
+
+
 def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, tmp_path, capsys):
     for argv, line in [(["--prompt", "8"], "train.py: error: unrecognized arguments: --prompt 8 (--prompt: did you "
                                            "mean --prompts?) (--help lists the flags)"),
@@ -3771,10 +4068,45 @@ def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_d
     assert "--lr 0.0003 -> 0.0001" in capsys.readouterr().out
     assert [r["step"] for r in recs if r["kind"] == "train"][-1] == 5
     assert [r["lr"] for r in recs if r["kind"] == "train"][-1] == pytest.approx(warmed_up(recs, 1e-4)[-1])  # new --lr
-    state = torch.load(out / "ckpt-000005" / "state.pt", weights_only=False)
+    state = torch.load(out / "ckpt-000005" / "state.pt", weights_only=True)
     group = state["optimizer"]["param_groups"][0]
     assert (group["initial_lr"], group["eps"], group["weight_decay"]) == (1e-4, 1e-8, 0.5)
     assert state["scheduler"]["base_lrs"] == [1e-4] and state["curriculum"]["npr"] is False
+
+
+class RunsCode:
+    """What a hostile run folder can hold: a pickle whose loading calls a function of the author's choice (here one
+    that creates a file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_train_resume_unpickles_nothing_that_could_run_code(toy_dir, tmp_path):
+    """A run folder shared or downloaded is data: --resume loads state.pt as tensors and plain data only, and a
+    state.pt or generator curriculum holding anything else stops the run with one line before any of it runs.
+    Everything train.py saves (optimizer, schedule, curriculum, RNG, flags, float32 master weights) loads so."""
+    out, ran = tmp_path / "run", tmp_path / "ran"
+    run_train(toy_dir, out, "--steps", "1")  # bf16's master weights: test_train_bf16_steps_float32_master_weights_*
+    state = out / "ckpt-000001" / "state.pt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(state) == []
+    saved = torch.load(state, weights_only=True)
+    assert {"optimizer", "scheduler", "curriculum", "torch_rng", "args"} <= set(saved) and saved["args"]["steps"] == 1
+    torch.save({**saved, "note": RunsCode(str(ran))}, state)
+    with pytest.raises(SystemExit) as exit_:
+        run_train(toy_dir, out, "--steps", "2", "--resume")
+    assert str(exit_.value.code).startswith(f"error: --resume: {state} holds objects other than tensors and plain "
+                                            "data") and "\n" not in str(exit_.value.code)
+    assert not ran.exists()
+    torch.save(saved, state)
+    torch.save(RunsCode(str(ran)), out / "curriculum-rank1.pt")  # a generator's curriculum, pickled by an older run
+    args = train.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "8", "--resume"])
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*curriculum-rank1.pt is a curriculum of an older "):
+        runs.resume_point(args, quiet=True)
+    assert not ran.exists()
 
 
 def warmed_up(records, lr, warmup=10):

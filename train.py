@@ -50,13 +50,14 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, load_source_problems, prompt_ids, read_jsonl, resolve_model,
-                  score_samples, special_tokens, split_problems, toy_model_dir, toy_problems)
+from data import (PRESETS, format_prompt, load_source_problems, prompt_ids, read_jsonl,
+                  resolve_model, score_samples, special_tokens, split_problems, toy_model_dir,
+                  toy_problems)
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, sequence_logprobs
-from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, drift_by_lag, forgetting,
-                  policy_loss, ratio_stats, zero_variance_keep)
+from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
+                  forgetting, policy_loss, ratio_stats, zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
                   resume_point, save_checkpoint, truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
@@ -258,22 +259,33 @@ def get_args(argv=None):
     return args
 
 
+# what each numeric flag may be, besides finite: nan, inf or a negative value would fail late or
+# train silently wrong (a negative --temperature sampled the argmax and trained to 0.000)
+MAX_SECONDS = 1e7  # --timeout, --heartbeat_timeout: past this, waits overflow their clocks
+POSITIVE, AT_LEAST_0 = (lambda v: v > 0, "positive"), (lambda v: v >= 0, ">= 0")
+SECONDS = (lambda v: 0 < v <= MAX_SECONDS, f"in (0, {MAX_SECONDS:g}] seconds")
+FLAG_RANGES = {
+    **dict.fromkeys(("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
+                     "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
+                     "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
+                     "adam_eps", "eps_high"), POSITIVE),
+    **dict.fromkeys(("micro_prompts", "grad_clip", "save_every", "l_max", "l_cache", "gen_ranks",
+                     "weight_decay", "eps_low"), AT_LEAST_0),  # 0 has a meaning (see --help)
+    "timeout": SECONDS, "heartbeat_timeout": SECONDS,
+    "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
+    # the fraction of the device memory the sampler's KV cache takes
+    "gen_memory": (lambda v: 0 < v <= 1, "a fraction of the device memory, in (0, 1]"),
+}
+
+
 def check_args(args, error):
     """Flag values that would fail late (after the model loads) or silently train wrong:
-    error(message)."""
-    for name in ("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
-                 "eval_samples", "max_lag", "timeout", "heartbeat_timeout", "bucket_mb",
-                 "warmup", "max_empty_steps", "log_every"):
-        if getattr(args, name) <= 0:
-            error(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("micro_prompts", "grad_clip", "save_every"):  # 0 has a meaning (see --help)
-        if getattr(args, name) < 0:
-            error(f"--{name} must be >= 0, got {getattr(args, name)}")
-    for name in ("val_size", "slots"):  # None has a meaning (see --help)
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            error(f"--{name} must be positive, got {getattr(args, name)}")
-    if not 0 < args.gen_memory <= 1:
-        error(f"--gen_memory is a fraction of the device memory, in (0, 1], got {args.gen_memory}")
+    error(message), one line, before anything is made in --out."""
+    for name, (ok, what) in FLAG_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and (not ok(value) or abs(value) == math.inf):
+            error(f"--{name} must be {what} and finite, got {value}")
+    check_clip_bounds(args, error)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         error(f"--device {args.device}: " +
               ("this PyTorch build has no CUDA (a CPU wheel); install the CUDA build"
@@ -302,6 +314,16 @@ def context_error(args, context, prompt_len=0, phrase_len=0):
     return (f"{prompt}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
             f"{phrase} = {need} tokens: more than the model's context (max_position_embeddings "
             f"{context}); lower the budgets")
+
+
+def check_clip_bounds(args, error):
+    """--eps_low / --eps_high as the loss reads them (loss.py): CISPO's are absolute bounds on the
+    ratio (low below high), the clipped losses' 1 - eps_low may not be negative."""
+    low, high = clip_eps(args.loss, args.eps_low, args.eps_high)
+    if args.loss == "cispo" and low is not None and low >= high:
+        error(f"--eps_low {low} must be below --eps_high {high} (CISPO: bounds on the ratio)")
+    if args.loss != "cispo" and low > 1:
+        error(f"--eps_low {low}: {args.loss} clips the ratio at 1 - eps_low, which must be >= 0")
 
 
 def check_model_dir(path, error):
@@ -406,10 +428,17 @@ def pick_device(args, ctx=None):
 
 
 def load_model(model_dir, args, device):
-    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs. Nothing in
+    the folder runs as code (no trust_remote_code; its chat template, rendered once here under a
+    time limit, is data.format_prompt's): a folder that needs it stops the run with one line."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        for domain in ("math", "code"):
+            format_prompt(tokenizer, "", domain)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype), trust_remote_code=False).to(device)
+    except ValueError as err:
+        sys.exit(f"error: --model {model_dir}: {' '.join(str(err).split())[:400]}")
     check_supported(model)
     return tokenizer, model
 
@@ -609,7 +638,7 @@ class Trainer:
         self.master = self.optimized_weights(state)
         self.opt = torch.optim.AdamW(self.master or model.parameters(), lr=args.lr,
                                      eps=args.adam_eps, weight_decay=args.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.warmup)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: self.warmup(s))
         self.version, self.bad_steps = state.get("step", 0), 0
         if state:
             self.load_state_dict(state)
@@ -1206,7 +1235,7 @@ def serve_rollouts(args):
     """A generator rank's life (pipeline.run_generator): sample, verify and send groups to the
     trainers, take every new version of the weights, until the trainers say stop."""
     env = start(args)
-    path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.pt")
+    path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.json")
     pipeline.run_generator(env.ctx, args, env.model, env.tokenizer, env.train, env.train_ids,
                            env.state.get("step", 0), path)
     pipeline.finish(env.ctx)

@@ -20,24 +20,25 @@ Readings chosen here:
   percent signs, thousands separators "1,000" and "1{,}000", the same variable before each
   item ("x = -1, x = 2", "x \\in [1, 2]"), a trailing period); the same plain number, exactly
   (0.5 = 1/2 = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value
-  for all real values of the variables (i is the imaginary unit, e is Euler's number). That is
-  decided exactly where sympy can: a rational function with rational coefficients by cancel(),
-  anything else when simplify() brings the difference to a constant; only where it cannot do
-  the values at sample points decide (_points: both signs, beyond every constant and below its
-  reciprocal, seeded random ones, both sides of the roots under |.|, roots and logs), to 1e-40
-  relative at 60 digits. So 50\\% counts as 50 (not 0.5) and 30^\\circ as 30 (not \\pi/6). A
-  word of 2+ letters (east, \\text{Evelyn}) is compared as a word, case-insensitively, not as a
-  product of variables. Words go as units or as "and"/"or" between items, but not a phrase
-  with a negation or hedge ("\\text{not } 5", "5 or more", "5 \\text{ or perhaps } 6", "5 maybe",
-  "\\text{approximately } 5", "5 \\text{ upper bound}"): it stays in the answer, which then
-  matches nothing.
+  for all real values of the variables (i is the imaginary unit, e is Euler's number), proven:
+  a rational function with rational coefficients by cancel(), anything else when simplify()
+  brings the difference to zero. The values at sample points only reject (_points: both signs,
+  beyond every constant and below its reciprocal, fresh random ones from the system's source,
+  both sides of the roots under |.|, roots and logs; to 1e-40 relative at 60 digits): what sympy
+  cannot prove counts False, however many points agree. So 50\\% counts as 50 (not 0.5) and
+  30^\\circ as 30 (not \\pi/6). A word of 2+ letters (east, \\text{Evelyn}) is compared as a word,
+  case-insensitively, not as a product of variables. Beside a number, only words on an
+  allow-list go (_UNITS: units, "per", "square", "units"; "and"/"or" between items): any other
+  word ("5 false", "\\text{not } 5", "5 or more", "5 maybe", "\\text{approximately } 5",
+  "5 \\text{ apples}") stays in the answer, which then matches nothing.
 - Departures from a lenient checker, each closing a way to forge the reward:
   an answer with a variable the gold lacks never matches (4 + (x-1)(x-2) is not 4, nor is
   \\sin^2 x + \\cos^2 x 1); variables are real, of either sign (x is not |x|, y - x is not |x - y|,
   \\frac{|x|}{x} is not 1); a nearly equal value is not equal (x + 10^{12} + 1 is not x + 10^{12});
-  hedges and qualifiers are no units (above); only a letter or a Greek letter names a variable
-  before "=" (x = 5, \\theta = 5 are 5; \\not= 5, \\neq=5 are nothing); a box inside thoughts the
-  prompt opened and the completion never closed is no answer (think_open).
+  no word off the allow-list is a unit (above); a difference that vanishes at the points sampled
+  is not zero (x + x^8 \\sin(997000\\pi x) is not x); only a letter or a Greek letter names a
+  variable before "=" (x = 5, \\theta = 5 are 5; \\not= 5, \\neq=5 are nothing); a box inside
+  thoughts the prompt opened and the completion never closed is no answer (think_open).
 - Shapes: "(a, b)" and "[a, b)" are ordered tuples/intervals whose brackets must match;
   "\\{a, b\\}", a bare list "a, b" and "a \\pm b" are unordered sets; \\cup joins intervals in
   any order; matrices compare entry by entry; an equation "lhs = rhs" equals a nonzero
@@ -164,11 +165,25 @@ _TEXT = re.compile(r"\\(text\w*|mbox|math\w+|operatorname)\s*\{([^{}]*)\}(\^\{?\
 _UNIT_TEXT = re.compile(r"[a-zA-Z .]*(?:/ *[a-zA-Z][a-zA-Z .]*)*")     # \text{ km/h}: no digits
 # 18 km/h
 _UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")
-# "5 or more", "5 maybe" are no units ("5 min" is)
-_HEDGE = re.compile(r"\b(?:not|no|nor|never|except|or|and|least|most|than|wrong|incorrect|maybe|"
-                    r"perhaps|possibly|probably|likely|unlikely|approx\w*|about|around|roughly|"
-                    r"nearly|almost|circa|guess\w*|estimat\w*|max\w*|minimum|minimal|upper|lower|"
-                    r"bound\w*|unsure|uncertain)\b", re.IGNORECASE)
+# The words that may stand beside a number and be dropped as its unit: units of length, area,
+# volume, mass, time, money, angle, temperature, speed and data, and formatting words (per, square,
+# units). An allow-list: any other word stays in the answer, which then matches nothing, so that no
+# phrasing of a denial or a qualifier ("5 false", "5 impossible", "approximately 5", "5 or more")
+# passes for a unit. A plural counts as its singular (inches, degrees).
+_UNITS = frozenset("""
+    m cm mm km um nm in inch ft foot feet yd yard mi mile meter metre centimeter centimetre
+    millimeter millimetre kilometer kilometre micrometer nanometer
+    sq square cubic cu acre hectare ha l liter litre ml milliliter millilitre cc gallon gal quart
+    qt pint pt cup fl ounce oz tbsp tsp tablespoon teaspoon
+    g kg mg gram gramme kilogram milligram lb lbs pound ton tonne
+    s sec second ms millisecond min minute h hr hrs hour day week wk month year yr yrs decade
+    century centuries
+    dollar usd cent penny pennies pence euro eur yen rupee franc peso yuan dime nickel quarter
+    degree deg radian rad celsius fahrenheit kelvin c f k
+    mph kph kmh rpm bpm fps per unit time point percent pct
+    n newton j joule kj cal kcal calorie w watt kw kwh v volt amp ampere ohm hz khz mhz ghz pa
+    kpa atm psi mol mole bit byte kb mb gb tb
+""".split())
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa "
              "lambda mu nu xi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta "
              "Theta Lambda Xi Sigma Phi Psi Omega".split())
@@ -189,7 +204,7 @@ def normalize(answer):
     s = _drop_text(s)
     s = re.sub(r"\s+", " ", s).strip().removesuffix(".")
     m = _UNIT_WORDS.fullmatch(s)
-    s = m.group(1) if m and not _HEDGE.search(m.group(2)) else s
+    s = m.group(1) if m and _units_only(m.group(2)) else s
     s = re.sub(r"(?<![a-zA-Z]) | (?![a-zA-Z])", "", s)         # keep only "\cot x"-like spaces
     s = re.sub(r"\\(frac|sqrt) ?([0-9a-zA-Z])", r"\\\1{\2}", s)    # \frac34 -> \frac{3}4
     s = re.sub(r"\\frac(\{[^{}]*\}) ?([0-9a-zA-Z])", r"\\frac\1{\2}", s)   # -> \frac{3}{4}
@@ -201,9 +216,16 @@ def normalize(answer):
     return choice.group(1) if choice else s
 
 
+def _units_only(text):
+    """Whether every word of text ("km/h", "sq. ft", "dollars") is on the allow-list _UNITS."""
+    words = [w for w in re.split(r"[\s/.]+", text.lower()) if w]
+    return all(w in _UNITS or (w[-1:] == "s" and w[:-1] in _UNITS)
+               or (w[-2:] == "es" and w[:-2] in _UNITS) for w in words)
+
+
 def _drop_text(s):
     """\\text{Evelyn} -> Evelyn, 5\\text{ m/s}^2 -> 5, 1 \\text{and} 2 -> 1,2, \\mathbf{v} -> v;
-    a phrase with a hedge stays (5\\text{ or more} -> 5 or more)."""
+    a phrase of words off the allow-list _UNITS stays (5\\text{ or more} -> 5 or more)."""
     whole = _TEXT.fullmatch(s.strip())
     if whole and not whole.group(3):
         return whole.group(2).strip()
@@ -213,8 +235,8 @@ def _drop_text(s):
         if command in ("text", "mbox", "textrm", "textnormal") and _UNIT_TEXT.fullmatch(inner):
             if inner.strip().lower() in ("and", "or"):
                 return ","
-            if not _HEDGE.search(inner):
-                return ""                                  # a unit or a filler word
+            if _units_only(inner):
+                return ""                                  # a unit or a formatting word
         return inner + (power or "")
     return _TEXT.sub(replace, s)
 
@@ -260,6 +282,14 @@ def quick_check(answer, gold):
     if x is not None and y is not None:
         return x == y
     return None
+
+
+def never_matched(gold):
+    """Why no response can ever match this gold answer (quick_check refuses it before comparing),
+    or None: it is longer than MAX_ANSWER_CHARS, or nothing is left of it once normalized."""
+    if len(gold) > MAX_ANSWER_CHARS:
+        return f"longer than {MAX_ANSWER_CHARS} characters"
+    return None if normalize(gold) else "nothing is left of it once normalized"
 
 # -----------------------------------------------------------------------------
 # The full check: answer shapes, then values with sympy (runs in a worker process)
@@ -378,19 +408,17 @@ def _same_equation(x, y):
 
 def _identical(u, v, multiple=False):
     """Whether answer u equals gold v (multiple: c * v, c a nonzero constant) for all real values
-    of the variables. Never when u has a variable that v lacks. Exact where sympy decides: a
-    rational function with rational coefficients in lowest terms (cancel) is constant only when
-    free of variables, and simplify() may prove u - v (u / v) constant; where it cannot, the values
-    at the sample points decide. Those points go first: a difference there rejects cheaply."""
+    of the variables, proven: never on sample points alone, since a term can vanish at every point
+    sampled and nowhere else. Never when u has a variable that v lacks. The values at fresh random
+    points go first and reject cheaply; then sympy must show the difference (multiple: the ratio)
+    constant, exactly by cancel() for a rational function with rational coefficients (in lowest
+    terms it is constant only when free of variables), else by simplify(), and that constant zero
+    (multiple: nonzero). What sympy cannot decide counts False."""
     if u.free_symbols - v.free_symbols or not _agree_at_points(u, v, multiple):
         return False
     gap = u / v if multiple else u - v
-    rational = _rational_function(gap)
-    simple = sympy.cancel(gap) if rational else sympy.simplify(gap)
-    if simple.free_symbols:
-        return not rational                   # sympy cannot tell: the sample points agreed
-    zero = simple.is_zero                     # None: sympy cannot tell
-    return (zero is not True) if multiple else (zero is not False)
+    simple = sympy.cancel(gap) if _rational_function(gap) else sympy.simplify(gap)
+    return not simple.free_symbols and simple.is_zero is (not multiple)
 
 
 def _rational_function(e):
@@ -416,27 +444,30 @@ def _agree_at_points(u, v, multiple):
 def _points(u, v, count=8):
     """Values for the variables of v, real numbers: all of one sign beyond every constant in u and
     v or below its reciprocal (\\sqrt{10^{100}x^2+1} is not 10^{50}|x| at x = 10^{-101}), increasing
-    at the positive points and decreasing at the negative ones; `count` random ones
-    (seeded by u and v) of random signs and sizes 10^-6..10^4; and points on each side of every real
-    root of a one-variable polynomial under an |.|, a root or a log (|(x-1)(x-2)| between 1 and 2).
-    The random denominator 997 * 10^k keeps the points off the poles of answers (1/(x-1))."""
+    at the positive points and decreasing at the negative ones; `count` random ones of random signs
+    and sizes; and points on each side of every real root of a one-variable polynomial under an
+    |.|, a root or a log (|(x-1)(x-2)| between 1 and 2). Every random number is drawn afresh from
+    the system's source (_fresh): no seed an answer could know, no structure it could vanish on."""
     symbols = sorted(v.free_symbols, key=str)
     if not symbols:
         return [{}]
-    rng = random.Random(f"{u} {v}")
+    rng = random.SystemRandom()
     big = (10 * max([1] + [abs(n) for n in (u.atoms(sympy.Rational) | v.atoms(sympy.Rational))])
-           + _odd(rng))
+           + _fresh(rng))
     points = [{s: sign * scale * (k + 1) for k, s in enumerate(symbols)}
               for sign in (1, -1) for scale in (big, 1 / big)]
-    points += [{s: rng.choice((-1, 1)) * _odd(rng) for s in symbols} for _ in range(count)]
+    points += [{s: rng.choice((-1, 1)) * _fresh(rng) for s in symbols} for _ in range(count)]
     for s in symbols:
         points += [{**rng.choice(points[4:]), s: value} for value in _sides_of_roots(u, v, s)]
     return points
 
 
-def _odd(rng):
-    """A random positive rational of size 10^-6..10^4 and denominator 997 * 10^k."""
-    return sympy.Rational(rng.randint(1, 10**7), 997 * rng.choice((1, 10, 100, 1000)))
+def _fresh(rng):
+    """A random positive rational of size 10^-6..10^4 (log-uniform), a random numerator over a
+    random denominator of up to 12 digits: no two points share a denominator or a decimal grid,
+    and none is likely to sit on a pole of an answer (1/(x-1))."""
+    denominator = rng.randint(10**6, 10**12)
+    return sympy.Rational(int(denominator * 10 ** rng.uniform(-6, 4)) + 1, denominator)
 
 
 def _sides_of_roots(u, v, s):
