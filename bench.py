@@ -36,6 +36,16 @@ memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the
    after one step), within 10%. --json gives per shape saved_bytes_per_token_layer: the bytes per
    token per layer that sequence_logprobs saves with the defaults of the full model (its layers
    checkpointed), the layer being recomputed in the backward excluded.
+stability (not in the default set: about 5 minutes a seed on 2 cores): the default torchrun run
+   (1 generator + 1 trainer rank, PipelineRL-8) against its one-process counterpart, seed by seed,
+   on the toy or on toy-hard at the study's settings, under one of three loads: pinned, the worst
+   case, where every trained token is k versions old (the trainer on core 0 beside a CPU-bound
+   process and taking its batch one sample at a time, the generator alone on core 1: the trainer
+   is the slower role, so the generator always runs k batches ahead); idle; or two CPU-bound
+   processes beside the run. Per seed: the final held-out pass rate of both, the lowest held-out
+   after step 30, the lag the run saw, its largest truncation and forget, the steps its warnings
+   fired at, and whether it held (final >= the one-process final - 0.03, nothing under 0.6 after
+   step 30).
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
@@ -55,6 +65,7 @@ may stay).
     python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
     python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
+    python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
         --new_tokens 256 --batch 256
     python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16
@@ -67,7 +78,10 @@ import ctypes
 import json
 import multiprocessing
 import os
+import re
 import socket
+import subprocess
+import sys
 import time
 
 import torch
@@ -79,6 +93,7 @@ from data import prompt_ids, read_jsonl, toy_model_dir, toy_problems
 from generate import Decoder, check_supported, generate, kv_bytes_per_token, sequence_logprobs
 from loss import policy_loss
 import pipeline
+import study
 
 # -----------------------------------------------------------------------------
 # flags: defaults are the CPU run (under 5 minutes on 2 cores)
@@ -103,6 +118,13 @@ SIZE_FLAGS = [
     ("pipeline_steps", 100, "figure 6: optimizer steps per run"),
     ("train_flags", "", "figure 6: extra train.py flags for every run, e.g. '--keep_truncated'"),
     ("fsdp_steps", 2, "figure 7: optimizer steps per run"),
+    ("stability_seeds", "0,1,2,3,4", "figure stability: the seeds, comma-separated"),
+    ("stability_preset", "toy", "figure stability: toy (the default run) or toy-hard (the "
+     "study's task and settings)"),
+    ("stability_load", "pinned", "figure stability: pinned (the worst case: every token k "
+     "versions old), idle, or hogs (two CPU-bound processes beside each run)"),
+    ("stability_dir", "runs/stability", "figure stability: where its runs go (kept; a finished "
+     "one-process run is reused)"),
     ("fsdp_seqs", 4, "figure 7: sequences per step"),
     ("fsdp_len", 64, "figure 7: tokens per sequence"),
 ]
@@ -117,7 +139,7 @@ def get_args(argv=None):
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5",
-                    help="comma-separated figures to run: 1 to 7, memory")
+                    help="comma-separated figures to run: 1 to 7, memory, stability")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
@@ -570,8 +592,6 @@ def bench_pipeline(args):
     each mode: training wall-clock (evals excluded) until the held-out pass rate first reaches
     --target, and the generator's and trainer's busy fractions (step-time weighted means over the
     run)."""
-    import subprocess
-    import sys
     import tempfile
     rows, root = [], os.path.dirname(os.path.abspath(__file__))
     for name, world, flags in PIPELINE_RUNS:
@@ -884,6 +904,109 @@ def bench_memory_plan(args):
 # -----------------------------------------------------------------------------
 
 
+# -----------------------------------------------------------------------------
+# figure "stability": PipelineRL-8 at its worst case, seed by seed
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOG = [sys.executable, "-c", "while True: pass"]  # a CPU-bound process
+
+
+def stability_flags(args, folder):
+    """train.py's flags for the preset: the default run's (toy), or toy-hard at the miniature
+    study's settings (its task, model, problems and steps)."""
+    if args.stability_preset == "toy":
+        return []
+    data = study.make_problems(folder)
+    return ["--model", toy_model_dir(preset="toy-hard"), "--data", data[0], "--val_data", data[1],
+            "--steps", str(study.STEPS), *study.TASK]
+
+
+def stability_run(cmd, out, hogs=()):
+    """Run one train.py command (output to out.log) with `hogs` running beside it -> its metrics
+    records and the steps its warnings fired at."""
+    beside = [subprocess.Popen(h, stdout=subprocess.DEVNULL) for h in hogs]
+    try:
+        with open(out + ".log", "w") as log:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+                                  env=dict(os.environ, **study.LOOPBACK_ENV))
+    finally:
+        for h in beside:
+            h.kill()
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: see {out}.log")
+    text = open(out + ".log").read()
+    warned = [int(n) for n in re.findall(r"^warning: step (\d+)", text, re.M)]
+    return [r for _, r in read_jsonl(os.path.join(out, "metrics.jsonl"))], warned
+
+
+def stability_seed(args, seed, folder, flags):
+    """One seed: its one-process run (reused when finished: it is deterministic) and its torchrun
+    run under --stability_load -> the row of the table."""
+    one = os.path.join(folder, f"one-s{seed}")
+    common = ["--seed", str(seed), "--overwrite", *flags]
+    if not os.path.exists(os.path.join(one, "metrics.jsonl")) or not any(
+            r.get("kind") == "eval" and r["step"] == train_steps(one)
+            for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))):
+        stability_run([sys.executable, "train.py", "--out", one, *common], one)
+    ranks = os.path.join(folder, f"{args.stability_load}-s{seed}")
+    launch = [sys.executable, "-m", "torch.distributed.run", *study.LOOPBACK_TORCHRUN,
+              "--nproc_per_node", "2"]
+    pinned = args.stability_load == "pinned"
+    train_cmd = ["train.py", "--out", ranks, *common] + (["--micro_tokens", "1"] if pinned else [])
+    cmd = (launch + ["--no-python", "sh", "-c",
+                     "exec taskset -c $LOCAL_RANK " + " ".join([sys.executable, *train_cmd])]
+           if pinned else launch + train_cmd)
+    hogs = ([["taskset", "-c", "0", *HOG]] if pinned else
+            [HOG, HOG] if args.stability_load == "hogs" else [])
+    records, warned = stability_run(cmd, ranks, hogs)
+    return stability_row(seed, [r for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))],
+                         records, warned)
+
+
+def train_steps(out):
+    """The --steps of the run in `out` (its config line)."""
+    return next(r["steps"] for _, r in read_jsonl(os.path.join(out, "metrics.jsonl"))
+                if r.get("kind") == "config")
+
+
+def stability_row(seed, one, ranks, warned):
+    """A seed's row: finals, the lowest held-out after step 30, the lag the run saw (mean over the
+    steps that trained, and the share of them at the largest lag), its largest truncation and
+    forget, the warnings' steps, and whether it held."""
+    evals = lambda rs: [r for r in rs if r["kind"] == "eval"]
+    steps = [r for r in ranks if r["kind"] == "train" and r["kept_prompts"]]
+    after = [r["pass_rate"] for r in evals(ranks) if r["step"] > 30]
+    k = max(r["lag_max"] for r in steps)
+    row = {"seed": seed, "one_final": evals(one)[-1]["pass_rate"],
+           "final": evals(ranks)[-1]["pass_rate"], "lowest_after_30": min(after),
+           "lag_mean": sum(r["lag"] for r in steps) / len(steps),
+           "at_max_lag": sum(r["lag"] >= k - 0.5 for r in steps) / len(steps), "max_lag": k,
+           "max_trunc": max(r["trunc"] for r in ranks if r["kind"] == "train"),
+           "max_forget": max(r.get("forget", 0.0) for r in steps), "warned": warned,
+           "steps": max(r["step"] for r in ranks if r["kind"] == "train")}
+    row["held"] = row["final"] >= row["one_final"] - 0.03 and row["lowest_after_30"] >= 0.6
+    return row
+
+
+def bench_stability(args):
+    """PipelineRL-8 against its one-process counterpart, seed by seed (module docstring)."""
+    folder = os.path.join(args.stability_dir, f"{args.stability_preset}-{args.stability_load}")
+    os.makedirs(folder, exist_ok=True)
+    flags, rows = stability_flags(args, args.stability_dir), []
+    for seed in map(int, args.stability_seeds.split(",")):
+        row = stability_seed(args, seed, folder, flags)
+        rows.append(row)
+        print(f"stability | {args.stability_preset} {args.stability_load} seed {seed} | one "
+              f"process {row['one_final']:.3f} | torchrun {row['final']:.3f} (lowest after step "
+              f"30: {row['lowest_after_30']:.3f}) | lag {row['lag_mean']:.2f} mean, "
+              f"{row['at_max_lag']:.0%} of steps at {row['max_lag']:.0f} | max trunc "
+              f"{row['max_trunc']:.3f} | max forget {row['max_forget']:.3f} | warnings at "
+              f"{row['warned'] or 'none'} | {'held' if row['held'] else 'FELL'}", flush=True)
+    print(f"stability | {sum(r['held'] for r in rows)} of {len(rows)} held")
+    return rows
+
+
 def write_model(args):
     """A random-weight Qwen2 model folder with the embedded toy tokenizer: train.py --model can load
     it."""
@@ -906,7 +1029,7 @@ def main(args):
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
-    models = bench_models(args) if figures - {"memory"} else []
+    models = bench_models(args) if figures - {"memory", "stability"} else []
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
@@ -928,6 +1051,8 @@ def main(args):
         results["fsdp"] = bench_fsdp(args)
     if "memory" in figures:
         results["memory_plan"] = bench_memory_plan(args)
+    if "stability" in figures:
+        results["stability"] = bench_stability(args)
     results["seconds"] = time.perf_counter() - t_start
     print(f"total {results['seconds']:.0f} s")
     if args.json:

@@ -9,8 +9,9 @@ as ScaleRL uses it (section 4). Pure functions of tensors.
                                               given all_sum)
     policy_loss(logp, gen_logp, adv, mask, group, kind, agg)
                                               scalar to MINIMIZE (kind: a LOSSES entry)
-    agg_counts(group, mask)                   what each aggregation divides by: micro-batch and
-                                              trainer weights
+    agg_counts(group, mask)                   what each aggregation divides by, for a set of rows
+    row_weights(group, tokens, agg, totals)   each row's weight in the whole batch's loss: any
+                                              split into micro-batches and trainers adds up to it
     zero_variance_keep(rewards, group, valid) drop prompts whose rewards are all equal, and
                                               truncated samples
     length_penalty(lengths)                   clip((L_max - |y|) / L_cache - 1, -1, 0)
@@ -163,8 +164,10 @@ def clip_eps(kind, eps_low=None, eps_high=None):
 
 
 def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
-                eps_low=None, eps_high=None):
-    """Scalar loss to minimize: -(aggregated per-token objective). See the module docstring."""
+                eps_low=None, eps_high=None, weights=None):
+    """Scalar loss to minimize: -(aggregated per-token objective). See the module docstring.
+    weights (N,): each row's weight in a larger batch's loss (row_weights); these rows are then
+    a part of it (a micro-batch, a trainer's share), aggregated as the whole batch is."""
     if kind not in LOSSES:
         raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(LOSSES)}")
     if agg not in AGGS:
@@ -173,17 +176,33 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
     keep = mask.bool()  # (N, T)
     log_ratio = torch.where(keep, logp - gen_logp.detach(), 0.0)  # (N, T)
     obj = LOSSES[kind][0](log_ratio, logp, adv.detach()[:, None], keep, eps_low, eps_high)
+    if weights is not None:
+        return -(torch.where(keep, obj, 0.0).sum(1) * weights).sum()
     return -aggregate(obj, keep, group, agg)
 
 
 def agg_counts(group, mask):
     """What each aggregation averages over, for a set of rows: {"prompt": groups, "sample":
-    sequences, "token": masked tokens}. A batch split into micro-batches (and over trainers) gives
-    the full-batch gradient when each part's policy_loss is weighted by its count / the whole
-    batch's count (the counts summed over every trainer): train.train_batch does that,
-    train.make_batch sums the counts."""
+    sequences, "token": masked tokens} (train.make_batch sums them over every trainer)."""
     return {"prompt": len(torch.unique(group)), "sample": len(group),
             "token": int(mask.bool().sum())}
+
+
+def row_weights(group, tokens, agg, totals):
+    """The weight of each row's token terms in the whole batch's loss -> (N,) float64, from the
+    rows' groups (N,), their masked token counts (N,) and the whole batch's agg_counts `totals`
+    (summed over every trainer): prompt 1 / (groups x its group's tokens), sample 1 / (sequences x
+    its tokens), token 1 / tokens. Every aggregation is a weighted sum of token terms with one
+    weight per row, so the loss of any split of the rows (micro-batches, trainers) is the sum of
+    its parts' policy_loss(..., weights=): the gradient equals the unsplit batch's. A group lives on
+    one trainer, so these rows hold all of it."""
+    tokens = tokens.to(torch.float64)
+    if agg == "token":
+        return torch.full_like(tokens, 1.0 / max(totals["token"], 1))
+    if agg == "sample":
+        return 1.0 / (totals["sample"] * tokens.clamp(min=1))
+    idx, n_groups = group_index(group)
+    return 1.0 / (totals["prompt"] * group_sum(tokens, idx, n_groups)[idx].clamp(min=1))
 
 
 def zero_variance_keep(rewards, group, valid=None):

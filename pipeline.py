@@ -530,10 +530,11 @@ def broadcast_weights(ctx, model, bucket_mb, tensors=None):
     return nbytes
 
 
-def all_reduce_grads(ctx, model):
-    """Sum the trainers' gradients (each already scaled by its share of the global batch), in
-    float32: bf16 gradients are rounded once, after the sum, not at every step of the reduction."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def all_reduce_grads(ctx, params):
+    """Sum the trainers' gradients of `params` (each already scaled by its share of the global
+    batch), in float32: bf16 gradients are rounded once, after the sum, not at every step of the
+    reduction."""
+    params = [p for p in params if p.requires_grad]
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                       for p in params])
     dist.all_reduce(flat, group=ctx.trainers)
@@ -737,8 +738,9 @@ class LogProbs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, attention_mask, fp32_head, temperature):
-        return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature)
+    def forward(self, ids, attention_mask, fp32_head, temperature, checkpoint_layers=None):
+        return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature,
+                                 checkpoint_layers=checkpoint_layers)
 
 
 def shard_trainer(model, trainers, device, dtype=torch.float32):
@@ -1317,19 +1319,19 @@ def plan_lines(plan, run, context=None):
 
 def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len):
     """Rank 0 at start-up: the run's memory plan on this device (one device per rank; on CPU the
-    machine's memory), printed. Micro-batches hold --micro_tokens tokens (where train.py has none:
-    --micro_prompts groups, or a trainer's whole share of the batch)."""
+    machine's memory), printed. Micro-batches hold --micro_tokens tokens (0: a trainer's whole
+    share of the batch, at the full budget)."""
     trainers, cuda = ctx.n_trainers if ctx else 1, device.type == "cuda"
     seq = prompt_len + args.think_budget + args.answer_budget + phrase_len
-    groups = args.micro_prompts or -(-args.prompts // trainers)
+    groups = -(-args.prompts // trainers)
     total = (torch.cuda.get_device_properties(device).total_memory if cuda
              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     run = PlanRun(prompts=args.prompts, samples=args.samples, prompt_len=prompt_len,
                   think_budget=args.think_budget, answer_budget=args.answer_budget,
                   phrase_len=phrase_len,
-                  micro_tokens=getattr(args, "micro_tokens", 0) or groups * args.samples * seq,
+                  micro_tokens=args.micro_tokens or groups * args.samples * seq,
                   dtype=getattr(torch, args.dtype),
-                  ckpt_layers=getattr(args, "ckpt_layers", "auto"), fsdp=bool(ctx and args.fsdp),
+                  ckpt_layers=args.ckpt_layers, fsdp=bool(ctx and args.fsdp),
                   trainers=trainers, generators=ctx.n_gens if ctx else 0, device_bytes=total,
                   gen_memory=args.gen_memory, sized=cuda, slots=args.slots,
                   fp32_head=args.fp32_head)

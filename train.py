@@ -57,7 +57,7 @@ import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
-                  forgetting, policy_loss, ratio_stats, zero_variance_keep)
+                  forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
 from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
                   resume_point, save_checkpoint, truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
@@ -178,7 +178,9 @@ def loss_flags(g):
 def optimization_flags(g):
     """The flags of --help's group "optimization"."""
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=3e-4, help="paper: 5e-7 for an 8B model")
+    g.add_argument("--lr", type=float, default=2e-4,
+                   help="paper: 5e-7 for an 8B model. The toy's 2e-4 holds under PipelineRL-8 with "
+                        "every token 8 versions old; 3e-4 collapsed there (BENCHMARKS.md section 6)")
     g.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (paper: 100)")
     g.add_argument("--weight_decay", type=float, default=0.01,
                    help="AdamW weight decay (paper: 0.01)")
@@ -187,8 +189,13 @@ def optimization_flags(g):
     g.add_argument("--grad_clip", type=float, default=1.0,
                    help="max gradient norm; 0 = off (not part of the recipe as the paper states "
                         "it; README: what the toy does without it)")
-    g.add_argument("--micro_prompts", type=int, default=0,
-                   help="prompts per forward/backward; 0 = the whole batch")
+    g.add_argument("--micro_tokens", type=int, default=8192,
+                   help="tokens per forward/backward (rows x the longest, padding included; a row "
+                        "longer than that alone): the trainer's activations are sized by it, not "
+                        "by the group or the sample length; 0 = the whole batch at once")
+    g.add_argument("--ckpt_layers", default="auto", choices=["auto", "on", "off"],
+                   help="recompute each decoder layer in the backward (activation checkpointing: "
+                        "a layer keeps its input alone); auto = on above 4 layers")
     g.add_argument("--max_bad_steps", type=int, default=3,
                    help="consecutive steps with a NaN/inf loss or gradient (each skipped) before "
                         "the run stops")
@@ -269,7 +276,7 @@ FLAG_RANGES = {
                      "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
                      "adam_eps", "eps_high"), POSITIVE),
-    **dict.fromkeys(("micro_prompts", "grad_clip", "save_every", "l_max", "l_cache", "gen_ranks",
+    **dict.fromkeys(("micro_tokens", "grad_clip", "save_every", "l_max", "l_cache", "gen_ranks",
                      "weight_decay", "eps_low"), AT_LEAST_0),  # 0 has a meaning (see --help)
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
     "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
@@ -567,29 +574,47 @@ def collate(prompt_ids, samples, pad_id, device, step=0):
     return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
 
 
-def train_batch(logprobs, batch, args, n_groups, total=None):
-    """Forward/backward over micro-batches of whole prompt groups; gradients add up to the
-    full-batch loss's (each micro-batch's loss is weighted by its share of groups, sequences or
-    tokens; `total`: the whole batch's count when this is one trainer's part of it). logprobs(ids,
-    attention) -> (N, T-1): the trainer's forward. -> (loss, stats: generator/trainer mismatch,
+def micro_batches(lengths, budget):
+    """Rows (their prompt+completion lengths) in micro-batches of at most `budget` tokens, rows x
+    the longest (padding included), longest rows first; a row longer than the budget goes alone; 0:
+    one micro-batch -> lists of row positions."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    parts = []
+    for i in order:  # descending: a part's first row is its longest
+        if parts and (not budget or (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget):
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return parts
+
+
+def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lambda: None):
+    """Forward/backward of this trainer's rows (batch.rows), micro-batch by micro-batch (`parts`:
+    micro_batches of them); every row's loss terms carry its weight in the whole batch's loss
+    (loss.row_weights, from the counts over every trainer), so the gradients add up to the
+    full-batch gradient whatever the split. logprobs(ids, attention) -> (N, T-1): the trainer's
+    forward; after(): called after each backward. -> (loss, stats: generator/trainer mismatch,
     drift by lag, forgetting)."""
-    ids, attn, mask, gen_logp, adv, group, lag = batch
-    per = args.micro_prompts or n_groups
-    uniq = group.unique()
-    total = total or agg_counts(group, mask)[args.agg]
+    rows = batch.rows
+    tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
+    weights = row_weights(batch.group[rows], tokens, args.agg, batch.sums).to(device)
     loss_sum, stats, drift, lost = 0.0, [], [], []
-    for a in range(0, len(uniq), per):
-        rows = torch.isin(group, uniq[a:a + per]).nonzero().squeeze(1)
-        logp = logprobs(ids[rows], attn[rows])
-        loss = policy_loss(logp, gen_logp[rows], adv[rows], mask[rows], group[rows], kind=args.loss,
-                           agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high)
-        share = agg_counts(group[rows], mask[rows])[args.agg]
-        (loss * share / total).backward()
-        loss_sum += loss.item() * share / total
-        stats.append(ratio_stats(logp.detach(), gen_logp[rows], mask[rows], args.loss,
-                                 args.eps_high))
-        drift.append(drift_by_lag(logp.detach(), gen_logp[rows], mask[rows], lag[rows]))
-        lost.append(forgetting(logp.detach(), gen_logp[rows], mask[rows]))
+    for part in parts:
+        ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[rows[i]] for i in part],
+                                                 [batch.samples[rows[i]] for i in part], pad_id,
+                                                 device, version)
+        logp = logprobs(ids, attn)
+        at = torch.tensor(part, device=device)
+        loss = policy_loss(logp, gen_logp, batch.adv.to(device)[at], mask,
+                           batch.group[rows].to(device)[at], kind=args.loss, agg=args.agg,
+                           eps_low=args.eps_low, eps_high=args.eps_high,
+                           weights=weights[at].to(logp.dtype))
+        loss.backward()
+        after()
+        loss_sum += loss.item()
+        stats.append(ratio_stats(logp.detach(), gen_logp, mask, args.loss, args.eps_high))
+        drift.append(drift_by_lag(logp.detach(), gen_logp, mask, lag))
+        lost.append(forgetting(logp.detach(), gen_logp, mask))
     mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
     lost_sum, sure = (sum(x) for x in zip(*lost))
     return loss_sum, {**mismatch, **lag_drift(drift),
@@ -653,7 +678,7 @@ class Trainer:
     def logprobs(self, ids, attention_mask):
         """The loss's forward: the trained policy's log-probs of ids (generate.sequence_logprobs)."""
         return sequence_logprobs(self.model, ids, attention_mask, self.args.fp32_head,
-                                 self.args.temperature)
+                                 self.args.temperature, checkpoint_layers=self.args.ckpt_layers)
 
     def all_sum(self, sums):
         """Sum a dict of numbers over the trainer ranks."""
@@ -674,9 +699,6 @@ class Trainer:
         self.model.train()
         loss, stats = self.backward(batch, pad_id)
         self.reduce_grads()
-        if self.master:  # the (all-reduced) half-precision gradients onto the float32 copies
-            for p, m in zip(self.model.parameters(), self.master):
-                m.grad = None if p.grad is None else p.grad.float()
         stepped = self.master or list(self.model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
         norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
@@ -693,22 +715,31 @@ class Trainer:
         return loss, {**stats, "grad_norm": norm, "skipped_bad": self.bad_steps > 0, "lr": lr}
 
     def backward(self, batch, pad_id):
-        """This trainer's micro-batches, forward and backward -> (loss, stats)."""
-        rows = batch.rows
-        if not rows:
+        """This trainer's rows in micro-batches of --micro_tokens, forward and backward -> (loss,
+        stats)."""
+        parts = self.micro_batches(batch)
+        if not parts:
             return 0.0, {}
         device = next(self.model.parameters()).device
-        ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[r] for r in rows],
-                                                 [batch.samples[r] for r in rows], pad_id, device,
-                                                 self.version)
-        n_local = len(set(batch.group[rows].tolist()))
-        return train_batch(self.logprobs, (ids, attn, mask, gen_logp, batch.adv.to(device),
-                                           batch.group[rows].to(device), lag),
-                           self.args, n_local, total=batch.sums[self.args.agg])
+        return train_batch(self.logprobs, batch, parts, self.args, self.version, pad_id, device,
+                           after=self.accumulate)
+
+    def micro_batches(self, batch):
+        return micro_batches([len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
+                              for r in batch.rows], self.args.micro_tokens)
+
+    def accumulate(self):
+        """After each micro-batch's backward: under a half dtype its gradients are added to the
+        float32 copies' and dropped, so they accumulate in float32, not in bf16."""
+        for p, m in zip(self.model.parameters(), self.master or []):
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
 
     def reduce_grads(self):
+        """Sum the trainers' gradients (the float32 ones AdamW steps)."""
         if self.ctx is not None:
-            pipeline.all_reduce_grads(self.ctx, self.model)
+            pipeline.all_reduce_grads(self.ctx, self.master or list(self.model.parameters()))
 
     def copy_master(self):
         """The weights sampled and trained with: the float32 copies, rounded."""
@@ -784,13 +815,13 @@ class ShardedTrainer(Trainer):
         return None
 
     def logprobs(self, ids, attention_mask):
-        return self.forward(ids, attention_mask, self.args.fp32_head, self.args.temperature)
+        return self.forward(ids, attention_mask, self.args.fp32_head, self.args.temperature,
+                            self.args.ckpt_layers)
 
     def backward(self, batch, pad_id):
         """Every micro-batch is a chain of collectives: a trainer with fewer micro-batches than
         another first runs passes that add nothing, until their counts match."""
-        n_local = len(set(batch.group[batch.rows].tolist()))
-        n_micro = math.ceil(n_local / (self.args.micro_prompts or max(n_local, 1)))
+        n_micro = len(self.micro_batches(batch))
         n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
         for _ in range(n_micro, n_all):
             ids = torch.full((1, 2), pad_id, device=self.ctx.device)
