@@ -86,6 +86,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -375,11 +376,12 @@ def _die(message):
     os._exit(1)
 
 
-def wait_until(ctx, ready, what):
+def wait_until(ctx, ready, what, status=None):
     """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was
-    awaited. The deadline does not run out while trainer 0 evaluates (held-out evals have no bound
-    of their own; its heartbeat still tells a dead trainer 0 within --heartbeat_timeout)."""
-    set_status(ctx, f"waiting for {what}")
+    awaited. The deadline does not run out while trainer 0 evaluates, or waits for the generators'
+    eval (held-out evals have no bound of their own; heartbeats still tell a dead rank within
+    --heartbeat_timeout). status: this rank's status meanwhile (default: waiting for `what`)."""
+    set_status(ctx, status or f"waiting for {what}")
     t0, pause = time.time(), 0.0005
     while not ready():
         if time.time() - t0 > ctx.timeout:
@@ -585,7 +587,7 @@ class LocalRollouts:
         """Batch `step` -> (groups in index order, stats); fewer groups once the curriculum has
         retired every prompt; (None, None) when a signal stops the sampling under way (nothing of
         it is used, and the curriculum saved is the one from before it: state_dict)."""
-        gen, t0, verify_s = self.gen, time.time(), self.gen.verify_s
+        gen, t0 = self.gen, time.time()
         B = self.args.prompts
         items = admit(gen, range(step * B, (step + 1) * B))
         if gen.exhausted:
@@ -597,17 +599,18 @@ class LocalRollouts:
                 return None, None
             sampler_step(gen, [], step)
         gen.steps.close()  # its KV cache is freed before the step trains
+        sampled = time.time()
+        finish_groups(gen, wait=True)  # the verification not done beside the sampling
         groups = sorted(self.done, key=lambda g: g["gi"])
         self.done.clear()
-        verify_s = gen.verify_s - verify_s
-        stats = {"too_old": 0, "wait_s": 0.0, "gen_s": time.time() - t0 - verify_s,
-                 "verify_s": verify_s, "retired": len(gen.curriculum.retired),
+        stats = {"too_old": 0, "wait_s": 0.0, "gen_s": sampled - t0,
+                 "verify_s": time.time() - sampled, "retired": len(gen.curriculum.retired),
                  "epoch": gen.curriculum.epoch,
                  "gen_tokens": sum(len(g["prompt"]) + len(s.tokens) for g in groups
                                    for s in g["samples"])}
         return groups, stats
 
-    def publish(self, trainer, last):
+    def publish(self, trainer, last, evaluate=False):
         """The weights are the trainer's own: nothing moves; the curriculum copies that a resume
         before this version would need are dropped. -> (seconds, bytes)."""
         self.gen.snapshots = {b: c for b, c in self.gen.snapshots.items() if b >= trainer.version}
@@ -616,9 +619,12 @@ class LocalRollouts:
     def stop_requested(self):
         return bool(STOP)
 
-    def held_out(self, step, evaluate):
-        """A held-out eval of `step`: here and now."""
-        evaluate()
+    def held_out(self, step, trainer, evaluate, stamp):
+        """A held-out eval of `step`: evaluate(model), here and now."""
+        evaluate(trainer.eval_model())
+
+    def evals_done(self, wait=False):
+        return []
 
     def busy(self, dt, rstats, train_s, sync_s, sync_bytes):
         """One process alternates: busy generating and verifying (rstats' seconds), then
@@ -644,19 +650,69 @@ class RemoteRollouts:
     def __init__(self, ctx, args):
         self.ctx, self.args = ctx, args
         self.share = args.prompts // ctx.n_trainers
+        # PipelineRL: the generators run the held-out evals, with the weights of the step they
+        # evaluate, and training goes on meanwhile; the frozen modes evaluate on trainer 0
+        self.on_generators = ctx.mode == "pipeline"
+        self.pending = []  # trainer 0: the evals asked of the generators, (step, stamp), in order
 
     def get(self, step):
         return receive_groups(self.ctx, step)
 
-    def publish(self, trainer, last):
-        return publish_weights(self.ctx, trainer, trainer.version, last, self.args.bucket_mb,
-                               getattr(torch, self.args.dtype))
+    def publish(self, trainer, last, evaluate=False):
+        """After a step: its weights to the generators (publish_weights). evaluate: they run a
+        held-out eval of this version, asked before they get it, so none takes a newer one first
+        (while one runs, a generator keeps the newer weights on the host until it is done); the
+        generators evaluate one version at a time, so trainer 0 first waits for the eval before
+        (a wait only when evals take longer than --eval_every steps; the other trainers go on,
+        up to a batch they lack, or under --fsdp the broadcast's gather). After the last step the
+        weights go out for its eval alone."""
+        on_generators = evaluate and self.on_generators
+        if on_generators and self.ctx.rank == 0:
+            for step, _ in self.pending:
+                self.wait_for_eval(step)
+            self.ctx.store.set(f"eval_request/{trainer.version}", "1")
+        return publish_weights(self.ctx, trainer, trainer.version, last and not on_generators,
+                               self.args.bucket_mb, getattr(torch, self.args.dtype))
 
     def stop_requested(self):
         return stop_requested(self.ctx)
 
-    def held_out(self, step, evaluate):
-        on_trainer0(self.ctx, step, evaluate)
+    def held_out(self, step, trainer, evaluate, stamp):
+        """A held-out eval of `step`: asked of the generators (stamp: the compute at `step`, for
+        its log line once its results are in: evals_done), or evaluate(model) on trainer 0 while
+        the other trainers wait."""
+        if not self.on_generators:
+            model = trainer.eval_model()  # under --fsdp a collective: every trainer gathers
+            return on_trainer0(self.ctx, step, lambda: evaluate(model))
+        if self.ctx.rank == 0:
+            self.ctx.store.set(f"eval_request/{step}", "1")  # step 0, or an early end's last step
+            self.pending.append((step, stamp))
+
+    def evals_done(self, wait=False):
+        """Trainer 0: the generators' evals whose every share is in, in order -> [(step, records,
+        stamp)]; wait: all of them (while they run, trainer 0's status keeps the other ranks'
+        waits from running out)."""
+        ctx, done = self.ctx, []
+        gens = range(ctx.n_trainers, ctx.world)
+        while self.pending and (wait or self.eval_ready(self.pending[0][0])):
+            step, stamp = self.pending.pop(0)
+            self.wait_for_eval(step)
+            records = [x for r in gens for x in json.loads(ctx.store.get(f"eval/{step}/{r}"))]
+            done.append((step, records, stamp))
+        return done
+
+    def eval_ready(self, step):
+        """Has every generator reported its share of the eval of `step`?"""
+        return self.ctx.store.check([f"eval/{step}/{r}"
+                                     for r in range(self.ctx.n_trainers, self.ctx.world)])
+
+    def wait_for_eval(self, step):
+        """Trainer 0 waits for the generators' eval of `step` (its status keeps the other ranks'
+        waits from running out meanwhile: the eval has no deadline of its own)."""
+        if not self.eval_ready(step):
+            wait_until(self.ctx, lambda: self.eval_ready(step),
+                       f"the generators' held-out eval of step {step}",
+                       status=f"evaluating: waiting for the generators' eval of step {step}")
 
     def busy(self, dt, rstats, train_s, sync_s, sync_bytes):
         return busy_metrics(self.ctx, dt, rstats, train_s, sync_s, sync_bytes)
@@ -726,6 +782,8 @@ def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
         return 0.0, 0
     ctx.store.set("version", str(step))
     nbytes = broadcast_weights(ctx, None, bucket_mb, tensors)
+    if tensors and tensors[0].is_cuda:  # nccl returns once the transfer is queued: time its end
+        torch.cuda.synchronize(tensors[0].device)
     return time.time() - t0, nbytes
 
 
@@ -828,6 +886,7 @@ class Generator:
     problems: list  # every training problem, and their prompts as token ids
     prompt_ids: list
     index: int  # g: this generator's index among the generators
+    n_gens: int
     mine: list  # the problems it owns (i % n_gens == g); its curriculum picks among them
     curriculum: Curriculum
     send: object  # send(group): where a finished group goes
@@ -843,7 +902,21 @@ class Generator:
     # batch b -> the curriculum for a resume at step b (see admit)
     snapshots: dict = field(default_factory=dict)
     tokens: int = 0  # completion tokens generated
-    verify_s: float = 0.0  # seconds spent verifying
+    # groups sampled, being verified beside the sampler: (gi, c, samples, future), in order
+    verifying: list = field(default_factory=list)
+    verifier: object = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
+    # held-out evals (a generator rank under PipelineRL): the held-out problems, the version being
+    # evaluated and its samples so far, the versions done, the weights received meanwhile
+    val: list = None
+    val_ids: list = None
+    eval_version: int = None
+    eval_items: list = field(default_factory=list)  # items not yet given to the sampler
+    eval_want: int = 0
+    eval_done: dict = field(default_factory=dict)
+    evaluated: set = field(default_factory=set)
+    report_eval: object = None  # report_eval(version, records): the eval's results, to trainer 0
+    staged: list = None
+    staged_version: int = -1
     # a generator rank's own bookkeeping (run_generator): its sends not yet known to be received
     # (trainer, isend work, rows), per trainer the sends forgotten, where its curriculum is saved,
     # and its time: since start, idle (k batches ahead, or frozen weights), receiving weights
@@ -863,8 +936,8 @@ def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, versi
     """Generator g of n_gens, its sampler started on `model` at weights version `version`; saved:
     its curriculum's state on a resume."""
     mine, curriculum = curriculum_of(len(problems), g, n_gens, args, saved)
-    return Generator(args, model, tokenizer, problems, prompt_ids, g, mine, curriculum, send,
-                     version, version)
+    return Generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, mine, curriculum,
+                     send, version, version)
 
 
 def start_sampler(gen, version, say=None):
@@ -969,47 +1042,110 @@ def admit(gen, gis):
 
 
 def sampler_step(gen, items, version):
-    """One send to the sampler (queue `items`, decode); the groups it completes are verified and
-    sent."""
-    finished, gen.free = gen.steps.send((items, version))
+    """One send to the sampler (queue `items`, decode); the groups it completes go to the verifier
+    (verify_beside), held-out samples to the eval under way; groups verified are sent."""
+    finished, gen.free = gen.steps.send((gen.eval_items + items, version))
+    gen.eval_items = []
     for (gi, j), sample in finished:
+        gen.tokens += len(sample.tokens)
+        if gi == "eval":
+            gen.eval_done[j] = sample
+            continue
         group = gen.open[gi]
         group["samples"][j] = sample
-        gen.tokens += len(sample.tokens)
         if all(group["samples"]):
             del gen.open[gi]
-            finish_group(gen, gi, group["c"], group["samples"])
+            verify_beside(gen, gi, group["c"], group["samples"])
+    if gen.eval_version is not None and len(gen.eval_done) == gen.eval_want:
+        finish_eval(gen)
+    finish_groups(gen)
 
 
-def finish_group(gen, gi, c, samples):
-    """Verify a finished group (the verifier's reward and correctness of each sample, data.py), record
-    its pass rate in the curriculum (and in the copies kept for resumes at later batches), send it."""
-    t0, i, G = time.time(), gen.mine[c], len(samples)
-    _, correct, rewards = score_samples(gen.tokenizer, samples, [gen.problems[i]] * G,
-                                        unsafe_code=gen.args.unsafe_code_exec)
-    gen.verify_s += time.time() - t0
-    for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items()
-                                          if gi // gen.args.prompts < b]:
-        curriculum.record(c, sum(correct) / G)
-    gen.send({"gi": gi, "index": i, "prompt": gen.prompt_ids[i], "samples": samples,
-              "correct": correct, "rewards": rewards})
+def verify_beside(gen, gi, c, samples):
+    """Verify a finished group in the verifier's thread, beside the sampler (the verifier's reward
+    and correctness of each sample, data.py): decoding goes on meanwhile."""
+    problems = [gen.problems[gen.mine[c]]] * len(samples)
+    future = gen.verifier.submit(score_samples, gen.tokenizer, samples, problems,
+                                 unsafe_code=gen.args.unsafe_code_exec)
+    gen.verifying.append((gi, c, samples, future))
+
+
+def finish_groups(gen, wait=False):
+    """The verified groups, in the order they were sampled (wait: all of them): record each one's
+    pass rate in the curriculum (and in the copies kept for resumes at later batches), send it."""
+    while gen.verifying and (wait or gen.verifying[0][3].done()):
+        gi, c, samples, future = gen.verifying.pop(0)
+        _, correct, rewards = future.result()
+        i, G = gen.mine[c], len(samples)
+        for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items()
+                                              if gi // gen.args.prompts < b]:
+            curriculum.record(c, sum(correct) / G)
+        gen.send({"gi": gi, "index": i, "prompt": gen.prompt_ids[i], "samples": samples,
+                  "correct": correct, "rewards": rewards})
+
+
+def start_eval(gen, version):
+    """A held-out eval of the weights the generator holds (`version`), asked by trainer 0: its share
+    of the held-out samples goes to the sampler first; newer weights wait on the host until it is
+    done (poll), so every sample is of `version`."""
+    gen.eval_version, gen.eval_done = version, {}
+    gen.eval_items = held_out_items(gen.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
+    gen.eval_want = len(gen.eval_items)
+
+
+def finish_eval(gen):
+    """The eval's samples verified and reported; the weights received meanwhile taken."""
+    gen.report_eval(gen.eval_version, score_held_out(gen.tokenizer, gen.eval_done, gen.val,
+                                                     gen.args.unsafe_code_exec))
+    gen.evaluated.add(gen.eval_version)
+    gen.eval_version, gen.eval_done = None, {}
+    if gen.staged_version > gen.version:
+        with torch.no_grad():
+            for p, s in zip((p for _, p in gen.model.named_parameters()), gen.staged):
+                p.copy_(s)
+        take_weights(gen, gen.staged_version)
+
+
+EVAL_KEY = 10 ** 12  # held-out sample i's noise key: EVAL_KEY + i, at every eval
+
+
+def held_out_items(val_ids, k, g=0, n_gens=1):
+    """The sampler items of generator g's share of a held-out eval, mean@k over the n prompts:
+    sample i (of n x k) is prompt i % n with the noise key EVAL_KEY + i, tagged ("eval", i); the
+    generators share the prompts out (every n_gens-th), so each prompt's k samples are one
+    generator's. One process: all of them, as every eval draws them."""
+    n = len(val_ids)
+    return [(val_ids[i % n], EVAL_KEY + i, ("eval", i)) for i in range(n * k)
+            if (i % n) % n_gens == g]
+
+
+def score_held_out(tokenizer, done, val, unsafe_code=False):
+    """Held-out samples {i: Sample} -> [[i, correct, truncated, interrupted, length]] (verified;
+    plain numbers: they travel to trainer 0 as JSON)."""
+    idx, n = sorted(done), len(val)
+    _, correct, _ = score_samples(tokenizer, [done[i] for i in idx], [val[i % n] for i in idx],
+                                  unsafe_code=unsafe_code)
+    return [[i, c, done[i].finish == "truncated", 0 in done[i].mask, len(done[i].tokens)]
+            for i, c in zip(idx, correct)]
 
 # -----------------------------------------------------------------------------
 # a generator rank's life
 
 
 def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version,
-                  curriculum_path):
-    """A generator rank's whole life: sample groups, verify them, send them, take new weights; until
-    the trainers say stop. Then it saves its curriculum and waits until its last sends are
-    received."""
+                  curriculum_path, val, val_ids):
+    """A generator rank's whole life: sample groups, verify them, send them, take new weights, run
+    its share of the held-out evals trainer 0 asks for (PipelineRL); until the trainers say stop.
+    Then it saves its curriculum and waits until its last sends are received."""
     saved = None
     if args.resume and os.path.exists(curriculum_path):
         with open(curriculum_path) as f:
             saved = json.load(f)
     gen = new_generator(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
                         ctx.n_gens, start_version, lambda group: send_group(ctx, gen, group), saved)
-    gen.pruned, gen.curriculum_path = [0] * ctx.n_trainers, curriculum_path
+    gen.pruned, gen.curriculum_path, gen.val, gen.val_ids = ([0] * ctx.n_trainers, curriculum_path,
+                                                             val, val_ids)
+    gen.report_eval = lambda v, records: ctx.store.set(f"eval/{v}/{ctx.rank}", json.dumps(records))
     start_sampler(gen, start_version, say=lambda line: print(f"generator rank {ctx.rank}: {line}",
                                                              flush=True))
     set_status(ctx, "generating")
@@ -1035,13 +1171,17 @@ def generate_pipelined(ctx, gen):
     version = poll(ctx, gen)
     items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples),
                                                 version))
-             if gen.free else [])
-    if items or gen.free < gen.slots:
+             if gen.free > 0 else [])
+    if items or gen.eval_items or gen.free < gen.slots:
         sampler_step(gen, items, version)
+        return
+    if gen.verifying:  # nothing to decode: the groups under verification go out first
+        finish_groups(gen, wait=True)
         return
     gen.idle_since = time.time()
     wait_until(ctx,
-               lambda: next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted"),
+               lambda: (next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted")
+                        or gen.eval_items),
                f"weights that let group {next_groups(ctx, gen, 1, 10 ** 9)[0]} start "
                f"(PipelineRL-{ctx.k})")
     gen.idle += time.time() - gen.idle_since
@@ -1057,6 +1197,7 @@ def generate_frozen(ctx, gen):
     while gen.free < gen.slots:  # until every sample of these batches is done
         poll(ctx, gen, apply=False)
         sampler_step(gen, [], v)
+    finish_groups(gen, wait=True)
     gen.idle_since = time.time()
     wait_until(ctx, lambda: poll(ctx, gen) >= v + k - v % k,
                f"weights version {v + k - v % k} (frozen for {k} steps)")
@@ -1073,8 +1214,10 @@ def admit_ranked(ctx, gen, gis):
 
 
 def poll(ctx, gen, apply=True):
-    """Stop? New weights? (reads the store at most every 10 ms) -> the weights version in the model.
-    New weights are received into the model's own parameters, between two sampler steps."""
+    """Stop? New weights? A held-out eval asked of the weights it holds? (reads the store at most
+    every 10 ms) -> the weights version in the model. New weights are received into the model's
+    own parameters, between two sampler steps; while a held-out eval runs, into a copy on the host,
+    taken once the eval is done (start_eval)."""
     if time.time() - gen.last_poll < 0.01:
         return gen.version
     gen.last_poll = time.time()
@@ -1083,24 +1226,54 @@ def poll(ctx, gen, apply=True):
     stop_requested(ctx)  # a signal to this generator: the trainers stop after their step under way
     version = int(ctx.store.get("version"))
     # trainer 0 is in the broadcast of `version`, waiting for us
-    if apply and version > gen.version:
+    if apply and version > max(gen.version, gen.staged_version):
         t0 = time.time()
         set_status(ctx, f"receiving weights version {version}")
-        broadcast_weights(ctx, gen.model, gen.args.bucket_mb)
-        every, before = gen.args.save_every, gen.version
-        gen.version = version
+        if gen.eval_version is None:
+            broadcast_weights(ctx, gen.model, gen.args.bucket_mb)
+            take_weights(gen, version)
+        else:
+            gen.staged = stage_weights(ctx, gen.model, gen.args.bucket_mb, gen.staged)
+            gen.staged_version = version
         gen.sync += time.time() - t0
         if gen.idle_since is not None:  # a wait under way: this was sync time, not idle time
             gen.idle_since += time.time() - t0
         set_status(ctx, "generating")
-        # trainer 0 saved a checkpoint at step b since
-        if every and version // every > before // every:
-            b = version // every * every  # (ppo_offpolicy's versions step by k and may pass over b)
-            _save_curriculum(gen.snapshots.get(b, gen.curriculum), gen.curriculum_path)
-        # a stop at `version` needs it
-        gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}
+    if (gen.eval_version is None and gen.version not in gen.evaluated
+            and ctx.store.check([f"eval_request/{gen.version}"])):
+        start_eval(gen, gen.version)
     publish_stats(ctx, gen)
     return gen.version
+
+
+def take_weights(gen, version):
+    """The weights of `version` are in the model now: checkpoints trainer 0 saved since get their
+    curriculum file, and the copies a stop before `version` would need are dropped."""
+    every, before = gen.args.save_every, gen.version
+    gen.version = version
+    if every and version // every > before // every:  # trainer 0 saved a checkpoint at step b
+        b = version // every * every  # (ppo_offpolicy's versions step by k and may pass over b)
+        _save_curriculum(gen.snapshots.get(b, gen.curriculum), gen.curriculum_path)
+    gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}
+
+
+@torch.no_grad()
+def stage_weights(ctx, model, bucket_mb, staged=None):
+    """A generator's side of one weight broadcast, received into host copies of its parameters
+    (staged: the copies of an earlier one, overwritten) instead of the parameters -> the copies.
+    One bucket at a time is on the device."""
+    params = [p for _, p in model.named_parameters()]
+    staged = staged or [torch.empty(p.shape, dtype=p.dtype) for p in params]
+    for bucket, copies in zip(weight_buckets(params, bucket_mb),
+                              weight_buckets(staged, bucket_mb)):
+        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                           device=bucket[0].device)
+        dist.broadcast(flat, src=0, group=ctx.weights)
+        offset = 0
+        for c in copies:
+            c.copy_(flat[offset:offset + c.numel()].view_as(c))
+            offset += c.numel()
+    return staged
 
 
 def publish_stats(ctx, gen, force=False):

@@ -3209,6 +3209,25 @@ def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path)
             assert 2 * r["pass_rate"] - 1 < r["reward"] <= 2 * r["pass_rate"] - 1 + 0.5 + 1e-6
 
 
+def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their_step(tmp_path):
+    """Under PipelineRL the generator ranks (two, each its share of the prompts) run the held-out evals, asked by
+    trainer 0 and logged when their results are in: each eval is of the weights of its step, what one process
+    gives evaluating that step's checkpoint, sample for sample (the same noise keys)."""
+    flags = ["--steps", "4", "--eval_every", "2", "--save_every", "2", "--keep", "3", "--val_size", "12",
+             "--eval_samples", "2", "--gen_ranks", "2"]
+    rcs, outs = finish_all(launch(3, tmp_path, *flags))
+    assert rcs == [0, 0, 0], outs
+    evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["kind"] == "eval"}
+    assert sorted(evals) == [0, 2, 4]
+    args = train.get_args(["--out", str(tmp_path), *PIPE_FLAGS, *flags])
+    _, val = train.load_data(args)
+    for step in (2, 4):
+        tok, model = train.load_model(str(tmp_path / f"ckpt-{step:06d}"), args, torch.device("cpu"))
+        here = train.evaluate(model, tok, train.tokenize_prompts(tok, val), val, args)
+        assert {k: here[k] for k in ("pass_rate", "trunc", "len", "n")} == \
+            {k: evals[step][k] for k in ("pass_rate", "trunc", "len", "n")}, step
+
+
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
     """A straggler generator (the last one) decodes slowly while the other runs ahead: the trainer waits
     for the straggler's groups of each batch (nothing is dropped) and the fast one stops k batches ahead."""

@@ -51,8 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from data import (PRESETS, format_prompt, load_source_problems, prompt_ids, read_jsonl,
-                  resolve_model, score_samples, special_tokens, split_problems, toy_model_dir,
-                  toy_problems)
+                  resolve_model, special_tokens, split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
 from generate import SUPPORTED, check_supported, sequence_logprobs
@@ -467,24 +466,32 @@ def domain_rates(problems, correct):
 
 
 def evaluate(model, tokenizer, val_ids, val, args):
-    """Held-out mean@k pass rate (and per domain) and its standard error over the prompts (the
-    spread of the per-prompt means / sqrt(prompts): the noise of the eval itself); the same noise
-    keys at every eval. None when a signal stopped it."""
-    k, n = args.eval_samples, len(val_ids)
-    items = [(val_ids[i % n], 10**12 + i, i) for i in range(n * k)]  # sample i: prompt i % n
-    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)), cap=n * k)
+    """Held-out mean@k of `model` here (pipeline.held_out_items: the same samples at every eval;
+    generator ranks sample the same ones) -> summarize_eval's dict; None when a signal stopped
+    it."""
+    items = pipeline.held_out_items(val_ids, args.eval_samples)
+    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)), cap=len(items))
     done = pipeline.sample_all(steps, items, stop=lambda: bool(pipeline.STOP))
     if done is None:
         return None
-    samples = [done[i] for i in range(n * k)]
-    _, correct, _ = score_samples(tokenizer, samples, val * k, unsafe_code=args.unsafe_code_exec)
+    records = pipeline.score_held_out(tokenizer, {i: s for (_, i), s in done.items()}, val,
+                                      args.unsafe_code_exec)
+    return summarize_eval(records, val, args.eval_samples)
+
+
+def summarize_eval(records, val, k):
+    """A held-out eval's samples, [[i, correct, truncated, interrupted, length]] (sample i: prompt
+    i % n, pipeline.score_held_out) -> its mean@k pass rate (and per domain) and standard error over
+    the prompts (the spread of the per-prompt means / sqrt(prompts): the noise of the eval
+    itself), truncation and interruption rates, mean length."""
+    n = len(val)
+    _, correct, truncated, interrupted, lengths = zip(*sorted(records))
     per_prompt = np.reshape(np.asarray(correct, dtype=float), (k, n)).mean(0)
     se = float(per_prompt.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
     return {"pass_rate": float(np.mean(correct)), "pass_rate_se": se,
-            "trunc": float(np.mean([s.finish == "truncated" for s in samples])),
-            "intr": float(np.mean([0 in s.mask for s in samples])),
-            "len": float(np.mean([len(s.tokens) for s in samples])),
-            "n": len(correct), **domain_rates(val * k, correct)}
+            "trunc": float(np.mean(truncated)), "intr": float(np.mean(interrupted)),
+            "len": float(np.mean(lengths)), "n": len(correct),
+            **domain_rates(val * k, list(correct))}
 
 
 def eval_only(args):
@@ -1047,19 +1054,30 @@ def eval_alarms(rec, step, result):
                   "forget, trunc and the held-out truncation; lower --lr or --max_lag")
 
 
-def run_eval(rec, model, env, step):
-    """Trainer 0 (one process: the trainer): the held-out pass rate of `model` at `step`, the live
-    fit of the curve so far, one log line."""
-    args = env.args
+def run_eval(rec, model, env, step, stamp):
+    """Trainer 0 (one process: the trainer): the held-out pass rate of `model` at `step`, logged
+    (log_eval)."""
     model.eval()
-    result = evaluate(model, env.tokenizer, env.val_ids, env.val, args)
-    if result is None:  # a signal stopped it: no eval line
-        return
-    m = {"kind": "eval", "step": step, "compute_s": rec.compute_s, "flops": rec.flops, **result}
-    rec.evals.append((rec.compute_s, result["pass_rate"]))
+    result = evaluate(model, env.tokenizer, env.val_ids, env.val, env.args)
+    if result is not None:  # None: a signal stopped it: no eval line
+        log_eval(rec, env, step, result, stamp)
+
+
+def log_evals(rec, env, source, wait=False):
+    """Trainer 0: log the generators' evals whose results are in (wait: all of them)."""
+    for step, records, stamp in source.evals_done(wait):
+        log_eval(rec, env, step, summarize_eval(records, env.val, env.args.eval_samples), stamp)
+
+
+def log_eval(rec, env, step, result, stamp):
+    """A held-out eval's result at `step` (stamp: the compute_s and FLOPs of that step), the live
+    fit of the curve so far, one log line and the alarms."""
+    args, (compute_s, flops) = env.args, stamp
+    m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
+    rec.evals.append((compute_s, result["pass_rate"]))
     C, R = np.array(rec.evals).T
     try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
-        pred = predict_final(C, R, C_end=rec.compute_s / max(step, 1) * args.steps)
+        pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
     except ValueError as err:
         pred = None
         print(f"eval step {step}: no live fit ({err})")
@@ -1079,10 +1097,11 @@ def run_eval(rec, model, env, step):
 
 
 def held_out_eval(rec, env, trainer, source):
-    """A held-out eval of the trainer's version (not counted as compute): the whole model
-    (gathered, under --fsdp) evaluated on trainer 0, the other trainers wait."""
-    model, step = trainer.eval_model(), trainer.version
-    source.held_out(step, lambda: run_eval(rec, model, env, step))
+    """A held-out eval of the trainer's version (not counted as compute): under PipelineRL with
+    generator ranks, they run it while training goes on (logged when its results are in:
+    log_evals); else here (the whole model: gathered under --fsdp, on trainer 0)."""
+    step, stamp = trainer.version, (rec.compute_s, rec.flops)
+    source.held_out(step, trainer, lambda model: run_eval(rec, model, env, step, stamp), stamp)
     rec.evaluated = step
 
 
@@ -1222,18 +1241,20 @@ def main(args):
         t_train = time.time()
         loss, stats = trainer.step(batch, env.tokenizer.pad_token_id or 0)
         t_train = time.time() - t_train
-        sync_s, sync_bytes = source.publish(trainer, last=trainer.version == args.steps)
+        eval_now = trainer.version % args.eval_every == 0 or trainer.version == args.steps
+        sync_s, sync_bytes = source.publish(trainer, trainer.version == args.steps, eval_now)
         # ---- accounting, logging, alarms (sums over every trainer's part of the batch)
         dt = time.time() - t0
         rec.compute_s += dt * rec.world  # every device, busy or not
         m = step_metrics(rec, trainer, batch, groups, rstats, env.train, loss, stats, dt)
         log_step(rec, m | source.busy(dt, rstats, t_train, sync_s, sync_bytes))
+        log_evals(rec, env, source)
         stop = alarms(rec, m)
         # ---- checkpoint, then eval (not counted as compute): an eval that fails loses no step
         if (args.save_every and trainer.version % args.save_every == 0) or \
                 trainer.version == args.steps:
             save(rec, env, trainer, source)
-        if trainer.version % args.eval_every == 0 or trainer.version == args.steps:
+        if eval_now:
             held_out_eval(rec, env, trainer, source)
         if stop:
             print0(stop, flush=True)
@@ -1252,6 +1273,7 @@ def finish(rec, env, trainer, source, stopped, signaled, t_start):
         save(rec, env, trainer, source)
     if trainer.version != rec.evaluated and not signaled:
         held_out_eval(rec, env, trainer, source)
+    log_evals(rec, env, source, wait=not signaled)
     source.close(trainer.version)
     if signaled:
         saved = checkpoints(env.args.out)[-1:] or ["nothing (no step finished yet)"]
@@ -1268,7 +1290,7 @@ def serve_rollouts(args):
     env = start(args)
     path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.json")
     pipeline.run_generator(env.ctx, args, env.model, env.tokenizer, env.train, env.train_ids,
-                           env.state.get("step", 0), path)
+                           env.state.get("step", 0), path, env.val, env.val_ids)
     pipeline.finish(env.ctx)
 
 
