@@ -39,13 +39,23 @@ memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the
 stability (not in the default set: about 5 minutes a seed on 2 cores): the default torchrun run
    (1 generator + 1 trainer rank, PipelineRL-8) against its one-process counterpart, seed by seed,
    on the toy or on toy-hard at the study's settings, under one of three loads: pinned, the worst
-   case, where every trained token is k versions old (the trainer on core 0 beside a CPU-bound
-   process and taking its batch one sample at a time, the generator alone on core 1: the trainer
+   case, where every trained token is k versions old (the trainer on core 0 beside two CPU-bound
+   processes and taking its batch one sample at a time, the generator alone on core 1: the trainer
    is the slower role, so the generator always runs k batches ahead); idle; or two CPU-bound
    processes beside the run. Per seed: the final held-out pass rate of both, the lowest held-out
    after step 30, the lag the run saw, its largest truncation and forget, the steps its warnings
    fired at, and whether it held (final >= the one-process final - 0.03, nothing under 0.6 after
    step 30).
+replay (not in the default set; --replay_run: a toy run with a checkpoint every 2 steps): what
+   moved a PipelineRL-8 run that collapsed, step by step from its checkpoints. Per checkpoint s: the
+   log-odds of the answer's first token after </think> (" The") on fixed contexts (the first
+   checkpoint's greedy thoughts of 200 held-out prompts, cut after </think>); of the samples the
+   weights of s draw now (those a trainer takes k = 8 steps later), the shares truncated and writing
+   anything but " The" after </think>; forget of a batch the weights of s - 8 drew, under the
+   weights of s (what the trainer sees). And the first-order effect on that log-odds of one
+   AdamW-preconditioned step (the checkpoint's own second moments) of the loss of such a stale batch
+   against an on-policy one (drawn by s itself), split into its terms: positive and negative
+   advantages, the answer's tokens and the thinking's, with the IS weight and with rho = 1.
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
@@ -66,6 +76,7 @@ may stay).
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
     python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
     python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
+    python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
         --new_tokens 256 --batch 256
     python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16
@@ -84,16 +95,20 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from data import prompt_ids, read_jsonl, toy_model_dir, toy_problems
-from generate import Decoder, check_supported, generate, kv_bytes_per_token, sequence_logprobs
-from loss import policy_loss
+from data import (prompt_ids, read_jsonl, score_samples, special_tokens, toy_model_dir,
+                  toy_problems)
+from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
+                      sequence_logprobs)
+from loss import forgetting, policy_loss
 import pipeline
 import study
+import train
 
 # -----------------------------------------------------------------------------
 # flags: defaults are the CPU run (under 5 minutes on 2 cores)
@@ -125,6 +140,11 @@ SIZE_FLAGS = [
      "versions old), idle, or hogs (two CPU-bound processes beside each run)"),
     ("stability_dir", "runs/stability", "figure stability: where its runs go (kept; a finished "
      "one-process run is reused)"),
+    ("stability_flags", "", "figure stability: more train.py flags for every run, e.g. "
+     "'--lr 3e-4' (the old default, which collapsed)"),
+    ("replay_run", "", "figure replay: a toy run folder with a checkpoint every 2 steps"),
+    ("replay_steps", "30,32,34,36,38,40,42,44", "figure replay: the checkpoints to read (even "
+     "steps; the attribution needs the one 8 steps before each too)"),
     ("fsdp_seqs", 4, "figure 7: sequences per step"),
     ("fsdp_len", 64, "figure 7: tokens per sequence"),
 ]
@@ -139,7 +159,7 @@ def get_args(argv=None):
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5",
-                    help="comma-separated figures to run: 1 to 7, memory, stability")
+                    help="comma-separated figures to run: 1 to 7, memory, stability, replay")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
@@ -944,7 +964,7 @@ def stability_seed(args, seed, folder, flags):
     """One seed: its one-process run (reused when finished: it is deterministic) and its torchrun
     run under --stability_load -> the row of the table."""
     one = os.path.join(folder, f"one-s{seed}")
-    common = ["--seed", str(seed), "--overwrite", *flags]
+    common = ["--seed", str(seed), "--overwrite", *flags, *args.stability_flags.split()]
     if not os.path.exists(os.path.join(one, "metrics.jsonl")) or not any(
             r.get("kind") == "eval" and r["step"] == train_steps(one)
             for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))):
@@ -957,7 +977,7 @@ def stability_seed(args, seed, folder, flags):
     cmd = (launch + ["--no-python", "sh", "-c",
                      "exec taskset -c $LOCAL_RANK " + " ".join([sys.executable, *train_cmd])]
            if pinned else launch + train_cmd)
-    hogs = ([["taskset", "-c", "0", *HOG]] if pinned else
+    hogs = ([["taskset", "-c", "0", *HOG]] * 2 if pinned else
             [HOG, HOG] if args.stability_load == "hogs" else [])
     records, warned = stability_run(cmd, ranks, hogs)
     return stability_row(seed, [r for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))],
@@ -991,7 +1011,8 @@ def stability_row(seed, one, ranks, warned):
 
 def bench_stability(args):
     """PipelineRL-8 against its one-process counterpart, seed by seed (module docstring)."""
-    folder = os.path.join(args.stability_dir, f"{args.stability_preset}-{args.stability_load}")
+    folder = os.path.join(args.stability_dir, f"{args.stability_preset}-{args.stability_load}"
+                          + "".join(args.stability_flags.split()).replace("--", "-"))
     os.makedirs(folder, exist_ok=True)
     flags, rows = stability_flags(args, args.stability_dir), []
     for seed in map(int, args.stability_seeds.split(",")):
@@ -1005,6 +1026,142 @@ def bench_stability(args):
               f"{row['warned'] or 'none'} | {'held' if row['held'] else 'FELL'}", flush=True)
     print(f"stability | {sum(r['held'] for r in rows)} of {len(rows)} held")
     return rows
+
+
+# -----------------------------------------------------------------------------
+# figure "replay": what moved a collapsing run, from its checkpoints
+
+
+def replay_load(run, step, args):
+    """A checkpoint of the run -> (model, its AdamW second moments, bias-corrected, and lr)."""
+    path = os.path.join(run, f"ckpt-{step:06d}")
+    _, model = train.load_model(path, args, torch.device("cpu"))
+    opt = torch.load(os.path.join(path, "state.pt"), weights_only=True)["optimizer"]
+    group = opt["param_groups"][0]
+    v = [st["exp_avg_sq"] / (1 - group["betas"][1] ** float(st["step"]))
+         for _, st in sorted(opt["state"].items())]
+    return model, v, group["lr"], group["eps"]
+
+
+def answer_start(tokens, think_end):
+    """The position just after the first </think> in tokens, or None."""
+    E = len(think_end)
+    return next((i + E for i in range(len(tokens) - E + 1) if tokens[i:i + E] == think_end), None)
+
+
+def replay_probe(model, contexts, the, grad=False):
+    """Mean log-odds of `the` after each context (log p - log(1 - p): it does not saturate near
+    p = 1), and its gradient when grad."""
+    ids, attn, *_ = train.collate([c[:-1] for c in contexts],
+                                  [Sample(0, [c[-1], the], [0.0] * 2, [1] * 2, [0] * 2, "eos")
+                                   for c in contexts], 0, "cpu")
+    with torch.set_grad_enabled(grad):
+        lp = sequence_logprobs(model, ids, attn)  # (N, T-1)
+        at = torch.tensor([len(c) - 1 for c in contexts])
+        val = lp[torch.arange(len(contexts)), at]
+        odds = (val - torch.log1p(-val.exp().clamp(max=1 - 1e-7))).mean()
+    if grad:
+        model.zero_grad()
+        odds.backward()
+        return odds.item(), [p.grad.clone() for p in model.parameters()]
+    return odds.item()
+
+
+def replay_batch(model, version, seed, env):
+    """16 training prompts x 8 samples drawn by `model` (weights `version`) -> train.Batch."""
+    tok, args, problems, ids = env
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(problems), 16, replace=False).tolist()
+    items = [(ids[i], seed * 10 ** 6 + 8 * j + k, (j, k))
+             for j, i in enumerate(idx) for k in range(8)]
+    steps = pipeline.make_sampler(model, tok, args, max(map(len, ids)), version)
+    done = pipeline.sample_all(steps, items)
+    groups = []
+    for j, i in enumerate(idx):
+        samples = [done[(j, k)] for k in range(8)]
+        _, correct, rewards = score_samples(tok, samples, [problems[i]] * 8)
+        groups.append({"index": i, "prompt": ids[i], "samples": samples, "correct": correct,
+                       "rewards": rewards})
+    return train.make_batch(groups, args)
+
+
+def replay_terms(model, batch, step, think_end):
+    """Gradients of a batch's loss through chosen tokens only (the loss and its weights are the
+    whole batch's) -> {term: gradients}, and the batch's forget under `model`."""
+    rows = batch.rows
+    prompts, samples = [batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows]
+    ids, attn, mask, gen_logp, _ = train.collate(prompts, samples, 0, "cpu", step)
+    ans = torch.zeros_like(mask, dtype=torch.bool)
+    for i, (p, s) in enumerate(zip(prompts, samples)):
+        cut = answer_start(s.tokens, think_end) or len(s.tokens)
+        ans[i, len(p) - 1 + cut:len(p) - 1 + len(s.tokens)] = True
+    pos = (batch.adv > 0)[:, None].expand_as(ans)
+    terms, out = {"all": (pos | ~pos, False), "positive": (pos, False), "negative": (~pos, False),
+                  "answer": (ans, False), "thinking": (~ans, False),
+                  "all, rho = 1": (pos | ~pos, True)}, {}
+    for name, (chosen, no_is) in terms.items():
+        logp = sequence_logprobs(model, ids, attn)
+        logp = torch.where(chosen, logp, logp.detach())
+        loss = policy_loss(logp, logp.detach() if no_is else gen_logp, batch.adv, mask,
+                           batch.group[rows])
+        model.zero_grad()
+        loss.backward()
+        out[name] = [p.grad.clone() for p in model.parameters()]
+    lost, sure = forgetting(logp.detach(), gen_logp, mask)
+    return out, float(lost / max(int(sure), 1))
+
+
+def bench_replay(args):
+    """What moved a collapsing run (module docstring, figure replay)."""
+    targs = train.get_args(["--out", os.path.join(args.replay_run, "replay")])
+    problems, val = train.load_data(targs)
+    steps = [int(x) for x in args.replay_steps.split(",")]
+    first, _, _, _ = replay_load(args.replay_run, steps[0], targs)
+    tok = AutoTokenizer.from_pretrained(os.path.join(args.replay_run, f"ckpt-{steps[0]:06d}"))
+    think_end = special_tokens(tok)["think_end"]
+    val_ids, ids = train.tokenize_prompts(tok, val), train.tokenize_prompts(tok, problems)
+    greedy = pipeline.make_sampler(first, tok, train.get_args(["--temperature", "0"]),
+                                   max(map(len, val_ids)))
+    greedy = pipeline.sample_all(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
+    contexts, nexts = [], []
+    for i, p in enumerate(val_ids):
+        t, cut = greedy[i].tokens, answer_start(greedy[i].tokens, think_end)
+        if cut is not None and cut < len(t):
+            contexts.append(p + t[:cut])
+            nexts.append(t[cut])
+    the = max(set(nexts), key=nexts.count)
+    env, rows = (tok, targs, problems, ids), []
+    for step in steps:
+        rows.append(replay_step(args.replay_run, step, env, contexts, the, think_end))
+    return rows
+
+
+def replay_step(run, step, env, contexts, the, think_end):
+    """One checkpoint's row of the replay: the probe, the fresh samples, and (when the checkpoint
+    8 steps before exists) the terms' first-order effects, stale against on-policy."""
+    tok, targs, problems, ids = env
+    model, v, lr, eps = replay_load(run, step, targs)
+    odds, probe_grad = replay_probe(model, contexts, the, grad=True)
+    fresh = replay_batch(model, step, 7 + step, env)
+    after = [s.tokens[answer_start(s.tokens, think_end):][:1] for s in fresh.samples
+             if answer_start(s.tokens, think_end) is not None]
+    row = {"step": step, "log_odds": odds, "fresh_trunc": float(fresh.truncated.float().mean()),
+           "fresh_not_the": float(np.mean([t != [the] for t in after])) if after else 1.0}
+    effect = lambda g: -lr * sum((a * b / (c.sqrt() + eps)).sum().item()
+                                 for a, b, c in zip(probe_grad, g, v))
+    if os.path.exists(os.path.join(run, f"ckpt-{step - 8:06d}")):
+        old = replay_load(run, step - 8, targs)[0]
+        for kind, sampler_model, version in (("stale", old, step - 8), ("onpolicy", model, step)):
+            batch = replay_batch(sampler_model, version, 100 * step, env)
+            if batch.rows:
+                grads, forget = replay_terms(model, batch, step, think_end)
+                row[kind] = {name: effect(g) for name, g in grads.items()} | {"forget": forget}
+    print(f"replay | step {step} | log-odds p(the | </think>) {odds:.2f} | fresh samples: "
+          f"trunc {row['fresh_trunc']:.3f}, not ' The' after </think> {row['fresh_not_the']:.3f}"
+          + "".join(f" | {kind}: forget {row[kind]['forget']:.4f}, effect of one step: " +
+                    ", ".join(f"{k} {x:+.2f}" for k, x in row[kind].items() if k != "forget")
+                    for kind in ("stale", "onpolicy") if kind in row), flush=True)
+    return row
 
 
 def write_model(args):
@@ -1029,7 +1186,7 @@ def main(args):
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
-    models = bench_models(args) if figures - {"memory", "stability"} else []
+    models = bench_models(args) if figures - {"memory", "stability", "replay"} else []
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
@@ -1053,6 +1210,8 @@ def main(args):
         results["memory_plan"] = bench_memory_plan(args)
     if "stability" in figures:
         results["stability"] = bench_stability(args)
+    if "replay" in figures:
+        results["replay"] = bench_replay(args)
     results["seconds"] = time.perf_counter() - t_start
     print(f"total {results['seconds']:.0f} s")
     if args.json:

@@ -668,7 +668,8 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.eos_token_id)
+                         bos_token_id=tokenizer.eos_token_id,
+                         scalerl_task=preset)  # train.py gives its runs the toy recipe
     model = LlamaForCausalLM(config)
     _warm_up(model, tokenizer, problems, texts, sft_steps, log)
     model.save_pretrained(out_dir + ".tmp")

@@ -122,20 +122,26 @@ def aggregate(obj, keep, group, agg):
     return (group_token_sum / group_token_count.clamp(min=1)).mean()
 
 
-def cispo_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
+def cispo_objective(log_ratio, logp, adv, keep, eps_low, eps_high, neg_trust=None):
     """CISPO (ScaleRL): sg(clamp(rho, eps_low, eps_high)) * A * logp per token; the eps are absolute
-    bounds."""
-    weight = log_ratio.exp().clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
-    return weight * adv * logp  # (N, T)
+    bounds. neg_trust: CISPO's token mask M (MiniMax-M1) on the negative side, as PPO clips it: a
+    token of a negative-advantage sample whose ratio has already fallen below neg_trust gives no
+    gradient (it still counts in the aggregation's denominators)."""
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
+    obj = weight * adv * logp  # (N, T)
+    if neg_trust is None:
+        return obj
+    return torch.where((adv < 0) & (ratio < neg_trust), 0.0, obj)
 
 
-def token_clipped_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
+def token_clipped_objective(log_ratio, logp, adv, keep, eps_low, eps_high, neg_trust=None):
     """GRPO / DAPO: the PPO-clipped objective per token."""
     # (N, T)
     return clipped_objective(log_ratio.clamp(max=MAX_LOG_RATIO).exp(), adv, eps_low, eps_high)
 
 
-def gspo_objective(log_ratio, logp, adv, keep, eps_low, eps_high):
+def gspo_objective(log_ratio, logp, adv, keep, eps_low, eps_high, neg_trust=None):
     """GSPO: the clipped objective of the length-normalized sequence ratio, copied onto its
     tokens."""
     seq_log_ratio = log_ratio.sum(1) / keep.sum(1).clamp(min=1)  # (N,)
@@ -164,7 +170,7 @@ def clip_eps(kind, eps_low=None, eps_high=None):
 
 
 def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
-                eps_low=None, eps_high=None, weights=None):
+                eps_low=None, eps_high=None, weights=None, neg_trust=None):
     """Scalar loss to minimize: -(aggregated per-token objective). See the module docstring.
     weights (N,): each row's weight in a larger batch's loss (row_weights); these rows are then
     a part of it (a micro-batch, a trainer's share), aggregated as the whole batch is."""
@@ -175,7 +181,8 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
     eps_low, eps_high = clip_eps(kind, eps_low, eps_high)
     keep = mask.bool()  # (N, T)
     log_ratio = torch.where(keep, logp - gen_logp.detach(), 0.0)  # (N, T)
-    obj = LOSSES[kind][0](log_ratio, logp, adv.detach()[:, None], keep, eps_low, eps_high)
+    obj = LOSSES[kind][0](log_ratio, logp, adv.detach()[:, None], keep, eps_low, eps_high,
+                          neg_trust)
     if weights is not None:
         return -(torch.where(keep, obj, 0.0).sum(1) * weights).sum()
     return -aggregate(obj, keep, group, agg)

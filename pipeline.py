@@ -459,7 +459,8 @@ def trainer_of(gi, prompts, n_trainers):
 def pack_group(gen_rank, group, length):
     """One prompt's group (finish_group's dict) -> float32 (G, HEADER + 4 * length): header |
     prompt+completion ids | gen log-probs | mask | versions (the last three aligned with the
-    completion). Ids and versions are exact in float32 below 2**24; the reward travels as float32."""
+    completion). Ids and versions are exact in float32 below 2**24; the reward travels as
+    float32."""
     prompt, samples = group["prompt"], group["samples"]
     rows = torch.zeros(len(samples), HEADER + 4 * length)
     for row, s, c, r in zip(rows, samples, group["correct"], group["rewards"]):
@@ -504,30 +505,45 @@ def weight_buckets(tensors, bucket_mb):
     return buckets
 
 
-def full_weights(model):
-    """Every parameter whole: sharded (FSDP2) ones are all-gathered, a collective over the
-    trainers."""
-    return [p.full_tensor() if isinstance(p, DTensor) else p for _, p in model.named_parameters()]
+def whole_weights(model, dtype=None):
+    """The model's parameters in named_parameters order, made whole one at a time: a sharded
+    (FSDP2) one is all-gathered, a collective over the trainers, its shard cast to `dtype` first
+    (when given: half the bytes move for bf16); at most one whole parameter exists at a time."""
+    for _, p in model.named_parameters():
+        p = p if dtype is None else p.to(dtype)
+        yield p.full_tensor() if isinstance(p, DTensor) else p
 
 
 @torch.no_grad()
-def broadcast_weights(ctx, model, bucket_mb, tensors=None):
-    """Trainer 0 sends `tensors` (default: its parameters), every generator receives them into its
-    model -> bytes moved."""
-    nbytes = 0
-    ours = tensors if tensors is not None else [p for _, p in model.named_parameters()]
-    for params in weight_buckets(ours, bucket_mb):
+def send_weights(ctx, model, bucket_mb, dtype):
+    """Trainer 0 broadcasts the model's weights to the generators in `dtype`, bucket by bucket, cut
+    as broadcast_weights cuts them on the generators' side; under FSDP2 every trainer takes part in
+    making each parameter whole (whole_weights) only as its bucket goes out, so one bucket of whole
+    weights exists at a time, not the model. -> bytes sent (0 on the other trainers)."""
+    metas = [torch.empty(p.shape, dtype=dtype, device="meta") for _, p in model.named_parameters()]
+    whole, nbytes = whole_weights(model, dtype), 0
+    for bucket in weight_buckets(metas, bucket_mb):
+        parts = [next(whole) for _ in bucket]
         if ctx.rank == 0:
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-        else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                               device=params[0].device)
+            flat = torch.cat([t.reshape(-1) for t in parts])
+            dist.broadcast(flat, src=0, group=ctx.weights)
+            nbytes += flat.nbytes
+    return nbytes
+
+
+@torch.no_grad()
+def broadcast_weights(ctx, model, bucket_mb):
+    """A generator's side of one weight broadcast (trainer 0's: send_weights): received into its
+    model's parameters, bucket by bucket -> bytes moved."""
+    nbytes = 0
+    for params in weight_buckets([p for _, p in model.named_parameters()], bucket_mb):
+        flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                           device=params[0].device)
         dist.broadcast(flat, src=0, group=ctx.weights)
-        if ctx.rank != 0:
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
         nbytes += flat.nbytes
     return nbytes
 
@@ -682,7 +698,7 @@ class RemoteRollouts:
         its log line once its results are in: evals_done), or evaluate(model) on trainer 0 while
         the other trainers wait."""
         if not self.on_generators:
-            model = trainer.eval_model()  # under --fsdp a collective: every trainer gathers
+            model = trainer.eval_model(self.ctx.device)  # --fsdp: a collective, every trainer
             return on_trainer0(self.ctx, step, lambda: evaluate(model))
         if self.ctx.rank == 0:
             self.ctx.store.set(f"eval_request/{step}", "1")  # step 0, or an early end's last step
@@ -770,20 +786,21 @@ def receive_groups(ctx, step):
 
 
 def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
-    """After each optimizer step: announce version `step`, trainer 0 broadcasts -> (seconds, bytes).
-    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast. Every trainer takes
-    part in trainer.broadcast_tensors (sharded trainers gather the full weights first)."""
-    if last or step % (1 if ctx.mode == "pipeline" else ctx.k):
+    """After each optimizer step: announce version `step`, trainer 0 broadcasts (send_weights;
+    sharded trainers all take part in making the weights whole) -> (seconds, bytes).
+    ppo_offpolicy/sync: only every k steps. After the last step: no broadcast."""
+    if (last or step % (1 if ctx.mode == "pipeline" else ctx.k)
+            or (ctx.rank != 0 and not trainer.sharded)):
         return 0.0, 0
     t0 = time.time()
-    set_status(ctx, f"gathering and broadcasting weights version {step}")
-    tensors = trainer.broadcast_tensors(dtype)
+    set_status(ctx, f"broadcasting weights version {step}")
+    if ctx.rank == 0:
+        ctx.store.set("version", str(step))
+    nbytes = send_weights(ctx, trainer.model, bucket_mb, dtype)
     if ctx.rank != 0:
         return 0.0, 0
-    ctx.store.set("version", str(step))
-    nbytes = broadcast_weights(ctx, None, bucket_mb, tensors)
-    if tensors and tensors[0].is_cuda:  # nccl returns once the transfer is queued: time its end
-        torch.cuda.synchronize(tensors[0].device)
+    if str(ctx.device).startswith("cuda"):  # nccl returns once the transfer is queued: time its end
+        torch.cuda.synchronize(ctx.device)
     return time.time() - t0, nbytes
 
 
@@ -1024,7 +1041,8 @@ def admit(gen, gis):
     items (prompt ids, noise key, tag (gi, j)). Before the first group of a batch b, a copy of the
     curriculum is kept: with the pass rates of earlier batches recorded into it as they come
     (finish_group), it is the state a resume at step b must start from (the live one has served up
-    to k batches more by then). When every prompt is retired: the items so far, and gen.exhausted."""
+    to k batches more by then). When every prompt is retired: the items so far, and
+    gen.exhausted."""
     items, G, B = [], gen.args.samples, gen.args.prompts
     for gi in gis:
         if gi // B not in gen.snapshots:

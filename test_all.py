@@ -3074,7 +3074,10 @@ def _broadcast_rank(rank, world, port, out):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p))
-        pipeline.broadcast_weights(ctx, model, bucket_mb)
+        if rank == 0:
+            pipeline.send_weights(ctx, model, bucket_mb, torch.float32)
+        else:
+            pipeline.broadcast_weights(ctx, model, bucket_mb)
         torch.save(model.state_dict(), os.path.join(out, f"rank{rank}-{bucket_mb}.pt"))
     pipeline.finish(ctx)
 
@@ -3976,6 +3979,80 @@ def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
     assert outs[0].strip().splitlines() == [f"error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
                                             "pass --resume to continue it, --overwrite to start over, or another --out"]
     assert outs[1].strip() == ""
+
+
+def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsys):
+    """Any model but the embedded ones (a random-weight Qwen2 folder here) starts from the paper's recipe
+    (appendix A.3), the flags given override it and the start-up line names them; the embedded default
+    keeps the toy's values."""
+    folder = str(tmp_path / "qwen2")
+    bench.write_model(bench.get_args(["--write_model", folder]))
+    paper = train.get_args(["--model", folder])
+    assert (paper.recipe, paper.lr, paper.warmup, paper.prompts, paper.samples, paper.think_budget,
+            paper.answer_budget, paper.eval_every, paper.eval_samples, paper.val_size, paper.dtype) == \
+        ("paper", 5e-7, 100, 48, 16, 12288, 2048, 100, 16, 1000, "bfloat16")
+    toy = train.get_args([])
+    assert (toy.recipe, toy.lr, toy.warmup, toy.prompts, toy.samples, toy.think_budget, toy.answer_budget,
+            toy.steps, toy.eval_every, toy.eval_samples, toy.dtype) == \
+        ("toy", 2e-4, 10, 16, 8, 48, 64, 150, 10, 4, "float32")
+    assert train.get_args(["--model", str(ROOT / "toy_model_hard")]).recipe == "toy"
+    train.main(train.get_args(["--model", folder, "--out", str(tmp_path / "run"), "--prompts", "2", "--samples",
+                               "2", "--think_budget", "6", "--answer_budget", "4", "--steps", "1", "--val_size",
+                               "2", "--eval_samples", "1", "--save_every", "0", "--dtype", "float32"]))
+    config = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert (config["recipe"], config["lr"], config["warmup"], config["prompts"], config["think_budget"]) == \
+        ("paper", 5e-7, 100, 2, 6)
+    assert "recipe paper; given: --prompts 2 (recipe: 48), --samples 2 (recipe: 16)" in capsys.readouterr().out
+
+
+# what the README-commands test does not run here, and why
+README_SKIP = [(r"pip install", "installs"), (r"pytest", "the tests themselves"),
+               (r"bench\.py", "benchmarks: BENCHMARKS.md"), (r"study\.py", "test_study_quick_* runs the study"),
+               (r"\b(Qwen|openai|POLARIS-Project|HuggingFaceH4)/", "a Hub id: no network here"),
+               (r"--device cuda", "no GPU here")]
+# the sizes every train.py command runs with here (flags given last win)
+README_SHRINK = "--steps 4 --eval_every 1 --prompts 2 --samples 2 --val_size 4 --eval_samples 1 --save_every 2"
+
+
+def readme_commands(text):
+    """The README's shell commands, in order: the lines of its ```bash blocks, continuations joined."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip():
+                lines.append(line.split("  #")[0].strip())
+    return lines
+
+
+def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
+    """Every command of the README, in the order written, in a copy of the repository's files, with the
+    training runs shrunk (README_SHRINK): none fails, and none collides with another's run folder; the ones
+    that cannot run here (an install, a Hub id, a GPU) are named."""
+    clone = tmp_path / "clone"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for f in files:
+        (clone / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, clone / f)
+    setup, ran, skipped = [], [], []
+    for cmd in readme_commands((ROOT / "README.md").read_text()):
+        why = next((why for pattern, why in README_SKIP if re.search(pattern, cmd)), None)
+        if why:
+            skipped.append(why)
+            continue
+        if re.match(r"(export )?\w+=", cmd):  # a variable the commands after it use
+            setup.append(cmd)
+            continue
+        if "train.py" in cmd:
+            cmd = cmd.replace("ckpt-000150", "ckpt-000004") + " " + README_SHRINK
+        cmd = cmd.replace("ckpt-000150", "ckpt-000004").replace("python ", sys.executable + " ", 1)
+        cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
+        done = subprocess.run(["bash", "-c", "; ".join(setup + [cmd])], cwd=clone, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, f"{cmd}:\n{done.stdout[-1500:]}{done.stderr[-1500:]}"
+        ran.append(cmd)
+    assert sum("train.py" in c for c in ran) >= 5 and any("generate.py" in c for c in ran), ran
+    assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 3, ran
+    assert "a Hub id: no network here" in skipped
 
 
 def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):

@@ -31,7 +31,6 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 """
 
 import argparse
-import copy
 import difflib
 import glob
 import json
@@ -67,6 +66,23 @@ from sandbox import bwrap_ready, not_ready_reason
 # interrupt: forced interruptions (ScaleRL); penalty: a length penalty on correct answers (paper
 # section 3.1); none: only the budget's truncation
 LENGTH_CONTROLS = ("interrupt", "penalty", "none")
+
+# What a run starts from (--recipe); a flag given overrides its value. toy: the embedded task's, on
+# a CPU in minutes. paper: the paper's runs (appendix A.3: 48 prompts x 16, 12k thinking + 2k answer
+# tokens with the interruption in the thinking budget's last sixth, lr 5e-7 constant after 100
+# warm-up steps, eval every 100 steps on 1000 held-out prompts x 16), for any other model. one_gpu:
+# the same recipe scaled to one GPU and a day.
+RECIPES = {
+    "toy": dict(prompts=16, samples=8, think_budget=48, answer_budget=64, lr=2e-4, warmup=10,
+                steps=150, eval_every=10, eval_samples=4, val_size=None, save_every=50,
+                dtype="float32"),
+    "paper": dict(prompts=48, samples=16, think_budget=12288, answer_budget=2048, lr=5e-7,
+                  warmup=100, steps=2000, eval_every=100, eval_samples=16, val_size=1000,
+                  save_every=100, dtype="bfloat16"),
+    "one_gpu": dict(prompts=16, samples=8, think_budget=4096, answer_budget=1024, lr=1e-6,
+                    warmup=20, steps=500, eval_every=50, eval_samples=4, val_size=500,
+                    save_every=100, dtype="bfloat16"),
+}
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -110,11 +126,18 @@ def model_flags(g):
                         "(split default test; e.g. openai/gsm8k:main, HuggingFaceH4/MATH-500); "
                         "empty = hold out --val_size problems of --data")
     g.add_argument("--val_size", type=int, default=None,
-                   help="held-out problems (paper: 1000); None = 200, or a tenth of a --data of "
-                        "fewer than 2,000 problems")
-    g.add_argument("--out", default="runs/toy", help="output folder: metrics.jsonl and checkpoints")
+                   help="held-out problems (recipe; paper: 1000); toy: 200, or a tenth of a --data "
+                        "of fewer than 2,000 problems")
+    g.add_argument("--out", default=None,
+                   help="output folder: metrics.jsonl and checkpoints; None = runs/ and the run's "
+                        "shape: its data, and under torchrun its ranks, mode and --fsdp "
+                        "(runs/toy, runs/toy-2ranks, runs/gsm8k-8ranks-fsdp, ...)")
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    g.add_argument("--recipe", default="auto", choices=["auto", *RECIPES],
+                   help="the sizes and rates to start from (RECIPES; a flag given overrides its "
+                        "value, and the start-up line names each one that differs): auto = toy "
+                        "for the embedded tasks, paper for any --model")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="the weights' dtype for sampling and the loss's forward and backward; "
                         "AdamW always steps a float32 master copy (no float16: its gradients "
                         "underflow without loss scaling, which train.py does not do)")
@@ -124,8 +147,10 @@ def model_flags(g):
 
 def rollout_flags(g):
     """The flags of --help's group "rollouts"."""
-    g.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step (paper: 48)")
-    g.add_argument("--samples", type=int, default=8, help="completions per prompt, G (paper: 16)")
+    g.add_argument("--prompts", type=int, default=None,
+                   help="prompts per optimizer step (recipe; paper: 48)")
+    g.add_argument("--samples", type=int, default=None,
+                   help="completions per prompt, G (recipe; paper: 16)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (paper: 1.0)")
     g.add_argument("--slots", type=int, default=None,
@@ -135,12 +160,13 @@ def rollout_flags(g):
                    help="CUDA: the fraction of the device memory left after the weights that the "
                         "sampler's KV cache takes (vLLM's gpu_memory_utilization); the sequences "
                         "that fit at the full budget are printed")
-    g.add_argument("--think_budget", type=int, default=48, help="thinking tokens (paper: 12288)")
-    g.add_argument("--answer_budget", type=int, default=64,
-                   help="answer tokens after </think> (paper: 2048). The toy's answer is 11 "
-                        "tokens; 64 leaves room for a whole rethought chain plus the answer, so a "
-                        "policy that changes format is scored (-1) rather than truncated (out of "
-                        "the loss, no gradient: README)")
+    g.add_argument("--think_budget", type=int, default=None,
+                   help="thinking tokens (recipe; paper: 12288)")
+    g.add_argument("--answer_budget", type=int, default=None,
+                   help="answer tokens after </think> (recipe; paper: 2048). The toy's answer is "
+                        "11 tokens; 64 leaves room for a whole rethought chain plus the answer, so "
+                        "a policy that changes format is scored (-1) rather than truncated (out of "
+                        "the loss, no gradient)")
     g.add_argument("--length_control", default="interrupt", choices=LENGTH_CONTROLS,
                    help="interrupt = forced interruption (ScaleRL); penalty = a length penalty")
     g.add_argument("--l_max", type=int, default=0,
@@ -161,6 +187,10 @@ def loss_flags(g):
     g.add_argument("--eps_high", type=float, default=None,
                    help="None = the loss kind's default: cispo 4 (the cap on the IS weight), grpo "
                         "0.2, dapo 0.28, gspo 4e-3")
+    g.add_argument("--neg_trust", type=float, default=None,
+                   help="cispo: a token of a negative-advantage sample whose IS ratio has fallen "
+                        "below this gives no gradient (CISPO's token mask, as PPO clips A < 0); "
+                        "None = off (the paper's CISPO)")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -176,11 +206,13 @@ def loss_flags(g):
 
 def optimization_flags(g):
     """The flags of --help's group "optimization"."""
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=2e-4,
-                   help="paper: 5e-7 for an 8B model. The toy's 2e-4 holds under PipelineRL-8 with "
-                        "every token 8 versions old; 3e-4 collapsed there (BENCHMARKS.md section 6)")
-    g.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (paper: 100)")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps (recipe)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="recipe; paper: 5e-7 for an 8B model. The toy's 2e-4 holds under "
+                        "PipelineRL-8 with every token 8 versions old; 3e-4 collapsed there "
+                        "(BENCHMARKS.md section 6)")
+    g.add_argument("--warmup", type=int, default=None,
+                   help="linear warm-up steps (recipe; paper: 100)")
     g.add_argument("--weight_decay", type=float, default=0.01,
                    help="AdamW weight decay (paper: 0.01)")
     g.add_argument("--adam_eps", type=float, default=1e-15,
@@ -224,13 +256,13 @@ def rank_flags(g):
 
 def logging_flags(g):
     """The flags of --help's group "evaluation, logging, checkpoints"."""
-    g.add_argument("--eval_every", type=int, default=10,
-                   help="steps between held-out evals (paper: 100)")
+    g.add_argument("--eval_every", type=int, default=None,
+                   help="steps between held-out evals (recipe; paper: 100)")
     g.add_argument("--log_every", type=int, default=1,
                    help="print the step line every N steps (and the last one); metrics.jsonl "
                         "keeps every step")
-    g.add_argument("--eval_samples", type=int, default=4,
-                   help="samples per held-out prompt, mean@k (paper: 16)")
+    g.add_argument("--eval_samples", type=int, default=None,
+                   help="samples per held-out prompt, mean@k (recipe; paper: 16)")
     g.add_argument("--eval_only", action="store_true",
                    help="only evaluate --model (default: the --data preset's base model) on "
                         "--val_data (default: the held-out split of --data), print the pass rate "
@@ -241,7 +273,7 @@ def logging_flags(g):
     g.add_argument("--tensorboard", action="store_true",
                    help="also log metrics as TensorBoard events in --out/tb (pip install "
                         "tensorboard)")
-    g.add_argument("--save_every", type=int, default=50,
+    g.add_argument("--save_every", type=int, default=None,
                    help="steps between checkpoints; 0 = only at the end")
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     g.add_argument("--resume", action="store_true",
@@ -261,8 +293,40 @@ def get_args(argv=None):
     rank_flags(ap.add_argument_group("ranks (pipeline.py; under torchrun only)"))
     logging_flags(ap.add_argument_group("evaluation, logging, checkpoints"))
     args = ap.parse_args(argv)
+    # what loads; args.model stays as typed (--resume compares it)
+    args.model_dir = check_model_dir(args.model, ap.error)
+    apply_recipe(args)
+    args.out = args.out or default_out(args)
     check_args(args, ap.error)
     return args
+
+
+def default_out(args):
+    """runs/ and the run's shape: its data (a preset's name, a file's or dataset's stem, several
+    joined by +), and under torchrun its ranks, mode and --fsdp: the README's commands, run one
+    after another, write different folders."""
+    name = "+".join(os.path.splitext(os.path.basename(p.split(":")[0].rstrip("/")))[0] or p
+                    for p in (args.data or "toy").split(","))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        name += f"-{world}ranks" + ("" if args.mode == "pipeline" else f"-{args.mode}") + \
+            ("-fsdp" if args.fsdp else "")
+    return os.path.join("runs", name)
+
+
+def apply_recipe(args):
+    """--recipe auto: toy for the embedded models (and a model built or trained from one: its
+    config.json names the task, data.py's scalerl_task), paper for any other --model. Every
+    recipe flag not given takes the recipe's value."""
+    if args.recipe == "auto":
+        task = ""
+        if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
+            with open(os.path.join(args.model_dir, "config.json")) as f:
+                task = json.load(f).get("scalerl_task", "")
+        args.recipe = "toy" if not args.model_dir or task in PRESETS else "paper"
+    for name, value in RECIPES[args.recipe].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 # what each numeric flag may be, besides finite: nan, inf or a negative value would fail late or
@@ -298,8 +362,6 @@ def check_args(args, error):
                if torch.version.cuda is None else "no CUDA device is visible"))
     if args.resume and args.overwrite:
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
-    # what loads; args.model stays as typed (--resume compares it)
-    args.model_dir = check_model_dir(args.model, error)
     if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
         with open(os.path.join(args.model_dir, "config.json")) as f:
             context = json.load(f).get("max_position_embeddings")
@@ -422,6 +484,18 @@ def note_toy_model(args, paths, flag, verb):
 def base_model_dir(args):
     """Without --model: the embedded base model of the preset task in --data (toy or toy-hard)."""
     return toy_model_dir(preset=args.data if args.data in PRESETS else "toy")
+
+
+def pick_threads():
+    """One process on the CPU: half the cores as torch threads (at least 1, at most torch's default),
+    unless OMP_NUM_THREADS says. Threads beyond the cores a process gets spin and wait for each
+    other at every parallel op: on a busy 2-core machine the toy's steps took minutes with 2 threads
+    and about a second with 1 (BENCHMARKS.md section 9); half leaves the other half to the verifier
+    workers and to others. A function of the machine, not of its load: the same run on the same
+    machine computes the same numbers (an exact --resume). -> the threads set."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // 2)))
+    return torch.get_num_threads()
 
 
 def pick_device(args, ctx=None):
@@ -615,7 +689,7 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
         loss = policy_loss(logp, gen_logp, batch.adv.to(device)[at], mask,
                            batch.group[rows].to(device)[at], kind=args.loss, agg=args.agg,
                            eps_low=args.eps_low, eps_high=args.eps_high,
-                           weights=weights[at].to(logp.dtype))
+                           weights=weights[at].to(logp.dtype), neg_trust=args.neg_trust)
         loss.backward()
         after()
         loss_sum += loss.item()
@@ -661,7 +735,7 @@ class Trainer:
     from after every step. `version` counts the optimizer steps taken: the policy version of the
     weights. Each trainer computes the gradient of its share of the batch; they are summed
     (all_reduce_grads), so a step equals the single-trainer full-batch step."""
-
+    sharded = False  # every trainer takes part in each broadcast, eval and checkpoint
     def __init__(self, args, model, ctx, state):
         self.args, self.model, self.ctx = args, model, ctx
         # sums over the trainer ranks, for the batch's statistics (None: one process holds it all)
@@ -683,7 +757,8 @@ class Trainer:
         return master_weights(self.model, state.get("master"))
 
     def logprobs(self, ids, attention_mask):
-        """The loss's forward: the trained policy's log-probs of ids (generate.sequence_logprobs)."""
+        """The loss's forward: the trained policy's log-probs of ids
+        (generate.sequence_logprobs)."""
         return sequence_logprobs(self.model, ids, attention_mask, self.args.fp32_head,
                                  self.args.temperature, checkpoint_layers=self.args.ckpt_layers)
 
@@ -766,11 +841,7 @@ class Trainer:
                              f"or gradient (up to step {self.version + 1}); stopping. The last "
                              "checkpoint holds the last good weights.")
 
-    def broadcast_tensors(self, dtype):
-        """The weights the generators get, in named_parameters order."""
-        return [p for _, p in self.model.named_parameters()]
-
-    def eval_model(self):
+    def eval_model(self, device=None):
         """The whole model, on trainer 0, to evaluate and save."""
         return self.model
 
@@ -799,17 +870,17 @@ class Trainer:
 class ShardedTrainer(Trainer):
     """--fsdp: the model and its AdamW state sharded over the trainer ranks with FSDP2 (each holds
     1/T of them; pipeline.shard_trainer). A half --dtype keeps float32 shards (they are AdamW's
-    master weights) and computes in the half dtype. Every trainer takes part in gathering the full
-    weights for each broadcast, eval and checkpoint; trainer 0 keeps one unsharded copy to evaluate
-    and save, and the checkpoints hold the full optimizer state (each trainer keeps its shard of it
-    on --resume)."""
+    master weights) and computes in the half dtype. Every trainer takes part in making the weights
+    whole for each broadcast, eval and checkpoint, one parameter or bucket at a time; no trainer
+    keeps a whole copy. The checkpoints hold the full optimizer state (gathered to trainer 0's host;
+    each trainer keeps its shard of it on --resume)."""
+    sharded = True
 
     def optimized_weights(self, state):
         """Shard the model in place (float32 shards, the saved master weights on --resume); AdamW
         steps the shards themselves."""
         model, ctx = self.model, self.ctx
-        self.full = copy.deepcopy(model) if ctx.rank == 0 else None
-        dtype = next(model.parameters()).dtype
+        self.dtype = dtype = next(model.parameters()).dtype
         if dtype != torch.float32:
             model.float()
             with torch.no_grad():
@@ -838,24 +909,34 @@ class ShardedTrainer(Trainer):
     def reduce_grads(self):
         pass  # FSDP2 reduce-scatters the gradients in the backward
 
-    def broadcast_tensors(self, dtype):
-        return [t.to(dtype) for t in pipeline.full_weights(self.model)]
-
-    def eval_model(self):
-        """The shards gathered into trainer 0's copy (a collective; None on other trainers)."""
+    def eval_model(self, device=None):
+        """The whole model in --dtype, built on trainer 0's host from the shards one parameter at a
+        time (a collective: None on the other trainers), then on `device` when given (an eval on
+        trainer 0, in the frozen modes)."""
+        whole = None
+        if self.ctx.rank == 0:
+            with torch.device("meta"):
+                whole = AutoModelForCausalLM.from_config(self.model.config, dtype=self.dtype)
+            whole.to_empty(device="cpu")
+            whole.tie_weights()  # to_empty leaves a tied head its own tensor
+            for b, ours in zip(whole.buffers(), self.model.buffers()):  # the rotary tables
+                b.copy_(ours)
+        params = dict(whole.named_parameters()) if whole else {}
+        names = (name for name, _ in self.model.named_parameters())
         with torch.no_grad():
-            gathered = pipeline.full_weights(self.model)
-            for p, full in zip(self.full.parameters() if self.full else [], gathered):
-                p.copy_(full)  # a half --dtype: rounded from FSDP2's float32 shards
-        return self.full
+            for name, full in zip(names, pipeline.whole_weights(self.model, self.dtype)):
+                if whole is not None:
+                    params[name].copy_(full)  # a half --dtype: rounded from the float32 shards
+        return whole.to(device) if whole is not None and device else whole
 
     def state_dict(self):
-        """The full optimizer state and float32 weights, gathered to trainer 0 (a collective)."""
-        gathered = pipeline.full_weights(self.model)
-        half = self.full is not None and next(self.full.parameters()).dtype != torch.float32
+        """The full optimizer state, and under a half dtype the float32 weights, gathered to
+        trainer 0's host (a collective, one parameter at a time)."""
+        rank0, half = self.ctx.rank == 0, self.dtype != torch.float32
+        master = [t.detach().cpu() if rank0 else None for t in pipeline.whole_weights(self.model)]
         return {**super().state_dict(),
                 "optimizer": pipeline.full_optimizer_state(self.model, self.opt),
-                "master": [g.detach().cpu() for g in gathered] if half else None}
+                "master": master if half and rank0 else None}
 
     def load_optimizer(self, saved):
         pipeline.load_sharded_optimizer(self.model, self.opt, saved)
@@ -1014,9 +1095,9 @@ def alarms(rec, m):
         warn_once(rec, "forget", step, f"forget {m['forget']:.3f}: the trained policy has lost "
                   f"log-prob on tokens its sampler was sure of, {m['lag_max']:.0f} versions ago. "
                   "Such tokens (the answer format after </think>) are shared by right and wrong "
-                  "samples, so the loss holds them nowhere; the policy drifts there unseen until its "
-                  "own samples, k steps later, show it: a collapse may follow within ~k steps. Lower "
-                  "--lr, or --max_lag")
+                  "samples, so the loss holds them nowhere; the policy drifts there unseen until "
+                  "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
+                  "Lower --lr, or --max_lag")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps:
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
@@ -1157,6 +1238,8 @@ def start(args):
     note_toy_model(args, args.data, "--data", "trains")
     ckpt, state = resume_point(args, quiet=not rank0)
     ctx = pipeline.setup(args)  # None for one process; else this rank's role and process groups
+    if ctx is None and pick_device(args).type == "cpu":
+        print(f"torch threads: {pick_threads()} of {os.cpu_count()} cores", flush=True)
     torch.manual_seed(args.seed)
     model_dir = ckpt or args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args, ctx))
@@ -1189,8 +1272,12 @@ def make_trainer(env):
 
 
 def describe(env, trainer):
-    """Rank 0's start-up line: the model, the device, the roles, the data, the batch."""
+    """Rank 0's start-up lines: the model, the device, the roles, the data, the batch; the recipe
+    and each flag given that differs from it; the memory plan."""
     args, ctx = env.args, env.ctx
+    changes = ", ".join(f"--{k} {getattr(args, k)} (recipe: {value})"
+                        for k, value in RECIPES[args.recipe].items() if getattr(args, k) != value)
+    print0(f"recipe {args.recipe}" + (f"; given: {changes}" if changes else ""))
     roles = (f"{ctx.n_trainers} trainer + {ctx.n_gens} generator ranks, {args.mode}, "
              f"max lag {ctx.k}" if ctx else "one process, synchronous")
     device = next(env.model.parameters()).device
