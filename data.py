@@ -203,10 +203,11 @@ def _json_line(raw, where):
                          f"at column {e.start + 1})") from None
     if not line.strip():
         return None
-    try:
-        rec = json.loads(line)
+    try:  # without its newline: an error at the line's end is then on it, not at column 1 after
+        rec = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        raise ValueError(f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at column "
+                         f"{e.colno})") from None
     except RecursionError:
         raise ValueError(f"{where}: invalid JSON (nested too deeply)") from None
     except ValueError as e:  # an integer of more digits than Python converts

@@ -1684,6 +1684,10 @@ def test_data_layouts_and_clear_errors(tmp_path):
              '{"answer": "1"}\n': ":1: missing field 'prompt'",
              '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
              '{"problem": "p", "answer": "1"}\n{broken\n': ":2: invalid JSON",
+             # a line cut short: the column where it ends, not column 1 of the next line
+             '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": "2"\n':
+                 ":2: invalid JSON (Expecting ',' delimiter at column 31)",
+             '{"problem": "p\t", "answer": "1"}\n': ":1: invalid JSON (Invalid control character at column 15)",
              '': ": no problems"}
     assert_load_errors(tmp_path, cases)
 
