@@ -1746,7 +1746,7 @@ def hub_dataset_cache(cache, repo_id, config, splits):
     import datasets
     from datasets.packaged_modules.parquet.parquet import Parquet
     owner, name = repo_id.split("/")
-    src = cache.parent / "hub-src" / repo_id
+    src = cache.parent / "hub-src" / repo_id / config
     src.mkdir(parents=True)
     for split, records in splits.items():
         datasets.Dataset.from_list(records).to_parquet(str(src / f"{split}.parquet"))
@@ -1824,14 +1824,63 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
     assert out["math500"] == [{"prompt": r["problem"], "answer": r["answer"], "domain": "math"} for r in math500]
     bad, config, split, missing, no_file = out["errors"]
     assert bad == "error: --data: org/bad::train row 1: field 'answer' is empty after its last '####'"
-    assert config.startswith("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm (config "
-                             "other, split train) could not be loaded (")  # then datasets' own words
+    assert config == ("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm has no config "
+                      "other (configs found: main): name one, org/gsm:main")
     assert "Unknown split \"validation\"" in split and split.endswith("the syntax is owner/name[:config[:split]]")
-    assert missing.startswith("error: --val_data org/none: not a file, and not in the Hugging Face datasets cache "
-                              f"(HF_DATASETS_CACHE={hf / 'datasets'}); the Hub could not be reached (Couldn't reach")
-    assert missing.endswith("): run this once with network access (it is cached then) or give a jsonl file")
+    assert missing == ("error: --val_data org/none: not a file, and not in the Hugging Face datasets cache "
+                       f"(HF_DATASETS_CACHE={hf / 'datasets'}); the Hub could not be reached (HF_HUB_OFFLINE is "
+                       "set): run this once with network access (it is cached then) or give a jsonl file; if it "
+                       "has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
     assert no_file == "error: --data fixtures/none.jsonl: No such file or directory"  # a path, not a Hub id
     assert lines[-1].startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in lines[-1]
+
+
+def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, monkeypatch, capsys):
+    """No HF_HUB_OFFLINE, and a Hub endpoint that takes connections and never answers (packets
+    dropped): an id that is not cached fails within seconds (the libraries retried for minutes), one
+    line naming the flag; cached ids load; a dataset of several configs says which to name."""
+    import datasets
+    import huggingface_hub
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    endpoint = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    for module, key, value in [(huggingface_hub.constants, "ENDPOINT", endpoint),
+                               (datasets.config, "HF_ENDPOINT", endpoint),
+                               (huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub")),
+                               (datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets"),
+                               (huggingface_hub.constants, "HF_HUB_OFFLINE", False),
+                               (datasets.config, "HF_HUB_OFFLINE", False),
+                               (data, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
+        monkeypatch.setattr(module, key, value)
+    snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
+    hub_dataset_cache(tmp_path / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(4)]})
+    hub_dataset_cache(tmp_path / "datasets", "org/gsm", "socratic", {"train": [gsm8k_record(9)]})
+    capsys.readouterr()  # the cache builder's progress bars
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        train.get_args(["--model", "org/none"])
+    with pytest.raises(SystemExit) as exit_:
+        train.load_source("--data", "org/none", 0)
+    assert time.monotonic() - start < 3 * data.HUB_PROBE_SECONDS  # one probe, then nothing waits
+    unreached = f"the Hub could not be reached ({endpoint} did not answer within 1 s)"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: --model org/none: not a local folder, and not in the Hugging Face cache (HF_HUB_CACHE="
+        f"{tmp_path / 'hub'}); {unreached}: download it once with network access (hf download org/none) or give "
+        "a local folder (--help lists the flags)"]
+    assert exit_.value.code == (
+        f"error: --data org/none: not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
+        f"{tmp_path / 'datasets'}); {unreached}: run this once with network access (it is cached then) or give a "
+        "jsonl file; if it has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
+    assert data.resolve_model("org/toy") == str(snapshot)
+    assert [p["answer"] for p in train.load_source("--data", "org/gsm:main", 0)] == ["2", "3", "4", "5"]
+    for spec, said in [("org/gsm", "has several configs (main, socratic): name one, org/gsm:main"),
+                       ("org/gsm:other", "has no config other (configs found: main, socratic): name one, "
+                                         "org/gsm:main")]:
+        with pytest.raises(SystemExit) as exit_:
+            train.load_source("--data", spec, 0)
+        assert exit_.value.code == f"error: --data {spec}: not a file, and the Hugging Face dataset org/gsm {said}"
+    hole.close()
 
 
 def test_hub_dataset_id_without_the_datasets_package_says_pip_install(monkeypatch):
