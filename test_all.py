@@ -2738,7 +2738,11 @@ def test_fit_cli_table_and_pngs(tmp_path, capsys):
         data = p.read_bytes()
         assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
     fit.main([str(tmp_path / "cispo"), "--compute", "flops", "--metric", "pass_rate/math"])
-    assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
+    assert "1.2e+12" in capsys.readouterr().out
+    fit.main([str(tmp_path / "cispo")])  # the same run in device-seconds: figures of its own
+    assert sorted(p.name for p in (tmp_path / "cispo").glob("fit*.png")) == [
+        "fit_device_s.png", "fit_device_s_linear.png", "fit_flops_pass_rate_math.png",
+        "fit_flops_pass_rate_math_linear.png"]
 
 
 def test_fit_curves_png_and_its_series(tmp_path, capsys):
@@ -2779,7 +2783,8 @@ def test_fit_curves_png_and_its_series(tmp_path, capsys):
     write_run(tmp_path / "b", C, fit.sigmoid(C, 0.61, 1.4, 400, 0.30))
     fit.main([str(tmp_path / "a"), str(tmp_path / "b")])
     a, b = tmp_path / "a", tmp_path / "b"
-    wrote = f"wrote {a / 'fit.png'}, {a / 'fit_linear.png'} and the training curves {a / 'curves.png'}, "
+    wrote = f"wrote {a / 'fit_device_s.png'}, {a / 'fit_device_s_linear.png'} and the training curves "
+    wrote += f"{a / 'curves.png'}, "
     wrote += str(b / "curves.png")
     assert wrote in capsys.readouterr().out
     write_eval_lines(tmp_path / "one", train[:1])       # 1 step, no eval line
@@ -2823,6 +2828,44 @@ def test_fit_errors(tmp_path):
         fit.fit_sigmoid(C[::-1], R)
     with pytest.raises(ValueError, match="no point at C = 0"):
         fit.fit_sigmoid(C[1:], R[1:])
+
+
+def test_fit_refuses_a_flat_series_in_one_line(tmp_path):
+    C = np.linspace(0, 1200, 25)
+    write_run(tmp_path / "code", C, np.zeros(25))  # pass_rate/code of a run that never solved one
+    with pytest.raises(ValueError) as err:  # the command line prints it as one line (test_fit_errors)
+        fit.fit_run(str(tmp_path / "code"), types.SimpleNamespace(compute="compute_s", metric="pass_rate/math",
+                                                                 fit_until=None, fit_from=None))
+    assert str(err.value) == (
+        f"{tmp_path / 'code' / 'metrics.jsonl'}: a flat series: the 22 points fitted never rise 0.02 above "
+        "R0 = 0.000 (their highest is 0.000), so there is no curve to fit (A, B and C_mid would be arbitrary)")
+    R = np.full(25, 0.3)
+    R[-1] = 0.315  # within the noise of R0
+    with pytest.raises(fit.FlatSeries):
+        fit.fit_sigmoid(C, R)
+    assert fit.predict_final(C, R, 2400.0) is None  # train.py's live fit: no prediction, no error
+    R[-1] = 0.33
+    assert fit.fit_sigmoid(C, R)["A"] >= 0.31  # a rise past the noise is fitted
+
+
+def test_fit_warns_when_device_seconds_bend_against_flops(tmp_path, capsys):
+    F = np.linspace(0, 24e12, 25)  # FLOPs per eval; each 1e12 took 10 s, or 50 s while the machine was loaded
+    R = fit.sigmoid(F, 0.8, 2.0, 6e12, 0.2)
+    busy = np.r_[10.0 * np.ones(2), 50.0 * np.ones(6), 10.0 * np.ones(16)]  # s per 1e12 FLOPs of steps 1-24
+    C = np.cumsum(np.r_[0, busy])
+    even = np.cumsum(np.r_[0, 10.0 * (1 + 0.3 * np.sin(np.arange(24)))])  # uneven steps, even on average
+    for name, seconds in (("busy", C), ("even", even)):
+        write_eval_lines(tmp_path / name, [{"kind": "eval", "step": i, "compute_s": c, "flops": f, "pass_rate": r}
+                                           for i, (c, f, r) in enumerate(zip(seconds, F, R))])
+    fit.main([str(tmp_path / "busy"), "--png", str(tmp_path / "b.png")])
+    ratio = (C[1:] / F[1:])[C[1:] >= C[-1] / 10]  # the points fitted: from 10% of the compute
+    warp = ratio.max() / ratio.min()  # 2.0: at eval 8, 40 s per 1e12 FLOPs so far; at the end, 20 s
+    assert f"warning: busy: its device-seconds per FLOP vary {warp:.2f}x over the points fitted (over 1.5x" in \
+        capsys.readouterr().out and warp == 2.0
+    args = types.SimpleNamespace(compute="compute_s", metric="pass_rate", fit_until=None, fit_from=None)
+    assert fit.fit_run(str(tmp_path / "even"), args)["warp"] < 1.2  # 1.18: no warning
+    args.compute = "flops"  # FLOPs do not move with the machine: nothing to check
+    assert fit.fit_run(str(tmp_path / "busy"), args)["warp"] is None
 
 
 def write_eval_lines(run_dir, recs):
