@@ -3954,6 +3954,8 @@ def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(
 def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, tmp_path, capsys):
     for argv, line in [(["--prompt", "8"], "train.py: error: unrecognized arguments: --prompt 8 (--prompt: did you "
                                            "mean --prompts?) (--help lists the flags)"),
+                       (["--lr_rate", "1e-5", "--temp", "1"], "train.py: error: unrecognized arguments: --lr_rate 1e-5 "
+                        "--temp 1 (--lr_rate: did you mean --lr?) (--temp: did you mean --temperature?) (--help"),
                        (["--device", "cuda"], "train.py: error: --device cuda: this PyTorch build has no CUDA")]:
         if argv[0] == "--device" and torch.cuda.is_available():
             continue

@@ -34,6 +34,7 @@ import argparse
 import copy
 import difflib
 import glob
+import itertools
 import json
 import math
 import os
@@ -85,10 +86,31 @@ class FlagParser(argparse.ArgumentParser):
         flags = [o for a in self._actions for o in a.option_strings]
         typed = (re.findall(r"(--[\w-]+)", message)
                  if message.startswith("unrecognized arguments") else [])
-        hints = [f"{t}: did you mean {close[0]}?" for t in typed
-                 if (close := difflib.get_close_matches(t, flags, 1))]
+        hints = [f"{t}: did you mean {close}?" for t in typed
+                 if (close := closest_flag(t, flags))]
         self.exit(2, f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
                      "(--help lists the flags)\n")
+
+
+def closest_flag(typed, flags):
+    """The flag a mistyped one most likely meant, or None. Words first (split at - and _): the flags
+    that share the most leading words with it, then whose next word begins the other's in 3 letters
+    or more (--temp, --temperature), the closest of them by difflib; with nothing shared, difflib's
+    closest above its usual 0.6 cutoff. Spelling alone picks a flag that looks alike over the one
+    meant: --lr_rate is nearer --l_cache than --lr letter by letter."""
+    def words(flag):
+        return re.split(r"[-_]+", flag.lstrip("-"))
+
+    def kinship(flag):  # (equal leading words, whether the next two begin one another)
+        pairs = list(zip(words(typed), words(flag)))
+        n = len(list(itertools.takewhile(lambda ab: ab[0] == ab[1], pairs)))
+        a, b = sorted(pairs[n], key=len) if n < len(pairs) else ("", "")
+        return n, len(a) >= 3 and b.startswith(a)  # 3 letters at least: "l" begins too much
+
+    best = max(map(kinship, flags), default=(0, False))
+    pool = [f for f in flags if kinship(f) == best] if any(best) else flags
+    close = difflib.get_close_matches(typed, pool, 1, cutoff=0.0 if any(best) else 0.6)
+    return close[0] if close else None
 
 
 def model_flags(g):
