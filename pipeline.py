@@ -119,9 +119,10 @@ STOP = {}  # set by a SIGINT / SIGTERM: {"name": "SIGINT", "at": time.time()}
 
 
 def stop_on_signals():
-    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the trainers finish the step under way,
-    save it and print the --resume command (train.py); a generator that gets one passes it on
-    through the store. The handler only sets a flag (an exception raised at an arbitrary point,
+    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the last step to finish is saved and the
+    --resume command printed (train.py). One process drops a step still sampling and finishes one
+    already training; under torchrun the trainers finish the step under way. A generator that gets
+    one passes it on through the store. The handler only sets a flag (an exception raised at an arbitrary point,
     inside the sampler's generator for one, can be swallowed). A repeat within 3 s is the same
     request (under torchrun Ctrl-C reaches a rank twice: from the terminal and from torchrun); a
     later one exits at once, without saving."""
@@ -133,7 +134,7 @@ def stop_on_signals():
         if not STOP:
             STOP.update(name=name, at=time.time())
             if not quiet:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"\n{name}: stopping after the step under way, then saving it ({name} "
+                os.write(2, f"\n{name}: stopping; the last step to finish will be saved ({name} "
                             "again, 3 s from now or later: exit at once without saving)\n".encode())
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

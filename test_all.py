@@ -3686,8 +3686,11 @@ def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_contin
     ckpt = cut / f"ckpt-{done:06d}"
     argv = ["--out", str(cut), *PIPE_FLAGS, *flags, "--resume"]
     line = f"stopped by a signal after step {done}/6; saved {ckpt}; continue with: python {ROOT / 'train.py'} "
-    assert line + " ".join(map(shlex.quote, argv)) in Path(p.log).read_text().splitlines()
-    assert ckpt.is_dir() and done < 6
+    said = Path(p.log).read_text().splitlines()
+    assert line + " ".join(map(shlex.quote, argv)) in said and ckpt.is_dir() and done < 6
+    # what it says on the signal is true whether the step under way was sampling (dropped) or training (saved)
+    assert f"{sig.name}: stopping; the last step to finish will be saved ({sig.name} again, 3 s from now or " \
+           "later: exit at once without saving)" in said
     (p,) = launch(1, cut, *flags, "--resume")
     (rc, rc_full), (out, out_full) = finish_all([p, full])
     assert rc == 0 and rc_full == 0, out + out_full
