@@ -3726,6 +3726,20 @@ def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path
     assert tr and "pass_rate/math" in tr[0]
 
 
+def test_train_note_on_the_toy_model_names_the_part_of_a_mix_it_does_not_know(capsys):
+    toy = types.SimpleNamespace(model="")
+    for data_, said in [("toy,fixtures/code_toy.jsonl", "which knows the toy task but not fixtures/code_toy.jsonl: "
+                                                        "expect a pass rate near 0 on that part; give --model"),
+                        ("fixtures/code_toy.jsonl", "which only knows the toy arithmetic task: expect a pass rate "
+                                                    "near 0; give --model")]:
+        train.note_toy_model(toy, data_, "--data", "trains")
+        assert capsys.readouterr().out == f"note: --data without --model trains the embedded toy model, {said} a " \
+                                          "real checkpoint\n"
+    for args, data_ in [(toy, "toy"), (toy, None), (types.SimpleNamespace(model="m"), "fixtures/code_toy.jsonl")]:
+        train.note_toy_model(args, data_, "--data", "trains")
+    assert capsys.readouterr().out == ""
+
+
 def nan_gradients_at(monkeypatch, steps):
     """Make the gradients of these optimizer steps (1-based) NaN, just before train.py clips them."""
     clip, calls = torch.nn.utils.clip_grad_norm_, [0]

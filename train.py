@@ -428,11 +428,18 @@ def check_code_rewards(args, problems):
 
 
 def note_toy_model(args, paths, flag, verb):
-    """A real dataset without --model: say at start that the toy model only knows the toy task."""
-    if any(p not in PRESETS for p in (paths or "toy").split(",")) and not args.model:
-        print(f"note: {flag} without --model {verb} the embedded toy model, which only knows the "
-              "toy arithmetic task: expect a pass rate near 0; give --model a real checkpoint",
-              flush=True)
+    """A real dataset without --model: say at start that the toy model only knows the toy task, and
+    which sources of a mix (toy,fixtures/code_toy.jsonl) it does not know."""
+    sources = (paths or "toy").split(",")
+    others = [p for p in sources if p not in PRESETS]
+    if not others or args.model:
+        return
+    known = [p for p in sources if p in PRESETS]
+    knows = (f"knows the {' and '.join(known)} task but not {', '.join(others)}: expect a pass "
+             "rate near 0 on that part" if known else
+             "only knows the toy arithmetic task: expect a pass rate near 0")
+    print(f"note: {flag} without --model {verb} the embedded toy model, which {knows}; give "
+          "--model a real checkpoint", flush=True)
 
 
 def base_model_dir(args):
