@@ -3890,6 +3890,16 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert not study.finished(str(tmp_path), 20)
 
 
+def test_train_tok_s_of_a_step_that_trains_nothing_is_no_rate():
+    sums = {"len": 300, "train_tokens": 0}  # a torchrun step that kept no prompt: nothing trained
+    assert train.tokens_per_s(sums, {"gen_s": 2.0}, 3.0) == 150  # one process: the sampler's rate, as ever
+    assert train.tokens_per_s(dict(sums, train_tokens=600), {}, 3.0) == 200  # torchrun: trained tokens / s
+    assert train.tokens_per_s(sums, {}, 3.0) is None
+    m = dict(step=4, reward=-1.0, pass_rate=0.0, len=9.0, entropy=0.1, trunc=1.0, intr=0.0, lag=0.0, lag_max=0,
+             kept_prompts=0, prompts=8, loss=0.0, dt_ms=30.0, tok_s=None)
+    assert train.log_line(m, 10).endswith("| kept 0/8 | loss +0.0000 | dt 30 ms | tok/s n/a")
+
+
 def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
     logp = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, -3.0, -2.0]])
     gen_logp = torch.tensor([[-1.5, -2.0, -0.1, 9.0], [-1.0, -2.0, -1.0, -2.0]])

@@ -931,13 +931,21 @@ def step_metrics(rec, trainer, batch, groups, rstats, train, loss_value, stats, 
          "too_old": int(sums["too_old"]), "skipped_bad": stats["skipped_bad"],
          "loss": sums["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
          "dt_ms": dt * 1000,
-         "tok_s": (sums["len"] / rstats["gen_s"] if "gen_s" in rstats
-                   else sums["train_tokens"] / dt),
+         "tok_s": tokens_per_s(sums, rstats, dt),
          **{k: v for k, v in stats.items() if k not in ("grad_norm", "skipped_bad", "lr")}}
     if len(rec.domains) > 1:  # one pass-rate curve per domain, as the paper fits them
         m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1)
                   for d in rec.domains})
     return m
+
+
+def tokens_per_s(sums, rstats, dt):
+    """A step's tok/s: in one process the sampler's (generated tokens per second of generating);
+    under torchrun the trainers' (trained tokens per second of step), None for a step that trained
+    nothing (no prompt kept): there is no rate to show, and 0 would read as a stall."""
+    if "gen_s" in rstats:
+        return sums["len"] / rstats["gen_s"]
+    return sums["train_tokens"] / dt if sums["train_tokens"] else None
 
 
 def log_line(m, steps):
@@ -947,7 +955,8 @@ def log_line(m, steps):
             f"lag {m['lag']:.1f}/{m['lag_max']:.0f} | drift {m.get('drift', 0.0):.3f} | "
             f"forget {m.get('forget', 0.0):.3f} | "
             f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | "
-            f"dt {m['dt_ms']:.0f} ms | tok/s {m['tok_s']:.0f}")
+            f"dt {m['dt_ms']:.0f} ms | tok/s "
+            f"{'n/a' if m['tok_s'] is None else format(m['tok_s'], '.0f')}")
     if "generate_ms" in m:  # one process: where the step's time went
         line += (f" | gen {m['generate_ms']:.0f} verify {m['verify_ms']:.0f} "
                  f"train {m['train_ms']:.0f} ms")
