@@ -4283,6 +4283,14 @@ def test_train_disk_full_names_the_path_and_keeps_the_last_checkpoint(toy_dir, t
 # bench.py: the memory figure measures what it claims
 
 
+def test_bench_prints_its_figures_and_no_progress_bars(capsys):
+    from transformers.utils import logging as hf_logging
+    hf_logging.enable_progress_bar()  # as a fresh process has it
+    bench.main(bench.get_args(["--figures", "5"]))  # loads the toy and a Qwen2 model; arithmetic figures only
+    out, err = capsys.readouterr()
+    assert "5 roofline" in out and "Loading weights" not in err
+
+
 def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equal():
     vocab, seqs, length, chunk = 32000, 1, 1024, 32
     logits_bytes = seqs * (length - 1) * vocab * 4  # the naive path's (N, T-1, V) float32 logits: 131 MB
