@@ -4010,6 +4010,23 @@ def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
     assert outs[1].strip() == ""
 
 
+def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's failure report names a root cause (its 'traceback' field); a user error's one line is it,
+    read from the error file each rank writes, not 'To enable traceback see: ...'."""
+    (p,) = launch(2, tmp_path / "run", "--gen_ranks", "5", torchrun=True)
+    (rc,), (out,) = finish_all([p], timeout=120)
+    line = "error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
+    assert rc == 1 and f"traceback : {line}\n" in out.split("Root Cause (first observed failure):")[1], out
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 1 here
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        train.get_args(["--lr_rate", "1"])
+    assert capsys.readouterr().err == ""  # rank 0 alone prints it
+    said = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert said["message"] == said["extraInfo"]["py_callstack"] == (
+        "train.py: error: unrecognized arguments: --lr_rate 1 (--lr_rate: did you mean --lr?) (--help lists the flags)")
+
+
 def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):
     recs = run_train(toy_dir, tmp_path / "run", "--steps", "2")
     out = capsys.readouterr().out

@@ -74,22 +74,23 @@ LENGTH_CONTROLS = ("interrupt", "penalty", "none")
 class FlagParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no
     abbreviations (--prompt is not taken for --prompts), and under torchrun only rank 0 says it
-    (the others exit quietly)."""
+    (the others exit quietly); every rank writes it to torchrun's error file, whose report then
+    shows it as the root cause (pipeline.record_user_error)."""
 
     def __init__(self, **kw):
         super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          **kw)
 
     def error(self, message):
-        if int(os.environ.get("RANK", "0")) != 0:
-            self.exit(2)
         flags = [o for a in self._actions for o in a.option_strings]
         typed = (re.findall(r"(--[\w-]+)", message)
                  if message.startswith("unrecognized arguments") else [])
         hints = [f"{t}: did you mean {close}?" for t in typed
                  if (close := closest_flag(t, flags))]
-        self.exit(2, f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
-                     "(--help lists the flags)\n")
+        line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
+                "(--help lists the flags)")
+        pipeline.record_user_error(line)  # torchrun's report: its root cause
+        self.exit(2, line + "\n" if int(os.environ.get("RANK", "0")) == 0 else None)
 
 
 def closest_flag(typed, flags):
@@ -1310,10 +1311,12 @@ if __name__ == "__main__":
         try:
             entry(args)
         except SystemExit as err:
-            # a user error: one line, said by rank 0 alone (every rank meets it)
-            if (err.code not in (None, 0) and not isinstance(err.code, int)
-                    and int(os.environ["RANK"]) == 0):
-                print(err.code, file=sys.stderr, flush=True)
+            # a user error: one line, said by rank 0 alone (every rank meets it), and the root
+            # cause of torchrun's failure report
+            if err.code not in (None, 0) and not isinstance(err.code, int):
+                pipeline.record_user_error(str(err.code))
+                if int(os.environ["RANK"]) == 0:
+                    print(err.code, file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(err.code if isinstance(err.code, int) else 1)
         except BaseException as err:
