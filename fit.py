@@ -49,9 +49,9 @@ Procedure and the readings chosen:
   recipe. Otherwise the higher A wins. The CLI compares every pair of runs it is given and, for
   several runs, applies the paper's section 4 rule to all of them at once (shared_A_refit: A
   averaged over every run, each refitted with it, B compared).
-- A flat series is refused (FlatSeries): points that never rise NOISE_A above R0 leave A, B and
-  C_mid undetermined (an all-zero pass_rate/code series fitted A 0.005, B 20.00, the grid's edge).
-  train.py's live fit (predict_final) stays silent on one.
+- A flat series is refused by the command line (flat_series): points that never rise NOISE_A
+  above R0 leave A, B and C_mid undetermined (an all-zero pass_rate/code series fitted A 0.005,
+  B 20.00, the grid's edge). train.py's live fit (predict_final) predicts nothing from one.
 - Uneven step times: compute_s is wall-clock, so where the machine's speed changed during a run (a
   loaded machine for part of it, a resume on a busier one) the device-seconds bend against the work
   done, and a device-second fit bends with them. The bend is measured as the largest over the
@@ -196,16 +196,23 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
     return (A if fix_A else float(p[0])), float(p[-2]), math.exp(p[-1])
 
 
-class FlatSeries(ValueError):
-    """The fitted points never rise NOISE_A above R0: no curve to fit."""
+def flat_series(C, R, R0=None, fit_from=None):
+    """Why the points a fit would use (fit_points) are flat, or None: they never rise NOISE_A above
+    R0, which leaves A, B and C_mid undetermined (the grid's edge wins: an all-zero series fitted
+    A 0.005, B 20.00). fit_sigmoid fits them all the same (study.py reads its tiny runs so); the
+    command line refuses them and train.py's live fit predicts nothing from them."""
+    C, R, R0 = fit_points(C, R, R0, fit_from)
+    if R.max() - R0 >= NOISE_A:
+        return None
+    return (f"a flat series: the {len(R)} points fitted never rise {NOISE_A} above R0 = {R0:.3f} "
+            f"(their highest is {R.max():.3f}), so there is no curve to fit (A, B and C_mid would "
+            "be arbitrary)")
 
 
 def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
     """Grid over (A, C_mid) with the best B for each pair, then the lowest-SSE pair polished by
     curve_fit (the paper's fitting procedure, section 2). A given: A stays fixed (used by compare).
-    -> dict(A, B, C_mid, R0, sse). FlatSeries when A is free and the points fitted never rise
-    NOISE_A above R0: A, B and C_mid would then be whatever the grid's edge gives (an all-zero
-    series fitted A 0.005, B 20)."""
+    -> dict(A, B, C_mid, R0, sse)."""
     C, R, R0 = fit_points(C, R, R0, fit_from)
     if A is None:
         lo = max(np.floor((R.max() - NOISE_A) / A_STEP) * A_STEP, R0 + A_STEP)
@@ -214,10 +221,6 @@ def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
             raise ValueError(
                 f"pass rates must lie in [0, 1], got R0 = {R0:g} and max R = {R.max():g}"
                 if max(R0, R.max()) > 1 else f"R0 = {R0} leaves no room for a ceiling A <= 1")
-        if R.max() - R0 < NOISE_A:
-            raise FlatSeries(f"a flat series: the {len(R)} points fitted never rise {NOISE_A} "
-                             f"above R0 = {R0:.3f} (their highest is {R.max():.3f}), so there is "
-                             "no curve to fit (A, B and C_mid would be arbitrary)")
     else:
         A_grid = np.array([float(A)])
     M_grid = np.geomspace(C[0], C[-1] * CMID_BEYOND, N_CMID)
@@ -316,14 +319,11 @@ def extrapolation_check(C, R, R0=None, fit_from=None):
 
 def predict_final(C, R, C_end, R0=None):
     """Live prediction: fit what there is, predict R at C_end. None while the fit would have fewer
-    than 4 points (C > 0 and past the default start, fit_start) or they are flat (FlatSeries)."""
+    than 4 points (C > 0 and past the default start, fit_start) or they are flat (flat_series)."""
     C, R = check_points(C, R)
-    if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS:
+    if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS or flat_series(C, R, R0):
         return None
-    try:
-        f = fit_sigmoid(C, R, R0)
-    except FlatSeries:
-        return None
+    f = fit_sigmoid(C, R, R0)
     R_end = float(sigmoid(C_end, f["A"], f["B"], f["C_mid"], f["R0"]))
     return dict(A=f["A"], B=f["B"], C_mid=f["C_mid"], R_end=R_end)
 
@@ -496,6 +496,9 @@ def fit_run(run_dir, args):
     C, R, meta = load_run(run_dir, args.compute, args.metric)
     head = C <= (np.inf if args.fit_until is None else args.fit_until)
     try:
+        flat = flat_series(C[head], R[head], fit_from=args.fit_from)
+        if flat:
+            raise ValueError(flat)
         fit = fit_sigmoid(C[head], R[head], fit_from=args.fit_from)
         power = fit_power_law(C[head], R[head], fit_from=args.fit_from)
     except ValueError as e:
@@ -639,8 +642,7 @@ def main(argv=None):
               + (f"fitted on C <= {x['C_half']:.3g} ({x['n']} points), "
                  f"predicted {x['predicted']:.3f} at the last point, "
                  f"measured {x['measured']:.3f}, error {x['error']:+.3f}"
-                 if x else "the first half of the compute has too few points to fit, or they "
-                 "are flat"))
+                 if x else "too few points in the first half of the compute to fit"))
     for a, b in itertools.combinations(runs, 2):
         v = compare(a["fit"], b["fit"], a["data"], b["data"], fit_from=args.fit_from)
         print(f"{a['run']} (a) vs {b['run']} (b): {v['verdict']}")
