@@ -100,6 +100,7 @@ import torch
 import torch.distributed as dist
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
+from transformers.utils import logging as hf_logging
 
 from data import (prompt_ids, read_jsonl, score_samples, special_tokens, toy_model_dir,
                   toy_problems)
@@ -1178,6 +1179,7 @@ def write_model(args):
 
 
 def main(args):
+    hf_logging.disable_progress_bar()  # the figures' lines only (no "Loading weights" bars)
     if args.write_model:
         return write_model(args)
     t_start = time.perf_counter()

@@ -10,13 +10,13 @@ compare runs. Implements the paper's compute-performance curve (arXiv 2510.13786
     bootstrap_A(C, R)                  spread of A by resampling the fit's residuals
     compare(fit_a, fit_b, data_a, data_b)   the +-0.02 rule on A, then compare B
     load_run(run_dir)                  (C, R, meta) from the eval lines of run_dir/metrics.jsonl
-    predict_final(C, R, C_end)         live prediction for train.py (None while too few points)
+    predict_final(C, R, C_end)         live prediction for train.py (None while too few or flat)
     train_curves(run_dir)              per-step series (reward, trunc, kept, drift, ..) of
                                        metrics.jsonl
     plot_curves(run_dir)               run_dir/curves.png: those series against the step
 
 Usage (CPU only, seconds):
-    python fit.py runs/cpu                     # table, runs/cpu/fit.png, fit_linear.png, curves.png
+    python fit.py runs/cpu          # table, runs/cpu/fit_device_s.png, its _linear.png, curves.png
     python fit.py runs/a runs/b --fit_until 600 --extrapolate_to 5000 --png out/ab.png
     python fit.py runs/gpu --compute flops --fit_from 1e15 --metric pass_rate/math
 Test: python -m pytest -q test_all.py -k fit
@@ -49,18 +49,33 @@ Procedure and the readings chosen:
   recipe. Otherwise the higher A wins. The CLI compares every pair of runs it is given and, for
   several runs, applies the paper's section 4 rule to all of them at once (shared_A_refit: A
   averaged over every run, each refitted with it, B compared).
+- A flat series is refused by the command line (flat_series): points that never rise NOISE_A
+  above R0 leave A, B and C_mid undetermined (an all-zero pass_rate/code series fitted A 0.005,
+  B 20.00, the grid's edge). train.py's live fit (predict_final) predicts nothing from one.
+- Uneven step times: compute_s is wall-clock, so where the machine's speed changed during a run (a
+  loaded machine for part of it, a resume on a busier one) the device-seconds bend against the work
+  done, and a device-second fit bends with them. The bend is measured as the largest over the
+  smallest device-seconds per FLOP (compute_s / flops, each accumulated to its eval) over the points
+  fitted (unit_warp); above WARP_MAX = 1.5 the CLI warns and suggests --compute flops. Measured on
+  80-step toy runs of one seed (their FLOP fits all B 2.87): undisturbed 1.16-1.30 (device-second B
+  3.06-3.25), resumed once 1.52 (B 3.50), two CPU-bound processes beside it for 25 s early 1.96
+  (B 6.40), for its first 27 steps 2.60 (B 8.22). The per-step spread does not separate them (the
+  coefficient of variation of a step's seconds per FLOP: 0.27-0.88 in the first three, 0.80 and
+  1.33 in the bent two): a burst of load late in a run moves little of the curve.
 - Extrapolation check (the paper's test of predictability): fit on the first half of a run's
   compute, predict the pass rate at its last point, report the error (extrapolation_check).
-- Figures: C = 0 cannot sit on a log axis, so the R0 point is not drawn; hollow points are
-  the ones the fit did not use (before --fit_from or after --fit_until). Every run also gets
-  its training curves, RUN/curves.png, drawn before the fit so that a run too short to fit
-  still gets them: per-step series as faint points under a short centered moving average,
-  values that are missing or not finite numbers skipped.
+- Figures: named by unit (fit_device_s.png, fit_flops.png, and the metric when it is not
+  pass_rate), so one run's fits in two units do not overwrite each other. C = 0 cannot sit on a
+  log axis, so the R0 point is not drawn; hollow points are the ones the fit did not use (before
+  --fit_from or after --fit_until). Every run also gets its training curves, RUN/curves.png, drawn
+  before the fit so that a run too short to fit still gets them: per-step series as faint points
+  under a short centered moving average, values that are missing or not finite numbers skipped.
 """
 import argparse
 import itertools
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -76,6 +91,7 @@ N_CMID = 100         # C_mid grid size (the paper's)
 CMID_BEYOND = 10.0   # the C_mid grid ends at this many times the largest fitted C
 B_RANGE = (0.05, 20.0)  # B searched in this range (the paper's fits: 1.1-2.4)
 GOLDEN_ITERS = 25    # golden-section steps on log B: the bracket shrinks by 0.618**25 ~ 6e-6
+WARP_MAX = 1.5       # device-seconds per FLOP may vary this much over the fitted points (docstring)
 
 
 def sigmoid(C, A, B, C_mid, R0):
@@ -178,6 +194,19 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
     except RuntimeError:
         return A, B, C_mid
     return (A if fix_A else float(p[0])), float(p[-2]), math.exp(p[-1])
+
+
+def flat_series(C, R, R0=None, fit_from=None):
+    """Why the points a fit would use (fit_points) are flat, or None: they never rise NOISE_A above
+    R0, which leaves A, B and C_mid undetermined (the grid's edge wins: an all-zero series fitted
+    A 0.005, B 20.00). fit_sigmoid fits them all the same (study.py reads its tiny runs so); the
+    command line refuses them and train.py's live fit predicts nothing from them."""
+    C, R, R0 = fit_points(C, R, R0, fit_from)
+    if R.max() - R0 >= NOISE_A:
+        return None
+    return (f"a flat series: the {len(R)} points fitted never rise {NOISE_A} above R0 = {R0:.3f} "
+            f"(their highest is {R.max():.3f}), so there is no curve to fit (A, B and C_mid would "
+            "be arbitrary)")
 
 
 def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
@@ -290,9 +319,9 @@ def extrapolation_check(C, R, R0=None, fit_from=None):
 
 def predict_final(C, R, C_end, R0=None):
     """Live prediction: fit what there is, predict R at C_end. None while the fit would have fewer
-    than 4 points (C > 0 and past the default start, fit_start)."""
+    than 4 points (C > 0 and past the default start, fit_start) or they are flat (flat_series)."""
     C, R = check_points(C, R)
-    if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS:
+    if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS or flat_series(C, R, R0):
         return None
     f = fit_sigmoid(C, R, R0)
     R_end = float(sigmoid(C_end, f["A"], f["B"], f["C_mid"], f["R0"]))
@@ -461,17 +490,35 @@ def plot_curves(run_dir):
 # ----------------------------------------------------------------------------- command line
 
 def fit_run(run_dir, args):
-    """Load one run and fit it as the flags say -> dict(meta, C, R, used, data, fit, power);
-    data = the (C, R) before --fit_until, used = mask of the points the fit used."""
+    """Load one run and fit it as the flags say -> dict(meta, C, R, used, data, fit, power, warp);
+    data = the (C, R) before --fit_until, used = mask of the points the fit used, warp = the
+    device-second fit's unit_warp (None in FLOPs)."""
     C, R, meta = load_run(run_dir, args.compute, args.metric)
     head = C <= (np.inf if args.fit_until is None else args.fit_until)
     try:
+        flat = flat_series(C[head], R[head], fit_from=args.fit_from)
+        if flat:
+            raise ValueError(flat)
         fit = fit_sigmoid(C[head], R[head], fit_from=args.fit_from)
         power = fit_power_law(C[head], R[head], fit_from=args.fit_from)
     except ValueError as e:
         raise ValueError(f"{meta['path']}: {e}") from None
     used = head & (C > 0) & (C >= fit_start(C[head], args.fit_from))
-    return dict(meta, C=C, R=R, used=used, data=(C[head], R[head]), fit=fit, power=power)
+    warp = unit_warp(run_dir, args.metric, C, used) if args.compute == "compute_s" else None
+    return dict(meta, C=C, R=R, used=used, data=(C[head], R[head]), fit=fit, power=power,
+                warp=warp)
+
+
+def unit_warp(run_dir, metric, C, used):
+    """How far the run's device-seconds C (N,) bend against its FLOPs over the points used (N,
+    mask): the largest over the smallest compute_s / flops among them (1.0: every FLOP took the
+    same time; the module docstring has the rule). None for a run whose eval lines have no flops."""
+    try:
+        F = load_run(run_dir, "flops", metric)[0]
+    except ValueError:  # an older metrics.jsonl: nothing to compare with
+        return None
+    ratio = C[used] / F[used]
+    return float(ratio.max() / ratio.min())
 
 
 UNITS = {"compute_s": "device-seconds: training wall-clock x processes, evals excluded",
@@ -546,6 +593,15 @@ def save_figure(fig, ax, path, n):
     fig.savefig(path, dpi=90, bbox_inches="tight")
 
 
+def figure_name(compute, metric):
+    """The default fit figure's file name, by unit and metric, so that fits of one run in
+    device-seconds and in FLOPs (or of pass_rate and pass_rate/code) do not overwrite each other:
+    fit_device_s.png, fit_flops.png, fit_flops_pass_rate_code.png."""
+    unit = {"compute_s": "device_s", "flops": "flops"}[compute]
+    tail = "" if metric == "pass_rate" else "_" + re.sub(r"[^\w.-]+", "_", metric)
+    return f"fit_{unit}{tail}.png"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Fit the ScaleRL sigmoid to runs' eval pass rates.")
     p.add_argument("run_dirs", nargs="*", help="run directories holding metrics.jsonl")
@@ -560,7 +616,9 @@ def main(argv=None):
                    help="which compute field of the eval lines is C")
     p.add_argument("--metric", default="pass_rate", help="eval field to fit, e.g. pass_rate/math")
     p.add_argument("--png", default=None, help="figure file; the straight-line view goes next to "
-                   "it with a _linear suffix; default None means fit.png in the first run dir")
+                   "it with a _linear suffix; default None means fit_UNIT.png in the first run "
+                   "dir (fit_device_s.png, fit_flops.png; the metric added when it is not "
+                   "pass_rate)")
     args = p.parse_args(argv)
     if not args.run_dirs:
         p.error("give run directories (each holding a metrics.jsonl)")
@@ -573,6 +631,12 @@ def main(argv=None):
         raise
     print_table(runs, args)
     for run in runs:
+        if run["warp"] and run["warp"] > WARP_MAX:
+            print(f"warning: {run['run']}: its device-seconds per FLOP vary {run['warp']:.2f}x "
+                  f"over the points fitted (over {WARP_MAX}x: the machine's speed changed during "
+                  "the run, as a loaded machine or a resume elsewhere does), and a fit in "
+                  "device-seconds bends with them (its B most); fit the FLOPs instead: "
+                  "--compute flops")
         x = extrapolation_check(*run["data"], fit_from=args.fit_from)
         print(f"{run['run']}: extrapolation check: "
               + (f"fitted on C <= {x['C_half']:.3g} ({x['n']} points), "
@@ -586,7 +650,7 @@ def main(argv=None):
         A, refits = shared_A_refit(runs, args.fit_from)
         print(f"all runs with the shared A = {A:.3f} (their mean): " + ", ".join(
             f"{r['run']} B {f['B']:.2f} C_mid {f['C_mid']:.3g}" for r, f in zip(runs, refits)))
-    png = args.png or os.path.join(args.run_dirs[0], "fit.png")
+    png = args.png or os.path.join(args.run_dirs[0], figure_name(args.compute, args.metric))
     root, ext = os.path.splitext(png)
     png_linear = root + "_linear" + (ext or ".png")
     plot(runs, png, png_linear, args.extrapolate_to)

@@ -120,12 +120,13 @@ STOP = {}  # set by a SIGINT / SIGTERM: {"name": "SIGINT", "at": time.time()}
 
 
 def stop_on_signals():
-    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the trainers finish the step under way,
-    save it and print the --resume command (train.py); a generator that gets one passes it on
-    through the store. The handler only sets a flag (an exception raised at an arbitrary point,
-    inside the sampler's generator for one, can be swallowed). A repeat within 3 s is the same
-    request (under torchrun Ctrl-C reaches a rank twice: from the terminal and from torchrun); a
-    later one exits at once, without saving."""
+    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the last step to finish is saved and the
+    --resume command printed (train.py). One process drops a step still sampling and finishes one
+    already training; under torchrun the trainers finish the step under way. A generator that gets
+    one passes it on through the store. The handler only sets a flag (an exception raised at an
+    arbitrary point, inside the sampler's generator for one, can be swallowed). A repeat within 3 s
+    is the same request (under torchrun Ctrl-C reaches a rank twice: from the terminal and from
+    torchrun); a later one exits at once, without saving."""
     def handler(signum, frame):
         name, quiet = signal.Signals(signum).name, int(os.environ.get("RANK", "0")) != 0
         if STOP and time.time() - STOP["at"] > 3:
@@ -134,7 +135,7 @@ def stop_on_signals():
         if not STOP:
             STOP.update(name=name, at=time.time())
             if not quiet:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"\n{name}: stopping after the step under way, then saving it ({name} "
+                os.write(2, f"\n{name}: stopping; the last step to finish will be saved ({name} "
                             "again, 3 s from now or later: exit at once without saving)\n".encode())
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -212,10 +213,11 @@ def setup(args):
     n_gens = n_generators(args, world)
     n_trainers = world - n_gens
     if not 1 <= n_gens < world:  # checked before any rank waits on another
-        sys.exit(f"--gen_ranks {n_gens} with {world} ranks: "
+        sys.exit(f"error: --gen_ranks {n_gens} with {world} ranks: "
                  "need at least one generator and one trainer")
     if args.prompts % n_trainers:
-        sys.exit(f"--prompts {args.prompts} must be a multiple of the {n_trainers} trainer ranks")
+        sys.exit(f"error: --prompts {args.prompts} must be a multiple of the {n_trainers} trainer "
+                 "ranks")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
@@ -369,6 +371,24 @@ def report_failure(err):
           f"{str(err).splitlines()[0] if str(err) else ''}; "
           f"not responding: {'; '.join(gone) or 'none'}",
           file=sys.stderr, flush=True)
+
+
+def record_user_error(line):
+    """Under torchrun: a user error (one line, the same on every rank) into this rank's error file
+    (TORCHELASTIC_ERROR_FILE, which torchrun sets), in the form of torch's ErrorHandler, so that
+    torchrun's failure report shows the line as its root cause where it would say "To enable
+    traceback see: ...". Nothing outside torchrun; a file that cannot be written is let go (rank 0
+    has printed the line)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # the report shows py_callstack
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    except OSError:
+        pass
 
 
 def _die(message):

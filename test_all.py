@@ -1685,6 +1685,10 @@ def test_data_layouts_and_clear_errors(tmp_path):
              '{"answer": "1"}\n': ":1: missing field 'prompt'",
              '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": [1, 2]}\n': ":2: field 'answer' must be",
              '{"problem": "p", "answer": "1"}\n{broken\n': ":2: invalid JSON",
+             # a line cut short: the column where it ends, not column 1 of the next line
+             '{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": "2"\n':
+                 ":2: invalid JSON (Expecting ',' delimiter at column 31)",
+             '{"problem": "p\t", "answer": "1"}\n': ":1: invalid JSON (Invalid control character at column 15)",
              '': ": no problems"}
     assert_load_errors(tmp_path, cases)
 
@@ -1743,7 +1747,7 @@ def hub_dataset_cache(cache, repo_id, config, splits):
     import datasets
     from datasets.packaged_modules.parquet.parquet import Parquet
     owner, name = repo_id.split("/")
-    src = cache.parent / "hub-src" / repo_id
+    src = cache.parent / "hub-src" / repo_id / config
     src.mkdir(parents=True)
     for split, records in splits.items():
         datasets.Dataset.from_list(records).to_parquet(str(src / f"{split}.parquet"))
@@ -1821,14 +1825,63 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
     assert out["math500"] == [{"prompt": r["problem"], "answer": r["answer"], "domain": "math"} for r in math500]
     bad, config, split, missing, no_file = out["errors"]
     assert bad == "error: --data: org/bad::train row 1: field 'answer' is empty after its last '####'"
-    assert config.startswith("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm (config "
-                             "other, split train) could not be loaded (")  # then datasets' own words
+    assert config == ("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm has no config "
+                      "other (configs found: main): name one, org/gsm:main")
     assert "Unknown split \"validation\"" in split and split.endswith("the syntax is owner/name[:config[:split]]")
-    assert missing.startswith("error: --val_data org/none: not a file, and not in the Hugging Face datasets cache "
-                              f"(HF_DATASETS_CACHE={hf / 'datasets'}); the Hub could not be reached (Couldn't reach")
-    assert missing.endswith("): run this once with network access (it is cached then) or give a jsonl file")
+    assert missing == ("error: --val_data org/none: not a file, and not in the Hugging Face datasets cache "
+                       f"(HF_DATASETS_CACHE={hf / 'datasets'}); the Hub could not be reached (HF_HUB_OFFLINE is "
+                       "set): run this once with network access (it is cached then) or give a jsonl file; if it "
+                       "has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
     assert no_file == "error: --data fixtures/none.jsonl: No such file or directory"  # a path, not a Hub id
     assert lines[-1].startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in lines[-1]
+
+
+def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, monkeypatch, capsys):
+    """No HF_HUB_OFFLINE, and a Hub endpoint that takes connections and never answers (packets
+    dropped): an id that is not cached fails within seconds (the libraries retried for minutes), one
+    line naming the flag; cached ids load; a dataset of several configs says which to name."""
+    import datasets
+    import huggingface_hub
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    endpoint = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    for module, key, value in [(huggingface_hub.constants, "ENDPOINT", endpoint),
+                               (datasets.config, "HF_ENDPOINT", endpoint),
+                               (huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub")),
+                               (datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets"),
+                               (huggingface_hub.constants, "HF_HUB_OFFLINE", False),
+                               (datasets.config, "HF_HUB_OFFLINE", False),
+                               (data, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
+        monkeypatch.setattr(module, key, value)
+    snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
+    hub_dataset_cache(tmp_path / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(4)]})
+    hub_dataset_cache(tmp_path / "datasets", "org/gsm", "socratic", {"train": [gsm8k_record(9)]})
+    capsys.readouterr()  # the cache builder's progress bars
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        train.get_args(["--model", "org/none"])
+    with pytest.raises(SystemExit) as exit_:
+        train.load_source("--data", "org/none", 0)
+    assert time.monotonic() - start < 3 * data.HUB_PROBE_SECONDS  # one probe, then nothing waits
+    unreached = f"the Hub could not be reached ({endpoint} did not answer within 1 s)"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: --model org/none: not a local folder, and not in the Hugging Face cache (HF_HUB_CACHE="
+        f"{tmp_path / 'hub'}); {unreached}: download it once with network access (hf download org/none) or give "
+        "a local folder (--help lists the flags)"]
+    assert exit_.value.code == (
+        f"error: --data org/none: not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
+        f"{tmp_path / 'datasets'}); {unreached}: run this once with network access (it is cached then) or give a "
+        "jsonl file; if it has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
+    assert data.resolve_model("org/toy") == str(snapshot)
+    assert [p["answer"] for p in train.load_source("--data", "org/gsm:main", 0)] == ["2", "3", "4", "5"]
+    for spec, said in [("org/gsm", "has several configs (main, socratic): name one, org/gsm:main"),
+                       ("org/gsm:other", "has no config other (configs found: main, socratic): name one, "
+                                         "org/gsm:main")]:
+        with pytest.raises(SystemExit) as exit_:
+            train.load_source("--data", spec, 0)
+        assert exit_.value.code == f"error: --data {spec}: not a file, and the Hugging Face dataset org/gsm {said}"
+    hole.close()
 
 
 def test_hub_dataset_id_without_the_datasets_package_says_pip_install(monkeypatch):
@@ -2686,7 +2739,11 @@ def test_fit_cli_table_and_pngs(tmp_path, capsys):
         data = p.read_bytes()
         assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
     fit.main([str(tmp_path / "cispo"), "--compute", "flops", "--metric", "pass_rate/math"])
-    assert "1.2e+12" in capsys.readouterr().out and (tmp_path / "cispo" / "fit_linear.png").exists()
+    assert "1.2e+12" in capsys.readouterr().out
+    fit.main([str(tmp_path / "cispo")])  # the same run in device-seconds: figures of its own
+    assert sorted(p.name for p in (tmp_path / "cispo").glob("fit*.png")) == [
+        "fit_device_s.png", "fit_device_s_linear.png", "fit_flops_pass_rate_math.png",
+        "fit_flops_pass_rate_math_linear.png"]
 
 
 def test_fit_curves_png_and_its_series(tmp_path, capsys):
@@ -2727,7 +2784,8 @@ def test_fit_curves_png_and_its_series(tmp_path, capsys):
     write_run(tmp_path / "b", C, fit.sigmoid(C, 0.61, 1.4, 400, 0.30))
     fit.main([str(tmp_path / "a"), str(tmp_path / "b")])
     a, b = tmp_path / "a", tmp_path / "b"
-    wrote = f"wrote {a / 'fit.png'}, {a / 'fit_linear.png'} and the training curves {a / 'curves.png'}, "
+    wrote = f"wrote {a / 'fit_device_s.png'}, {a / 'fit_device_s_linear.png'} and the training curves "
+    wrote += f"{a / 'curves.png'}, "
     wrote += str(b / "curves.png")
     assert wrote in capsys.readouterr().out
     write_eval_lines(tmp_path / "one", train[:1])       # 1 step, no eval line
@@ -2771,6 +2829,43 @@ def test_fit_errors(tmp_path):
         fit.fit_sigmoid(C[::-1], R)
     with pytest.raises(ValueError, match="no point at C = 0"):
         fit.fit_sigmoid(C[1:], R[1:])
+
+
+def test_fit_refuses_a_flat_series_in_one_line(tmp_path):
+    C = np.linspace(0, 1200, 25)
+    write_run(tmp_path / "code", C, np.zeros(25))  # pass_rate/code of a run that never solved one
+    with pytest.raises(ValueError) as err:  # the command line prints it as one line (test_fit_errors)
+        fit.fit_run(str(tmp_path / "code"), types.SimpleNamespace(compute="compute_s", metric="pass_rate/math",
+                                                                 fit_until=None, fit_from=None))
+    assert str(err.value) == (
+        f"{tmp_path / 'code' / 'metrics.jsonl'}: a flat series: the 22 points fitted never rise 0.02 above "
+        "R0 = 0.000 (their highest is 0.000), so there is no curve to fit (A, B and C_mid would be arbitrary)")
+    R = np.full(25, 0.3)
+    R[-1] = 0.315  # within the noise of R0
+    assert fit.flat_series(C, R).startswith("a flat series: the 22 points fitted never rise 0.02 above R0 = 0.300")
+    assert fit.predict_final(C, R, 2400.0) is None  # train.py's live fit: no prediction, no error
+    R[-1] = 0.33
+    assert fit.flat_series(C, R) is None and fit.predict_final(C, R, 2400.0)  # a rise past the noise
+
+
+def test_fit_warns_when_device_seconds_bend_against_flops(tmp_path, capsys):
+    F = np.linspace(0, 24e12, 25)  # FLOPs per eval; each 1e12 took 10 s, or 50 s while the machine was loaded
+    R = fit.sigmoid(F, 0.8, 2.0, 6e12, 0.2)
+    busy = np.r_[10.0 * np.ones(2), 50.0 * np.ones(6), 10.0 * np.ones(16)]  # s per 1e12 FLOPs of steps 1-24
+    C = np.cumsum(np.r_[0, busy])
+    even = np.cumsum(np.r_[0, 10.0 * (1 + 0.3 * np.sin(np.arange(24)))])  # uneven steps, even on average
+    for name, seconds in (("busy", C), ("even", even)):
+        write_eval_lines(tmp_path / name, [{"kind": "eval", "step": i, "compute_s": c, "flops": f, "pass_rate": r}
+                                           for i, (c, f, r) in enumerate(zip(seconds, F, R))])
+    fit.main([str(tmp_path / "busy"), "--png", str(tmp_path / "b.png")])
+    ratio = (C[1:] / F[1:])[C[1:] >= C[-1] / 10]  # the points fitted: from 10% of the compute
+    warp = ratio.max() / ratio.min()  # 2.0: at eval 8, 40 s per 1e12 FLOPs so far; at the end, 20 s
+    assert f"warning: busy: its device-seconds per FLOP vary {warp:.2f}x over the points fitted (over 1.5x" in \
+        capsys.readouterr().out and warp == 2.0
+    args = types.SimpleNamespace(compute="compute_s", metric="pass_rate", fit_until=None, fit_from=None)
+    assert fit.fit_run(str(tmp_path / "even"), args)["warp"] < 1.2  # 1.18: no warning
+    args.compute = "flops"  # FLOPs do not move with the machine: nothing to check
+    assert fit.fit_run(str(tmp_path / "busy"), args)["warp"] is None
 
 
 def write_eval_lines(run_dir, recs):
@@ -3686,8 +3781,11 @@ def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_contin
     ckpt = cut / f"ckpt-{done:06d}"
     argv = ["--out", str(cut), *PIPE_FLAGS, *flags, "--resume"]
     line = f"stopped by a signal after step {done}/6; saved {ckpt}; continue with: python {ROOT / 'train.py'} "
-    assert line + " ".join(map(shlex.quote, argv)) in Path(p.log).read_text().splitlines()
-    assert ckpt.is_dir() and done < 6
+    said = Path(p.log).read_text().splitlines()
+    assert line + " ".join(map(shlex.quote, argv)) in said and ckpt.is_dir() and done < 6
+    # what it says on the signal is true whether the step under way was sampling (dropped) or training (saved)
+    assert f"{sig.name}: stopping; the last step to finish will be saved ({sig.name} again, 3 s from now or " \
+           "later: exit at once without saving)" in said
     (p,) = launch(1, cut, *flags, "--resume")
     (rc, rc_full), (out, out_full) = finish_all([p, full])
     assert rc == 0 and rc_full == 0, out + out_full
@@ -3721,6 +3819,20 @@ def test_train_mixed_math_and_code_logs_a_pass_rate_per_domain(toy_dir, tmp_path
     assert all(0 <= r["pass_rate/code"] <= 1 for r in ev)
     tr = [r for r in recs if r.get("kind") == "train"]
     assert tr and "pass_rate/math" in tr[0]
+
+
+def test_train_note_on_the_toy_model_names_the_part_of_a_mix_it_does_not_know(capsys):
+    toy = types.SimpleNamespace(model="")
+    for data_, said in [("toy,fixtures/code_toy.jsonl", "which knows the toy task but not fixtures/code_toy.jsonl: "
+                                                        "expect a pass rate near 0 on that part; give --model"),
+                        ("fixtures/code_toy.jsonl", "which only knows the toy arithmetic task: expect a pass rate "
+                                                    "near 0; give --model")]:
+        train.note_toy_model(toy, data_, "--data", "trains")
+        assert capsys.readouterr().out == f"note: --data without --model trains the embedded toy model, {said} a " \
+                                          "real checkpoint\n"
+    for args, data_ in [(toy, "toy"), (toy, None), (types.SimpleNamespace(model="m"), "fixtures/code_toy.jsonl")]:
+        train.note_toy_model(args, data_, "--data", "trains")
+    assert capsys.readouterr().out == ""
 
 
 def nan_gradients_at(monkeypatch, steps):
@@ -3873,6 +3985,16 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert not study.finished(str(tmp_path), 20)
 
 
+def test_train_tok_s_of_a_step_that_trains_nothing_is_no_rate():
+    sums = {"len": 300, "train_tokens": 0}  # a torchrun step that kept no prompt: nothing trained
+    assert train.tokens_per_s(sums, {"gen_s": 2.0}, 3.0) == 150  # one process: the sampler's rate, as ever
+    assert train.tokens_per_s(dict(sums, train_tokens=600), {}, 3.0) == 200  # torchrun: trained tokens / s
+    assert train.tokens_per_s(sums, {}, 3.0) is None
+    m = dict(step=4, reward=-1.0, pass_rate=0.0, len=9.0, entropy=0.1, trunc=1.0, intr=0.0, lag=0.0, lag_max=0,
+             kept_prompts=0, prompts=8, loss=0.0, dt_ms=30.0, tok_s=None)
+    assert train.log_line(m, 10).endswith("| kept 0/8 | loss +0.0000 | dt 30 ms | tok/s n/a")
+
+
 def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
     logp = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, -3.0, -2.0]])
     gen_logp = torch.tensor([[-1.5, -2.0, -0.1, 9.0], [-1.0, -2.0, -1.0, -2.0]])
@@ -3954,6 +4076,8 @@ def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(
 def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, tmp_path, capsys):
     for argv, line in [(["--prompt", "8"], "train.py: error: unrecognized arguments: --prompt 8 (--prompt: did you "
                                            "mean --prompts?) (--help lists the flags)"),
+                       (["--lr_rate", "1e-5", "--temp", "1"], "train.py: error: unrecognized arguments: --lr_rate 1e-5 "
+                        "--temp 1 (--lr_rate: did you mean --lr?) (--temp: did you mean --temperature?) (--help"),
                        (["--device", "cuda"], "train.py: error: --device cuda: this PyTorch build has no CUDA")]:
         if argv[0] == "--device" and torch.cuda.is_available():
             continue
@@ -4053,6 +4177,23 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     assert sum("train.py" in c for c in ran) >= 5 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 3, ran
     assert "a Hub id: no network here" in skipped
+
+
+def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's failure report names a root cause (its 'traceback' field); a user error's one line is it,
+    read from the error file each rank writes, not 'To enable traceback see: ...'."""
+    (p,) = launch(2, tmp_path / "run", "--gen_ranks", "5", torchrun=True)
+    (rc,), (out,) = finish_all([p], timeout=120)
+    line = "error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
+    assert rc == 1 and f"traceback : {line}\n" in out.split("Root Cause (first observed failure):")[1], out
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 1 here
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        train.get_args(["--lr_rate", "1"])
+    assert capsys.readouterr().err == ""  # rank 0 alone prints it
+    said = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert said["message"] == said["extraInfo"]["py_callstack"] == (
+        "train.py: error: unrecognized arguments: --lr_rate 1 (--lr_rate: did you mean --lr?) (--help lists the flags)")
 
 
 def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):
@@ -4326,6 +4467,14 @@ def test_train_disk_full_names_the_path_and_keeps_the_last_checkpoint(toy_dir, t
 
 # =============================================================================
 # bench.py: the memory figure measures what it claims
+
+
+def test_bench_prints_its_figures_and_no_progress_bars(capsys):
+    from transformers.utils import logging as hf_logging
+    hf_logging.enable_progress_bar()  # as a fresh process has it
+    bench.main(bench.get_args(["--figures", "5"]))  # loads the toy and a Qwen2 model; arithmetic figures only
+    out, err = capsys.readouterr()
+    assert "5 roofline" in out and "Loading weights" not in err
 
 
 def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equal():

@@ -33,6 +33,7 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 import argparse
 import difflib
 import glob
+import itertools
 import json
 import math
 import os
@@ -88,22 +89,44 @@ RECIPES = {
 class FlagParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no
     abbreviations (--prompt is not taken for --prompts), and under torchrun only rank 0 says it
-    (the others exit quietly)."""
+    (the others exit quietly); every rank writes it to torchrun's error file, whose report then
+    shows it as the root cause (pipeline.record_user_error)."""
 
     def __init__(self, **kw):
         super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          **kw)
 
     def error(self, message):
-        if int(os.environ.get("RANK", "0")) != 0:
-            self.exit(2)
         flags = [o for a in self._actions for o in a.option_strings]
         typed = (re.findall(r"(--[\w-]+)", message)
                  if message.startswith("unrecognized arguments") else [])
-        hints = [f"{t}: did you mean {close[0]}?" for t in typed
-                 if (close := difflib.get_close_matches(t, flags, 1))]
-        self.exit(2, f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
-                     "(--help lists the flags)\n")
+        hints = [f"{t}: did you mean {close}?" for t in typed
+                 if (close := closest_flag(t, flags))]
+        line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
+                "(--help lists the flags)")
+        pipeline.record_user_error(line)  # torchrun's report: its root cause
+        self.exit(2, line + "\n" if int(os.environ.get("RANK", "0")) == 0 else None)
+
+
+def closest_flag(typed, flags):
+    """The flag a mistyped one most likely meant, or None. Words first (split at - and _): the flags
+    that share the most leading words with it, then whose next word begins the other's in 3 letters
+    or more (--temp, --temperature), the closest of them by difflib; with nothing shared, difflib's
+    closest above its usual 0.6 cutoff. Spelling alone picks a flag that looks alike over the one
+    meant: --lr_rate is nearer --l_cache than --lr letter by letter."""
+    def words(flag):
+        return re.split(r"[-_]+", flag.lstrip("-"))
+
+    def kinship(flag):  # (equal leading words, whether the next two begin one another)
+        pairs = list(zip(words(typed), words(flag)))
+        n = len(list(itertools.takewhile(lambda ab: ab[0] == ab[1], pairs)))
+        a, b = sorted(pairs[n], key=len) if n < len(pairs) else ("", "")
+        return n, len(a) >= 3 and b.startswith(a)  # 3 letters at least: "l" begins too much
+
+    best = max(map(kinship, flags), default=(0, False))
+    pool = [f for f in flags if kinship(f) == best] if any(best) else flags
+    close = difflib.get_close_matches(typed, pool, 1, cutoff=0.0 if any(best) else 0.6)
+    return close[0] if close else None
 
 
 def model_flags(g):
@@ -338,7 +361,7 @@ FLAG_RANGES = {
     **dict.fromkeys(("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
                      "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
-                     "adam_eps", "eps_high"), POSITIVE),
+                     "adam_eps", "eps_high", "neg_trust"), POSITIVE),
     **dict.fromkeys(("micro_tokens", "grad_clip", "save_every", "l_max", "l_cache", "gen_ranks",
                      "weight_decay", "eps_low"), AT_LEAST_0),  # 0 has a meaning (see --help)
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
@@ -474,11 +497,18 @@ def check_code_rewards(args, problems):
 
 
 def note_toy_model(args, paths, flag, verb):
-    """A real dataset without --model: say at start that the toy model only knows the toy task."""
-    if any(p not in PRESETS for p in (paths or "toy").split(",")) and not args.model:
-        print(f"note: {flag} without --model {verb} the embedded toy model, which only knows the "
-              "toy arithmetic task: expect a pass rate near 0; give --model a real checkpoint",
-              flush=True)
+    """A real dataset without --model: say at start that the toy model only knows the toy task, and
+    which sources of a mix (toy,fixtures/code_toy.jsonl) it does not know."""
+    sources = (paths or "toy").split(",")
+    others = [p for p in sources if p not in PRESETS]
+    if not others or args.model:
+        return
+    known = [p for p in sources if p in PRESETS]
+    knows = (f"knows the {' and '.join(known)} task but not {', '.join(others)}: expect a pass "
+             "rate near 0 on that part" if known else
+             "only knows the toy arithmetic task: expect a pass rate near 0")
+    print(f"note: {flag} without --model {verb} the embedded toy model, which {knows}; give "
+          "--model a real checkpoint", flush=True)
 
 
 def base_model_dir(args):
@@ -1021,13 +1051,21 @@ def step_metrics(rec, trainer, batch, groups, rstats, train, loss_value, stats, 
          "too_old": int(sums["too_old"]), "skipped_bad": stats["skipped_bad"],
          "loss": sums["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
          "dt_ms": dt * 1000,
-         "tok_s": (sums["len"] / rstats["gen_s"] if "gen_s" in rstats
-                   else sums["train_tokens"] / dt),
+         "tok_s": tokens_per_s(sums, rstats, dt),
          **{k: v for k, v in stats.items() if k not in ("grad_norm", "skipped_bad", "lr")}}
     if len(rec.domains) > 1:  # one pass-rate curve per domain, as the paper fits them
         m.update({f"pass_rate/{d}": sums[f"correct/{d}"] / max(sums[f"n/{d}"], 1)
                   for d in rec.domains})
     return m
+
+
+def tokens_per_s(sums, rstats, dt):
+    """A step's tok/s: in one process the sampler's (generated tokens per second of generating);
+    under torchrun the trainers' (trained tokens per second of step), None for a step that trained
+    nothing (no prompt kept): there is no rate to show, and 0 would read as a stall."""
+    if "gen_s" in rstats:
+        return sums["len"] / rstats["gen_s"]
+    return sums["train_tokens"] / dt if sums["train_tokens"] else None
 
 
 def log_line(m, steps):
@@ -1037,7 +1075,8 @@ def log_line(m, steps):
             f"lag {m['lag']:.1f}/{m['lag_max']:.0f} | drift {m.get('drift', 0.0):.3f} | "
             f"forget {m.get('forget', 0.0):.3f} | "
             f"kept {m['kept_prompts']}/{m['prompts']} | loss {m['loss']:+.4f} | "
-            f"dt {m['dt_ms']:.0f} ms | tok/s {m['tok_s']:.0f}")
+            f"dt {m['dt_ms']:.0f} ms | tok/s "
+            f"{'n/a' if m['tok_s'] is None else format(m['tok_s'], '.0f')}")
     if "generate_ms" in m:  # one process: where the step's time went
         line += (f" | gen {m['generate_ms']:.0f} verify {m['verify_ms']:.0f} "
                  f"train {m['train_ms']:.0f} ms")
@@ -1412,10 +1451,12 @@ if __name__ == "__main__":
         try:
             entry(args)
         except SystemExit as err:
-            # a user error: one line, said by rank 0 alone (every rank meets it)
-            if (err.code not in (None, 0) and not isinstance(err.code, int)
-                    and int(os.environ["RANK"]) == 0):
-                print(err.code, file=sys.stderr, flush=True)
+            # a user error: one line, said by rank 0 alone (every rank meets it), and the root
+            # cause of torchrun's failure report
+            if err.code not in (None, 0) and not isinstance(err.code, int):
+                pipeline.record_user_error(str(err.code))
+                if int(os.environ["RANK"]) == 0:
+                    print(err.code, file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(err.code if isinstance(err.code, int) else 1)
         except BaseException as err:
