@@ -962,9 +962,10 @@ def stability_run(cmd, out, hogs=()):
 
 
 def stability_seed(args, seed, folder, flags):
-    """One seed: its one-process run (reused when finished: it is deterministic) and its torchrun
-    run under --stability_load -> the row of the table."""
-    one = os.path.join(folder, f"one-s{seed}")
+    """One seed: its one-process run (in the preset's folder, shared by the loads; reused when
+    finished: it is deterministic) and its torchrun run under --stability_load -> the row of the
+    table."""
+    one = os.path.join(folder.replace(f"-{args.stability_load}", "-one", 1), f"one-s{seed}")
     common = ["--seed", str(seed), "--overwrite", *flags, *args.stability_flags.split()]
     if not os.path.exists(os.path.join(one, "metrics.jsonl")) or not any(
             r.get("kind") == "eval" and r["step"] == train_steps(one)
@@ -1015,6 +1016,7 @@ def bench_stability(args):
     folder = os.path.join(args.stability_dir, f"{args.stability_preset}-{args.stability_load}"
                           + "".join(args.stability_flags.split()).replace("--", "-"))
     os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder.replace(f"-{args.stability_load}", "-one", 1), exist_ok=True)
     flags, rows = stability_flags(args, args.stability_dir), []
     for seed in map(int, args.stability_seeds.split(",")):
         row = stability_seed(args, seed, folder, flags)

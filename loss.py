@@ -31,7 +31,15 @@ Readings chosen and departures from the textbook formulas:
   norm="prompt" divides by the group's std of r + 1e-6, so an all-equal group gets A = 0.
 - CISPO: sg(clamp(rho, eps_low, eps_high)) * A * logp. For cispo the eps are ABSOLUTE bounds
   on the ratio, not 1 -/+ eps: eps_high defaults to 4 (the cap eps_max), and there is no lower
-  truncation unless eps_low is given. GRPO, DAPO, GSPO clip to [1 - eps_low, 1 + eps_high]:
+  truncation unless eps_low is given. A departure, train.py --neg_trust (0.8 by default; 0 = the
+  paper's CISPO): CISPO's token mask M (MiniMax-M1) set as PPO clips a negative advantage, so a
+  token of a sample with A < 0 whose ratio rho has fallen below neg_trust gives no gradient. A
+  token shared by right and wrong samples (the answer format after </think>) gets pushes that
+  cancel; a policy k versions ahead of its samples can drift off it through other weights, unseen,
+  and the negative samples' push down on it then no longer cancels the positive ones' push up.
+  Masked, they stop pushing once it has fallen, and the positive ones pull it back
+  (BENCHMARKS.md section 6: the collapse it stops). In one process rho is 1 and nothing is
+  masked. GRPO, DAPO, GSPO clip to [1 - eps_low, 1 + eps_high]:
   GRPO 0.2/0.2, DAPO 0.2/0.28, GSPO 3e-3/4e-3. None for an eps means that per-kind default.
 - GRPO, DAPO, GSPO: the log-ratio is clamped at MAX_LOG_RATIO = 20 before exp (float32 exp overflows
   to inf above ~88.7, which made the gradient NaN, and the loss NaN where A = 0). Only a token

@@ -352,6 +352,19 @@ def test_loss_cispo_caps_ratio_at_4_and_optional_floor():
     assert torch.allclose(logp.grad, -torch.tensor([[8.0, 1.0, 0.5]], dtype=torch.float64) / 3)
 
 
+def test_loss_cispo_negative_trust_mask_drops_only_negative_tokens_already_below_it():
+    """--neg_trust: a token of a negative-advantage sample whose ratio is under the bound gives no gradient (PPO's
+    clip for A < 0); the same token of a positive sample, and negative ones at or above the bound, keep CISPO's
+    gradient sg(min(rho, 4)) * A; the token still counts in the mean."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    gen_logp = torch.tensor([[-0.5, -1.1, -1.0], [-0.5, -1.1, -1.0]], dtype=torch.float64)  # rho e^-.5, e^.1, 1
+    mask, group, adv = torch.ones(2, 3, dtype=torch.bool), torch.tensor([0, 0]), torch.tensor([1.0, -1.0])
+    policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="token", neg_trust=0.8).backward()
+    rho = torch.tensor([math.exp(-0.5), math.exp(0.1), 1.0], dtype=torch.float64)
+    want = -torch.stack([rho, -rho * torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)]) / 6  # rho e^-.5 < 0.8
+    assert torch.allclose(logp.grad, want)
+
+
 def test_loss_empty_masks_and_inf_padding_give_no_nan():
     logp = torch.tensor([[-1.0, -float("inf")], [-float("inf"), -float("inf")]], requires_grad=True)
     gen_logp = torch.tensor([[-1.5, -float("inf")], [-float("inf"), -float("inf")]])

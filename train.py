@@ -210,10 +210,12 @@ def loss_flags(g):
     g.add_argument("--eps_high", type=float, default=None,
                    help="None = the loss kind's default: cispo 4 (the cap on the IS weight), grpo "
                         "0.2, dapo 0.28, gspo 4e-3")
-    g.add_argument("--neg_trust", type=float, default=None,
+    g.add_argument("--neg_trust", type=float, default=0.8,
                    help="cispo: a token of a negative-advantage sample whose IS ratio has fallen "
-                        "below this gives no gradient (CISPO's token mask, as PPO clips A < 0); "
-                        "None = off (the paper's CISPO)")
+                        "below this gives no gradient (CISPO's token mask M, as PPO clips A < 0; "
+                        "a departure from the paper's CISPO, which masks nothing: under "
+                        "PipelineRL-8 it keeps a policy from drifting off tokens its stale samples "
+                        "share, BENCHMARKS.md section 6); 0 = off")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -361,9 +363,9 @@ FLAG_RANGES = {
     **dict.fromkeys(("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
                      "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
-                     "adam_eps", "eps_high", "neg_trust"), POSITIVE),
-    **dict.fromkeys(("micro_tokens", "grad_clip", "save_every", "l_max", "l_cache", "gen_ranks",
-                     "weight_decay", "eps_low"), AT_LEAST_0),  # 0 has a meaning (see --help)
+                     "adam_eps", "eps_high"), POSITIVE),
+    **dict.fromkeys(("neg_trust", "micro_tokens", "grad_clip", "save_every", "l_max", "l_cache",
+                     "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: see --help
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
     "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
     # the fraction of the device memory the sampler's KV cache takes
@@ -719,7 +721,7 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
         loss = policy_loss(logp, gen_logp, batch.adv.to(device)[at], mask,
                            batch.group[rows].to(device)[at], kind=args.loss, agg=args.agg,
                            eps_low=args.eps_low, eps_high=args.eps_high,
-                           weights=weights[at].to(logp.dtype), neg_trust=args.neg_trust)
+                           weights=weights[at].to(logp.dtype), neg_trust=args.neg_trust or None)
         loss.backward()
         after()
         loss_sum += loss.item()
