@@ -771,9 +771,21 @@ PLAN_SHAPES = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen3-0.6B")
 # samples, prompts of up to 512 tokens, 7,168 thinking + 1,024 answer tokens (8k), bf16
 NODE_RUN = dict(prompts=16, samples=16, prompt_len=512, think_budget=7168, answer_budget=1024,
                 phrase_len=20, micro_tokens=8192, fsdp=True, trainers=2, generators=6)
-# the README's real-model command: Qwen3-0.6B, one process on one 80 GB GPU, 48 x 16, 12,288 + 2,048
-README_RUN = dict(prompts=48, samples=16, prompt_len=512, think_budget=12288, answer_budget=2048,
-                  phrase_len=20, micro_tokens=8192)
+
+
+def recipe_run(recipe, **sizes):
+    """A run's sizes for the memory plan as train.RECIPES[recipe] sets them (prompts of up to 512
+    tokens, a 20-token interruption phrase, 8,192 tokens per micro-batch)."""
+    r = train.RECIPES[recipe]
+    return dict(prompts=r["prompts"], samples=r["samples"], prompt_len=512,
+                think_budget=r["think_budget"], answer_budget=r["answer_budget"], phrase_len=20,
+                micro_tokens=8192, **sizes)
+
+
+# the README's real-model commands: Qwen3-0.6B with --recipe one_gpu, one process on one 80 GB GPU;
+# Qwen2.5-7B with the paper's recipe on one 8 x 80 GB node (2 FSDP2 trainers, 6 generators)
+README_RUN = recipe_run("one_gpu")
+README_NODE_RUN = recipe_run("paper", fsdp=True, trainers=2, generators=6)
 
 
 def shape_config(name, **changes):
@@ -902,7 +914,8 @@ def print_plan(name, config, run):
 
 def bench_memory_plan(args):
     """The memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B on one
-    8 x 80 GB node (NODE_RUN) and of the README's Qwen3-0.6B command (README_RUN), each shape's
+    8 x 80 GB node (NODE_RUN) and of the README's two real-model commands (README_RUN,
+    README_NODE_RUN), each shape's
     per-token figures checked against measurements on CPU (measured_figures) within 10%; the 7B
     trainers also at 16,384 tokens per micro-batch."""
     out = {}
@@ -917,9 +930,12 @@ def bench_memory_plan(args):
                      "roles": plan["roles"]}
     wide = print_plan("Qwen2.5-7B at 16384 tokens per micro-batch", shape_config("Qwen2.5-7B"),
                       pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 16384}))
-    readme = print_plan("the README's Qwen3-0.6B command, one process on one 80 GB GPU",
-                        shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
-    return out | {"Qwen2.5-7B micro_tokens 16384": wide["roles"], "readme": readme["roles"]}
+    readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
+                        "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
+    node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
+                      "FSDP2 trainers", shape_config("Qwen2.5-7B"), pipeline.PlanRun(**README_NODE_RUN))
+    return out | {"Qwen2.5-7B micro_tokens 16384": wide["roles"], "readme": readme["roles"],
+                  "readme_node": node["roles"]}
 
 
 # -----------------------------------------------------------------------------

