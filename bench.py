@@ -1009,9 +1009,11 @@ def train_steps(out):
 
 
 def stability_row(seed, one, ranks, warned):
-    """A seed's row: finals, the lowest held-out after step 30, the lag the run saw (mean over the
-    steps that trained, and the share of them at the largest lag), its largest truncation and
-    forget, the warnings' steps, and whether it held."""
+    """A seed's row: finals, the lowest held-out after step 30, the largest fall of the held-out
+    pass rate below its best so far, the lag the run saw (mean over the steps that trained, and
+    the share of them at the largest lag), its largest truncation and forget, the warnings' steps,
+    and whether it held: it never fell more than train.HELD_OUT_DROP_ALARM below its best (a run
+    that learns more slowly than its one-process counterpart holds; the gap is its own column)."""
     evals = lambda rs: [r for r in rs if r["kind"] == "eval"]
     steps = [r for r in ranks if r["kind"] == "train" and r["kept_prompts"]]
     after = [r["pass_rate"] for r in evals(ranks) if r["step"] > 30]
@@ -1023,7 +1025,9 @@ def stability_row(seed, one, ranks, warned):
            "max_trunc": max(r["trunc"] for r in ranks if r["kind"] == "train"),
            "max_forget": max(r.get("forget", 0.0) for r in steps), "warned": warned,
            "steps": max(r["step"] for r in ranks if r["kind"] == "train")}
-    row["held"] = row["final"] >= row["one_final"] - 0.03 and row["lowest_after_30"] >= 0.6
+    rates = [r["pass_rate"] for r in evals(ranks)]
+    row["fall"] = max(max(rates[:i + 1]) - rate for i, rate in enumerate(rates))
+    row["held"] = row["fall"] <= train.HELD_OUT_DROP_ALARM
     return row
 
 
@@ -1039,7 +1043,8 @@ def bench_stability(args):
         rows.append(row)
         print(f"stability | {args.stability_preset} {args.stability_load} seed {seed} | one "
               f"process {row['one_final']:.3f} | torchrun {row['final']:.3f} (lowest after step "
-              f"30: {row['lowest_after_30']:.3f}) | lag {row['lag_mean']:.2f} mean, "
+              f"30: {row['lowest_after_30']:.3f}, largest fall {row['fall']:.3f}) | lag "
+              f"{row['lag_mean']:.2f} mean, "
               f"{row['at_max_lag']:.0%} of steps at {row['max_lag']:.0f} | max trunc "
               f"{row['max_trunc']:.3f} | max forget {row['max_forget']:.3f} | warnings at "
               f"{row['warned'] or 'none'} | {'held' if row['held'] else 'FELL'}", flush=True)
