@@ -933,7 +933,8 @@ def bench_memory_plan(args):
     readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
                         "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
     node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
-                      "FSDP2 trainers", shape_config("Qwen2.5-7B"), pipeline.PlanRun(**README_NODE_RUN))
+                      "FSDP2 trainers", shape_config("Qwen2.5-7B"),
+                      pipeline.PlanRun(**README_NODE_RUN))
     return out | {"Qwen2.5-7B micro_tokens 16384": wide["roles"], "readme": readme["roles"],
                   "readme_node": node["roles"]}
 

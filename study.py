@@ -107,7 +107,8 @@ TRAIN = 1500          # training prompts: 200 steps x 16 serve each about twice 
 MAX_OPS = 4           # the study's problems: toy-hard's chains of 2 to 4 operations (docstring)
 # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
 COLLAPSE_DROP = 0.05
-WOBBLE_FROM = 0.3     # a run's wobble: the sd of its evals about its own fit from 30% of its compute on
+# a run's wobble: the sd of its evals about its own fit from 30% of its compute on
+WOBBLE_FROM = 0.3
 STEPS = 200
 TASK = ["--think_budget", "32", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
         "--save_every", "0"]
