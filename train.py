@@ -520,11 +520,12 @@ def base_model_dir(args):
 
 def pick_threads():
     """One process on the CPU: half the cores as torch threads (at least 1, at most torch's
-    default), unless OMP_NUM_THREADS says. Threads beyond the cores a process gets spin and wait for each
-    other at every parallel op: on a busy 2-core machine the toy's steps took minutes with 2 threads
-    and about a second with 1 (BENCHMARKS.md section 9); half leaves the other half to the verifier
-    workers and to others. A function of the machine, not of its load: the same run on the same
-    machine computes the same numbers (an exact --resume). -> the threads set."""
+    default), unless OMP_NUM_THREADS says. Threads beyond the cores a process gets spin and wait
+    for each other at every parallel op: on a busy 2-core machine the toy's steps took minutes
+    with 2 threads and about a second with 1 (BENCHMARKS.md section 9); half leaves the other
+    half to the verifier workers and to others. A function of the machine, not of its load: the
+    same run on the same machine computes the same numbers (an exact --resume). -> the threads
+    set."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // 2)))
     return torch.get_num_threads()
