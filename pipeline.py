@@ -3,12 +3,12 @@ pipeline.py: generator ranks and trainer ranks under torch.distributed (arXiv 25
 section 3.1: PPO-off-policy-k and PipelineRL-k).
 
 `torchrun --nproc_per_node W train.py` starts W ranks; train.py calls setup() here, which splits
-them: ranks 0..T-1 are trainers (rank 0 also logs, evaluates and checkpoints), ranks T..W-1 are
-generators (--gen_ranks, default W - max(1, W // 4): 1 of 2, 3 of 4, 6 of 8; the paper used 64 of
-80).
+them: ranks 0..T-1 are trainers (rank 0 also logs and checkpoints), ranks T..W-1 are
+generators, which also run the held-out evals (--gen_ranks, default W - max(1, W // 4): 1 of 2,
+3 of 4, 6 of 8; the paper used 64 of 80).
 
     generators
-        --(whole groups: ids, gen log-probs, masks, versions, correctness; gloo p2p)-->  trainers
+        --(whole groups: ids, gen log-probs, masks, versions, rewards; gloo p2p)------>  trainers
     trainer 0
         --(all weights, flat buckets, broadcast after every optimizer step)---------->  generators
     trainers
@@ -37,10 +37,10 @@ and gradients over nccl on CUDA (gloo on CPU). GPUs are dealt round-robin over t
 ranks may share one (one GPU, two ranks: generator and trainer side by side); a group whose ranks
 share a GPU talks over gloo, which nccl cannot do (device_plan; rank 0 logs the plan).
 
-Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for (except
-while trainer 0 runs a held-out eval, which may take longer: the others wait on the store
-meanwhile); a heartbeat thread in every rank bumps a counter in the store and watches the others': a
-rank that is dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds
+Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for
+(in the frozen modes, where trainer 0 runs the held-out evals, the others wait on the store
+meanwhile, past the deadline); a heartbeat thread in every rank bumps a counter in the store and
+watches the others': a rank that is dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds
 (default 60) and every other rank exits with status 1. A finished run drains the rollouts in flight
 and exits cleanly.
 
@@ -55,24 +55,27 @@ Readings chosen:
 - --fsdp shards the trainers' model and AdamW state over the trainer ranks with FSDP2 (fully_shard:
   each decoder layer one unit, embedding + norm + head one unit, around a LogProbs module whose
   forward is the loss's). Gradients are reduce-scattered as sums, like the replicas' all-reduce, so
-  the steps are the same (tested). Every trainer gathers the full weights for each broadcast, eval
-  and checkpoint; rank 0 keeps one unsharded copy to evaluate and save. Checkpoints hold the full
-  optimizer state (gathered to rank 0); on --resume each trainer keeps its shard of it.
+  the steps are the same (tested). The trainers make the weights whole one parameter, or one
+  broadcast bucket, at a time for each broadcast, eval and checkpoint (whole_weights); no trainer
+  keeps a whole copy. A checkpoint's model folder holds the whole weights; each trainer writes and
+  reads back its own float32 shards and AdamW state (torch.distributed.checkpoint).
 - Curriculum: each generator owns the prompts i with i % n_generators == its index and runs
-  No-Positive-Resampling on them; its state is saved next to the trainer's checkpoints.
+  No-Positive-Resampling on them; its state (curriculum-rankN.json) is saved next to the trainer's
+  checkpoints.
+- One process runs the same generator code (LocalRollouts: admit, sampler step, verify, send) over
+  an in-process queue; a trainer rank reads the generators' groups (RemoteRollouts).
 - Compute (compute_s) = training wall-clock x world size: every device is counted, busy or not.
 
-    torchrun --nproc_per_node 2 train.py
+    LOCAL="--rdzv-backend c10d --rdzv-conf store_type=file --local-addr 127.0.0.1"  # loopback
+    torchrun $LOCAL --nproc_per_node 2 train.py
         # 1 generator + 1 trainer, CPU, gloo
-    torchrun --nproc_per_node 4 train.py --gen_ranks 2
-        # 2 generators + 2 data-parallel trainers
-    torchrun --nproc_per_node 4 train.py --gen_ranks 2 --fsdp
-        # the same, model sharded over the 2 trainers
-    torchrun --nproc_per_node 2 train.py --mode ppo_offpolicy
+    torchrun $LOCAL --nproc_per_node 4 train.py --gen_ranks 2 --fsdp
+        # 2 generators + 2 trainers, model and AdamW state sharded over the trainers
+    torchrun $LOCAL --nproc_per_node 2 train.py --mode ppo_offpolicy
         # PPO-off-policy-8 (k = --max_lag)
-    torchrun --nproc_per_node 8 train.py --model DIR --data ... --dtype bfloat16
-        # one 8-GPU node, nccl
-    torchrun --nproc_per_node 2 train.py --device cuda
+    torchrun $LOCAL --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
+        # one 8-GPU node, nccl, the paper's recipe
+    torchrun $LOCAL --nproc_per_node 2 train.py --device cuda
         # one GPU shared by both ranks; weights over gloo
 """
 

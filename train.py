@@ -1,32 +1,38 @@
 """
-train.py: the ScaleRL training loop (arXiv 2510.13786: section 2's setup,
-section 4's recipe, section 5's scaling axes), one process, synchronous.
+train.py: the ScaleRL training loop (arXiv 2510.13786: section 2's setup, section 3.1's
+generator/trainer split, section 4's recipe, section 5's scaling axes).
 
-Each step: take a batch of prompts from the curriculum, sample G completions per prompt with the
-KV-cache sampler (generate.py, forced interruptions), verify the final answers (verify.py; programs
-run in sandbox.py; reward +1 / -1), drop prompts whose G rewards are all equal (zero-variance
-filtering), compute advantages and the CISPO loss with prompt-level aggregation (loss.py) from the
-generator's recorded log-probs, take an AdamW step (eps 1e-15, weight decay 0.01, linear warm-up
-then constant; on float32 master weights under --dtype bfloat16), update the pass-rate history
-(No-Positive-Resampling). Every N steps: held-out pass rate (mean@k) and the live scaling-curve fit
-(fit.py). Every ScaleRL choice is a flag whose default
-is ScaleRL's; the sizes default to the tiny CPU run.
+`main` reads as the algorithm. Each step: `source.get(step)` gives the step's groups (prompts from
+the curriculum, G completions each from the KV-cache sampler with forced interruptions, verified:
+verify.py, programs in sandbox.py; a reward is a float), `make_batch` drops truncated samples and
+zero-variance groups and computes the advantages (loss.py), `trainer.step(batch)` takes the CISPO
+loss with prompt-level aggregation over micro-batches of at most --micro_tokens tokens, sums the
+gradients over the trainers and takes an AdamW step (eps 1e-15, weight decay 0.01, linear warm-up
+then constant; float32 master weights under --dtype bfloat16), and `source.publish(trainer)` sends
+the new weights to the sampler. Then logging, alarms, held-out evals (mean@k and the live
+scaling-curve fit, fit.py) and checkpoints. What differs between one process, torchrun and FSDP2
+is chosen once, at start-up: the rollout source (pipeline.LocalRollouts: the generator code run
+in-process; pipeline.RemoteRollouts: a trainer rank's groups from generator ranks) and the trainer
+(Trainer: replicated; ShardedTrainer: --fsdp). Generator ranks run pipeline.serve_rollouts and
+never enter main.
+
+Every ScaleRL choice is a flag whose default is ScaleRL's; the sizes come from a recipe (RECIPES:
+the embedded toy's on the embedded models, the paper's appendix A.3 otherwise).
 
 Outputs in --out: metrics.jsonl (one JSON object per step and per eval; fit.py reads it), one log
-line per step, checkpoints ckpt-STEP/ (a from_pretrained-able model folder + state.pt) and --resume;
-what is done to the folder itself (checks, lock, pruning, resume) is in runs.py.
+line per step, checkpoints ckpt-STEP/ (a from_pretrained-able model folder + state.pt; under
+--fsdp also the sharded float32 weights and AdamW state) and --resume; what is done to the folder
+itself (checks, lock, pruning, resume) is in runs.py.
 
 Compute is counted as device-seconds of the training loop (wall-clock x devices; evaluation and
 checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prompt token plus
 6 N per trained token, N = parameter count (attention FLOPs ignored).
 
-    python train.py                            # the embedded toy task and model, CPU, a few minutes
+    python train.py                            # the embedded toy task and model, CPU, 2 minutes
     python train.py --loss dapo --no-fp32_head # an ablation: one flag per ScaleRL choice
-    python train.py --model DIR --data gsm8k_train.jsonl --val_data gsm8k_test.jsonl \\
-        --device cuda --dtype bfloat16 --prompts 48 --samples 16 \\
-        --think_budget 12288 --answer_budget 2048 \\
-        --lr 5e-7 --warmup 100 --eval_every 100 --eval_samples 16 --val_size 1000
-                                               # the paper's settings, one GPU
+    python train.py --model Qwen/Qwen3-0.6B --data openai/gsm8k:main --recipe one_gpu
+    torchrun $LOCAL --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
+                                               # the paper's recipe on one node (README.md)
     python fit.py runs/toy                     # fit the sigmoid to the run's held-out curve
 """
 
