@@ -40,9 +40,9 @@ share a GPU talks over gloo, which nccl cannot do (device_plan; rank 0 logs the 
 Nothing hangs: every cross-rank wait has a deadline (--timeout) and names what it waited for
 (in the frozen modes, where trainer 0 runs the held-out evals, the others wait on the store
 meanwhile, past the deadline); a heartbeat thread in every rank bumps a counter in the store and
-watches the others': a rank that is dead or stopped (SIGKILL, SIGSTOP, a crash) is named within --heartbeat_timeout seconds
-(default 60) and every other rank exits with status 1. A finished run drains the rollouts in flight
-and exits cleanly.
+watches the others': a rank that is dead or stopped (SIGKILL, SIGSTOP, a crash) is named within
+--heartbeat_timeout seconds (default 60) and every other rank exits with status 1. A finished run
+drains the rollouts in flight and exits cleanly.
 
 Readings chosen:
 - "Lag" of a token = the trainer's policy version when it trains on it minus the version that
