@@ -97,8 +97,7 @@ import torch
 import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -860,18 +859,16 @@ def shard_trainer(model, trainers, device, dtype=torch.float32):
     return wrapped
 
 
-def full_optimizer_state(model, opt):
-    """--fsdp: the optimizer state of the whole model as one ordinary state dict, on rank 0 (None
-    elsewhere). A collective: every trainer calls it."""
-    full = get_optimizer_state_dict(
-        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return full if dist.get_rank() == 0 else None
+def sharded_state(model, opt):
+    """--fsdp: this trainer's float32 shards and their AdamW state, as torch.distributed.checkpoint
+    saves and loads them (each trainer its own part; nothing is gathered)."""
+    weights, optimizer = get_state_dict(model, opt)
+    return {"model": weights, "optimizer": optimizer}
 
 
-def load_sharded_optimizer(model, opt, full):
-    """--fsdp on resume: each trainer keeps its own shard of a full optimizer state dict (read by
-    all)."""
-    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
+def set_sharded_state(model, opt, state):
+    """--fsdp on resume: the shards loaded (sharded_state's) into the model and the optimizer."""
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def generator_stats(ctx):

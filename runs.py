@@ -189,13 +189,21 @@ def disk_error(path, err, out):
                       f"the last good checkpoint is {ckpt or 'none (no checkpoint yet)'}")
 
 
-def save_checkpoint(out, step, model, tokenizer, state, keep):
+def checkpoint_tmp(out, step, fresh=True):
+    """The folder ckpt-STEP is written into before it is renamed into place (fresh: emptied)."""
+    tmp = os.path.join(out, f"ckpt-{step:06d}.tmp")
+    if fresh:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def save_checkpoint(out, step, model, tokenizer, state, keep, fresh=True):
     """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep` of
     this run: older steps are pruned by step number, never the one just written. A failed write
-    (disk full) leaves the earlier checkpoints as they were and exits with one line."""
+    (disk full) leaves the earlier checkpoints as they were and exits with one line. fresh=False:
+    the temp folder already holds what other ranks wrote into it (sharded state), and is kept."""
     final = os.path.join(out, f"ckpt-{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = checkpoint_tmp(out, step, fresh)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -238,6 +246,9 @@ def intact_checkpoint(out, quiet=False):
             for w in weights:
                 with safe_open(w, "pt"):
                     pass
+            if state.get("shards") and not os.path.isfile(
+                    os.path.join(path, state["shards"], ".metadata")):
+                raise FileNotFoundError(f"no {state['shards']}/.metadata")
             return path, state
         except Exception as err:  # any failure to read it means it cannot be resumed from
             if not quiet:

@@ -35,6 +35,7 @@ import numpy as np
 from scipy import stats
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -3609,9 +3610,14 @@ def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(
     for a, b in zip(train_records(tmp_path / "dp"), train_records(out)):
         assert (a["step"], a["reward"], a["kept_prompts"]) == (b["step"], b["reward"], b["kept_prompts"])
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-2, abs_tol=1e-4)
-    dp, fs = (torch.load(d / "ckpt-000003" / "state.pt", weights_only=False)["master"] for d in (tmp_path / "dp", out))
+    dp = torch.load(tmp_path / "dp" / "ckpt-000003" / "state.pt", weights_only=True)["master"]
+    whole = tmp_path / "fsdp.pt"  # the trainers' shards (torch.distributed.checkpoint), made whole
+    dcp_to_torch_save(out / "ckpt-000003" / train.SHARDS, whole)
+    fs = torch.load(whole, weights_only=True)["model"]
     start = AutoModelForCausalLM.from_pretrained(data.toy_model_dir(), dtype=torch.bfloat16)
-    for a, b, w0 in zip(dp, fs, start.parameters()):
+    names = [name for name, _ in start.named_parameters()]
+    assert len(dp) == len(names) and set(names) <= set(fs), (len(dp), names, list(fs))
+    for a, b, w0 in zip(dp, [fs[name] for name in names], start.parameters()):
         assert a.dtype == b.dtype == torch.float32
         moved = (a - w0.float()).abs().mean()
         assert moved > 1e-6 and (a - b).abs().mean() < 0.1 * moved, ((a - b).abs().mean(), moved)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -63,7 +64,7 @@ from fit import predict_final
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
-from runs import (checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
+from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
                   resume_point, save_checkpoint, truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
 
@@ -73,6 +74,8 @@ from sandbox import bwrap_ready, not_ready_reason
 # interrupt: forced interruptions (ScaleRL); penalty: a length penalty on correct answers (paper
 # section 3.1); none: only the budget's truncation
 LENGTH_CONTROLS = ("interrupt", "penalty", "none")
+
+SHARDS = "shards"  # under --fsdp: a checkpoint's sharded float32 weights and AdamW state
 
 # What a run starts from (--recipe); a flag given overrides its value. toy: the embedded task's, on
 # a CPU in minutes. paper: the paper's runs (appendix A.3: 48 prompts x 16, 12k thinking + 2k answer
@@ -775,8 +778,8 @@ class Trainer:
     weights. Each trainer computes the gradient of its share of the batch; they are summed
     (all_reduce_grads), so a step equals the single-trainer full-batch step."""
     sharded = False  # every trainer takes part in each broadcast, eval and checkpoint
-    def __init__(self, args, model, ctx, state):
-        self.args, self.model, self.ctx = args, model, ctx
+    def __init__(self, args, model, ctx, state, ckpt=None):
+        self.args, self.model, self.ctx, self.ckpt = args, model, ctx, ckpt
         # sums over the trainer ranks, for the batch's statistics (None: one process holds it all)
         self.ranks_sum = None if ctx is None else self.all_sum
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -884,6 +887,9 @@ class Trainer:
         """The whole model, on trainer 0, to evaluate and save."""
         return self.model
 
+    def save_shards(self, folder):
+        """Write what each trainer holds of the state into a checkpoint folder (FSDP2 only)."""
+
     def state_dict(self):
         """What --resume needs of the trainer."""
         return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
@@ -911,20 +917,19 @@ class ShardedTrainer(Trainer):
     1/T of them; pipeline.shard_trainer). A half --dtype keeps float32 shards (they are AdamW's
     master weights) and computes in the half dtype. Every trainer takes part in making the weights
     whole for each broadcast, eval and checkpoint, one parameter or bucket at a time; no trainer
-    keeps a whole copy. The checkpoints hold the full optimizer state (gathered to trainer 0's host;
-    each trainer keeps its shard of it on --resume)."""
+    keeps a whole copy. A checkpoint's model folder holds the whole weights in --dtype (trainer 0
+    writes them, one parameter at a time through its host); the float32 shards and their AdamW
+    state are saved sharded, each trainer its own (torch.distributed.checkpoint, SHARDS), and each
+    trainer reads its own back on --resume."""
     sharded = True
 
     def optimized_weights(self, state):
-        """Shard the model in place (float32 shards, the saved master weights on --resume); AdamW
-        steps the shards themselves."""
+        """Shard the model in place (float32 shards; on --resume, the saved ones: load_state_dict);
+        AdamW steps the shards themselves."""
         model, ctx = self.model, self.ctx
         self.dtype = dtype = next(model.parameters()).dtype
         if dtype != torch.float32:
             model.float()
-            with torch.no_grad():
-                for p, m in zip(model.parameters(), state.get("master") or []):
-                    p.copy_(m)
         self.forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device, dtype)
         local = sum(p.to_local().numel() for p in model.parameters())
         print0(f"FSDP2: trainer 0 holds {local} of {self.n_params} parameters (and their AdamW "
@@ -968,17 +973,22 @@ class ShardedTrainer(Trainer):
                     params[name].copy_(full)  # a half --dtype: rounded from the float32 shards
         return whole.to(device) if whole is not None and device else whole
 
+    def save_shards(self, folder):
+        """Every trainer writes its float32 shards and their AdamW state into folder/SHARDS (a
+        collective)."""
+        dcp.save(pipeline.sharded_state(self.model, self.opt),
+                 checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
+
     def state_dict(self):
-        """The full optimizer state, and under a half dtype the float32 weights, gathered to
-        trainer 0's host (a collective, one parameter at a time)."""
-        rank0, half = self.ctx.rank == 0, self.dtype != torch.float32
-        master = [t.detach().cpu() if rank0 else None for t in pipeline.whole_weights(self.model)]
-        return {**super().state_dict(),
-                "optimizer": pipeline.full_optimizer_state(self.model, self.opt),
-                "master": master if half and rank0 else None}
+        """What --resume needs besides the shards (save_shards): the schedule, the RNG, the step."""
+        return {**super().state_dict(), "optimizer": None, "master": None, "shards": SHARDS}
 
     def load_optimizer(self, saved):
-        pipeline.load_sharded_optimizer(self.model, self.opt, saved)
+        """The shards this trainer saved: its float32 weights and their AdamW state."""
+        state = pipeline.sharded_state(self.model, self.opt)
+        dcp.load(state, checkpoint_id=os.path.join(self.ckpt, SHARDS),
+                 process_group=self.ctx.trainers)
+        pipeline.set_sharded_state(self.model, self.opt, state)
 
 # -----------------------------------------------------------------------------
 # the run's record: compute, the metrics of a step, alarms, evals, checkpoints
@@ -1236,13 +1246,17 @@ def held_out_eval(rec, env, trainer, source):
 
 def save(rec, env, trainer, source):
     """A checkpoint of the weights and everything --resume needs (trainer 0 writes it; under
-    --fsdp every trainer takes part in gathering it)."""
+    --fsdp every trainer takes part in gathering the weights and writes its own shards)."""
     model, state = trainer.eval_model(), trainer.state_dict()
     state.update(source.state_dict(trainer.version), compute_s=rec.compute_s, flops=rec.flops,
                  args=vars(env.args))
+    folder = checkpoint_tmp(env.args.out, trainer.version, fresh=env.rank0)
+    if trainer.sharded:
+        trainer.any(False)  # a barrier: the folder is emptied before any trainer writes into it
+        trainer.save_shards(folder)
     if env.rank0:
         path = save_checkpoint(env.args.out, trainer.version, model, env.tokenizer, state,
-                               env.args.keep)
+                               env.args.keep, fresh=False)
         print(f"saved {path}", flush=True)
     rec.saved = trainer.version
 
@@ -1316,7 +1330,8 @@ def rollout_source(env):
 def make_trainer(env):
     """Replicated (one process, or data-parallel trainer ranks), or sharded with --fsdp."""
     sharded = env.args.fsdp and env.ctx is not None
-    return (ShardedTrainer if sharded else Trainer)(env.args, env.model, env.ctx, env.state)
+    return (ShardedTrainer if sharded else Trainer)(env.args, env.model, env.ctx, env.state,
+                                                    env.ckpt)
 
 
 def describe(env, trainer):
