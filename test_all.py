@@ -4001,6 +4001,24 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
 
 
+def test_train_forget_alarm_reads_a_window_of_steps_not_one_spike(capsys):
+    """The forget alarm averages the last FORGET_WINDOW steps that trained: a one-step spike (healthy pinned
+    runs showed them up to 0.069) says nothing; a sustained loss above FORGET_ALARM (the lr-3e-4 collapse:
+    from step 20, its fall at 40) warns once, at the step its window passes the threshold."""
+    rec = train.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
+    def step(i, forget, kept=4):
+        train.alarms(rec, {"step": i, "trunc": 0.0, "forget": forget, "kept_prompts": kept, "lag_max": 8,
+                           "pass_rate": 0.5})
+        return capsys.readouterr().out
+    assert train.FORGET_WINDOW == 5 and train.FORGET_ALARM == 0.01
+    spike = 5 * train.FORGET_ALARM - 1e-3
+    assert [step(i, f) for i, f in enumerate([spike, 0.0, 0.0, 0.0, 0.0], 1)] == [""] * 5
+    assert "forget" not in step(6, 1.0, kept=0)  # a step that trained nothing is not in the window
+    outs = [step(i, 0.011) for i in range(7, 13)]
+    assert outs[:4] == [""] * 4 and outs[4].startswith("warning: step 11: forget 0.011 (mean of the last 5")
+    assert outs[5] == ""  # once
+
+
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
     """A budget too small for any answer: every sample truncated, every step keeps no prompt. The log warns
     once about the truncation rate and once about the empty step, and after --max_empty_steps in a row the

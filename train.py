@@ -1009,6 +1009,7 @@ class Record:
     evals: list = field(default_factory=list)  # (compute_s, held-out pass rate) of every eval
     warned: set = field(default_factory=set)  # the alarms already raised (each is said once)
     empty_steps: int = 0  # consecutive steps that kept no prompt (nothing to train on)
+    forgets: list = field(default_factory=list)  # forget of the last FORGET_WINDOW trained steps
     saved: int = -1  # the step of the last checkpoint written
     evaluated: int = -1  # the step of the last held-out eval
     loop_start: tuple = (0.0, 0)  # (time, step) when this process's loop began: the ETA
@@ -1122,7 +1123,9 @@ def log_step(rec, m):
 
 
 # the alarms' thresholds, set from healthy and collapsing runs (BENCHMARKS.md section 6)
-FORGET_ALARM = 0.01  # forget: mean log-prob lost on the tokens the sampler was >= 90% sure of
+# forget (the mean log-prob lost on the tokens the sampler was >= 90% sure of), averaged over the
+# last FORGET_WINDOW steps that trained: one step's forget spikes past 0.01 in healthy runs
+FORGET_ALARM, FORGET_WINDOW = 0.01, 5
 HELD_OUT_TRUNC_ALARM = 0.05  # held-out hard truncation
 HELD_OUT_DROP_ALARM = 0.1  # held-out pass rate fallen since the eval before
 
@@ -1149,8 +1152,12 @@ def alarms(rec, m):
                   "within the budgets); the paper's runs became unstable above 10-15%. Truncated "
                   "samples leave the loss, so a format that runs out of budget gets no gradient: "
                   "watch trunc and forget")
-    if m.get("forget", 0.0) > FORGET_ALARM:
-        warn_once(rec, "forget", step, f"forget {m['forget']:.3f}: the trained policy has lost "
+    if m["kept_prompts"] and m.get("forget") is not None:
+        rec.forgets = (rec.forgets + [m["forget"]])[-FORGET_WINDOW:]
+    forget = sum(rec.forgets) / FORGET_WINDOW  # a window not yet full counts its gaps as 0
+    if forget > FORGET_ALARM:
+        warn_once(rec, "forget", step, f"forget {forget:.3f} (mean of the last {FORGET_WINDOW} "
+                  "steps): the trained policy has lost "
                   f"log-prob on tokens its sampler was sure of, {m['lag_max']:.0f} versions ago. "
                   "Such tokens (the answer format after </think>) are shared by right and wrong "
                   "samples, so the loss holds them nowhere; the policy drifts there unseen until "
