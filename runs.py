@@ -24,6 +24,7 @@ import fcntl
 import glob
 import json
 import os
+import pickle
 import re
 import shlex
 import shutil
@@ -32,6 +33,7 @@ import sys
 
 import torch
 from safetensors import safe_open
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
@@ -269,6 +271,49 @@ def load_state(path):
                  "from the file (a checkpoint of an older train.py, or not written by train.py); "
                  "start another --out")
     return torch.load(path, weights_only=True)
+
+
+# what a sharded checkpoint's .metadata (torch.distributed.checkpoint) may name: its own record
+# types, torch.Size, dtypes, layouts and a path; nothing that runs code
+SHARD_METADATA = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                  ("pathlib", "PosixPath"),
+                  ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class ShardMetadata(pickle.Unpickler):
+    """Unpickles a .metadata file naming nothing but SHARD_METADATA, the record types of
+    torch.distributed.checkpoint.metadata and torch's dtypes."""
+
+    def find_class(self, module, name):
+        if ((module, name) in SHARD_METADATA or module == "torch.distributed.checkpoint.metadata"
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def check_shards(folder):
+    """--resume --fsdp: torch.distributed.checkpoint unpickles a checkpoint's shards/.metadata with
+    no restriction; read it here first, allowing only its own record types: a file that names
+    anything else (it could run code) stops the run with one line."""
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            ShardMetadata(f).load()
+    except Exception as err:
+        sys.exit(f"error: --resume: {path} is not a plain sharded checkpoint's metadata ({err}): "
+                 "it is not loaded, since loading it could run code from the file; start another "
+                 "--out")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's loader, but a value that is not a tensor (an optimizer's
+    hyper-parameters) must load as plain data (torch.load weights_only=True) before it is read the
+    way the library reads it (which would run code named in the file)."""
+
+    def load_bytes(self, read_item, value):
+        torch.load(value, weights_only=True)  # raises on anything but tensors and plain data
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def resume_point(args, quiet):

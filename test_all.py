@@ -12,10 +12,12 @@ import errno
 import hashlib
 import inspect
 import ipaddress
+import io
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import runpy
@@ -4477,6 +4479,38 @@ def test_train_resume_unpickles_nothing_that_could_run_code(toy_dir, tmp_path):
     with pytest.raises(SystemExit, match=r"^error: --resume: .*curriculum-rank1.pt is a curriculum of an older "):
         runs.resume_point(args, quiet=True)
     assert not ran.exists()
+
+
+def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
+    """--resume --fsdp reads torch.distributed.checkpoint's files, which the library unpickles without
+    restriction (.metadata) or with torch.load(weights_only=False) (an optimizer's hyper-parameters): a
+    metadata file naming anything but its own record types stops the run with one line, and a value that is
+    not plain data raises, both before any of it runs. A real sharded checkpoint loads so (one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    folder, ran = tmp_path / "shards", tmp_path / "ran"
+    weights, optimizer = get_state_dict(model, opt)
+    dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=folder)
+    runs.check_shards(folder)
+    back = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": get_state_dict(model, opt)[1]}
+    dcp.load(back, checkpoint_id=folder, planner=runs.SafeLoadPlanner())
+    assert all(torch.equal(back["model"][k], v) for k, v in weights.items())
+    assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3
+    good = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(str(ran))))
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*\.metadata is not a plain sharded checkpoint's "
+                                         r"metadata \(it names (io|builtins)\.open\)"):
+        runs.check_shards(folder)
+    value = io.BytesIO()
+    torch.save(RunsCode(str(ran)), value)
+    value.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        runs.SafeLoadPlanner().load_bytes(None, value)
+    assert not ran.exists() and good
 
 
 def warmed_up(records, lr, warmup=10):

@@ -64,8 +64,9 @@ from fit import predict_final
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
-from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, release_lock, resume_command,
-                  resume_point, save_checkpoint, truncate_metrics, write_file)
+from runs import (SafeLoadPlanner, check_shards, checkpoint_tmp, checkpoints, metrics_log,
+                  prepare_out_dir, release_lock, resume_command, resume_point, save_checkpoint,
+                  truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
 
 # -----------------------------------------------------------------------------
@@ -285,7 +286,8 @@ def rank_flags(g):
     g.add_argument("--bucket_mb", type=int, default=256, help="weight broadcast bucket size")
     g.add_argument("--fsdp", action="store_true",
                    help="shard the trainers' model and optimizer state over the trainer ranks "
-                        "(FSDP2); rank 0 keeps one unsharded copy to evaluate and save")
+                        "(FSDP2); no trainer keeps a whole copy, and checkpoints keep the float32 "
+                        "shards and AdamW state sharded")
 
 
 def logging_flags(g):
@@ -985,9 +987,11 @@ class ShardedTrainer(Trainer):
 
     def load_optimizer(self, saved):
         """The shards this trainer saved: its float32 weights and their AdamW state."""
+        folder = os.path.join(self.ckpt, SHARDS)
         state = pipeline.sharded_state(self.model, self.opt)
-        dcp.load(state, checkpoint_id=os.path.join(self.ckpt, SHARDS),
-                 process_group=self.ctx.trainers)
+        check_shards(folder)  # nothing in the folder runs code
+        dcp.load(state, checkpoint_id=folder, process_group=self.ctx.trainers,
+                 planner=SafeLoadPlanner())
         pipeline.set_sharded_state(self.model, self.opt, state)
 
 # -----------------------------------------------------------------------------
