@@ -3520,6 +3520,9 @@ def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_pat
     rcs, outs = finish_all(launch(3, tmp_path / "dp", "--steps", "5", *flags))
     assert rcs == [0, 0, 0], outs
     runs = {"dp": (train_records(tmp_path / "dp"), outs[0], AutoModelForCausalLM.from_pretrained(tmp_path / "dp" / "ckpt-000003"))}
+    for r in runs["dp"][0]:  # the console's step line under torchrun carries the roles' fields, as metrics.jsonl
+        line = next(l for l in outs[0].splitlines() if l.startswith(f"step {r['step']}/5 "))
+        assert f"| busy gen {r['gen_busy']:.2f} train {r['train_busy']:.2f} | sync {r['sync_ms']:.0f} ms" in line
     out = tmp_path / "fsdp"
     rcs, outs = finish_all(launch(3, out, "--steps", "3", *flags, "--fsdp"))
     assert rcs == [0, 0, 0], outs
