@@ -1145,8 +1145,9 @@ def bench_replay(args):
     tok = AutoTokenizer.from_pretrained(os.path.join(args.replay_run, f"ckpt-{steps[0]:06d}"))
     think_end = special_tokens(tok)["think_end"]
     val_ids, ids = train.tokenize_prompts(tok, val), train.tokenize_prompts(tok, problems)
-    greedy = pipeline.make_sampler(first, tok, train.get_args(["--temperature", "0"]),
-                                   max(map(len, val_ids)))
+    gargs = train.get_args([])
+    gargs.temperature = 0.0  # greedy: the sampler takes it, train.py's flags do not (training samples)
+    greedy = pipeline.make_sampler(first, tok, gargs, max(map(len, val_ids)))
     greedy = pipeline.sample_all(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
     contexts, nexts = [], []
     for i, p in enumerate(val_ids):

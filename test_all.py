@@ -1045,8 +1045,8 @@ def seen_while_running(path):
     thread = threading.Thread(target=score_code, args=(fenced("import time\ntime.sleep(2)" + RAN), RUN))
     thread.start()
     seen, deadline = {}, time.monotonic() + 10
-    while not seen and time.monotonic() < deadline:
-        for pid in sandbox_processes():
+    while thread.is_alive() and time.monotonic() < deadline:  # each pid's last reading: bwrap's own process is
+        for pid in sandbox_processes():                       # seen before the sandbox confines it
             with contextlib.suppress(OSError):
                 if mine(int(pid)):
                     seen[pid] = (open(f"/proc/{pid}/{path}").read().strip(), open(f"/proc/{pid}/cgroup").read())
@@ -3747,14 +3747,6 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
     assert whole > 6 * peaks[2048], (whole, peaks)
 
 
-def test_train_resume_continues_exactly(toy_dir, tmp_path):
-    full = run_train(toy_dir, tmp_path / "full", "--steps", "4", "--eval_every", "4")
-    run_train(toy_dir, tmp_path / "cut", "--steps", "2", "--eval_every", "4")  # saves ckpt-000002 at its end
-    resumed = run_train(toy_dir, tmp_path / "cut", "--steps", "4", "--eval_every", "4", "--resume")
-    assert [m["step"] for m in resumed if m["kind"] == "train"] == [1, 2, 3, 4]
-    assert strip_timing(resumed) == strip_timing(full)
-
-
 def test_train_bf16_steps_float32_master_weights_and_resumes_them_exactly(toy_dir, tmp_path):
     """--dtype bfloat16: AdamW steps float32 copies. Its first step, by hand: bias-corrected Adam with eps
     1e-15 moves each weight by exactly lr_1 = lr / warmup against its gradient's sign (0 where the gradient
@@ -3816,7 +3808,9 @@ def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_contin
     line gives the exact command that resumes, the exit status is 128 + the signal; the command it gives
     repeats the uninterrupted run's steps exactly."""
     flags = ["--model", toy_dir, "--steps", "6", "--save_every", "0", "--eval_every", "3"]
-    (full,) = launch(1, tmp_path / "full", *flags)  # side by side with the run that is stopped
+    # side by side with the run that is stopped; the resume is checked once (SIGINT), the signals' handling
+    # is one code path
+    full = launch(1, tmp_path / "full", *flags)[0] if sig == signal.SIGINT else None
     cut = tmp_path / "cut"
     (p,) = launch(1, cut, *flags)
     wait_for_train_records(cut, 2, [p])
@@ -3831,6 +3825,8 @@ def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_contin
     # what it says on the signal is true whether the step under way was sampling (dropped) or training (saved)
     assert f"{sig.name}: stopping; the last step to finish will be saved ({sig.name} again, 3 s from now or " \
            "later: exit at once without saving)" in said
+    if full is None:
+        return
     (p,) = launch(1, cut, *flags, "--resume")
     (rc, rc_full), (out, out_full) = finish_all([p, full])
     assert rc == 0 and rc_full == 0, out + out_full
