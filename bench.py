@@ -44,8 +44,8 @@ stability (not in the default set: about 5 minutes a seed on 2 cores): the defau
    is the slower role, so the generator always runs k batches ahead); idle; or two CPU-bound
    processes beside the run. Per seed: the final held-out pass rate of both, the lowest held-out
    after step 30, the lag the run saw, its largest truncation and forget, the steps its warnings
-   fired at, and whether it held (final >= the one-process final - 0.03, nothing under 0.6 after
-   step 30).
+   fired at, the largest fall of its held-out pass rate below its best so far, and whether it held
+   (no fall of more than train.HELD_OUT_DROP_ALARM, 0.1).
 replay (not in the default set; --replay_run: a toy run with a checkpoint every 2 steps): what
    moved a PipelineRL-8 run that collapsed, step by step from its checkpoints. Per checkpoint s: the
    log-odds of the answer's first token after </think> (" The") on fixed contexts (the first
