@@ -4002,10 +4002,11 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
 
 
-def test_train_forget_alarm_reads_a_window_of_steps_not_one_spike(capsys):
+def test_train_forget_alarm_reads_a_window_of_steps_and_a_solved_batch_is_no_alarm(capsys):
     """The forget alarm averages the last FORGET_WINDOW steps that trained: a one-step spike (healthy pinned
     runs showed them up to 0.069) says nothing; a sustained loss above FORGET_ALARM (the lr-3e-4 collapse:
-    from step 20, its fall at 40) warns once, at the step its window passes the threshold."""
+    from step 20, its fall at 40) warns once, at the step its window passes the threshold. A step that keeps no
+    prompt warns, unless every sample was right (a solved batch)."""
     rec = train.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
     def step(i, forget, kept=4):
         train.alarms(rec, {"step": i, "trunc": 0.0, "forget": forget, "kept_prompts": kept, "lag_max": 8,
@@ -4018,6 +4019,12 @@ def test_train_forget_alarm_reads_a_window_of_steps_not_one_spike(capsys):
     outs = [step(i, 0.011) for i in range(7, 13)]
     assert outs[:4] == [""] * 4 and outs[4].startswith("warning: step 11: forget 0.011 (mean of the last 5")
     assert outs[5] == ""  # once
+    rec = train.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
+    empty = {"trunc": 0.0, "forget": None, "kept_prompts": 0, "lag_max": 8}
+    train.alarms(rec, {**empty, "step": 1, "pass_rate": 1.0})  # every group all right: solved, no alarm
+    assert capsys.readouterr().out == "" and rec.empty_steps == 1
+    train.alarms(rec, {**empty, "step": 2, "pass_rate": 0.4})
+    assert capsys.readouterr().out.startswith("warning: step 2: no prompt kept") and rec.empty_steps == 2
 
 
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):

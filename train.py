@@ -1146,7 +1146,8 @@ def alarms(rec, m):
     samples hold. Rank 0 warns once per kind, in one line naming the likely cause and the flags:
     when a batch's hard-truncation rate passes 10% (where the paper's instability band starts),
     when the trained policy has lost the tokens its sampler was sure of (`forget`: the early sign
-    of a collapse under PipelineRL-k, BENCHMARKS.md section 6), and when a step keeps no prompt.
+    of a collapse under PipelineRL-k, BENCHMARKS.md section 6), and when a step keeps no prompt
+    (unless every sample of it was right: a solved batch is no alarm).
     After --max_empty_steps steps in a row that kept nothing -> why the run should stop (every
     trainer computes the same from the summed metrics), else None: with nothing kept the optimizer
     never steps again, and the run would spin."""
@@ -1168,7 +1169,7 @@ def alarms(rec, m):
                   "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
                   "Lower --lr, or --max_lag")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
-    if rec.empty_steps:
+    if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
                   f"{m['pass_rate']:.2f}): nothing to train on, the optimizer step is skipped; the "
                   f"run stops after {args.max_empty_steps} such steps in a row")
