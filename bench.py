@@ -44,8 +44,9 @@ stability (not in the default set: about 5 minutes a seed on 2 cores): the defau
    is the slower role, so the generator always runs k batches ahead); idle; or two CPU-bound
    processes beside the run. Per seed: the final held-out pass rate of both, the lowest held-out
    after step 30, the lag the run saw, its largest truncation and forget, the steps its warnings
-   fired at, the largest fall of its held-out pass rate below its best so far, and whether it held
-   (no fall of more than train.HELD_OUT_DROP_ALARM, 0.1).
+   fired at, the largest fall of its held-out pass rate below its best so far (it fell: more than
+   train.HELD_OUT_DROP_ALARM, 0.1), and whether it held (final >= the one-process final - 0.03,
+   nothing under 0.6 after step 30).
 replay (not in the default set; --replay_run: a toy run with a checkpoint every 2 steps): what
    moved a PipelineRL-8 run that collapsed, step by step from its checkpoints. Per checkpoint s: the
    log-odds of the answer's first token after </think> (" The") on fixed contexts (the first
@@ -1012,9 +1013,11 @@ def train_steps(out):
 def stability_row(seed, one, ranks, warned):
     """A seed's row: finals, the lowest held-out after step 30, the largest fall of the held-out
     pass rate below its best so far, the lag the run saw (mean over the steps that trained, and
-    the share of them at the largest lag), its largest truncation and forget, the warnings' steps,
-    and whether it held: it never fell more than train.HELD_OUT_DROP_ALARM below its best (a run
-    that learns more slowly than its one-process counterpart holds; the gap is its own column)."""
+    the share of them at the largest lag), its largest truncation and forget, the warnings' steps;
+    whether it fell (more than train.HELD_OUT_DROP_ALARM below its best: a collapse, or the start
+    of one) and whether it held by the criterion fixed before the runs (its final at least the
+    one-process final - 0.03, and no eval after step 30 under 0.6): a run that learns more
+    slowly than its counterpart without falling does not hold."""
     evals = lambda rs: [r for r in rs if r["kind"] == "eval"]
     steps = [r for r in ranks if r["kind"] == "train" and r["kept_prompts"]]
     after = [r["pass_rate"] for r in evals(ranks) if r["step"] > 30]
@@ -1028,7 +1031,8 @@ def stability_row(seed, one, ranks, warned):
            "steps": max(r["step"] for r in ranks if r["kind"] == "train")}
     rates = [r["pass_rate"] for r in evals(ranks)]
     row["fall"] = max(max(rates[:i + 1]) - rate for i, rate in enumerate(rates))
-    row["held"] = row["fall"] <= train.HELD_OUT_DROP_ALARM
+    row["fell"] = row["fall"] > train.HELD_OUT_DROP_ALARM
+    row["held"] = row["final"] >= row["one_final"] - 0.03 and row["lowest_after_30"] >= 0.6
     return row
 
 
@@ -1048,7 +1052,8 @@ def bench_stability(args):
               f"{row['lag_mean']:.2f} mean, "
               f"{row['at_max_lag']:.0%} of steps at {row['max_lag']:.0f} | max trunc "
               f"{row['max_trunc']:.3f} | max forget {row['max_forget']:.3f} | warnings at "
-              f"{row['warned'] or 'none'} | {'held' if row['held'] else 'FELL'}", flush=True)
+              f"{row['warned'] or 'none'} | {'fell' if row['fell'] else 'no fall'} | "
+              f"{'held' if row['held'] else 'NOT HELD'}", flush=True)
     print(f"stability | {sum(r['held'] for r in rows)} of {len(rows)} held")
     return rows
 
