@@ -4244,8 +4244,8 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
         flat = "fit.py" in cmd and "a flat series" in done.stderr  # a 4-step run has no curve to fit
         assert done.returncode == 0 or flat, f"{cmd}:\n{done.stdout[-1500:]}{done.stderr[-1500:]}"
         ran.append(cmd)
-    assert sum("train.py" in c for c in ran) >= 5 and any("generate.py" in c for c in ran), ran
-    assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 3, ran
+    assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
+    assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 2, ran
     assert "a Hub id: no network here" in skipped
 
 
