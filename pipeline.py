@@ -554,18 +554,20 @@ def send_weights(ctx, model, bucket_mb, dtype):
 
 
 @torch.no_grad()
-def broadcast_weights(ctx, model, bucket_mb):
-    """A generator's side of one weight broadcast (trainer 0's: send_weights): received into its
-    model's parameters, bucket by bucket -> bytes moved."""
-    nbytes = 0
-    for params in weight_buckets([p for _, p in model.named_parameters()], bucket_mb):
-        flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                           device=params[0].device)
+def broadcast_weights(ctx, model, bucket_mb, into=None):
+    """A generator's side of one weight broadcast (trainer 0's: send_weights): received, bucket by
+    bucket, into its model's parameters, or into `into` (tensors of their shapes: stage_weights)
+    -> bytes moved."""
+    params, nbytes = [p for _, p in model.named_parameters()], 0
+    for bucket, targets in zip(weight_buckets(params, bucket_mb),
+                               weight_buckets(into or params, bucket_mb)):
+        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                           device=bucket[0].device)
         dist.broadcast(flat, src=0, group=ctx.weights)
         offset = 0
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for t in targets:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
         nbytes += flat.nbytes
     return nbytes
 
@@ -1295,22 +1297,12 @@ def take_weights(gen, version):
     gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}
 
 
-@torch.no_grad()
 def stage_weights(ctx, model, bucket_mb, staged=None):
     """A generator's side of one weight broadcast, received into host copies of its parameters
     (staged: the copies of an earlier one, overwritten) instead of the parameters -> the copies.
     One bucket at a time is on the device."""
-    params = [p for _, p in model.named_parameters()]
-    staged = staged or [torch.empty(p.shape, dtype=p.dtype) for p in params]
-    for bucket, copies in zip(weight_buckets(params, bucket_mb),
-                              weight_buckets(staged, bucket_mb)):
-        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
-                           device=bucket[0].device)
-        dist.broadcast(flat, src=0, group=ctx.weights)
-        offset = 0
-        for c in copies:
-            c.copy_(flat[offset:offset + c.numel()].view_as(c))
-            offset += c.numel()
+    staged = staged or [torch.empty(p.shape, dtype=p.dtype) for _, p in model.named_parameters()]
+    broadcast_weights(ctx, model, bucket_mb, into=staged)
     return staged
 
 
