@@ -532,8 +532,8 @@ def base_model_dir(args):
 def pick_threads():
     """One process on the CPU: half the cores as torch threads (at least 1, at most torch's
     default), unless OMP_NUM_THREADS says. Threads beyond the cores a process gets spin and wait
-    for each other at every parallel op: on a busy 2-core machine the toy's steps took minutes
-    with 2 threads and about a second with 1 (BENCHMARKS.md section 9); half leaves the other
+    for each other at every parallel op: on a busy 2-core machine the toy's steps took 5-22 s
+    with 2 threads and 1-2 s with 1 (BENCHMARKS.md section 9); half leaves the other
     half to the verifier workers and to others. A function of the machine, not of its load: the
     same run on the same machine computes the same numbers (an exact --resume). -> the threads
     set."""
@@ -892,12 +892,16 @@ class Trainer:
     def save_shards(self, folder):
         """Write what each trainer holds of the state into a checkpoint folder (FSDP2 only)."""
 
+    def optimizer_state(self):
+        """The optimizer's part of state.pt: AdamW's state and, under a half --dtype, the float32
+        weights it steps (the model holds them rounded)."""
+        return {"optimizer": self.opt.state_dict(),
+                "master": [m.detach().cpu() for m in self.master] if self.master else None}
+
     def state_dict(self):
         """What --resume needs of the trainer."""
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "step": self.version, "torch_rng": torch.get_rng_state(),
-                # a half --dtype: the float32 weights AdamW steps (the model holds them rounded)
-                "master": [m.detach().cpu() for m in self.master] if self.master else None}
+        return {**self.optimizer_state(), "scheduler": self.sched.state_dict(),
+                "step": self.version, "torch_rng": torch.get_rng_state()}
 
     def load_state_dict(self, state):
         self.load_optimizer(state["optimizer"])
@@ -977,13 +981,14 @@ class ShardedTrainer(Trainer):
 
     def save_shards(self, folder):
         """Every trainer writes its float32 shards and their AdamW state into folder/SHARDS (a
-        collective)."""
+        collective), once trainer 0 has emptied the folder."""
+        self.any(False)  # a barrier
         dcp.save(pipeline.sharded_state(self.model, self.opt),
                  checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
 
-    def state_dict(self):
-        """What --resume needs besides the shards (save_shards): the schedule, the RNG, the step."""
-        return {**super().state_dict(), "optimizer": None, "master": None, "shards": SHARDS}
+    def optimizer_state(self):
+        """In the shards (save_shards), not in state.pt."""
+        return {"optimizer": None, "master": None, "shards": SHARDS}
 
     def load_optimizer(self, saved):
         """The shards this trainer saved: its float32 weights and their AdamW state."""
@@ -1262,10 +1267,7 @@ def save(rec, env, trainer, source):
     model, state = trainer.eval_model(), trainer.state_dict()
     state.update(source.state_dict(trainer.version), compute_s=rec.compute_s, flops=rec.flops,
                  args=vars(env.args))
-    folder = checkpoint_tmp(env.args.out, trainer.version, fresh=env.rank0)
-    if trainer.sharded:
-        trainer.any(False)  # a barrier: the folder is emptied before any trainer writes into it
-        trainer.save_shards(folder)
+    trainer.save_shards(checkpoint_tmp(env.args.out, trainer.version, fresh=env.rank0))
     if env.rank0:
         path = save_checkpoint(env.args.out, trainer.version, model, env.tokenizer, state,
                                env.args.keep, fresh=False)
