@@ -953,7 +953,8 @@ HOG = [sys.executable, "-c", "while True: pass"]  # a CPU-bound process
 
 def stability_flags(args, folder):
     """train.py's flags for the preset: the default run's (toy), or toy-hard at the miniature
-    study's settings (its task, model, problems and steps)."""
+    study's settings (its task, model, problems and steps; the loss at train.py's defaults, not
+    the study's pins)."""
     if args.stability_preset == "toy":
         return []
     data = study.make_problems(folder)
