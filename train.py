@@ -1172,7 +1172,8 @@ def alarms(rec, m):
                   "Such tokens (the answer format after </think>) are shared by right and wrong "
                   "samples, so the loss holds them nowhere; the policy drifts there unseen until "
                   "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
-                  "Lower --lr, or --max_lag")
+                  f"Lower --lr or --max_lag, or mask more stale negatives: --neg_trust above "
+                  f"{rec.args.neg_trust:g}")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
