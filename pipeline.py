@@ -708,6 +708,9 @@ class LocalRollouts:
                 "train_ms": train_s * 1000,
                 **({"gen_peak_gb": rstats["gen_peak_gb"]} if rstats["gen_peak_gb"] else {})}
 
+    def uncounted(self):
+        return 0.0  # evals run between steps, outside them
+
     def state_dict(self, version):
         """The curriculum a resume at `version` starts from."""
         return {"curriculum": self.gen.snapshots.get(version, self.gen.curriculum).state_dict()}
@@ -728,9 +731,13 @@ class RemoteRollouts:
         # evaluate, and training goes on meanwhile; the frozen modes evaluate on trainer 0
         self.on_generators = ctx.mode == "pipeline"
         self.pending = []  # trainer 0: the evals asked of the generators, (step, stamp), in order
+        self.eval_wait = 0.0  # trainer 0: this step's seconds waited while the generators evaluate
 
     def get(self, step):
-        return receive_groups(self.ctx, step)
+        evaluating = bool(self.pending)  # trainer 0: the generators owe it an eval
+        groups, stats = receive_groups(self.ctx, step)
+        self.eval_wait = stats["wait_s"] if evaluating else 0.0
+        return groups, stats
 
     def publish(self, trainer, last, evaluate=False):
         """After a step: its weights to the generators (publish_weights). evaluate: they run a
@@ -742,8 +749,10 @@ class RemoteRollouts:
         weights go out for its eval alone."""
         on_generators = evaluate and self.on_generators
         if on_generators and self.ctx.rank == 0:
+            t0 = time.time()
             for step, _ in self.pending:
                 self.wait_for_eval(step)
+            self.eval_wait += time.time() - t0
             self.ctx.store.set(f"eval_request/{trainer.version}", "1")
         return publish_weights(self.ctx, trainer, trainer.version, last and not on_generators,
                                self.args.bucket_mb, getattr(torch, self.args.dtype))
@@ -789,7 +798,14 @@ class RemoteRollouts:
                        status=f"evaluating: waiting for the generators' eval of step {step}")
 
     def busy(self, dt, rstats, train_s, sync_s, sync_bytes):
-        return busy_metrics(self.ctx, dt, rstats, train_s, sync_s, sync_bytes)
+        return {**busy_metrics(self.ctx, dt, rstats, train_s, sync_s, sync_bytes),
+                "eval_wait_ms": self.eval_wait * 1000}
+
+    def uncounted(self):
+        """This step's seconds that are not compute: trainer 0's waits while the generators run a
+        held-out eval (for rollouts, or for the eval itself), as the frozen modes' evals on
+        trainer 0 are not compute either."""
+        return self.eval_wait
 
     def state_dict(self, version):
         return {}

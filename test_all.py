@@ -3393,13 +3393,19 @@ def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path)
 def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their_step(tmp_path):
     """Under PipelineRL the generator ranks (two, each its share of the prompts) run the held-out evals, asked by
     trainer 0 and logged when their results are in: each eval is of the weights of its step, what one process
-    gives evaluating that step's checkpoint, sample for sample (the same noise keys)."""
+    gives evaluating that step's checkpoint, sample for sample (the same noise keys). Trainer 0's waits while
+    they evaluate are not compute (as the frozen modes' evals on trainer 0 are not)."""
     flags = ["--steps", "4", "--eval_every", "2", "--save_every", "2", "--keep", "3", "--val_size", "12",
              "--eval_samples", "2", "--gen_ranks", "2"]
     rcs, outs = finish_all(launch(3, tmp_path, *flags))
     assert rcs == [0, 0, 0], outs
-    evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["kind"] == "eval"}
+    records = list(map(json.loads, open(tmp_path / "metrics.jsonl")))
+    evals = {r["step"]: r for r in records if r["kind"] == "eval"}
     assert sorted(evals) == [0, 2, 4]
+    # compute: every step's time on the 3 devices, less trainer 0's waits while the generators evaluated
+    steps = [r for r in records if r["kind"] == "train"]
+    assert all(0 <= r["eval_wait_ms"] <= r["dt_ms"] for r in steps)
+    assert math.isclose(steps[-1]["compute_s"], sum(r["dt_ms"] - r["eval_wait_ms"] for r in steps) / 1000 * 3)
     args = train.get_args(["--out", str(tmp_path), *PIPE_FLAGS, *flags])
     _, val = train.load_data(args)
     for step in (2, 4):

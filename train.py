@@ -1417,7 +1417,8 @@ def main(args):
         sync_s, sync_bytes = source.publish(trainer, trainer.version == args.steps, eval_now)
         # ---- accounting, logging, alarms (sums over every trainer's part of the batch)
         dt = time.time() - t0
-        rec.compute_s += dt * rec.world  # every device, busy or not
+        # every device, busy or not; not the waits on the generators' evals (source.uncounted)
+        rec.compute_s += (dt - source.uncounted()) * rec.world
         m = step_metrics(rec, trainer, batch, groups, rstats, env.train, loss, stats, dt)
         log_step(rec, m | source.busy(dt, rstats, t_train, sync_s, sync_bytes))
         log_evals(rec, env, source)
