@@ -3164,7 +3164,8 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     assert [f["name"] for f in rep["findings"]] == ["batch size: batch8 vs scalerl", "predictability"]
     early = rep["findings"][0]  # one seed: one pair, under the 5 a verdict needs
     assert early["verdict"] == "inconclusive" and early["pairs"] == 1 and early["endpoint"] == "auc_flops"
-    assert all(r["final_mean3"] is not None and r["auc_flops"] is not None for r in rep["runs"])
+    assert all(r["final_mean3"] is not None for r in rep["runs"])
+    assert all(r["auc_flops"] is not None for r in rep["runs"] if r["variant"] != "pipelinerl")  # the compared runs
     assert set(rep["predictability"]) >= {"within_0.02", "rmse", "rmse_persistence", "rmse_constant", "r"}
     assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
     config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in study.VARIANTS
