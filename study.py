@@ -59,10 +59,10 @@ The design, and why:
   47% of problems with 5 or 6 operations, ~9% of samples at the start (an estimate from those
   lengths), fewer as the policy drops the check (the 300-step study on this task: 1% of held-out
   samples interrupted at step 60, 0.2% from step 120). The length-penalty variant gets the same
-  total, --l_max 80 (64 + 16; L_cache 80 // 7 = 11: the penalty from 69 completion tokens on, -1
-  past 80), under the same 64 + 64 generation budget without interruption, so it acts on the same
-  checked traces (with the 11-token answer a 5-operation check is ~75 tokens, a 6-operation one
-  ~87). The answer budget stays 64: with 16, one of 3 ScaleRL seeds wrote past it after </think>,
+  total, --l_max 80 (64 + 16; L_cache 80 // 7 = 11: a penalty above 69 completion tokens, -1 past
+  80), under the same 64 + 64 generation budget without interruption, so it acts on the same
+  checked traces (with the 11-token answer a 5-operation check is ~74 tokens, a 6-operation one
+  ~86). The answer budget stays 64: with 16, one of 3 ScaleRL seeds wrote past it after </think>,
   its truncated samples got no gradient, and it collapsed (BENCHMARKS.md section 9).
 - 200 steps (STEPS) at lr 2e-4, an eval every 10. In the 300-step study on this task a run's first
   half ended at a median 2.6x its C_mid (the midpoint near step 60 of 300), so 200 steps end near
