@@ -3051,9 +3051,9 @@ def test_study_auc_and_predictability_against_both_baselines_by_hand():
     assert empty["within_0.02"] == [0, 0] and empty["rmse"] is None and empty["r"] is None
 
 
-def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
-    """Synthetic runs, 5 seeds: every endpoint, p-value, verdict, extrapolation number and the predictability block of
-    study_report.json recomputed here from the written evals and the runs' own values, by formulas written out."""
+def write_synthetic_study(folder):
+    """5 variants x 5 seeds of known curves in `folder` (ScaleRL's; no_npr its twin within 0.004; batch8 at half the
+    compute a step; sync at 1.5x, its seed 0 collapsed at the end; no_npr logs its knobs) -> the variants."""
     C = np.linspace(0, 100, 21)
     # scale: compute per step against ScaleRL's (batch8: half the FLOPs; sync: 1.5x the device-seconds)
     variants = {"scalerl": 1.0, "no_npr": 1.0, "batch8": 0.5, "pipelinerl": 1.0, "sync": 1.5}
@@ -3067,8 +3067,50 @@ def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
             knobs = (lambda step, seed=seed: {"intr": 0.1 * seed, "trunc": 0.01 * (step % 2), "len": 30.0 + step,
                                               "lag": 0.0, "prompts": 16, "dropped_zero_var": 4 + 8 * (step % 2),
                                               "retired": 5 * step + seed, "epoch": step // 8})
-            write_run(tmp_path / f"{name}-s{seed}", C * scale, R, se=0.004, train=knobs if name == "no_npr" else None)
-    text = study.write_report(str(tmp_path), list(variants), 5, 20)
+            write_run(folder / f"{name}-s{seed}", C * scale, R, se=0.004, train=knobs if name == "no_npr" else None)
+    return list(variants)
+
+
+def check_study_extrapolation(folder, rep, text):
+    """The half-compute fits redone by hand on ScaleRL's runs and the collapsed one, and the predictability block
+    recomputed from the runs' own values in study_report.json, as a reader would."""
+    for r in rep["runs"]:
+        if r["variant"] != "scalerl" and not r["collapsed"]:
+            continue
+        C_run, R_run, _ = fit.load_run(str(folder / f"{r['variant']}-s{r['seed']}"), "flops")
+        full, late = fit.fit_sigmoid(C_run, R_run), C_run >= 0.3 * C_run[-1]  # the wobble: evals about the full fit
+        trend = full["R0"] + (full["A"] - full["R0"]) / (1 + (full["C_mid"] / C_run[late]) ** full["B"])
+        assert r["wobble"] == pytest.approx(statistics.stdev(R_run[late] - trend))  # ddof 1
+        if r["collapsed"]:
+            assert r["extrap_error"] is None and r["persistence_prediction"] is None
+            continue
+        half = C_run <= C_run[-1] / 2
+        h = fit.fit_sigmoid(C_run[half], R_run[half])
+        by_hand = h["R0"] + (h["A"] - h["R0"]) / (1 + (h["C_mid"] / C_run[-1]) ** h["B"])
+        assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1])
+        assert r["persistence_prediction"] == R_run[half][-1]
+    checked = [(r["final"] + r["extrap_error"], r["persistence_prediction"], r["final"]) for r in rep["runs"]
+               if r["extrap_error"] is not None]
+    sig, pers, meas = (np.array(c) for c in zip(*checked))
+    n = len(meas)
+    const = np.array([(meas.sum() - m) / (n - 1) for m in meas])
+    pred = rep["predictability"]
+    assert pred["within_0.02"] == [int((abs(sig - meas) <= 0.02).sum()), n] == rep["extrapolation_within"]
+    assert n == 24 and pred["rmse"] == pytest.approx(np.sqrt(np.mean((sig - meas) ** 2)))
+    assert pred["rmse_persistence"] == pytest.approx(np.sqrt(np.mean((pers - meas) ** 2)))
+    assert pred["rmse_constant"] == pytest.approx(np.sqrt(np.mean((const - meas) ** 2)))
+    assert pred["r"] == pytest.approx(np.corrcoef(sig, meas)[0, 1])
+    (finding,) = [f for f in rep["findings"] if f["name"] == "predictability"]
+    assert finding["why"] in text and finding["pairs"] == n
+    # said plainly when a baseline does at least as well (here the constant: the synthetic finals barely differ)
+    assert ("does NOT beat the constant baseline" in text) == (pred["rmse"] >= pred["rmse_constant"])
+    assert finding["verdict"] != "reproduced" or pred["beats_both"]
+
+
+def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
+    """Synthetic runs, 5 seeds: every endpoint, p-value, verdict, extrapolation number and the predictability block of
+    study_report.json recomputed here from the written evals and the runs' own values, by formulas written out."""
+    text = study.write_report(str(tmp_path), write_synthetic_study(tmp_path), 5, 20)
     rep = json.loads((tmp_path / "study_report.json").read_text())
     assert set(rep) >= {"runs", "findings", "minutes", "steps", "seeds", "extrapolation_within",
                         "extrapolation_seed_averaged", "predictability", "auc_to", "statistics"}
@@ -3108,37 +3150,7 @@ def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
         assert f"| {f[name]['pairs']} | {f[name]['p']:.3g} |" in text
     collapsed = [(r["variant"], r["seed"]) for r in rep["runs"] if r["collapsed"]]
     assert collapsed == [("sync", 0)] and "Collapsed runs: sync-s0." in text
-    for (v, s), r in run.items():  # the fits by hand on ScaleRL's runs and the collapsed one (the rest alike)
-        if v != "scalerl" and not r["collapsed"]:
-            continue
-        C_run, R_run = curve(v, s, "flops")
-        full, late = fit.fit_sigmoid(C_run, R_run), C_run >= 0.3 * C_run[-1]  # the wobble: evals about the full fit
-        trend = full["R0"] + (full["A"] - full["R0"]) / (1 + (full["C_mid"] / C_run[late]) ** full["B"])
-        assert r["wobble"] == pytest.approx(statistics.stdev(R_run[late] - trend))  # ddof 1
-        if r["collapsed"]:
-            assert r["extrap_error"] is None and r["persistence_prediction"] is None
-            continue
-        half = C_run <= C_run[-1] / 2
-        h = fit.fit_sigmoid(C_run[half], R_run[half])
-        by_hand = h["R0"] + (h["A"] - h["R0"]) / (1 + (h["C_mid"] / C_run[-1]) ** h["B"])
-        assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1])
-        assert r["persistence_prediction"] == R_run[half][-1]
-    # the predictability block from the runs' own values in the JSON: a reader's recomputation
-    checked = [(r["final"] + r["extrap_error"], r["persistence_prediction"], r["final"]) for r in rep["runs"]
-               if r["extrap_error"] is not None]
-    sig, pers, meas = (np.array(c) for c in zip(*checked))
-    n = len(meas)
-    const = np.array([(meas.sum() - m) / (n - 1) for m in meas])
-    pred = rep["predictability"]
-    assert pred["within_0.02"] == [int((abs(sig - meas) <= 0.02).sum()), n] == rep["extrapolation_within"]
-    assert n == 24 and pred["rmse"] == pytest.approx(np.sqrt(np.mean((sig - meas) ** 2)))
-    assert pred["rmse_persistence"] == pytest.approx(np.sqrt(np.mean((pers - meas) ** 2)))
-    assert pred["rmse_constant"] == pytest.approx(np.sqrt(np.mean((const - meas) ** 2)))
-    assert pred["r"] == pytest.approx(np.corrcoef(sig, meas)[0, 1])
-    assert f["predictability"]["why"] in text and f["predictability"]["pairs"] == n
-    # said plainly when a baseline does at least as well (here the constant: the synthetic finals barely differ)
-    assert ("does NOT beat the constant baseline" in text) == (pred["rmse"] >= pred["rmse_constant"])
-    assert f["predictability"]["verdict"] != "reproduced" or pred["beats_both"]
+    check_study_extrapolation(tmp_path, rep, text)
     # what the knobs did, seed means written out: steps 0..20 (11 even, 10 odd), seeds 0..4
     trunc, dropped, length = 0.01 * 10 / 21, (4 * 11 + 12 * 10) / 21 / 16, 30 + 10
     assert f"| no_npr | 20.0% | {trunc:.1%} | {dropped:.0%} | {length:.1f} | 0.0 | 102 | 2.0 |" in text
