@@ -331,13 +331,20 @@ def get_int(ctx, key):
 def _heartbeat(ctx, limit):
     """Bump this rank's counter every second; exit the process if another rank's stops moving. Ends
     when finish() sets ctx.stopping, or once any rank has finished (ranks then leave at their own
-    pace)."""
+    pace). A store whose host is stopped (rank 0 under the README's one-machine torchrun, which
+    hosts it) answers nothing, and its clients wait without end: measured, a SIGSTOPped trainer 0
+    froze the generator for as long as it stayed stopped, with no line. So the loop has a deadline
+    of its own, kept by _store_watchdog."""
     store, me, world = ctx.store, ctx.rank, ctx.world
     last = {r: (-1, time.time()) for r in range(world) if r != me}
+    beat = [time.time()]  # when the loop last began a round
+    threading.Thread(target=_store_watchdog, args=(ctx, limit, beat), daemon=True).start()
     try:
         while not ctx.stopping.is_set():
+            beat[0] = time.time()
             store.add(f"heartbeat/{me}", 1)
             if int(store.add("finished", 0)):
+                beat[0] = math.inf
                 return  # a clean shutdown is under way: ranks leave at their own pace
             for r, (count, since) in last.items():
                 now = int(store.add(f"heartbeat/{r}", 0))
@@ -352,6 +359,16 @@ def _heartbeat(ctx, limit):
     except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
         _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
              f"{role_of(ctx, me)} was {ctx.status}")
+
+
+def _store_watchdog(ctx, limit, beat):
+    """Exit the process when the heartbeat loop has not begun a round for `limit` seconds: its
+    store calls hang, so the store's host (rank 0, or the launcher) is stopped or hung."""
+    while not ctx.stopping.wait(1.0):
+        if time.time() - beat[0] > limit:
+            _die(f"the rendezvous store did not answer for {limit:.0f} s: its host, "
+                 f"{role_of(ctx, 0)} or the launcher, is stopped or hung; "
+                 f"{role_of(ctx, ctx.rank)} was {ctx.status}")
 
 
 def report_failure(err):

@@ -220,12 +220,13 @@ def loss_flags(g):
     g.add_argument("--eps_high", type=float, default=None,
                    help="None = the loss kind's default: cispo 4 (the cap on the IS weight), grpo "
                         "0.2, dapo 0.28, gspo 4e-3")
-    g.add_argument("--neg_trust", type=float, default=0.8,
+    g.add_argument("--neg_trust", type=float, default=0.5,
                    help="cispo: a token of a negative-advantage sample whose IS ratio has fallen "
                         "below this gives no gradient (CISPO's token mask M, as PPO clips A < 0; "
                         "a departure from the paper's CISPO, which masks nothing: under "
                         "PipelineRL-8 it keeps a policy from drifting off tokens its stale samples "
-                        "share, BENCHMARKS.md section 6); 0 = off")
+                        "share; 0.8 held too but learned more slowly at lag 8, BENCHMARKS.md "
+                        "section 6); 0 = off")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -1172,7 +1173,8 @@ def alarms(rec, m):
                   "Such tokens (the answer format after </think>) are shared by right and wrong "
                   "samples, so the loss holds them nowhere; the policy drifts there unseen until "
                   "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
-                  "Lower --lr, or --max_lag")
+                  f"Lower --lr or --max_lag, or mask more stale negatives: --neg_trust above "
+                  f"{rec.args.neg_trust:g}")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
