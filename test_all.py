@@ -3185,7 +3185,7 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     assert config["pipelinerl"]["ran"] == "pipeline" and config["pipelinerl"]["world"] == 2
     assert config["scalerl"]["world"] == 1 and config["batch8"]["prompts"] == 8
     # the study's task, on train.py's own loss defaults (no pins)
-    assert config["scalerl"]["think_budget"] == 64 and config["scalerl"]["neg_trust"] == 0.8
+    assert config["scalerl"]["think_budget"] == 64 and config["scalerl"]["neg_trust"] == train.get_args([]).neg_trust
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
     assert recs[0]["val_data"] == str(out / "problems" / "val.jsonl")  # every run scored on the same prompts
     evals = [r for r in recs if r["kind"] == "eval"]
