@@ -218,8 +218,8 @@ QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; the
 # the problems and the runs
 
 
-def make_problems(out, held_out=HELD_OUT):
-    """out/problems/{train,val}.jsonl: the distinct toy-hard problems of at most MAX_OPS operations
+def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
+    """out/problems/{train,val}.jsonl: the distinct toy-hard problems of at most max_ops operations
     among 20000 drawn with a fixed seed, shuffled once, `held_out` of them held out and the next
     TRAIN kept for training (kept when already there)
     -> (train path, val path)."""
@@ -230,7 +230,7 @@ def make_problems(out, held_out=HELD_OUT):
     os.makedirs(folder, exist_ok=True)
     distinct = {}
     for p in toy_problems(20000, 777, "toy-hard"):
-        if len(p["steps"]) <= MAX_OPS:
+        if len(p["steps"]) <= max_ops:
             distinct.setdefault(p["prompt"], {"prompt": p["prompt"], "answer": p["answer"]})
     problems = list(distinct.values())
     random.Random(0).shuffle(problems)
