@@ -565,27 +565,32 @@ def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None):
     return min(fit, cap or fit), per_slot, fit
 
 
-def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True):
+def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True, most=None):
     """How many sequences the sampler decodes at once -> (slots, a line saying why, or None).
 
     On CUDA the KV cache is sized by memory, not by a slot count (vLLM's gpu_memory_utilization,
     read here of the memory left after the weights): as many slots as gen_memory x the device
-    memory free now holds at the full budget (slots_in), at most cap. The rest is headroom for the
-    decode step's logits, the prefill forward and the CUDA graphs. Elsewhere: cap, or CPU_SLOTS."""
+    memory free now holds at the full budget (slots_in), at most cap, and at most `most`: the
+    sequences its caller can ever have in flight (a toy model would otherwise take 0.85 of the
+    device for slots it never fills). The rest is headroom for the decode step's logits, the
+    prefill forward and the CUDA graphs. Elsewhere: cap, or CPU_SLOTS."""
     p = next(model.parameters())
     if p.device.type != "cuda":
         return cap or CPU_SLOTS, None
     free = free_device_bytes(p.device)
+    caps = [c for c in (cap, most) if c]
     slots, per_slot, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
-                                    fp32_head, cap)
+                                    fp32_head, min(caps) if caps else None)
     if not slots:
         raise ValueError(f"one sequence of {max_len} tokens needs {per_slot / 1e9:.2f} GB of KV "
                          f"cache; {gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
                          "--gen_memory, lower the budgets, or use a device with more memory)")
+    bound = (f", --slots {cap}" if cap and cap == slots else
+             f", at most {most} in flight" if most and most == slots else "")
     return slots, (f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache "
-                   f"{slots * per_slot / 1e9:.1f} GB ({per_slot / 1e6:.0f} MB each; "
+                   f"{slots * per_slot / 1e9:.1f} GB ({per_slot / 1e6:.1f} MB each; "
                    f"--gen_memory {gen_memory} of the {free / 1e9:.1f} GB free after the weights "
-                   f"fits {fit}{f', --slots {cap}' if cap else ''})")
+                   f"fits {fit}{bound})")
 
 # -----------------------------------------------------------------------------
 # the continuous-batching loop

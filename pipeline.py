@@ -121,6 +121,19 @@ class Stopped(Exception):
 STOP = {}  # set by a SIGINT / SIGTERM: {"name": "SIGINT", "at": time.time()}
 
 
+def peak_gb(model, reset=True):
+    """The CUDA allocator's peak since the last reset, in GB: a role's peak memory (one process:
+    sampling, then the step, each counting all the process holds; a generator rank: its whole
+    run). None off CUDA."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 1e9
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def stop_on_signals():
     """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the last step to finish is saved and the
     --resume command printed (train.py). One process drops a step still sampling and finishes one
@@ -200,6 +213,8 @@ class Context:
     received: int = 0  # groups this trainer has received
     early: dict = field(default_factory=dict)  # groups received before their batch, by global index
     genstats_before: list = None  # the generators' counters at the last busy_metrics()
+    # the generators' busy fraction and tokens/s at the last step any of them had published since
+    gen_rates: dict = field(default_factory=lambda: {"gen_busy": 0.0, "gen_tok_s": 0.0})
     # _heartbeat's thread; finish() stops it before the ranks part
     heartbeat: threading.Thread = None
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -646,6 +661,7 @@ class LocalRollouts:
         it is used, and the curriculum saved is the one from before it: state_dict)."""
         gen, t0 = self.gen, time.time()
         B = self.args.prompts
+        peak_gb(gen.model)  # the peak from here is this sampling's
         items = admit(gen, range(step * B, (step + 1) * B))
         if gen.exhausted:
             return [], {}
@@ -662,7 +678,7 @@ class LocalRollouts:
         self.done.clear()
         stats = {"too_old": 0, "wait_s": 0.0, "gen_s": sampled - t0,
                  "verify_s": time.time() - sampled, "retired": len(gen.curriculum.retired),
-                 "epoch": gen.curriculum.epoch,
+                 "epoch": gen.curriculum.epoch, "gen_peak_gb": peak_gb(gen.model),
                  "gen_tokens": sum(len(g["prompt"]) + len(s.tokens) for g in groups
                                    for s in g["samples"])}
         return groups, stats
@@ -689,7 +705,11 @@ class LocalRollouts:
         return {"retired": rstats["retired"], "epoch": rstats["epoch"],
                 "gen_busy": (dt - train_s) / dt, "train_busy": train_s / dt, "sync_ms": 0.0,
                 "generate_ms": rstats["gen_s"] * 1000, "verify_ms": rstats["verify_s"] * 1000,
-                "train_ms": train_s * 1000}
+                "train_ms": train_s * 1000,
+                **({"gen_peak_gb": rstats["gen_peak_gb"]} if rstats["gen_peak_gb"] else {})}
+
+    def uncounted(self):
+        return 0.0  # evals run between steps, outside them
 
     def state_dict(self, version):
         """The curriculum a resume at `version` starts from."""
@@ -711,9 +731,13 @@ class RemoteRollouts:
         # evaluate, and training goes on meanwhile; the frozen modes evaluate on trainer 0
         self.on_generators = ctx.mode == "pipeline"
         self.pending = []  # trainer 0: the evals asked of the generators, (step, stamp), in order
+        self.eval_wait = 0.0  # trainer 0: this step's seconds waited while the generators evaluate
 
     def get(self, step):
-        return receive_groups(self.ctx, step)
+        evaluating = bool(self.pending)  # trainer 0: the generators owe it an eval
+        groups, stats = receive_groups(self.ctx, step)
+        self.eval_wait = stats["wait_s"] if evaluating else 0.0
+        return groups, stats
 
     def publish(self, trainer, last, evaluate=False):
         """After a step: its weights to the generators (publish_weights). evaluate: they run a
@@ -725,8 +749,10 @@ class RemoteRollouts:
         weights go out for its eval alone."""
         on_generators = evaluate and self.on_generators
         if on_generators and self.ctx.rank == 0:
+            t0 = time.time()
             for step, _ in self.pending:
                 self.wait_for_eval(step)
+            self.eval_wait += time.time() - t0
             self.ctx.store.set(f"eval_request/{trainer.version}", "1")
         return publish_weights(self.ctx, trainer, trainer.version, last and not on_generators,
                                self.args.bucket_mb, getattr(torch, self.args.dtype))
@@ -772,7 +798,14 @@ class RemoteRollouts:
                        status=f"evaluating: waiting for the generators' eval of step {step}")
 
     def busy(self, dt, rstats, train_s, sync_s, sync_bytes):
-        return busy_metrics(self.ctx, dt, rstats, train_s, sync_s, sync_bytes)
+        return {**busy_metrics(self.ctx, dt, rstats, train_s, sync_s, sync_bytes),
+                "eval_wait_ms": self.eval_wait * 1000}
+
+    def uncounted(self):
+        """This step's seconds that are not compute: trainer 0's waits while the generators run a
+        held-out eval (for rollouts, or for the eval itself), as the frozen modes' evals on
+        trainer 0 are not compute either."""
+        return self.eval_wait
 
     def state_dict(self, version):
         return {}
@@ -904,16 +937,22 @@ def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
     wait_s = rstats["wait_s"]
     now = generator_stats(ctx)
     before = ctx.genstats_before or [{}] * len(now)
-    ctx.genstats_before = now
     d = [{key: s.get(key, 0.0) - b.get(key, 0.0) for key in ("wall", "idle", "sync", "tokens")}
          for s, b in zip(now, before)]
+    # a generator publishes at most every 0.1 s: one that has not since the last step keeps its
+    # old counters here (the next difference spans both steps), and the last rates stand
+    ctx.genstats_before = [s if x["wall"] > 0 else b for s, b, x in zip(now, before, d)]
     busy = [(x["wall"] - x["idle"] - x["sync"]) / x["wall"] for x in d if x["wall"] > 0]
-    return {"gen_busy": sum(busy) / len(busy) if busy else 0.0, "train_busy": train_s / dt,
+    if busy:
+        ctx.gen_rates = {"gen_busy": sum(busy) / len(busy),
+                         "gen_tok_s": sum(x["tokens"] / x["wall"] for x in d if x["wall"] > 0)}
+    return {**ctx.gen_rates, "train_busy": train_s / dt,
             "wait_ms": wait_s * 1000, "sync_ms": sync_s * 1000,
             "sync_MBps": sync_bytes / 1e6 / sync_s if sync_s else 0.0,
-            "gen_tok_s": sum(x["tokens"] / x["wall"] for x in d if x["wall"] > 0),
             "retired": sum(s.get("retired", 0) for s in now),
-            "epoch": max((s.get("epoch", 0) for s in now), default=0)}
+            "epoch": max((s.get("epoch", 0) for s in now), default=0),
+            **({"gen_peak_gb": max(s["peak_gb"] for s in now if s.get("peak_gb"))}
+               if any(s.get("peak_gb") for s in now) else {})}
 
 
 def drain(ctx, step):
@@ -996,27 +1035,36 @@ def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, versi
                      send, version, version)
 
 
-def start_sampler(gen, version, say=None):
+def in_flight(args, n_gens, k):
+    """The most sequences a generator can have in flight: its share of k + 1 batches (at weights
+    v the lag rule, admit_ok, starts groups of batches up to v + k, and batches before v are
+    trained; one process, k = 0: one batch)."""
+    return math.ceil((k + 1) * args.prompts / n_gens) * args.samples
+
+
+def start_sampler(gen, version, k=0, say=None):
     """The generator's sampler, started at weights version `version`: its slots (as many sequences
-    as fit, generate.fit_slots) all free."""
+    as fit, generate.fit_slots, on CUDA at most what lag k lets it have in flight) all free."""
     gen.steps = make_sampler(gen.model, gen.tokenizer, gen.args, max(map(len, gen.prompt_ids)),
-                             version, say=say)
+                             version, say=say, most=in_flight(gen.args, gen.n_gens, k))
     _, gen.free = next(gen.steps)
     gen.slots = gen.free
 
 
-def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, say=None):
+def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, say=None,
+                 most=None):
     """generate.sampler with the run's settings: the one place train.py's flags reach the
     sampler (training rollouts and held-out evals alike). Its slots: on CUDA as many sequences as
     --gen_memory of the free memory holds at the full budget (generate.fit_slots: say(line) says
-    how many), at most --slots and cap; elsewhere --slots (128 by default), at most cap."""
+    how many), at most --slots, cap and most (the sequences it can have in flight); elsewhere
+    --slots (128 by default), at most cap."""
     interrupt, _ = length_control(args)
     special = special_tokens(tokenizer, model)
     caps = [c for c in (args.slots, cap) if c]
     slots, why = generate.fit_slots(
         model, *generate.cache_length(max_prompt_len, args.think_budget, args.answer_budget,
                                       special["interrupt_ids"], interrupt),
-        args.gen_memory, min(caps) if caps else None, args.fp32_head)
+        args.gen_memory, min(caps) if caps else None, args.fp32_head, most)
     if why and say:
         say(why)
     return sampler(model, **special, think_budget=args.think_budget,
@@ -1203,8 +1251,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     gen.pruned, gen.curriculum_path, gen.val, gen.val_ids = ([0] * ctx.n_trainers, curriculum_path,
                                                              val, val_ids)
     gen.report_eval = lambda v, records: ctx.store.set(f"eval/{v}/{ctx.rank}", json.dumps(records))
-    start_sampler(gen, start_version, say=lambda line: print(f"generator rank {ctx.rank}: {line}",
-                                                             flush=True))
+    start_sampler(gen, start_version, ctx.k, lambda line: print(f"generator rank {ctx.rank}: {line}",
+                                                                flush=True))
     set_status(ctx, "generating")
     try:
         while True:
@@ -1333,7 +1381,8 @@ def publish_stats(ctx, gen, force=False):
         idle = gen.idle + (now - gen.idle_since if gen.idle_since else 0.0)
         ctx.store.set(f"genstats/{ctx.rank}", json.dumps({
             "wall": now - gen.t0, "idle": idle, "sync": gen.sync, "tokens": gen.tokens,
-            "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch}))
+            "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch,
+            "peak_gb": peak_gb(gen.model, reset=False)}))
 
 
 def next_groups(ctx, gen, n_groups, version):
@@ -1479,6 +1528,7 @@ class PlanRun:
     gen_memory: float = 0.85
     sized: bool = True  # the KV cache sized by memory (CUDA), else by slots
     slots: int = None
+    lag: int = 8  # the lag bound k (--max_lag): what a generator can have in flight (in_flight)
     fp32_head: bool = True
 
 
@@ -1497,8 +1547,10 @@ def memory_plan(config, run):
     weights = plan_param_count(s) * size
     held = resident if run.generators == 0 else weights
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
-    gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room, run.slots,
-                                         run.fp32_head)
+    most = in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
+    caps = [c for c in (run.slots, most if run.sized else None) if c]
+    gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room,
+                                         min(caps, default=None), run.fp32_head)
     if run.generators == 0:
         roles = {"one process": (1, {**trainer, **gen},
                                  max(sum(trainer.values()), resident + sum(gen.values())), seqs)}
@@ -1554,7 +1606,7 @@ def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len):
                   ckpt_layers=args.ckpt_layers, fsdp=bool(ctx and args.fsdp),
                   trainers=trainers, generators=ctx.n_gens if ctx else 0, device_bytes=total,
                   gen_memory=args.gen_memory, sized=cuda, slots=args.slots,
-                  fp32_head=args.fp32_head)
+                  lag=ctx.k if ctx else 0, fp32_head=args.fp32_head)
     lines = plan_lines(memory_plan(config, run), run,
                        getattr(config, "max_position_embeddings", None))
     print("\n".join(lines), flush=True)

@@ -2592,6 +2592,50 @@ def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     assert small["sequences"] < 8 and not small["roles"]["one process"]["fits"]  # not one group of 8
 
 
+def test_memory_plan_caps_the_kv_cache_at_what_a_generator_can_have_in_flight():
+    """On CUDA the sampler's slots are what --gen_memory holds, at most the sequences the lag rule lets a
+    generator have in flight: one process, one batch (8 x 16 = 128 at Qwen2.5-0.5B and 8k budgets, where 80 GB
+    would hold about 650); a generator of 6 under PipelineRL-8, its share of 9 batches of 16 x 16 (every 6th
+    of 144 groups: 24 x 16 = 384, about 620 fit). Where memory holds fewer (Qwen2.5-7B), memory decides."""
+    one = {**bench.recipe_run("paper"), "think_budget": 7168, "answer_budget": 1024, "prompts": 8, "samples": 16}
+    plan = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**one))
+    assert plan["sequences"] == 8 * 16
+    assert math.isclose(plan["roles"]["one process"]["parts"]["KV cache"], 128 * plan["per_slot"])
+    room = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**one, slots=10 ** 6))
+    assert room["sequences"] == 128  # --slots above the bound changes nothing
+    node = dict(bench.NODE_RUN)
+    assert (node["prompts"], node["samples"], node["generators"]) == (16, 16, 6)
+    small = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**node))
+    assert small["sequences"] == math.ceil(9 * 16 / 6) * 16 == 384
+    big = pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**node))
+    assert big["sequences"] < 384 and big["sequences"] == pipeline.memory_plan(
+        bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**node, lag=10 ** 3))["sequences"]
+    assert pipeline.in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
+
+
+def test_busy_metrics_keep_the_last_rates_while_no_generator_has_published():
+    """Generators publish their counters at most every 0.1 s; steps can be faster (50 ms on a GPU). A step
+    with nothing new keeps the last busy fraction and tokens/s (it read 0.00 on every other step), and the
+    next difference spans both steps."""
+    class Store(dict):
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    store = Store()
+    ctx = pipeline.Context(rank=0, world=2, n_trainers=1, n_gens=1, role="trainer", device="cpu", timeout=1,
+                           mode="pipeline", k=8, prompts=1, samples=1, fsdp=False, store=store, weights=None,
+                           trainers=None, rollouts=None)
+    rstats = {"wait_s": 0.0}
+    store["genstats/1"] = json.dumps({"wall": 1.0, "idle": 0.5, "sync": 0.0, "tokens": 100})
+    first = pipeline.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)
+    assert math.isclose(first["gen_busy"], 0.5) and math.isclose(first["gen_tok_s"], 100)
+    again = pipeline.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)  # nothing published since
+    assert math.isclose(again["gen_busy"], 0.5) and math.isclose(again["gen_tok_s"], 100)
+    store["genstats/1"] = json.dumps({"wall": 2.0, "idle": 0.5, "sync": 0.25, "tokens": 500})
+    later = pipeline.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)
+    assert math.isclose(later["gen_busy"], 0.75) and math.isclose(later["gen_tok_s"], 400)
+
+
 def test_generate_rejects_unsupported_architecture():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20))
     with pytest.raises(ValueError, match="not supported.*llama, qwen2, qwen3"):
@@ -3485,13 +3529,19 @@ def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path)
 def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their_step(tmp_path):
     """Under PipelineRL the generator ranks (two, each its share of the prompts) run the held-out evals, asked by
     trainer 0 and logged when their results are in: each eval is of the weights of its step, what one process
-    gives evaluating that step's checkpoint, sample for sample (the same noise keys)."""
+    gives evaluating that step's checkpoint, sample for sample (the same noise keys). Trainer 0's waits while
+    they evaluate are not compute (as the frozen modes' evals on trainer 0 are not)."""
     flags = ["--steps", "4", "--eval_every", "2", "--save_every", "2", "--keep", "3", "--val_size", "12",
              "--eval_samples", "2", "--gen_ranks", "2"]
     rcs, outs = finish_all(launch(3, tmp_path, *flags))
     assert rcs == [0, 0, 0], outs
-    evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["kind"] == "eval"}
+    records = list(map(json.loads, open(tmp_path / "metrics.jsonl")))
+    evals = {r["step"]: r for r in records if r["kind"] == "eval"}
     assert sorted(evals) == [0, 2, 4]
+    # compute: every step's time on the 3 devices, less trainer 0's waits while the generators evaluated
+    steps = [r for r in records if r["kind"] == "train"]
+    assert all(0 <= r["eval_wait_ms"] <= r["dt_ms"] for r in steps)
+    assert math.isclose(steps[-1]["compute_s"], sum(r["dt_ms"] - r["eval_wait_ms"] for r in steps) / 1000 * 3)
     args = train.get_args(["--out", str(tmp_path), *PIPE_FLAGS, *flags])
     _, val = train.load_data(args)
     for step in (2, 4):

@@ -824,6 +824,7 @@ class Trainer:
             self.version += 1
             return 0.0, {"grad_norm": 0.0, "skipped_bad": self.bad_steps > 0, "lr": lr}
         self.model.train()
+        pipeline.peak_gb(self.model)  # the peak from here is this step's
         loss, stats = self.backward(batch, pad_id)
         self.reduce_grads()
         stepped = self.master or list(self.model.parameters())
@@ -839,7 +840,9 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self.version += 1
-        return loss, {**stats, "grad_norm": norm, "skipped_bad": self.bad_steps > 0, "lr": lr}
+        peak = pipeline.peak_gb(self.model)
+        return loss, {**stats, "grad_norm": norm, "skipped_bad": self.bad_steps > 0, "lr": lr,
+                      **({"train_peak_gb": peak} if peak else {})}
 
     def backward(self, batch, pad_id):
         """This trainer's rows in micro-batches of --micro_tokens, forward and backward -> (loss,
@@ -1110,6 +1113,9 @@ def log_line(m, steps):
     if "generate_ms" in m:  # one process: where the step's time went
         line += (f" | gen {m['generate_ms']:.0f} verify {m['verify_ms']:.0f} "
                  f"train {m['train_ms']:.0f} ms")
+    if "train_peak_gb" in m:  # CUDA: each role's peak allocated memory this step
+        line += (" | peak" + (f" gen {m['gen_peak_gb']:.1f}" if "gen_peak_gb" in m else "") +
+                 f" train {m['train_peak_gb']:.1f} GB")
     if "gen_busy" in m:
         line += (f" | busy gen {m['gen_busy']:.2f} train {m['train_busy']:.2f} "
                  f"| sync {m['sync_ms']:.0f} ms")
@@ -1411,7 +1417,8 @@ def main(args):
         sync_s, sync_bytes = source.publish(trainer, trainer.version == args.steps, eval_now)
         # ---- accounting, logging, alarms (sums over every trainer's part of the batch)
         dt = time.time() - t0
-        rec.compute_s += dt * rec.world  # every device, busy or not
+        # every device, busy or not; not the waits on the generators' evals (source.uncounted)
+        rec.compute_s += (dt - source.uncounted()) * rec.world
         m = step_metrics(rec, trainer, batch, groups, rstats, env.train, loss, stats, dt)
         log_step(rec, m | source.busy(dt, rstats, t_train, sync_s, sync_bytes))
         log_evals(rec, env, source)
