@@ -15,11 +15,9 @@ Writes runs/study/report.md, study_report.json ({"runs", "findings", "predictabi
 ...}), study.png (pass rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run
 fitted on the first half of its compute, extrapolated to its end).
 
-This is the study's sixth design. The committed assets/study_report.json and figures are still
-the fifth's (chains of 2 to 4 operations, 3 seeds, findings judged on fitted A and B by seed
-margins) until the study is run again: on that task every fitted A was 0.965-1.000 (8 of 36 runs
-at the fit's cap) and the one-process variants' mean finals, batch8's aside, sat within 0.004 of
-each other: too close to the ceiling for any finding to show.
+This is the study's sixth design; assets/study_report.json and the figures are its runs (2026-11-26,
+45 runs; batch32 left out by the budget). The fifth design's task (chains of 2 to 4 operations) sat
+at the ceiling: every fitted A was 0.965-1.000 and the one-process variants' finals within 0.004.
 
 The design, and why:
 - Two loops. The findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs sync)
