@@ -951,15 +951,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HOG = [sys.executable, "-c", "while True: pass"]  # a CPU-bound process
 
 
+# the toy-hard preset: the task of the fifth study design, on which section 6's toy-hard rows were
+# measured (chains of 2 to 4 operations, a 32-token thinking budget, 200 steps), kept as it was
+# when the study moved to 2 to 6 operations, so that those rows can be run again
+HARD_OPS, HARD_STEPS = 4, 200
+HARD_FLAGS = ["--think_budget", "32", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
+              "--save_every", "0"]
+
+
 def stability_flags(args, folder):
-    """train.py's flags for the preset: the default run's (toy), or toy-hard at the miniature
-    study's settings (its task, model, problems and steps; the loss at train.py's defaults, not
-    the study's pins)."""
+    """train.py's flags for the preset: the default run's (toy), or toy-hard at the fifth study
+    design's settings (HARD_*; the loss at train.py's defaults)."""
     if args.stability_preset == "toy":
         return []
-    data = study.make_problems(folder)
+    data = study.make_problems(folder, max_ops=HARD_OPS)
     return ["--model", toy_model_dir(preset="toy-hard"), "--data", data[0], "--val_data", data[1],
-            "--steps", str(study.STEPS), *study.TASK]
+            "--steps", str(HARD_STEPS), *HARD_FLAGS]
 
 
 def stability_run(cmd, out, hogs=()):

@@ -665,8 +665,8 @@ PRESETS = {
     # the default demo: learned in 2 minutes
     "toy": dict(ops=(1, 4), start=(1, 12), operand=(1, 3), top=20),
     # longer chains over a larger addition table, so that the tiny model's ceiling sits below 1 (6
-    # operations take about 38 thinking tokens). The miniature study trains on its chains of at most
-    # 4 operations (study.MAX_OPS: their evals wobble less about a sigmoid).
+    # operations take about 38 thinking tokens). The miniature study trains on all its chains
+    # (study.MAX_OPS), where ScaleRL ends near 0.8.
     # A first try, (2-8 operations of 1-9, totals to 50), left the base model at 0.04 and RL flat
     # for 60 steps.
     "toy-hard": dict(ops=(2, 6), start=(1, 20), operand=(1, 5), top=30),

@@ -1,7 +1,8 @@
 """
 The miniature ScaleRL study: ScaleRL and the paper's variants trained on the embedded toy-hard task,
-3 seeds each, every run's sigmoid fitted (arXiv 2510.13786, Eq. 1), and a report of which of the
-paper's findings the miniature reproduces, with the margin that decided each.
+5 seeds each (the same seeds for every variant), every run's sigmoid fitted (arXiv 2510.13786,
+Eq. 1), and a report of which of the paper's findings the miniature reproduces, each decided by a
+paired test over the seeds whose rules are fixed here, before any run.
 
     python study.py runs/study                   # the variants in priority order,
                                                    within --budget; resumes
@@ -10,9 +11,13 @@ paper's findings the miniature reproduces, with the margin that decided each.
     python study.py runs/study --quick           # 3 variants x 1 seed x a few steps:
                                                    the test's form
 
-Writes runs/study/report.md, study_report.json ({"runs", "findings", "minutes", ...}), study.png
-(pass rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run fitted on the
-first half of its compute, extrapolated to its end).
+Writes runs/study/report.md, study_report.json ({"runs", "findings", "predictability", "minutes",
+...}), study.png (pass rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run
+fitted on the first half of its compute, extrapolated to its end).
+
+This is the study's sixth design; assets/study_report.json and the figures are its runs (2026-11-26,
+45 runs; batch32 left out by the budget). The fifth design's task (chains of 2 to 4 operations) sat
+at the ceiling: every fitted A was 0.965-1.000 and the one-process variants' finals within 0.004.
 
 The design, and why:
 - Two loops. The findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs sync)
@@ -23,68 +28,102 @@ The design, and why:
   Every other finding compares one-process runs (ScaleRL's choices in the synchronous loop,
   "scalerl"), two at a time with one torch thread each: on 2 cores that is 1.4x the runs per hour of
   torchrun (58 s against 41.5 s a run for 40 steps, measured), and it takes the off-policy lag out
-  of comparisons that are not about it.
-- One task, one held-out set. The problems are toy-hard's chains of 2 to 4 operations (MAX_OPS),
-  drawn once with a fixed seed and split once (problems/train.jsonl, problems/val.jsonl): TRAIN
-  (1500) training prompts, so that 200 steps of 16 serve each about twice and No-Positive-Resampling
-  has retired prompts to skip (with all 7,013 none came back, and the no-NPR runs equalled ScaleRL's
-  eval for eval); every run
-  is evaluated on the same 2000 held-out prompts x 1 sample (the paper: 1000 x 16), so runs differ
-  by their seed's curriculum and sampling noise, not by which prompts they were scored on. Each eval
-  logs its standard error over the prompts (pass_rate_se: the spread of the per-prompt means /
-  sqrt(prompts), about 0.005 at a pass rate of 0.95). One sample of 2000 prompts costs what two of
-  1000 do, and its standard error is lower (0.011 against 0.015 measured at 0.5): the prompts differ
-  more than two samples of one prompt do.
-- A task whose curves the half-compute test can predict. The test (fit the first half, predict the
-  last eval within 0.02) fails on curves that wobble about their trend, however long the run: on
-  toy-hard's full 2 to 6 operations the evals wander 0.012-0.019 about each run's own fit (their
-  sd; consecutive evals correlated 0.2-0.7), and exact sigmoids given that wobble are predicted
-  within 0.02 in only 28-82% of simulated runs (BENCHMARKS.md section 9). The 300-step study on
-  that task predicted 21 of 45 runs; larger batches, higher learning rates and a 32-token budget
-  (whose hard corner no sigmoid fits) did not help. On chains of at most 4 operations ScaleRL's
-  evals wobble ~0.006, bend by step 100 (0.93) and creep to ~0.96 at step 200, at 2 machine-minutes
-  a run. The price: the ceiling sits near 1 (fitted A ~0.99), so differences in A are squeezed under
-  it and most findings are read on efficiency (B, C_mid).
-  lr 2e-4, 200 steps, an eval every 10 (a first half holds 10 evals, 8 of them past the fit's
-  start at 10% of its compute).
-- Length control that acts. The base model thinks 13/19/25 tokens for 2/3/4 operations, and in a
-  fifth of its traces checks its work, which doubles them (27/39/51). --think_budget 32 cuts those
-  checks (~14% of held-out samples interrupted at step 0; the chains themselves fit, so the ceiling
-  stays the model's); the length-penalty variant gets the same total, --l_max 48 (32 + 16: the
-  penalty from 42 tokens on, -1 past 48), under the same generation budget. With a 64-token
-  thinking budget neither ever acted. The answer budget stays 64: with 16, one of 3 ScaleRL seeds
-  wrote past it after </think>, its truncated samples got no gradient, and it collapsed
-  (BENCHMARKS.md section 9).
-- Units. Findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs the
-  synchronous loop) are about wall-clock, so they are fitted in device-seconds (training wall-clock
-  x the 2 processes, idle ranks included as the paper's GPU-hours count idle GPUs; evals excluded).
-  Every other finding, the extrapolation test and the figures use FLOPs (estimated from the tokens),
-  which do not move with the machine's load. Efficiency is read as a higher B or a lower C_mid at a
-  similar A: the paper's Fig. 4a names B, but in Eq. 1 a run that spends a constant factor more
-  compute per step (an idle rank) is the same curve moved along log C, which is C_mid, not B.
-- The float32 runs make the float32 LM head a no-op, so the precision finding is read on a bf16
-  pair: bf16 weights (AdamW on float32 master copies) with and without the float32 head.
-- Per variant: A is the mean (and sd) of its seeds' own fits; B and C_mid come from the paper's
-  comparison rule: every run refitted with A fixed to the mean A of all runs, B averaged over seeds.
-- Margin of a finding on A: the largest of 0.02 (the paper's), the seeds' spread sd_X + sd_Y, and
-  the eval's own noise, 2 x sqrt(se_X^2 / n_X + se_Y^2 / n_Y) with se the runs' last-eval standard
-  error. On B: sd_X + sd_Y of the per-seed B; on C_mid: sd_X + sd_Y of the per-seed log10 C_mid (at
-  least 0.02). "A": X's A above Y's by more than the margin -> reproduced, below by more -> not
-  reproduced, else inconclusive. "efficiency": a similar A and a higher B or a lower C_mid (and not
-  the other way on either) -> reproduced; a different A, or only worse -> not reproduced. "A or B":
-  a higher A, or a similar A and a higher B (a leave-one-out: the paper keeps the choice, so ScaleRL
-  must be at least as good). "early": X's seed-averaged pass rate is higher at a quarter of the
-  compute, by more than the eval margin (at least 0.02).
+  of comparisons that are not about it. Every run uses train.py's own defaults for all else.
+- A task with room under the ceiling: toy-hard's full chains of 2 to 6 operations (MAX_OPS). On it
+  ScaleRL's 300-step study runs reached a fitted A of 0.828 (seed sd 0.016), their last evals
+  about 0.82 (BENCHMARKS.md section 9), so a variant can land above or below it. Chosen on
+  ScaleRL's curves only; the known price: they wobble 0.012-0.019 about their own fits, so the
+  half-compute test is expected to miss often, and it is reported against two baselines instead of
+  being tuned for.
+- One problem draw, one held-out set. 20,000 toy-hard problems drawn with a fixed seed hold 17,145
+  distinct ones (1,575 / 3,475 / 3,963 / 4,061 / 4,071 of 2 / 3 / 4 / 5 / 6 operations), shuffled
+  once: the first HELD_OUT (2000) held out, the next TRAIN (1500) trained on
+  (problems/train.jsonl, problems/val.jsonl). 200 steps of 16 prompts draw 3,200, each prompt
+  about twice, so No-Positive-Resampling has retired prompts to skip (with 7,013 training prompts
+  none came back, and the no-NPR runs equalled ScaleRL's eval for eval). Every run is evaluated on
+  the same 2000 held-out prompts x 1 sample (the paper: 1000 x 16), so runs differ by their seed's
+  curriculum and sampling noise, not by which prompts they were scored on. Each eval logs its
+  standard error over the prompts (pass_rate_se: the spread of the per-prompt means / sqrt(prompts),
+  about 0.009 at a pass rate of 0.8). One sample of 2000 prompts costs what two of 1000 do, and its
+  standard error is lower (0.011 against 0.015 measured at 0.5): the prompts differ more than two
+  samples of one prompt do.
+- A 64-token thinking budget, where the chains fit. The base model thinks about 6 tokens an
+  operation (13 / 19 / 25 measured for 2 / 3 / 4 operations, so about 31 / 37 for 5 / 6) and in a
+  fifth of its traces checks its work, which doubles them (27 / 39 / 51 / 63 / 75). A 32-token
+  budget cuts the 5- and 6-operation chains themselves: on this task it made the ceiling the
+  budget's (a plateau at ~0.53 with ~35% of samples interrupted, a corner no sigmoid fits;
+  BENCHMARKS.md section 9). At 64 every chain fits and the interruption (a cut point drawn in the
+  budget's last sixth, tokens 54-64) cuts the checks of 5- and 6-operation chains: a fifth of the
+  47% of problems with 5 or 6 operations, ~9% of samples at the start (an estimate from those
+  lengths), fewer as the policy drops the check (the 300-step study on this task: 1% of held-out
+  samples interrupted at step 60, 0.2% from step 120). The length-penalty variant gets the same
+  total, --l_max 80 (64 + 16; L_cache 80 // 7 = 11: a penalty above 69 completion tokens, -1 past
+  80), under the same 64 + 64 generation budget without interruption, so it acts on the same
+  checked traces (with the 11-token answer a 5-operation check is ~74 tokens, a 6-operation one
+  ~86). The answer budget stays 64: with 16, one of 3 ScaleRL seeds wrote past it after </think>,
+  its truncated samples got no gradient, and it collapsed (BENCHMARKS.md section 9).
+- 200 steps (STEPS) at lr 2e-4, an eval every 10. In the 300-step study on this task a run's first
+  half ended at a median 2.6x its C_mid (the midpoint near step 60 of 300), so 200 steps end near
+  3.5x C_mid, past the bend, at two thirds of the cost: the difference buys seeds.
+- Fewer findings, more seeds (SEEDS = 5, paired by seed). Kept: the knobs that act on this task
+  and the paper ranks first: the off-policy algorithm (PipelineRL-8 against PPO-off-policy-8 and
+  against sync), the loss (CISPO against DAPO), zero-variance filtering, No-Positive-Resampling,
+  length control, and the batch size (8 prompts early; 32 last, as the budget allows). Dropped for
+  the budget, not for their readings (each would cost 12-18 machine-minutes of 5 seeds; each comes
+  back as one VARIANTS line and one FINDINGS line): GRPO-style clipping (DAPO with a symmetric upper
+  clip, 0.2 against 0.28; the loss finding keeps DAPO), prompt- against sample-level aggregation
+  and batch- against prompt-level normalization (on 2 to 6 operations with 3 seeds they read 0.028
+  and 0.017 above ScaleRL in A, within the old margins), and the bf16 pair for the float32 head
+  (with float32 master weights the pair's A were 0.840 and 0.842 on this task, and the toy's
+  396-token vocabulary is not the large softmax the paper's Fig. 5b gain comes from).
+- Units. Findings about the off-policy algorithm are about wall-clock, so they are read in
+  device-seconds (training wall-clock x the 2 processes, idle ranks included as the paper's
+  GPU-hours count idle GPUs; evals excluded). Every other finding, the extrapolation test and the
+  figures use FLOPs (estimated from the tokens), which do not move with the machine's load.
+- Endpoints, per run, that a reader can recompute from its evals: final_mean3, the mean of its
+  last 3 evals (where it ends, with a third of one eval's noise variance); and auc_flops,
+  auc_device_s, the area under its pass rate (linear between evals, from the step-0 eval at C = 0)
+  up to a reference compute C_ref, divided by C_ref: its mean pass rate over [0, C_ref], where
+  C_ref (study_report.json's "auc_to") is, per unit, the smallest last compute among the runs of the
+  findings that read that AUC (all runs when none does), so every compared run covers the range
+  and a run that gets there with less compute scores higher; None for a run that ends before
+  C_ref. Beside them each run's own fit (A, B, C_mid; fit.py caps A at 1, and the report names the
+  runs within A_CAP_TOL of the cap) and, per variant, the paper's shared-A refit (B, C_mid): shown,
+  not tested. The findings the paper states in A (the loss, batch 32) read final_mean3: after 200
+  steps, near 3.5x C_mid, a run has made ~90% of its way to A, and final_mean3 is measured where
+  A is extrapolated (and capped). The efficiency findings read auc_device_s.
+- Statistics, fixed before the runs. Each finding compares X (what the paper finds better) with Y
+  seed by seed on one endpoint: a one-sided paired t-test over the pairs (scipy.stats.ttest_rel,
+  n - 1 degrees of freedom, so every sd it uses has ddof 1), at ALPHA = 0.05. Superiority ("X is
+  better"): reproduced when mean(X - Y) > MIN_EFFECT has p <= 0.05, not reproduced when
+  mean(X - Y) < -MIN_EFFECT has p <= 0.05. Non-inferiority (the paper's "ScaleRL with it is at
+  least as good"): reproduced when mean(X - Y) > -NI_MARGIN has p <= 0.05, not reproduced when
+  mean(X - Y) < -NI_MARGIN has p <= 0.05. Else, and always with fewer than MIN_PAIRS (5) pairs,
+  inconclusive. MIN_EFFECT (0.01, about one eval's standard error at 0.8 on 2000 prompts) is the
+  floor on every margin, so that no difference smaller than an eval can resolve is decided;
+  NI_MARGIN is the paper's noise level on A (0.02). Every endpoint is a pass rate, so both read the
+  same on all of them. Collapsed runs stay in their pairs: a collapse is an outcome of the variant.
+  Each finding's line gives its endpoint, test, pairs and both p-values; study_report.json keeps
+  the per-run values, so each p can be recomputed.
 - Collapse: a run whose last eval is more than COLLAPSE_DROP below its own best has collapsed; it is
-  reported apart and left out of the extrapolation test (a collapse is a finding, not noise).
-- Extrapolation (the paper's predictability test), every run that did not collapse: fit on the
-  points with C <= half its compute, predict its last eval, report the error. Predictability is
-  reproduced when at least 80% of the checked runs land within 0.02, not reproduced under half, else
-  inconclusive.
+  reported apart and left out of the extrapolation test.
+- Predictability as skill (the paper's Fig. 1 test): every run that did not collapse is fitted on
+  the points with C <= half its compute and predicts its last eval; beside that error, two
+  baselines on the same runs: persistence (the last eval of the first half) and constant (the mean
+  of the other checked runs' last evals), their RMSEs, and the correlation r of the sigmoid's
+  predictions with the measured finals. Reproduced when at least 80% land within 0.02 and the
+  sigmoid's RMSE is below both baselines'; not reproduced under half; else inconclusive (and the
+  report says so plainly when the sigmoid does not beat both).
 - Budget: the variants run in the order of VARIANTS, and a variant starts only if its runs fit in
   what is left of --budget machine-minutes (a run's wall-clock x its share of the cores; the study
   folder's finished runs count, so a resumed study keeps to the same budget) at the pace measured so
-  far for runs of its kind; the report names the variants left out.
+  far for runs of its kind; the report names the variants left out. The default, 150, is the
+  estimate for all 50 runs, in machine-minutes a run: one process 2.5 (two side by side take
+  about 4.2 min each by the 2-6-operation pilots, BENCHMARKS.md section 9: 32 prompts x 200 steps
+  with an eval every 10 took 7.2-7.7 min, the 300-step study's 16-prompt runs with an eval every
+  20 ~5.7 min; rounded up), torchrun 3.5 (1.4x), batch8 1.5, batch32 3.9 (7.2-7.7 min side by
+  side): 4 x 5 x 2.5 + 4 x 5 x 3.5 + 5 x 1.5 + 5 x 3.9 = 147, about 2.5 hours. batch32 comes last
+  and is left out when the runs are slower than that.
 """
 import argparse
 import json
@@ -96,51 +135,43 @@ import sys
 import time
 
 import numpy as np
+from scipy import stats
 
 from data import read_jsonl, toy_model_dir, toy_problems
 from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid, fit_start,
                  load_run, plot, save_figure, sigmoid)
 
-SEEDS = 3
+SEEDS = 5
 HELD_OUT = 2000       # held-out prompts, the same for every run
 TRAIN = 1500          # training prompts: 200 steps x 16 serve each about twice (NPR retires some)
-MAX_OPS = 4           # the study's problems: toy-hard's chains of 2 to 4 operations (docstring)
+MAX_OPS = 6           # the study's problems: toy-hard's chains of 2 to 6 operations (docstring)
 # a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
 COLLAPSE_DROP = 0.05
 # a run's wobble: the sd of its evals about its own fit from 30% of its compute on
 WOBBLE_FROM = 0.3
 STEPS = 200
-TASK = ["--think_budget", "32", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
+TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
         "--save_every", "0"]
-# the study's runs (assets/study_report.json) were made before the negative-side mask became
-# train.py's default; with it off they reproduce
-PINS = ["--neg_trust", "0"]
 # name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget (the
-# paper names the off-policy algorithm, the loss and the precision the most important choices; the
-# findings read on A alone, the bf16 pair and batch32, come last: under this task's ceiling near 1
-# their differences in A are squeezed, and they cost the most)
+# paper names the off-policy algorithm and the loss the most important choices; batch32, the
+# dearest, comes last)
 VARIANTS = {
     "scalerl": [],  # one process: the synchronous loop, one policy version per batch
-    "batch8": ["--prompts", "8"],
-    "length_penalty": ["--length_control", "penalty", "--l_max", "48"],  # 32 + 16 (docstring)
     "pipelinerl": [],  # ScaleRL as the paper runs it: PipelineRL-8 over generator and trainer ranks
-    "loss_dapo": ["--loss", "dapo"],
-    "loss_grpo": ["--loss", "grpo"],
     "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
-    "no_npr": ["--no-no_positive_resampling"],
-    "no_zero_var": ["--no-zero_var_filter"],
     "sync": ["--mode", "sync"],
-    "agg_sample": ["--agg", "sample"],
-    "adv_prompt": ["--adv_norm", "prompt"],
-    "bf16": ["--dtype", "bfloat16"],  # bf16 weights, float32 head (ScaleRL's precision on GPUs)
-    "bf16_no_fp32_head": ["--dtype", "bfloat16", "--no-fp32_head"],
+    "loss_dapo": ["--loss", "dapo"],
+    "no_zero_var": ["--no-zero_var_filter"],
+    "no_npr": ["--no-no_positive_resampling"],
+    "length_penalty": ["--length_control", "penalty", "--l_max", "80"],  # 64 + 16 (docstring)
+    "batch8": ["--prompts", "8"],
     "batch32": ["--prompts", "32"],
 }
 # torchrun, 1 generator + 1 trainer, PipelineRL-8 unless the flags say otherwise: the findings about
-# the off-policy algorithm, and the losses, which differ only off-policy (one update per batch with
-# the sampling weights makes every ratio 1, so CISPO, DAPO and GRPO take the same step; measured:
-# DAPO and GRPO one-process runs were identical eval for eval)
-RANKS = {"pipelinerl", "loss_dapo", "loss_grpo", "ppo_offpolicy", "sync"}
+# the off-policy algorithm, and the loss, which differs only off-policy (one update per batch with
+# the sampling weights makes every ratio 1, so CISPO and DAPO take the same step; measured: DAPO
+# and GRPO one-process runs were identical eval for eval)
+RANKS = {"pipelinerl", "loss_dapo", "ppo_offpolicy", "sync"}
 # how they run torchrun: every socket on 127.0.0.1 (README, "Generator and trainer ranks"): a file
 # rendezvous (run_command names it beside the run's folder), no store hosted by the launcher
 LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
@@ -148,34 +179,36 @@ LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
 LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
 PARALLEL = 2
-FINDINGS = [  # (finding, the paper's claim, X = expected better, Y, rule, compute unit)
-    ("off-policy algorithm", "PipelineRL-8 and PPO-off-policy-8 reach a similar A; PipelineRL is "
-     "more efficient, a higher B (Fig. 4a)",
-     "pipelinerl", "ppo_offpolicy", "efficiency", "compute_s"),
+# the statistics, fixed before the runs (docstring): one-sided paired t-tests at ALPHA over at
+# least MIN_PAIRS seed pairs; superiority needs X - Y above MIN_EFFECT (the floor on every margin),
+# non-inferiority X - Y above -NI_MARGIN; every endpoint is a pass rate
+ALPHA = 0.05
+MIN_PAIRS = 5
+MIN_EFFECT = 0.01
+NI_MARGIN = 0.02
+A_CAP = 1.0           # fit_sigmoid's largest A (its grid and its polish stop there)
+A_CAP_TOL = 5e-4      # an A this close to the cap is at it (a tenth of the A grid's step: 1.000)
+# (finding, the paper's claim, X = expected better, Y, rule, compute unit, the per-run endpoint)
+FINDINGS = [
+    ("off-policy algorithm", "PipelineRL-8 is more efficient than PPO-off-policy-8 at a similar A "
+     "(Fig. 4a)", "pipelinerl", "ppo_offpolicy", "superiority", "compute_s", "auc_device_s"),
     ("off-policy algorithm", "PipelineRL-8 vs the synchronous loop: the same reading",
-     "pipelinerl", "sync", "efficiency", "compute_s"),
+     "pipelinerl", "sync", "superiority", "compute_s", "auc_device_s"),
     ("loss type", "CISPO reaches a higher A than DAPO (Fig. 5a)",
-     "pipelinerl", "loss_dapo", "A", "flops"),
-    ("loss type", "CISPO reaches a higher A than GRPO-style clipping (Fig. 5a)",
-     "pipelinerl", "loss_grpo", "A", "flops"),
-    ("FP32 head", "with bf16 weights, the float32 LM head raises A (Fig. 5b: 0.52 -> 0.61)",
-     "bf16", "bf16_no_fp32_head", "A", "flops"),
-    ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)",
-     "batch32", "scalerl", "A", "flops"),
-    ("batch size", "a smaller batch (8 vs 16 prompts) looks better early (section 5)",
-     "batch8", "scalerl", "early", "flops"),
+     "pipelinerl", "loss_dapo", "superiority", "flops", "final_mean3"),
     ("zero-variance filtering", "ScaleRL with it is at least as good as without",
-     "scalerl", "no_zero_var", "A or B", "flops"),
+     "scalerl", "no_zero_var", "non-inferiority", "flops", "final_mean3"),
     ("No-Positive-Resampling", "ScaleRL with it is at least as good as without",
-     "scalerl", "no_npr", "A or B", "flops"),
+     "scalerl", "no_npr", "non-inferiority", "flops", "final_mean3"),
     ("length control", "interruptions are at least as good as a length penalty",
-     "scalerl", "length_penalty", "A or B", "flops"),
-    ("loss aggregation", "prompt-level is at least as good as sample-level",
-     "scalerl", "agg_sample", "A or B", "flops"),
-    ("advantage normalization", "batch-level is at least as good as prompt-level",
-     "scalerl", "adv_prompt", "A or B", "flops"),
+     "scalerl", "length_penalty", "non-inferiority", "flops", "final_mean3"),
+    ("batch size", "a smaller batch (8 vs 16 prompts) looks better early (section 5)",
+     "batch8", "scalerl", "superiority", "flops", "auc_flops"),
+    ("batch size", "a larger batch (32 vs 16 prompts) lifts A (section 5)",
+     "batch32", "scalerl", "superiority", "flops", "final_mean3"),
 ]
 UNIT_NAMES = {"compute_s": "device-seconds", "flops": "FLOPs"}
+AUC_UNITS = {"auc_flops": "flops", "auc_device_s": "compute_s"}  # AUC endpoint -> its unit
 QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; these numbers mean "
               "nothing.")
 
@@ -183,8 +216,8 @@ QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; the
 # the problems and the runs
 
 
-def make_problems(out, held_out=HELD_OUT):
-    """out/problems/{train,val}.jsonl: the distinct toy-hard problems of at most MAX_OPS operations
+def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
+    """out/problems/{train,val}.jsonl: the distinct toy-hard problems of at most max_ops operations
     among 20000 drawn with a fixed seed, shuffled once, `held_out` of them held out and the next
     TRAIN kept for training (kept when already there)
     -> (train path, val path)."""
@@ -195,7 +228,7 @@ def make_problems(out, held_out=HELD_OUT):
     os.makedirs(folder, exist_ok=True)
     distinct = {}
     for p in toy_problems(20000, 777, "toy-hard"):
-        if len(p["steps"]) <= MAX_OPS:
+        if len(p["steps"]) <= max_ops:
             distinct.setdefault(p["prompt"], {"prompt": p["prompt"], "answer": p["answer"]})
     problems = list(distinct.values())
     random.Random(0).shuffle(problems)
@@ -241,7 +274,7 @@ def run_command(name, flags, path, seed, steps, data, extra):
               if name in RANKS else [sys.executable])
     return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite",
             "--seed", str(seed), "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"),
-            "--data", data[0], "--val_data", data[1], *TASK, *PINS, *extra, *flags]
+            "--data", data[0], "--val_data", data[1], *TASK, *extra, *flags]
 
 
 def rendezvous_file(path, remove=False):
@@ -358,9 +391,19 @@ def seed_average(runs):
     return np.mean([r[0][:n] for r in runs], 0), np.mean([r[1][:n] for r in runs], 0)
 
 
+def sd(values):
+    """The sample standard deviation (ddof 1, as everywhere in the study); NaN under 2 values."""
+    return float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+
+
+def at_cap(A):
+    """Whether a fitted A sits at fit_sigmoid's cap of 1 (its polish can stop a hair below it)."""
+    return bool(A >= A_CAP - A_CAP_TOL)
+
+
 def analyze(out, names, seeds, compute):
     """Fit every run in one compute unit -> ({variant: dict(runs=[per-run dict], A, A_sd, B, B_sd,
-    C_mid, se, ...)}, the shared A of the comparison rule)."""
+    C_mid, se, ...)}, the shared A of the paper's comparison rule, shown beside the tests)."""
     fits = {}
     for name in names:
         runs = []
@@ -371,16 +414,18 @@ def analyze(out, names, seeds, compute):
             collapsed = bool(R[-1] < R.max() - COLLAPSE_DROP)
             fit = fit_sigmoid(C, R)
             late = C >= WOBBLE_FROM * C[-1]
-            wobble = float(np.std(R[late] - sigmoid(C[late], fit["A"], fit["B"], fit["C_mid"],
-                                                    fit["R0"])))
+            wobble = sd(R[late] - sigmoid(C[late], fit["A"], fit["B"], fit["C_mid"], fit["R0"]))
             extrap = None if collapsed else extrapolation_check(C, R)
             if extrap:  # the same prediction against the run's own full fit at its end (its
-                # trend, without the last eval's wobble)
+                # trend, without the last eval's wobble), and the persistence baseline: the last
+                # eval of the first half
                 trend = float(sigmoid(C[-1], fit["A"], fit["B"], fit["C_mid"], fit["R0"]))
-                extrap |= dict(trend=trend, vs_trend=extrap["predicted"] - trend)
+                extrap |= dict(trend=trend, vs_trend=extrap["predicted"] - trend,
+                               persistence=float(R[C <= extrap["C_half"]][-1]))
             se, training = run_logs(path)
             runs.append(dict(seed=s, C=C, R=R, fit=fit, se=se, wobble=wobble,
-                             collapsed=collapsed, extrap=extrap, training=training))
+                             collapsed=collapsed, extrap=extrap, training=training,
+                             final_mean3=float(np.mean(R[-3:]))))
         fits[name] = runs
     shared_A = float(np.mean([r["fit"]["A"] for runs in fits.values() for r in runs]))
     table = {}
@@ -391,90 +436,169 @@ def analyze(out, names, seeds, compute):
         B = [r["refit"]["B"] for r in runs]
         C_avg, R_avg = seed_average([(r["C"], r["R"]) for r in runs])
         logC = [np.log10(r["refit"]["C_mid"]) for r in runs]
-        table[name] = dict(runs=runs, A=float(np.mean(A)), A_sd=float(np.std(A)),
-                           B=float(np.mean(B)), B_sd=float(np.std(B)),
-                           C_mid=float(10 ** np.mean(logC)), logC_sd=float(np.std(logC)),
+        finals = [r["final_mean3"] for r in runs]
+        table[name] = dict(runs=runs, A=float(np.mean(A)), A_sd=sd(A),
+                           B=float(np.mean(B)), B_sd=sd(B),
+                           C_mid=float(10 ** np.mean(logC)), logC_sd=sd(logC),
+                           final_mean3=float(np.mean(finals)), final_mean3_sd=sd(finals),
                            se=(float(np.nanmean([r["se"] for r in runs]))
                                if any(np.isfinite(r["se"]) for r in runs) else float("nan")),
                            R0=float(np.mean([r["fit"]["R0"] for r in runs])),
-                           R_last=float(R_avg[-1]), C_last=float(C_avg[-1]), curve=(C_avg, R_avg))
+                           curve=(C_avg, R_avg))
     return table, shared_A
 
 
-def eval_margin(a, b):
-    """2 x the standard error of the difference of two variants' seed means, from their last evals'
-    standard errors (0 when a run logged none)."""
-    se = [t["se"] ** 2 / len(t["runs"]) for t in (a, b) if np.isfinite(t["se"])]
-    return 2 * float(np.sqrt(sum(se))) if len(se) == 2 else 0.0
+def auc(C, R, upto):
+    """The area under a run's pass rate over compute from its first eval (C = 0) to `upto`, linear
+    between evals (the trapezoid rule; R interpolated at `upto`), divided by `upto`: its mean pass
+    rate over [0, upto]. None when the run ends before `upto`."""
+    if C[-1] < upto:
+        return None
+    inside = C < upto
+    Cs, Rs = np.append(C[inside], upto), np.append(R[inside], np.interp(upto, C, R))
+    return float(np.sum(np.diff(Cs) * (Rs[1:] + Rs[:-1]) / 2) / upto)
 
 
-def judge(x, y, rule, table):
-    """One finding -> ('reproduced' | 'not reproduced' | 'inconclusive', the margin on the deciding
-    quantity, the numbers behind it)."""
-    a, b = table[x], table[y]
-    noise = eval_margin(a, b)
-    dA, margin_A = a["A"] - b["A"], max(NOISE_A, a["A_sd"] + b["A_sd"], noise)
-    dB, margin_B = a["B"] - b["B"], a["B_sd"] + b["B_sd"]
-    similar = abs(dA) <= margin_A
-    why = (f"A {a['A']:.3f} vs {b['A']:.3f} (margin {margin_A:.3f}: "
-           f"seeds {a['A_sd'] + b['A_sd']:.3f}, eval {noise:.3f}); "
-           f"B {a['B']:.2f} vs {b['B']:.2f} (margin {margin_B:.2f})")
-    if rule == "early":
-        C_q, margin = 0.25 * min(a["C_last"], b["C_last"]), max(NOISE_A, noise)
-        ra, rb = (float(np.interp(C_q, *t["curve"])) for t in (a, b))
-        why = f"pass rate at C = {C_q:.3g}: {ra:.3f} vs {rb:.3f} (margin {margin:.3f})"
-        return ("reproduced" if ra - rb > margin else
-                "not reproduced" if rb - ra > margin else "inconclusive"), margin, why
-    if rule == "efficiency":  # a similar A, reached with less compute: a higher B or a lower C_mid
-        dC, margin_C = np.log10(a["C_mid"] / b["C_mid"]), max(a["logC_sd"] + b["logC_sd"], 0.02)
-        better, worse = dB > margin_B or dC < -margin_C, dB < -margin_B or dC > margin_C
-        why += (f"; log10 C_mid {np.log10(a['C_mid']):.2f} vs {np.log10(b['C_mid']):.2f} "
-                f"(margin {margin_C:.2f})")
-        verdict = ("reproduced" if similar and better and not worse else
-                   "not reproduced" if not similar or (worse and not better) else "inconclusive")
-        return verdict, margin_A if not similar else margin_B, why
-    if rule == "A":
-        verdict = ("reproduced" if dA > margin_A else
-                   "not reproduced" if dA < -margin_A else "inconclusive")
-    else:  # "A or B"
-        verdict = ("reproduced" if dA > margin_A or (similar and dB > margin_B) else
-                   "not reproduced" if dA < -margin_A or (similar and dB < -margin_B) else
-                   "inconclusive")
-    return verdict, (margin_B if rule == "A or B" and similar else margin_A), why
+def add_endpoints(tables, names):
+    """Each run's AUC endpoints (auc_flops, auc_device_s) into the FLOP table's runs, up to each
+    unit's reference compute: the smallest last compute among the runs of the findings that read
+    that AUC (among all runs when none of them is judged here), so every compared run covers it
+    -> {unit name: reference compute}."""
+    auc_to = {}
+    for key, unit in AUC_UNITS.items():
+        table = tables[unit][0]
+        compared = {v for f in FINDINGS if f[6] == key and f[2] in names and f[3] in names
+                    for v in f[2:4]}
+        upto = min(r["C"][-1] for name in (compared or table) for r in table[name]["runs"])
+        for name, t in table.items():
+            for r, target in zip(t["runs"], tables["flops"][0][name]["runs"]):
+                target[key] = auc(r["C"], r["R"], upto)
+        auc_to[UNIT_NAMES[unit]] = float(upto)
+    return auc_to
 
 
-def extrapolation_count(table):
-    """(runs whose half-compute prediction lands within 0.02 of their last eval, runs checked)."""
-    errors = [r["extrap"]["error"] for t in table.values() for r in t["runs"] if r["extrap"]]
-    return sum(abs(e) <= NOISE_A for e in errors), len(errors)
+def one_sided_p(x, y, shift, alternative):
+    """The p-value of a one-sided paired t-test of mean(x + shift - y) against 0 (scipy's
+    ttest_rel on x + shift and y, n - 1 degrees of freedom); NaN under 2 pairs. Pairs whose
+    differences are all equal have no spread for a t: p is 0 when they all lie on the tested side,
+    else 1."""
+    x, y = np.asarray(x, dtype=float) + shift, np.asarray(y, dtype=float)
+    if len(x) < 2:
+        return float("nan")
+    d = x - y
+    if np.ptp(d) == 0:
+        return 0.0 if (d[0] > 0 if alternative == "greater" else d[0] < 0) else 1.0
+    return float(stats.ttest_rel(x, y, alternative=alternative).pvalue)
 
 
-def judge_predictability(within, n):
-    """The predictability finding from `within` of `n` checked runs landing within 0.02: reproduced
-    for at least 80%, not reproduced for under half, else (and when no run could be checked)
-    inconclusive."""
+def paired_test(x, y, rule):
+    """One finding's test on the endpoint's values of X and Y, seed by seed (docstring,
+    "Statistics") -> (verdict, p in the paper's direction, p the other way, the test in words)."""
+    if rule == "superiority":
+        low, high = MIN_EFFECT, -MIN_EFFECT  # reproduced: X - Y > low; not: X - Y < high
+    else:  # non-inferiority
+        low = high = -NI_MARGIN
+    p = one_sided_p(x, y, -low, "greater")
+    p_other = one_sided_p(x, y, -high, "less")
+    test = (f"one-sided paired t (scipy.stats.ttest_rel): X - Y > {low:+.2f} reproduces, "
+            f"X - Y < {high:+.2f} refutes")
+    if len(x) < MIN_PAIRS:
+        return "inconclusive", p, p_other, test
+    verdict = ("reproduced" if p <= ALPHA else
+               "not reproduced" if p_other <= ALPHA else "inconclusive")
+    return verdict, p, p_other, test
+
+
+def judge_finding(finding, table):
+    """One of FINDINGS on the FLOP table's runs (which hold every endpoint) -> its report dict:
+    name, paper, verdict, margin, unit, endpoint, test, pairs, p, p_other, the paired values x and
+    y (by seed) and why."""
+    name, claim, X, Y, rule, unit, key = finding
+    by_seed = [{r["seed"]: r[key] for r in table[v]["runs"] if r.get(key) is not None}
+               for v in (X, Y)]
+    seeds = sorted(set(by_seed[0]) & set(by_seed[1]))
+    x, y = ([b[s] for s in seeds] for b in by_seed)
+    verdict, p, p_other, test = paired_test(x, y, rule)
+    d = np.subtract(x, y)
+    show = lambda v: "-" if v != v else f"{v:.3g}"  # noqa: E731
+    why = (f"{key}: X {np.mean(x):.3f} vs Y {np.mean(y):.3f}, paired X - Y {np.mean(d):+.3f} "
+           f"(sd {sd(d):.3f}) over {len(seeds)} pairs; p {show(p)} in the paper's direction, "
+           f"{show(p_other)} the other way" if seeds else f"{key}: no pairs")
+    return dict(name=f"{name}: {X} vs {Y}", paper=claim, verdict=verdict,
+                margin=MIN_EFFECT if rule == "superiority" else NI_MARGIN, unit=UNIT_NAMES[unit],
+                endpoint=key, rule=rule, test=test, pairs=len(seeds), p=p, p_other=p_other,
+                seeds=seeds, x=x, y=y, why=why)
+
+
+def predictability(table):
+    """The half-compute sigmoid's predictions of the last evals of the runs that did not collapse,
+    beside two baselines on the same runs: persistence (the last eval of the first half) and
+    constant (the mean of the other checked runs' last evals) -> dict(within_0.02 (sigmoid;
+    [within, runs]), within_0.02_persistence, within_0.02_constant, rmse, rmse_persistence,
+    rmse_constant, r (Pearson, the sigmoid's predictions with the measured last evals; None under 3
+    runs or without spread), n, beats_both)."""
+    checked = [r["extrap"] for t in table.values() for r in t["runs"] if r["extrap"]]
+    n = len(checked)
+    out = dict(n=n, r=None, beats_both=False)
+    measured = np.array([x["measured"] for x in checked])
+    guesses = {"": [x["predicted"] for x in checked],
+               "_persistence": [x["persistence"] for x in checked],
+               "_constant": (measured.sum() - measured) / (n - 1) if n > 1 else [np.nan] * n}
+    for tag, guess in guesses.items():
+        err = np.asarray(guess, dtype=float) - measured
+        out[f"within_0.02{tag}"] = [int((abs(err) <= NOISE_A).sum()), n]
+        out[f"rmse{tag}"] = float(np.sqrt(np.mean(err ** 2))) if n and np.isfinite(err).all() \
+            else None
+    pred = np.array(guesses[""])
+    if n > 2 and np.ptp(pred) > 0 and np.ptp(measured) > 0:
+        out["r"] = float(np.corrcoef(pred, measured)[0, 1])
+    base = [out["rmse_persistence"], out["rmse_constant"]]
+    out["beats_both"] = bool(n and None not in base and out["rmse"] < min(base))
+    return out
+
+
+def judge_predictability(pred):
+    """The predictability finding from predictability()'s block: reproduced when at least 80% of
+    the checked runs land within 0.02 and the sigmoid's RMSE is below both baselines', not
+    reproduced under half within 0.02, else (and when no run could be checked) inconclusive
+    -> (verdict, why: the counts, the three RMSEs, r, and plainly whether the sigmoid beats
+    both)."""
+    within, n = pred["within_0.02"]
     if not n:
         return ("inconclusive",
                 "no run could be checked: none has enough points in its first half to fit")
-    verdict = ("reproduced" if within >= 0.8 * n else
+    show = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    why = (f"{within} of {n} runs within 0.02 (persistence {pred['within_0.02_persistence'][0]}, "
+           f"constant {pred['within_0.02_constant'][0]}); RMSE {show(pred['rmse'])} against "
+           f"persistence {show(pred['rmse_persistence'])} and constant "
+           f"{show(pred['rmse_constant'])}; r = {show(pred['r'])}. ")
+    losers = [name for name in ("persistence", "constant")
+              if pred[f"rmse_{name}"] is None or pred["rmse"] >= pred[f"rmse_{name}"]]
+    why += ("The sigmoid beats both baselines." if not losers else
+            f"The sigmoid does NOT beat the {' and the '.join(losers)} baseline"
+            f"{'s' if len(losers) > 1 else ''}: its within-0.02 count is not skill.")
+    verdict = ("reproduced" if within >= 0.8 * n and not losers else
                "not reproduced" if within * 2 < n else "inconclusive")
-    return verdict, f"{within} of {n} runs within 0.02"
+    return verdict, why
 
 # -----------------------------------------------------------------------------
 # the report
 
 
 def variant_rows(table):
-    rows = ["| variant | flags | seeds | A mean | A sd | eval se | B (shared A) | B sd | "
-            "C_mid (shared A) | R0 | R last | collapsed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Per variant: its seeds' own fits (A mean and sd, how many at fit_sigmoid's cap), the eval's
+    standard error, the shared-A refit (B, C_mid), and final_mean3 (mean and sd over the seeds)."""
+    rows = ["| variant | flags | seeds | A mean | A sd | A at cap | eval se | B (shared A) | "
+            "B sd | C_mid (shared A) | R0 | final_mean3 | final_mean3 sd | collapsed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
         flags = ((" ".join(VARIANTS.get(name, [])) or "(ScaleRL)") +
                  (" (torchrun)" if name in RANKS else ""))
+        capped = sum(at_cap(r["fit"]["A"]) for r in t["runs"])
         rows.append(f"| {name} | `{flags}` | {len(t['runs'])} | {t['A']:.3f} | {t['A_sd']:.3f} | "
-                    f"{t['se']:.3f} | {t['B']:.2f} | {t['B_sd']:.2f} | {t['C_mid']:.3g} | "
-                    f"{t['R0']:.3f} | {t['R_last']:.3f} | "
-                    f"{sum(r['collapsed'] for r in t['runs'])} |")
+                    f"{capped} | {t['se']:.3f} | {t['B']:.2f} | {t['B_sd']:.2f} | "
+                    f"{t['C_mid']:.3g} | {t['R0']:.3f} | {t['final_mean3']:.3f} | "
+                    f"{t['final_mean3_sd']:.3f} | {sum(r['collapsed'] for r in t['runs'])} |")
     return rows
 
 
@@ -494,18 +618,21 @@ def training_rows(table):
 
 
 def extrapolation_rows(table):
-    rows = ["| run | fitted on C <= | points | predicted at the end | measured | error | "
-            "full fit at the end | error vs full fit | C_half / C_mid | wobble |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    """Per run: the half-compute fit's prediction of the last eval, the persistence baseline's (the
+    last eval of the first half), the run's own full fit at its end, and the wobble."""
+    rows = ["| run | fitted on C <= | points | predicted at the end | persistence | measured | "
+            "error | persistence error | full fit at the end | error vs full fit | "
+            "C_half / C_mid | wobble |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
         for r in t["runs"]:
             x = r["extrap"]
             rows.append(f"| {name}-s{r['seed']} | " +
                         (f"{x['C_half']:.3g} | {x['n']} | {x['predicted']:.3f} | "
-                         f"{x['measured']:.3f} | {x['error']:+.3f} | {x['trend']:.3f} | "
+                         f"{x['persistence']:.3f} | {x['measured']:.3f} | {x['error']:+.3f} | "
+                         f"{x['persistence'] - x['measured']:+.3f} | {x['trend']:.3f} | "
                          f"{x['vs_trend']:+.3f} | {x['C_half'] / r['fit']['C_mid']:.1f} | "
                          f"{r['wobble']:.3f} |" if x else
-                         ("collapsed" if r["collapsed"] else "too few points") + " |" * 10))
+                         ("collapsed" if r["collapsed"] else "too few points") + " |" * 11))
     return rows
 
 
@@ -525,7 +652,7 @@ def extrapolation_sources(table):
     left = np.percentile([1 / (1 + d ** f["B"]) for d, (_, f) in zip(depth, xs)], [25, 50, 75])
     return (f"Where the misses come from: against each run's own full fit at its end (its trend, "
             f"without the last eval's wobble), {pred} of {len(xs)} first-half predictions land "
-            f"within 0.02 (their errors: mean {vs_trend.mean():+.3f}, sd {vs_trend.std():.3f}); "
+            f"within 0.02 (their errors: mean {vs_trend.mean():+.3f}, sd {sd(vs_trend):.3f}); "
             f"the last evals lie within 0.02 of that trend in {last} of {len(xs)}, and the evals "
             f"wobble about it by a median sd of {np.median(wobble):.3f} from {WOBBLE_FROM:.0%} of "
             f"the compute on (max {max(wobble):.3f}). The first half "
@@ -536,78 +663,148 @@ def extrapolation_sources(table):
             f"up to 16k, about 4x its C_mid of 4.2k).")
 
 
-def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=False):
-    """Fit every run (FLOPs and device-seconds), judge the findings each in its unit, write
-    report.md, study_report.json and the two figures -> the report's text."""
-    tables = {unit: analyze(out, names, seeds, unit) for unit in ("flops", "compute_s")}
-    found = []
-    for finding, claim, x, y, rule, unit in FINDINGS:
-        if x in names and y in names:
-            verdict, margin, why = judge(x, y, rule, tables[unit][0])
-            found.append(dict(name=f"{finding}: {x} vs {y}", paper=claim, verdict=verdict,
-                              margin=margin, unit=UNIT_NAMES[unit], why=why))
+def statistics_lines():
+    """The report's statement of the rules, fixed before the runs (docstring, "Statistics")."""
+    return [
+        "## Statistics, set before the runs", "",
+        f"- Each finding compares X with Y seed by seed on one per-run endpoint (a pass rate): a "
+        f"one-sided paired t-test (scipy.stats.ttest_rel, n - 1 degrees of freedom; every sd in "
+        f"this report has ddof 1) at p <= {ALPHA}.",
+        f"- Superiority (X better): reproduced when X - Y > {MIN_EFFECT} with p <= {ALPHA}; not "
+        f"reproduced when X - Y < -{MIN_EFFECT} with p <= {ALPHA}. {MIN_EFFECT} is the floor on "
+        f"every margin (about one eval's standard error).",
+        f"- Non-inferiority (\"at least as good\"): reproduced when X - Y > -{NI_MARGIN} with "
+        f"p <= {ALPHA}; not reproduced when X - Y < -{NI_MARGIN} with p <= {ALPHA}.",
+        f"- Otherwise, and always with fewer than {MIN_PAIRS} pairs: inconclusive. Collapsed runs "
+        f"stay in their pairs.",
+        "- Endpoints: final_mean3 = the mean of a run's last 3 evals; auc_flops, auc_device_s = "
+        "the trapezoid of its pass rate over compute from 0 to the unit's reference (auc_to), "
+        "divided by it. Fitted A, B, C_mid are shown, not tested; fit_sigmoid caps A at "
+        f"{A_CAP} (an A within {A_CAP_TOL} of it counts as at the cap)."]
+
+
+def findings_lines(found):
+    """The findings table: one line per finding with its endpoint, test, pairs and p-values."""
+    show = lambda v: "-" if v is None or v != v else f"{v:.3g}"  # noqa: E731
+    lines = ["| finding | the paper | endpoint | test | pairs | p (paper's direction) | "
+             "p (other way) | here | margin | numbers |", "|---" * 10 + "|"]
+    return lines + [f"| {f['name']} ({f['unit']}) | {f['paper']} | {f['endpoint']} | {f['test']} | "
+                    f"{f['pairs']} | {show(f['p'])} | {show(f['p_other'])} | **{f['verdict']}** | "
+                    f"{f['margin']:.3f} | {f['why']} |" for f in found]
+
+
+def report_lines(out, tables, found, pred, averaged, meta):
+    """report.md's lines; meta: seeds, steps, minutes, left_out, quick, auc_to."""
     table = tables["flops"][0]
-    within, n = extrapolation_count(table)
-    verdict, why = judge_predictability(within, n)
-    found.append(dict(name="predictability",
-                      paper="a fit on the first half of the compute predicts the end within 0.02 "
-                            "(Fig. 1)",
-                      verdict=verdict, margin=NOISE_A, unit="FLOPs", why=why))
-    # the same test on each variant's seed-averaged curve: the seeds' training noise averaged out
-    averaged = {name: extrapolation_check(*t["curve"]) for name, t in table.items()}
-    averaged = {name: x["error"] for name, x in averaged.items() if x}
-    avg_within = sum(abs(e) <= NOISE_A for e in averaged.values())
     runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
     collapsed = [f"{r['variant']}-s{r['seed']}" for r in runs if r["collapsed"]]
-    scalerl = table.get("scalerl")
+    capped = [f"{r['variant']}-s{r['seed']}" for r in runs if at_cap(r["fit"]["A"])]
+    scalerl, within = table.get("scalerl"), pred["within_0.02"]
+    avg_within = sum(abs(e) <= NOISE_A for e in averaged.values())
     decided = sum(f["verdict"] != "inconclusive" for f in found)
-    lines = ([QUICK_NOTE, ""] if quick else []) + [
-        f"# The miniature ScaleRL study: {len(table)} variants x {seeds} seeds, "
-        f"{len(runs)} runs of {steps} steps on toy-hard's chains of 2 to {MAX_OPS} operations", "",
+    minutes, left_out = meta["minutes"], meta["left_out"]
+    lines = ([QUICK_NOTE, ""] if meta["quick"] else []) + [
+        f"# The miniature ScaleRL study: {len(table)} variants x {meta['seeds']} seeds, "
+        f"{len(runs)} runs of {meta['steps']} steps on toy-hard's chains of 2 to {MAX_OPS} "
+        "operations", "",
         f"Written by `python study.py {out}`" +
         (f": {minutes:.0f} min of runs on this machine." if minutes else "."), "",
         f"{decided} of {len(found)} findings decided. " +
-        (f"ScaleRL's A over its seeds: {scalerl['A']:.3f} +- {scalerl['A_sd']:.3f} (sd), "
-         f"the eval's own standard error {scalerl['se']:.3f}. " if scalerl else "") +
-        f"Half-compute extrapolation: {within} of {n} non-collapsed runs within 0.02 "
+        (f"ScaleRL's final_mean3 over its seeds: {scalerl['final_mean3']:.3f} +- "
+         f"{scalerl['final_mean3_sd']:.3f} (sd); its fitted A {scalerl['A']:.3f} +- "
+         f"{scalerl['A_sd']:.3f}, the eval's own standard error {scalerl['se']:.3f}. "
+         if scalerl else "") +
+        f"Runs with A at the fit's cap of {A_CAP}: {', '.join(capped) or 'none'}. "
+        f"Half-compute extrapolation: {within[0]} of {within[1]} non-collapsed runs within 0.02 "
         f"({avg_within} of {len(averaged)} seed-averaged curves). "
         f"Collapsed runs: {', '.join(collapsed) or 'none'}." +
         (f" Left out over the budget: {', '.join(left_out)}." if left_out else ""), "",
-        "## The paper's findings", "", "| finding | the paper | here | margin | numbers |",
-        "|---|---|---|---|---|"]
-    lines += [f"| {f['name']} ({f['unit']}) | {f['paper']} | **{f['verdict']}** | "
-              f"{f['margin']:.3f} | {f['why']} |" for f in found]
+        "## The paper's findings", ""] + findings_lines(found) + [""] + statistics_lines()
+    auc_to = ", ".join(f"{unit} {c:.3g}" for unit, c in meta["auc_to"].items())
     for unit, (t, shared_A) in tables.items():
         lines += ["",
                   f"## Per variant, compute in {UNIT_NAMES[unit]} (shared A = {shared_A:.3f})", ""]
         lines += variant_rows(t)
+    lines += ["", f"AUC endpoints up to: {auc_to}."]
     lines += (["", "## What the knobs did in training (seed means; shares over the steps)", ""] +
               training_rows(table))
-    lines += (["", f"## Extrapolation test (FLOPs): {within} of {n} runs within 0.02", ""] +
+    lines += (["", f"## Extrapolation test (FLOPs): {within[0]} of {within[1]} runs within 0.02",
+               "", next(f["why"] for f in found if f["name"] == "predictability"), ""] +
               extrapolation_rows(table))
     lines += ["", f"Seed-averaged curves, the same test: {avg_within} of {len(averaged)} within "
               "0.02 (" + ", ".join(f"{name} {e:+.3f}" for name, e in averaged.items()) + ").",
               "", extrapolation_sources(table)]
-    text = "\n".join(lines) + "\n"
+    return lines
+
+
+def clean(v):
+    """v with every NaN float (and numpy number) made JSON's null (and a plain number)."""
+    if isinstance(v, dict):
+        return {k: clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [clean(x) for x in v]
+    if isinstance(v, (float, np.floating)):
+        return None if v != v else float(v)
+    return int(v) if isinstance(v, np.integer) else v
+
+
+def summary_json(table, found, pred, averaged, meta):
+    """study_report.json: the earlier schema's keys, plus per run final_mean3, auc_flops,
+    auc_device_s, A_at_cap and the persistence prediction; per finding endpoint, test, pairs, p
+    (and p_other, the paired values by seed); at the top predictability, auc_to and the rules."""
+    runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
+    x = lambda r, k: r["extrap"][k] if r["extrap"] else None  # noqa: E731
+    keys = ("name", "paper", "verdict", "margin", "unit", "why", "endpoint", "rule", "test",
+            "pairs", "p", "p_other", "seeds", "x", "y")
+    summary = {
+        "runs": [{"variant": r["variant"], "seed": r["seed"], "A": r["fit"]["A"],
+                  "A_at_cap": at_cap(r["fit"]["A"]), "B": r["fit"]["B"],
+                  "C_mid": r["fit"]["C_mid"], "final": float(r["R"][-1]),
+                  "final_mean3": r["final_mean3"], "auc_flops": r["auc_flops"],
+                  "auc_device_s": r["auc_device_s"], "extrap_error": x(r, "error"),
+                  "extrap_error_vs_full_fit": x(r, "vs_trend"),
+                  "persistence_prediction": x(r, "persistence"), "collapsed": r["collapsed"],
+                  "eval_se": r["se"], "wobble": r["wobble"], "training": r["training"],
+                  "compute": "FLOPs"} for r in runs],
+        "findings": [{k: f.get(k) for k in keys} for f in found],
+        "predictability": pred,
+        "minutes": round(meta["minutes"], 1) if meta["minutes"] else None,
+        "steps": meta["steps"], "seeds": meta["seeds"], "left_out": list(meta["left_out"]),
+        "extrapolation_within": pred["within_0.02"], "extrapolation_seed_averaged": averaged,
+        "auc_to": meta["auc_to"], "A_cap": A_CAP,
+        "statistics": {"test": "one-sided paired t, scipy.stats.ttest_rel", "alpha": ALPHA,
+                       "min_pairs": MIN_PAIRS, "min_effect": MIN_EFFECT, "ni_margin": NI_MARGIN,
+                       "ddof": 1},
+        "quick": meta["quick"]}
+    return clean({"note": QUICK_NOTE, **summary} if meta["quick"] else summary)
+
+
+def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=False):
+    """Fit every run (FLOPs and device-seconds), compute the endpoints, test the findings, score the
+    predictions, write report.md, study_report.json and the two figures -> the report's text."""
+    tables = {unit: analyze(out, names, seeds, unit) for unit in ("flops", "compute_s")}
+    table = tables["flops"][0]
+    auc_to = add_endpoints(tables, names)
+    found = [judge_finding(f, table) for f in FINDINGS if f[2] in names and f[3] in names]
+    pred = predictability(table)
+    verdict, why = judge_predictability(pred)
+    found.append(dict(name="predictability",
+                      paper="a fit on the first half of the compute predicts the end within 0.02 "
+                            "(Fig. 1)",
+                      verdict=verdict, margin=NOISE_A, unit="FLOPs", endpoint="extrap_error",
+                      rule="skill", test="at least 80% within 0.02 and an RMSE below the "
+                      "persistence and constant baselines'", pairs=pred["n"], p=None,
+                      p_other=None, why=why))
+    # the same test on each variant's seed-averaged curve: the seeds' training noise averaged out
+    averaged = {name: extrapolation_check(*t["curve"]) for name, t in table.items()}
+    averaged = {name: x["error"] for name, x in averaged.items() if x}
+    meta = dict(seeds=seeds, steps=steps, minutes=minutes, left_out=left_out, quick=quick,
+                auc_to=auc_to)
+    text = "\n".join(report_lines(out, tables, found, pred, averaged, meta)) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
-    summary = {"runs": [{"variant": r["variant"], "seed": r["seed"], "A": r["fit"]["A"],
-                         "B": r["fit"]["B"], "C_mid": r["fit"]["C_mid"], "final": float(r["R"][-1]),
-                         "extrap_error": r["extrap"]["error"] if r["extrap"] else None,
-                         "extrap_error_vs_full_fit": (r["extrap"]["vs_trend"] if r["extrap"]
-                                                      else None),
-                         "collapsed": r["collapsed"], "eval_se": r["se"], "wobble": r["wobble"],
-                         "training": r["training"], "compute": "FLOPs"}
-                        for r in runs],
-               "findings": [{k: f[k] for k in ("name", "paper", "verdict", "margin", "unit", "why")}
-                            for f in found],
-               "minutes": round(minutes, 1) if minutes else None, "steps": steps, "seeds": seeds,
-               "left_out": list(left_out), "extrapolation_within": [within, n],
-               "extrapolation_seed_averaged": averaged, "quick": quick}
-    if quick:
-        summary = {"note": QUICK_NOTE, **summary}
     with open(os.path.join(out, "study_report.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=lambda v: None if v != v else v)
+        json.dump(summary_json(table, found, pred, averaged, meta), f, indent=1)
     draw(out, table)
     return text
 
@@ -647,9 +844,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="The miniature ScaleRL study on the toy-hard task.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="the study's folder (one sub-folder per run)")
-    p.add_argument("--budget", type=float, default=90,
-                   help="minutes of training: variants that would not fit are left out "
-                        "(priority order: study.VARIANTS)")
+    p.add_argument("--budget", type=float, default=150,
+                   help="machine-minutes of runs: variants that would not fit are left out "
+                        "(priority order: study.VARIANTS; all of them: ~147, docstring)")
     p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run")
     p.add_argument("--report", action="store_true",
                    help="only fit the runs in the folder and write the report")

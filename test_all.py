@@ -3011,74 +3011,198 @@ def test_fit_predict_final_is_none_while_the_cut_leaves_too_few_points():
 # study.py: the report over variants and seeds, and a quick study end to end
 
 
-def test_study_report_judges_findings_by_the_seed_margin_and_checks_extrapolation_by_hand(tmp_path):
-    """Synthetic runs with known curves: the report's A, shared-A B, margins, verdicts, collapses and
-    extrapolation numbers are recomputed here from the written numbers and the sigmoid formula written out."""
+def paired_p_by_hand(d, side):
+    """A one-sided paired t-test's p-value written out: t = mean(d) / (sd(d, ddof 1) / sqrt(n)) on n - 1 degrees of
+    freedom; side 'greater' tests mean(d) > 0, 'less' mean(d) < 0."""
+    d = np.asarray(d, dtype=float)
+    t = d.mean() / (math.sqrt(((d - d.mean()) ** 2).sum() / (len(d) - 1)) / math.sqrt(len(d)))
+    return stats.t.sf(t, len(d) - 1) if side == "greater" else stats.t.cdf(t, len(d) - 1)
+
+
+def test_study_paired_test_verdicts_by_hand():
+    """Superiority needs X - Y > 0.01, non-inferiority X - Y > -0.02, each by a one-sided paired t with p <= 0.05 (the
+    other way: not reproduced); fewer than 5 pairs is inconclusive whatever p says."""
+    assert (study.ALPHA, study.MIN_PAIRS, study.MIN_EFFECT, study.NI_MARGIN) == (0.05, 5, 0.01, 0.02)
+    y = np.array([0.80, 0.83, 0.79, 0.85, 0.82])
+    cases = [  # (X - Y by seed, rule, verdict)
+        ([0.04, 0.05, 0.03, 0.06, 0.045], "superiority", "reproduced"),
+        ([-0.04, -0.05, -0.03, -0.06, -0.045], "superiority", "not reproduced"),
+        ([0.03, -0.01, 0.02, 0.0, 0.02], "superiority", "inconclusive"),  # mean 0.012: not clear of the 0.01 floor
+        ([0.012, 0.011, 0.013, 0.012, 0.014], "superiority", "reproduced"),  # small but clear of the floor
+        ([0.006, 0.004, 0.007, 0.005, 0.006], "superiority", "inconclusive"),  # consistent, but under the floor
+        ([-0.005, 0.004, -0.002, 0.001, 0.0], "non-inferiority", "reproduced"),
+        ([-0.06, -0.05, -0.07, -0.055, -0.065], "non-inferiority", "not reproduced"),
+        ([-0.03, 0.0, -0.04, -0.01, -0.02], "non-inferiority", "inconclusive"),  # mean -0.02: on the margin
+    ]
+    for diff, rule, verdict in cases:
+        x = y + np.array(diff)
+        got, p, p_other, test = study.paired_test(list(x), list(y), rule)
+        low = 0.01 if rule == "superiority" else -0.02
+        high = -0.01 if rule == "superiority" else -0.02
+        assert p == pytest.approx(paired_p_by_hand(x - y - low, "greater"), rel=1e-9), (diff, rule)
+        assert p_other == pytest.approx(paired_p_by_hand(x - y - high, "less"), rel=1e-9), (diff, rule)
+        assert got == verdict, (diff, rule, p, p_other)
+        assert f"X - Y > {low:+.2f}" in test and f"X - Y < {high:+.2f}" in test and "ttest_rel" in test
+        assert got == ("reproduced" if p <= 0.05 else "not reproduced" if p_other <= 0.05 else "inconclusive")
+    x = y + np.array(cases[0][0])
+    verdict, p, _, _ = study.paired_test(list(x[:4]), list(y[:4]), "superiority")  # 4 pairs: clear, but too few
+    assert verdict == "inconclusive" and p == pytest.approx(paired_p_by_hand(x[:4] - y[:4] - 0.01, "greater"))
+    assert p < 0.05
+    assert study.paired_test([0.8], [0.7], "superiority")[:2] == ("inconclusive", pytest.approx(float("nan"),
+                                                                                                nan_ok=True))
+    # identical runs (differences without spread): equal is at least as good, and not better
+    assert study.paired_test(list(y), list(y), "non-inferiority")[:3] == ("reproduced", 0.0, 1.0)
+    assert study.paired_test(list(y), list(y), "superiority")[:3] == ("inconclusive", 1.0, 1.0)
+
+
+def test_study_auc_and_predictability_against_both_baselines_by_hand():
+    """auc: the trapezoid up to `upto` (interpolated there) over `upto`; the predictability block: the sigmoid's,
+    persistence's and the leave-one-out constant's errors, RMSEs and within-0.02 counts, and Pearson's r, with numpy."""
+    C, R = np.array([0.0, 10, 20, 40]), np.array([0.2, 0.4, 0.5, 0.7])
+    assert study.auc(C, R, 30.0) == pytest.approx((10 * 0.3 + 10 * 0.45 + 10 * (0.5 + 0.6) / 2) / 30)
+    assert study.auc(C, R, 40.0) == pytest.approx((10 * 0.3 + 10 * 0.45 + 20 * 0.6) / 40)
+    assert study.auc(C, R, 40.5) is None  # the run ends before the range does
+    # fit_sigmoid's cap on A: its polish can stop a hair below 1 (0.9999999999999999 in the committed report)
+    assert study.at_cap(0.9999999999999999) and study.at_cap(0.99984) and not study.at_cap(0.999)
+    rng = np.random.default_rng(3)
+    measured = 0.8 + 0.03 * rng.standard_normal(7)
+    predicted = measured + 0.01 * rng.standard_normal(7)
+    persistence = measured - 0.05 + 0.01 * rng.standard_normal(7)
+    runs = [{"extrap": dict(predicted=p, persistence=q, measured=m)}
+            for p, q, m in zip(predicted, persistence, measured)]
+    table = {"a": {"runs": runs[:4]}, "b": {"runs": runs[4:] + [{"extrap": None}]}}  # a collapsed run is left out
+    pred = study.predictability(table)
+    constant = np.array([(measured.sum() - m) / 6 for m in measured])
+    rmse = lambda guess: math.sqrt(sum((g - m) ** 2 for g, m in zip(guess, measured)) / 7)  # noqa: E731
+    assert pred["n"] == 7 and pred["rmse"] == pytest.approx(rmse(predicted))
+    assert pred["rmse_persistence"] == pytest.approx(rmse(persistence))
+    assert pred["rmse_constant"] == pytest.approx(rmse(constant))
+    for key, guess in (("", predicted), ("_persistence", persistence), ("_constant", constant)):
+        assert pred[f"within_0.02{key}"] == [sum(abs(g - m) <= 0.02 for g, m in zip(guess, measured)), 7]
+    dp, dm = predicted - predicted.mean(), measured - measured.mean()
+    assert pred["r"] == pytest.approx((dp * dm).sum() / math.sqrt((dp ** 2).sum() * (dm ** 2).sum()))
+    assert pred["beats_both"] == (rmse(predicted) < min(rmse(persistence), rmse(constant)))
+    block = lambda within, rmse, pers, const: {"within_0.02": [within, 10], "within_0.02_persistence": [0, 10],  # noqa
+                                               "within_0.02_constant": [9, 10], "rmse": rmse,
+                                               "rmse_persistence": pers, "rmse_constant": const, "r": 0.5}
+    assert study.judge_predictability(block(9, 0.01, 0.05, 0.02))[0] == "reproduced"  # 90% and beats both
+    verdict, why = study.judge_predictability(block(9, 0.015, 0.05, 0.012))  # 90%, but a constant does better
+    assert verdict == "inconclusive" and "does NOT beat the constant baseline" in why
+    assert study.judge_predictability(block(4, 0.03, 0.05, 0.06))[0] == "not reproduced"  # under half
+    assert study.judge_predictability(block(7, 0.01, 0.05, 0.02))[0] == "inconclusive"
+    assert "beats both baselines" in study.judge_predictability(block(7, 0.01, 0.05, 0.02))[1]
+    empty = study.predictability({"a": {"runs": [{"extrap": None}]}})
+    assert empty["within_0.02"] == [0, 0] and empty["rmse"] is None and empty["r"] is None
+
+
+def write_synthetic_study(folder):
+    """5 variants x 5 seeds of known curves in `folder` (ScaleRL's; no_npr its twin within 0.004; batch8 at half the
+    compute a step; sync at 1.5x, its seed 0 collapsed at the end; no_npr logs its knobs) -> the variants."""
     C = np.linspace(0, 100, 21)
-    curves = {"scalerl": (0.80, 2.0), "pipelinerl": (0.80, 2.0), "ppo_offpolicy": (0.80, 1.0), "loss_dapo": (0.70, 2.0),
-              "loss_grpo": (0.74, 2.0), "bf16": (0.80, 2.0), "bf16_no_fp32_head": (0.86, 2.0), "no_npr": (0.805, 2.0),
-              "no_zero_var": (0.80, 2.0)}  # C_mid 30, R0 0.3
-    for name, (A, B) in curves.items():
-        for seed in range(3):
+    # scale: compute per step against ScaleRL's (batch8: half the FLOPs; sync: 1.5x the device-seconds)
+    variants = {"scalerl": 1.0, "no_npr": 1.0, "batch8": 0.5, "pipelinerl": 1.0, "sync": 1.5}
+    for name, scale in variants.items():
+        for seed in range(5):
             wobble = 0.01 * np.sin(C * (seed + 1)) * (C > 0)  # the seeds differ a little
-            R = fit.sigmoid(C, A + 0.003 * seed, B, 30, 0.3) + wobble
-            if name == "no_zero_var" and seed == 0:
+            R = fit.sigmoid(C, 0.8 + 0.003 * seed, 2.0, 30, 0.3) + wobble
+            R = R + (0.002 * (seed - 2) * (C > 0) if name == "no_npr" else 0)  # ScaleRL's twin, within 0.004
+            if name == "sync" and seed == 0:
                 R[-1] = R.max() - 0.06  # a collapse at the end
-            # loss_grpo's and pipelinerl's evals are noisy: the eval margin 2 sqrt(2 x 0.04^2 / 3) = 0.065 > 0.06
             knobs = (lambda step, seed=seed: {"intr": 0.1 * seed, "trunc": 0.01 * (step % 2), "len": 30.0 + step,
                                               "lag": 0.0, "prompts": 16, "dropped_zero_var": 4 + 8 * (step % 2),
                                               "retired": 5 * step + seed, "epoch": step // 8})
-            write_run(tmp_path / f"{name}-s{seed}", C, R, se=0.04 if name in ("loss_grpo", "pipelinerl") else 0.001,
-                      train=knobs if name == "no_npr" else None)
-    text = study.write_report(str(tmp_path), list(curves), 3, 20)
-    rep = json.loads((tmp_path / "study_report.json").read_text())
-    assert set(rep) >= {"runs", "findings", "minutes"} and len(rep["runs"]) == 3 * len(curves)
-    assert set(rep["runs"][0]) >= {"variant", "seed", "A", "B", "C_mid", "final", "extrap_error", "collapsed"}
-    assert set(rep["findings"][0]) >= {"name", "paper", "verdict", "margin"}
-    v = {f["name"].split(" vs ")[1]: f for f in rep["findings"] if " vs " in f["name"]}
-    assert v["ppo_offpolicy"]["verdict"] == "reproduced"  # the same A, a lower B (efficiency)
-    assert v["loss_dapo"]["verdict"] == "reproduced" and v["bf16_no_fp32_head"]["verdict"] == "not reproduced"
-    assert v["no_npr"]["verdict"] == "inconclusive"  # A and B within the seeds' margin
-    assert v["loss_grpo"]["verdict"] == "inconclusive"  # 0.06 apart, within the eval's own noise
-    A = {name: [r["A"] for r in rep["runs"] if r["variant"] == name] for name in curves}
-    assert v["loss_grpo"]["margin"] == pytest.approx(2 * math.sqrt(2 * 0.04 ** 2 / 3))
-    assert v["loss_dapo"]["margin"] == pytest.approx(max(0.02, np.std(A["pipelinerl"]) + np.std(A["loss_dapo"]),
-                                                         2 * math.sqrt(0.04 ** 2 / 3 + 0.001 ** 2 / 3)))
-    for name in curves:
-        assert np.mean(A[name]) == pytest.approx(curves[name][0], abs=0.02)
-    collapsed = [(r["variant"], r["seed"]) for r in rep["runs"] if r["collapsed"]]
-    assert collapsed == [("no_zero_var", 0)] and "Collapsed runs: no_zero_var-s0." in text
-    within = 0
+            write_run(folder / f"{name}-s{seed}", C * scale, R, se=0.004, train=knobs if name == "no_npr" else None)
+    return list(variants)
+
+
+def check_study_extrapolation(folder, rep, text):
+    """The half-compute fits redone by hand on ScaleRL's runs and the collapsed one, and the predictability block
+    recomputed from the runs' own values in study_report.json, as a reader would."""
     for r in rep["runs"]:
-        C_run, R_run, _ = fit.load_run(str(tmp_path / f"{r['variant']}-s{r['seed']}"), "flops")
+        if r["variant"] != "scalerl" and not r["collapsed"]:
+            continue
+        C_run, R_run, _ = fit.load_run(str(folder / f"{r['variant']}-s{r['seed']}"), "flops")
         full, late = fit.fit_sigmoid(C_run, R_run), C_run >= 0.3 * C_run[-1]  # the wobble: evals about the full fit
         trend = full["R0"] + (full["A"] - full["R0"]) / (1 + (full["C_mid"] / C_run[late]) ** full["B"])
-        assert r["wobble"] == pytest.approx(np.std(R_run[late] - trend))
+        assert r["wobble"] == pytest.approx(statistics.stdev(R_run[late] - trend))  # ddof 1
         if r["collapsed"]:
-            assert r["extrap_error"] is None
+            assert r["extrap_error"] is None and r["persistence_prediction"] is None
             continue
         half = C_run <= C_run[-1] / 2
-        f = fit.fit_sigmoid(C_run[half], R_run[half])
-        by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_run[-1]) ** f["B"])
-        assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1]) and r["final"] == R_run[-1]
-        within += abs(by_hand - R_run[-1]) <= 0.02
-    assert rep["extrapolation_within"] == [within, len(rep["runs"]) - 1]
-    C_avg, R_avg = (np.mean([fit.load_run(str(tmp_path / f"loss_dapo-s{s}"), "flops")[k] for s in range(3)], 0)
-                    for k in (0, 1))  # the seed-averaged curve, fitted on its first half by hand
-    half = C_avg <= C_avg[-1] / 2
-    f = fit.fit_sigmoid(C_avg[half], R_avg[half])
-    by_hand = f["R0"] + (f["A"] - f["R0"]) / (1 + (f["C_mid"] / C_avg[-1]) ** f["B"]) - R_avg[-1]
-    assert rep["extrapolation_seed_averaged"]["loss_dapo"] == pytest.approx(by_hand)
-    assert f"{within} of {len(rep['runs']) - 1} runs within 0.02" in text
-    checked = [r["wobble"] for r in rep["runs"] if not r["collapsed"]]
-    assert f"wobble about it by a median sd of {np.median(checked):.3f}" in text
-    # what the knobs did, seed means written out: steps 0..20 (11 even, 10 odd), seeds 0..2
+        h = fit.fit_sigmoid(C_run[half], R_run[half])
+        by_hand = h["R0"] + (h["A"] - h["R0"]) / (1 + (h["C_mid"] / C_run[-1]) ** h["B"])
+        assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1])
+        assert r["persistence_prediction"] == R_run[half][-1]
+    checked = [(r["final"] + r["extrap_error"], r["persistence_prediction"], r["final"]) for r in rep["runs"]
+               if r["extrap_error"] is not None]
+    sig, pers, meas = (np.array(c) for c in zip(*checked))
+    n = len(meas)
+    const = np.array([(meas.sum() - m) / (n - 1) for m in meas])
+    pred = rep["predictability"]
+    assert pred["within_0.02"] == [int((abs(sig - meas) <= 0.02).sum()), n] == rep["extrapolation_within"]
+    assert n == 24 and pred["rmse"] == pytest.approx(np.sqrt(np.mean((sig - meas) ** 2)))
+    assert pred["rmse_persistence"] == pytest.approx(np.sqrt(np.mean((pers - meas) ** 2)))
+    assert pred["rmse_constant"] == pytest.approx(np.sqrt(np.mean((const - meas) ** 2)))
+    assert pred["r"] == pytest.approx(np.corrcoef(sig, meas)[0, 1])
+    (finding,) = [f for f in rep["findings"] if f["name"] == "predictability"]
+    assert finding["why"] in text and finding["pairs"] == n
+    # said plainly when a baseline does at least as well (here the constant: the synthetic finals barely differ)
+    assert ("does NOT beat the constant baseline" in text) == (pred["rmse"] >= pred["rmse_constant"])
+    assert finding["verdict"] != "reproduced" or pred["beats_both"]
+
+
+def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
+    """Synthetic runs, 5 seeds: every endpoint, p-value, verdict, extrapolation number and the predictability block of
+    study_report.json recomputed here from the written evals and the runs' own values, by formulas written out."""
+    text = study.write_report(str(tmp_path), write_synthetic_study(tmp_path), 5, 20)
+    rep = json.loads((tmp_path / "study_report.json").read_text())
+    assert set(rep) >= {"runs", "findings", "minutes", "steps", "seeds", "extrapolation_within",
+                        "extrapolation_seed_averaged", "predictability", "auc_to", "statistics"}
+    assert len(rep["runs"]) == 25 and set(rep["runs"][0]) >= {
+        "variant", "seed", "A", "A_at_cap", "B", "C_mid", "final", "final_mean3", "auc_flops", "auc_device_s",
+        "extrap_error", "persistence_prediction", "collapsed", "wobble"}
+    assert set(rep["predictability"]) >= {"within_0.02", "rmse", "rmse_persistence", "rmse_constant", "r"}
+    assert all(set(f) >= {"name", "paper", "verdict", "margin", "endpoint", "test", "pairs", "p"}
+               for f in rep["findings"])
+    run = {(r["variant"], r["seed"]): r for r in rep["runs"]}
+    curve = lambda v, s, unit: fit.load_run(str(tmp_path / f"{v}-s{s}"), unit)[:2]  # noqa: E731
+    # AUC ranges: FLOPs up to batch8's end (the early finding's runs), device-seconds up to PipelineRL's end
+    assert rep["auc_to"] == {"FLOPs": pytest.approx(50e9), "device-seconds": pytest.approx(100.0)}
+    for (v, s), r in run.items():
+        Cf, Rf = curve(v, s, "flops")
+        assert r["final_mean3"] == pytest.approx((Rf[-1] + Rf[-2] + Rf[-3]) / 3) and r["final"] == Rf[-1]
+        upto = 50e9
+        keep = Cf <= upto
+        Cx, Rx = np.append(Cf[keep], upto), np.append(Rf[keep], np.interp(upto, Cf, Rf))
+        assert r["auc_flops"] == pytest.approx(np.trapezoid(Rx, Cx) / upto)
+        Cs, Rs = curve(v, s, "compute_s")
+        assert (r["auc_device_s"] is None) == (Cs[-1] < 100)
+        assert r["A_at_cap"] == (r["A"] >= 1 - 5e-4)
+    f = {x["name"]: x for x in rep["findings"]}
+    assert [x["name"] for x in rep["findings"]] == [
+        "off-policy algorithm: pipelinerl vs sync", "No-Positive-Resampling: scalerl vs no_npr",
+        "batch size: batch8 vs scalerl", "predictability"]
+    for name, key, rule in (("off-policy algorithm: pipelinerl vs sync", "auc_device_s", "superiority"),
+                            ("No-Positive-Resampling: scalerl vs no_npr", "final_mean3", "non-inferiority"),
+                            ("batch size: batch8 vs scalerl", "auc_flops", "superiority")):
+        X, Y = name.split(": ")[1].split(" vs ")
+        d = np.array([run[(X, s)][key] - run[(Y, s)][key] for s in range(5)])
+        shift = 0.01 if rule == "superiority" else -0.02
+        assert f[name]["endpoint"] == key and f[name]["pairs"] == 5 and f[name]["rule"] == rule
+        assert f[name]["p"] == pytest.approx(paired_p_by_hand(d - shift, "greater"), rel=1e-6, abs=1e-12)
+        assert f[name]["verdict"] == "reproduced" and f[name]["p"] <= 0.05
+        assert f"| {f[name]['pairs']} | {f[name]['p']:.3g} |" in text
+    collapsed = [(r["variant"], r["seed"]) for r in rep["runs"] if r["collapsed"]]
+    assert collapsed == [("sync", 0)] and "Collapsed runs: sync-s0." in text
+    check_study_extrapolation(tmp_path, rep, text)
+    # what the knobs did, seed means written out: steps 0..20 (11 even, 10 odd), seeds 0..4
     trunc, dropped, length = 0.01 * 10 / 21, (4 * 11 + 12 * 10) / 21 / 16, 30 + 10
-    assert (f"| no_npr | 10.0% | {trunc:.1%} | {dropped:.0%} | {length:.1f} | 0.0 | 101 | 2.0 |" in text)
+    assert f"| no_npr | 20.0% | {trunc:.1%} | {dropped:.0%} | {length:.1f} | 0.0 | 102 | 2.0 |" in text
     assert "| scalerl | - | - | - | - | - | - | - |" in text  # logged none of them
-    assert rep["runs"][[r["variant"] for r in rep["runs"]].index("no_npr")]["training"]["retired"] == 100
-    for section in ("## The paper's findings", "## Per variant, compute in device-seconds", "in FLOPs",
-                    "## Extrapolation test"):
+    A = [run[("scalerl", s)]["A"] for s in range(5)]
+    assert f"its fitted A {np.mean(A):.3f} +- {statistics.stdev(A):.3f}" in text  # ddof 1
+    for section in ("## The paper's findings", "## Statistics, set before the runs",
+                    "## Per variant, compute in device-seconds", "in FLOPs", "## Extrapolation test"):
         assert section in text
     for png in ("study.png", "study_extrap.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
@@ -3094,11 +3218,18 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     assert rep["note"] == study.QUICK_NOTE
     assert {r["variant"] for r in rep["runs"]} == {"scalerl", "batch8", "pipelinerl"}
     assert [f["name"] for f in rep["findings"]] == ["batch size: batch8 vs scalerl", "predictability"]
+    early = rep["findings"][0]  # one seed: one pair, under the 5 a verdict needs
+    assert early["verdict"] == "inconclusive" and early["pairs"] == 1 and early["endpoint"] == "auc_flops"
+    assert all(r["final_mean3"] is not None for r in rep["runs"])
+    assert all(r["auc_flops"] is not None for r in rep["runs"] if r["variant"] != "pipelinerl")  # the compared runs
+    assert set(rep["predictability"]) >= {"within_0.02", "rmse", "rmse_persistence", "rmse_constant", "r"}
     assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
     config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in study.VARIANTS
               if (out / f"{n}-s0").exists()}
     assert config["pipelinerl"]["ran"] == "pipeline" and config["pipelinerl"]["world"] == 2
     assert config["scalerl"]["world"] == 1 and config["batch8"]["prompts"] == 8
+    # the study's task, on train.py's own loss defaults (no pins)
+    assert config["scalerl"]["think_budget"] == 64 and config["scalerl"]["neg_trust"] == train.get_args([]).neg_trust
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
     assert recs[0]["val_data"] == str(out / "problems" / "val.jsonl")  # every run scored on the same prompts
     evals = [r for r in recs if r["kind"] == "eval"]
@@ -3159,20 +3290,25 @@ def test_study_runs_the_off_policy_variants_under_torchrun_alone(tmp_path, monke
     assert study.run_minutes(tmp_path / "pipelinerl-s0") == 10  # both cores: its wall-clock
 
 
-def test_study_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_path):
+def test_study_one_seed_decides_nothing_and_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_path):
     C = np.array([0.0, 30, 60, 70, 80, 90, 100])  # the first half (C <= 50) holds one point with C > 0
-    for name, A in (("scalerl", 0.8), ("loss_dapo", 0.7)):
+    for name, A in (("pipelinerl", 0.8), ("loss_dapo", 0.7)):
         R = fit.sigmoid(C, A, 2.0, 30, 0.3)
         write_eval_lines(tmp_path / f"{name}-s0", [{"kind": "eval", "step": i, "compute_s": c, "flops": c * 1e9,
                                                     "pass_rate": r} for i, (c, r) in enumerate(zip(C, R))])
-    text = study.write_report(str(tmp_path), ["scalerl", "loss_dapo"], 1, 6)
+    text = study.write_report(str(tmp_path), ["pipelinerl", "loss_dapo"], 1, 6)
     rep = json.loads((tmp_path / "study_report.json").read_text())
-    (pred,) = [f for f in rep["findings"] if f["name"] == "predictability"]
-    assert rep["extrapolation_within"] == [0, 0] and pred["verdict"] == "inconclusive"
+    loss, pred = rep["findings"]
+    # X ahead by 0.1 at the end, but one pair: inconclusive, and no p without a spread
+    assert loss["name"] == "loss type: pipelinerl vs loss_dapo" and loss["verdict"] == "inconclusive"
+    assert loss["pairs"] == 1 and loss["p"] is None and loss["endpoint"] == "final_mean3"
+    assert loss["x"][0] - loss["y"][0] == pytest.approx(np.mean(fit.sigmoid(C[-3:], 0.8, 2.0, 30, 0.3) -
+                                                                fit.sigmoid(C[-3:], 0.7, 2.0, 30, 0.3)))
+    assert rep["extrapolation_within"] == [0, 0] and pred["verdict"] == "inconclusive" and pred["pairs"] == 0
     assert pred["why"].startswith("no run could be checked") and "**inconclusive** | 0.020 | no run could be" in text
-    assert study.judge_predictability(4, 5) == ("reproduced", "4 of 5 runs within 0.02")  # 80% or more
-    assert study.judge_predictability(1, 4)[0] == "not reproduced"  # under half
-    assert study.judge_predictability(3, 5)[0] == "inconclusive"
+    assert rep["predictability"] == {"n": 0, "r": None, "beats_both": False, "within_0.02": [0, 0], "rmse": None,
+                                     "within_0.02_persistence": [0, 0], "rmse_persistence": None,
+                                     "within_0.02_constant": [0, 0], "rmse_constant": None}
 
 # =============================================================================
 # pipeline.py: generator and trainer ranks (gloo, spawned processes)
