@@ -1251,8 +1251,8 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     gen.pruned, gen.curriculum_path, gen.val, gen.val_ids = ([0] * ctx.n_trainers, curriculum_path,
                                                              val, val_ids)
     gen.report_eval = lambda v, records: ctx.store.set(f"eval/{v}/{ctx.rank}", json.dumps(records))
-    start_sampler(gen, start_version, ctx.k, lambda line: print(f"generator rank {ctx.rank}: {line}",
-                                                                flush=True))
+    say = lambda line: print(f"generator rank {ctx.rank}: {line}", flush=True)  # noqa: E731
+    start_sampler(gen, start_version, ctx.k, say)
     set_status(ctx, "generating")
     try:
         while True:
