@@ -1515,19 +1515,29 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
             cache.cache_clear()
 
 
-def test_code_batch_equals_one_by_one_and_uses_workers():
+def test_code_batch_equals_one_by_one_and_uses_workers(monkeypatch):
     rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")][::2]  # all: test_data_code_toy_*
     responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:5]]
     tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:6]]         # another's tests
     expected = [True] * len(rows) + [False] * 5
     assert [score_code(r, t) for r, t in zip(responses, tests)] == expected
-    slow = [fenced("import time\ntime.sleep(2)\nprint(3)")] * 4
-    start = time.perf_counter()
+    # real sandboxes side by side: one worker per CPU, so min(4, CPUs) samples run at once (read from when
+    # each sample's scoring began and ended, not from a wall-clock bound, which a loaded machine breaks)
+    spans, real = [], sandbox.score_code
+
+    def timed(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spans.append((start, time.monotonic()))
+    monkeypatch.setattr(sandbox, "score_code", timed)
+    slow = [fenced("import time\ntime.sleep(1)\nprint(3)")] * 4
     four = [{"inputs": [str(k)], "outputs": ["3"]} for k in range(4)]        # four problems
     assert score_code_batch(slow, four, workers=4) == [True] * 4
-    # 4 x 2 s one by one is 8 s; in parallel about 2 s (6 s leaves room for a loaded machine: with 1 s
-    # sleeps and a 3.5 s bound it failed at 4.1 s beside two training runs)
-    assert time.perf_counter() - start < 6
+    at_once = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    assert len(spans) == 4 and at_once == min(4, len(os.sched_getaffinity(0))), spans
+    monkeypatch.setattr(sandbox, "score_code", real)
     assert score_code_batch(responses, tests, workers=2) == expected
     with pytest.raises(ValueError, match="2 responses but 1 tests"):
         score_code_batch(["a", "b"], [SUM])
