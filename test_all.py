@@ -4234,6 +4234,20 @@ def test_train_forget_alarm_reads_a_window_of_steps_and_a_solved_batch_is_no_ala
     assert capsys.readouterr().out.startswith("warning: step 2: no prompt kept") and rec.empty_steps == 2
 
 
+def test_train_resume_gives_the_forget_alarm_its_window_back(tmp_path, capsys):
+    """On --resume the window holds the forget of the last FORGET_WINDOW steps that trained before the
+    checkpoint (not those logged after it): a fall that began before a restart still warns at once."""
+    lines = [{"kind": "config"}] + [{"kind": "train", "step": i, "forget": 0.02 if i > 6 else 0.0,
+                                     "kept_prompts": 0 if i == 9 else 4} for i in range(1, 12)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    args = train.get_args(["--out", str(tmp_path)])
+    env = types.SimpleNamespace(args=args, state={}, ctx=None, train=[{}], log=None, rank0=True, ckpt="ckpt-10")
+    rec = train.new_record(env, types.SimpleNamespace(n_params=1, version=10))
+    assert rec.forgets == [0.0, 0.0, 0.02, 0.02, 0.02]  # steps 5-8 and 10 (9 kept nothing; 11 was dropped)
+    train.alarms(rec, {"step": 11, "trunc": 0.0, "forget": 0.02, "kept_prompts": 4, "lag_max": 8, "pass_rate": 0.5})
+    assert capsys.readouterr().out.split("\n")[-2].startswith("warning: step 11: forget 0.016")  # alone: 0.004
+
+
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
     """A budget too small for any answer: every sample truncated, every step keeps no prompt. The log warns
     once about the truncation rate and once about the empty step, and after --max_empty_steps in a row the

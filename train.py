@@ -1032,7 +1032,8 @@ class Record:
 
 def new_record(env, trainer):
     """The record of a new run (metrics.jsonl's config line), or of a resumed one: the metrics
-    logged after its checkpoint dropped, the evals before it taken back for the live fit."""
+    logged after its checkpoint dropped, the evals before it taken back for the live fit and the
+    steps' forget for its alarm's window."""
     args, state = env.args, env.state
     rec = Record(args, env.log, env.ctx.world if env.ctx else 1, trainer.n_params,
                  sorted({p.get("domain", "math") for p in env.train}),
@@ -1040,8 +1041,10 @@ def new_record(env, trainer):
                  loop_start=(time.time(), trainer.version))
     path = os.path.join(args.out, "metrics.jsonl")
     if env.rank0 and env.ckpt:
-        rec.evals = [(r["compute_s"], r["pass_rate"])
-                     for r in truncate_metrics(path, trainer.version) if r["kind"] == "eval"]
+        kept = truncate_metrics(path, trainer.version)
+        rec.evals = [(r["compute_s"], r["pass_rate"]) for r in kept if r["kind"] == "eval"]
+        rec.forgets = [r["forget"] for r in kept if r["kind"] == "train" and r["kept_prompts"]
+                       and r.get("forget") is not None][-FORGET_WINDOW:]  # the alarm's window
         print(f"resumed from {env.ckpt} at step {trainer.version}")
     elif env.rank0:
         ran = "one process, synchronous" if rec.world == 1 else args.mode  # what actually ran
