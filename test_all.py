@@ -4259,7 +4259,8 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert all(r["trunc"] == 1.0 and r["kept_prompts"] == 0 for r in recs if r["kind"] == "train")
     assert out.count("warning: step 1: 100% of the batch was truncated") == 1
     assert out.count("warning: step 1: no prompt kept") == 1
-    assert out.count("warning: step 0: 100.0% of the held-out samples ran out of budget") == 1
+    assert out.count("warning: step 0: 100.0% of the held-out samples ran out of budget: the base model writes "
+                     "past its budgets. Raise --answer_budget or --think_budget, or train on truncated") == 1
     assert out.count("warning:") == 3
     assert "stopping at step 3: 3 steps in a row kept no prompt" in out
     assert "Raise --answer_budget, or train on them with --keep_truncated" in out
