@@ -30,7 +30,8 @@ reward and data of section 2, the curriculum of section 3.2).
 - format_prompt(tokenizer, problem): the tokenizer's chat template when it has one (rendered once,
   under a time limit: a template is the model folder's code), a plain template otherwise; both ask
   for reasoning inside <think></think> and the final answer in \\boxed{}.
-  prompt_ids(tokenizer, problem): its token ids, with one BOS (a template writes its own).
+  prompt_ids(tokenizer, problem): its token ids, with one BOS (a template writes its own);
+  prompts_ids: many at once.
 - special_tokens(tokenizer, model): the sampler's token ids (every eos id, "</think>",
   INTERRUPT_PHRASE) as keyword arguments of generate.sampler / generate.generate;
   completion_text(tokenizer, sample): a sample's text without its final eos.
@@ -518,9 +519,17 @@ def prompt_ids(tokenizer, problem, domain="math"):
     model's own special tokens (Llama-3's begins with its BOS), so its text is tokenized without
     adding them again, as apply_chat_template(tokenize=True) does; a plain prompt gets the
     tokenizer's."""
+    return prompts_ids(tokenizer, [problem], [domain])[0]
+
+
+def prompts_ids(tokenizer, problems, domains):
+    """[prompt_ids(tokenizer, p, d) for p, d in zip(problems, domains)], tokenized in one batch
+    (a fast tokenizer's batch call: the toy's 2,204 prompts in ~0.05 s instead of ~0.6)."""
+    if not problems:
+        return []
     templated = bool(getattr(tokenizer, "chat_template", None))
-    return tokenizer(format_prompt(tokenizer, problem, domain),
-                     add_special_tokens=not templated)["input_ids"]
+    texts = [format_prompt(tokenizer, p, d) for p, d in zip(problems, domains)]
+    return tokenizer(texts, add_special_tokens=not templated)["input_ids"]
 
 
 def eos_ids(tokenizer, model=None):

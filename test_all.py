@@ -60,7 +60,7 @@ import verify
 
 # ---------------------------------------------------------------------------------------------
 # helpers shared by several sections: the repository root, a code test set and the fenced
-# response that carries a program, the embedded toy model (a quick build: few warm-up steps),
+# response that carries a program, a copy of the embedded toy model,
 # a short train.py run on it in this process, and train.py processes forked from a preloaded server
 
 ROOT = Path(__file__).resolve().parent
@@ -76,8 +76,10 @@ def fenced(code, tag="python"):
 
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("toy") / "model")
-    return data.build_toy_model(out, sft_steps=30, log=lambda *a: None)
+    """A copy of the embedded toy model outside the source tree (data.py's build: test_data_build_*)."""
+    out = tmp_path_factory.mktemp("toy") / "model"
+    shutil.copytree(data.toy_model_dir(), out)
+    return str(out)
 
 
 def run_train(toy_dir, out, *flags):
@@ -95,6 +97,9 @@ def run_train(toy_dir, out, *flags):
 # start train.py under torchrun (and study.py's) cover a fresh interpreter's start and exit.
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
+# A process's first from_pretrained builds transformers' checkpoint-conversion table (~1 s of regex
+# compiling) and keeps it: loaded once here, on import, every rank forked from the server has it.
+AutoModelForCausalLM.from_pretrained(data.toy_model_dir())
 
 
 def run_train_py(argv, env, log, slow=None, record=None):
@@ -1618,6 +1623,25 @@ def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
     assert [p["answer"] for p in data.load_problems(str(path))] == ["7", "0"]
 
 
+def test_data_build_toy_model_remakes_the_shipped_tokenizer_and_config_and_its_warm_up_learns(tmp_path):
+    """`python data.py --build toy` as the shipped toy_model/ was made, cut to 30 warm-up steps: the same tokenizer
+    and architecture, a folder that loads, and a warm-up loss that falls (the tests train a copy of the shipped one)."""
+    said = []
+    out = data.build_toy_model(str(tmp_path / "toy"), sft_steps=30, log=said.append)
+    shipped = Path(data.TOY_DIRS["toy"])
+    assert json.loads((tmp_path / "toy" / "tokenizer.json").read_text()) == json.loads(
+        (shipped / "tokenizer.json").read_text())
+    config = {k: v for k, v in json.loads((tmp_path / "toy" / "config.json").read_text()).items()
+              if k != "transformers_version"}
+    assert config == {k: v for k, v in json.loads((shipped / "config.json").read_text()).items()
+                      if k != "transformers_version"}
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() == AutoModelForCausalLM.from_pretrained(
+        shipped).num_parameters()
+    losses = [float(re.search(r"loss ([\d.]+)", m)[1]) for m in said if "warm-up step" in m]
+    assert len(losses) == 2 and losses[1] < losses[0] - 1, said  # steps 0 and 29
+    assert not (tmp_path / "toy.tmp").exists() and said[-1].startswith("built toy base model")
+
+
 def test_data_reads_regular_files_only_and_every_error_names_file_and_line(tmp_path, capsys):
     """--data naming a FIFO waited for a writer forever, /dev/zero was read into memory without end, and deeply
     nested JSON, a 5000-digit integer or an assert nested past the parser's depth gave a traceback or an error
@@ -1958,8 +1982,13 @@ def test_prompt_ids_have_one_bos_whether_a_chat_template_writes_it_or_the_tokeni
             tok.decode(tok(data.format_prompt(tok, "What is 2+2?"))["input_ids"], skip_special_tokens=True).split()
     assert tok(data.format_prompt(bos_tokenizer(), "What is 2+2?"))["input_ids"][:2] == [0, 0]  # the old way: two
     toy = AutoTokenizer.from_pretrained(toy_dir)  # the toy's prompts: exactly as before
-    for p in data.toy_problems(20, 3):
+    problems = data.toy_problems(20, 3)
+    for p in problems:
         assert data.prompt_ids(toy, p["prompt"]) == toy(data.format_prompt(toy, p["prompt"]))["input_ids"]
+    code = [{"prompt": "Write f.", "domain": "code"}]
+    for tok in (toy, bos_tokenizer(True), bos_tokenizer(False)):  # one batch: each prompt as alone
+        assert train.tokenize_prompts(tok, problems + code) == [data.prompt_ids(tok, p["prompt"], p.get("domain"))
+                                                               for p in problems + code]
 
 
 LOOPING_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from data import (PRESETS, format_prompt, load_source_problems, prompt_ids, read_jsonl,
+from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_problems)
 import pipeline
 from fit import predict_final
@@ -571,8 +571,9 @@ def load_model(model_dir, args, device):
 
 
 def tokenize_prompts(tokenizer, problems):
-    """Each problem's prompt, formatted as in training, as token ids (data.prompt_ids)."""
-    return [prompt_ids(tokenizer, p["prompt"], p.get("domain")) for p in problems]
+    """Each problem's prompt, formatted as in training, as token ids (data.prompt_ids, batched)."""
+    return prompts_ids(tokenizer, [p["prompt"] for p in problems],
+                       [p.get("domain") for p in problems])
 
 
 def domain_rates(problems, correct):
