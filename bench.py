@@ -136,8 +136,8 @@ SIZE_FLAGS = [
     ("train_flags", "", "figure 6: extra train.py flags for every run, e.g. '--keep_truncated'"),
     ("fsdp_steps", 2, "figure 7: optimizer steps per run"),
     ("stability_seeds", "0,1,2,3,4", "figure stability: the seeds, comma-separated"),
-    ("stability_preset", "toy", "figure stability: toy (the default run) or toy-hard (the "
-     "study's task and settings)"),
+    ("stability_preset", "toy", "figure stability: toy (the default run), study (the study's "
+     "task and settings as study.py runs them) or toy-hard (the fifth study design's)"),
     ("stability_load", "pinned", "figure stability: pinned (the worst case: every token k "
      "versions old), idle, or hogs (two CPU-bound processes beside each run)"),
     ("stability_dir", "runs/stability", "figure stability: where its runs go (kept; a finished "
@@ -960,10 +960,15 @@ HARD_FLAGS = ["--think_budget", "32", "--lr", "2e-4", "--eval_every", "10", "--e
 
 
 def stability_flags(args, folder):
-    """train.py's flags for the preset: the default run's (toy), or toy-hard at the fifth study
-    design's settings (HARD_*; the loss at train.py's defaults)."""
+    """train.py's flags for the preset: the default run's (toy), the study's runs' (study: its
+    problems, steps and study.TASK), or toy-hard at the fifth study design's settings (HARD_*);
+    the loss at train.py's defaults in all three."""
     if args.stability_preset == "toy":
         return []
+    if args.stability_preset == "study":
+        data = study.make_problems(os.path.join(folder, "study"))
+        return ["--model", toy_model_dir(preset="toy-hard"), "--data", data[0], "--val_data",
+                data[1], "--steps", str(study.STEPS), *study.TASK]
     data = study.make_problems(folder, max_ops=HARD_OPS)
     return ["--model", toy_model_dir(preset="toy-hard"), "--data", data[0], "--val_data", data[1],
             "--steps", str(HARD_STEPS), *HARD_FLAGS]
@@ -1159,7 +1164,7 @@ def bench_replay(args):
     think_end = special_tokens(tok)["think_end"]
     val_ids, ids = train.tokenize_prompts(tok, val), train.tokenize_prompts(tok, problems)
     gargs = train.get_args([])
-    gargs.temperature = 0.0  # greedy: the sampler takes it, train.py's flags do not (training samples)
+    gargs.temperature = 0.0  # greedy: the sampler takes it; train.py's flags do not (they sample)
     greedy = pipeline.make_sampler(first, tok, gargs, max(map(len, val_ids)))
     greedy = pipeline.sample_all(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
     contexts, nexts = [], []
