@@ -524,7 +524,7 @@ def prompt_ids(tokenizer, problem, domain="math"):
 
 def prompts_ids(tokenizer, problems, domains):
     """[prompt_ids(tokenizer, p, d) for p, d in zip(problems, domains)], tokenized in one batch
-    (a fast tokenizer's batch call: the toy's 2,204 prompts in ~0.05 s instead of ~0.6)."""
+    (a fast tokenizer's batch call: the toy's 2,204 prompts in 0.08 s, not 0.17-0.19 one by one)."""
     if not problems:
         return []
     templated = bool(getattr(tokenizer, "chat_template", None))

@@ -1214,10 +1214,11 @@ def eval_alarms(rec, step, result):
     policy's own samples, k versions ahead of the batches: truncation shows here before it reaches
     the training batches) and when the held-out pass rate fell since the eval before."""
     if result["trunc"] > HELD_OUT_TRUNC_ALARM:
+        older = rec.world > 1 and rec.args.mode != "sync"  # off-policy: batches behind the policy
         who = ("the base model writes past its budgets. Raise --answer_budget or --think_budget"
-               if step == 0 else "the policy being trained writes past its budgets" +
-               (" (its training batches are older)" if rec.world > 1 else "") +
-               ". Raise --answer_budget, lower --lr or --max_lag")
+               if step == 0 else "the policy being trained writes past its budgets"
+               f"{' (its training batches are older)' if older else ''}. Raise --answer_budget, "
+               "lower --lr or --max_lag")
         warn_once(rec, "held-out trunc", step, f"{result['trunc']:.1%} of the held-out samples ran "
                   f"out of budget: {who}, or train on truncated samples with --keep_truncated")
     if len(rec.evals) > 1 and rec.evals[-2][1] - rec.evals[-1][1] > HELD_OUT_DROP_ALARM:
