@@ -96,10 +96,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from data import Curriculum, score_samples, special_tokens
 from generate import FINISH, Sample, sampler, sequence_logprobs
@@ -565,7 +561,7 @@ def whole_weights(model, dtype=None):
     (when given: half the bytes move for bf16); at most one whole parameter exists at a time."""
     for _, p in model.named_parameters():
         p = p if dtype is None else p.to(dtype)
-        yield p.full_tensor() if isinstance(p, DTensor) else p
+        yield p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor: --fsdp
 
 
 @torch.no_grad()
@@ -898,6 +894,10 @@ def shard_trainer(model, trainers, device, dtype=torch.float32):
     across trainers, not averaged: each trainer's loss is already weighted by its share of the
     global batch. The shards stay float32 (AdamW's master weights); the forward and backward run on
     weights gathered in `dtype`, the gradients are reduced in float32."""
+    # imported here, as in the other --fsdp functions: FSDP2, DTensor and distributed checkpoints
+    # cost each rank ~1 CPU-s of imports at start, which a run without --fsdp need not pay
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     mesh = DeviceMesh.from_group(trainers, "cuda" if str(device).startswith("cuda") else "cpu")
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -914,12 +914,14 @@ def shard_trainer(model, trainers, device, dtype=torch.float32):
 def sharded_state(model, opt):
     """--fsdp: this trainer's float32 shards and their AdamW state, as torch.distributed.checkpoint
     saves and loads them (each trainer its own part; nothing is gathered)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     weights, optimizer = get_state_dict(model, opt)
     return {"model": weights, "optimizer": optimizer}
 
 
 def set_sharded_state(model, opt, state):
     """--fsdp on resume: the shards loaded (sharded_state's) into the model and the optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

@@ -33,7 +33,6 @@ import sys
 
 import torch
 from safetensors import safe_open
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
@@ -305,15 +304,20 @@ def check_shards(folder):
                  "--out")
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
+def safe_load_planner():
     """torch.distributed.checkpoint's loader, but a value that is not a tensor (an optimizer's
     hyper-parameters) must load as plain data (torch.load weights_only=True) before it is read the
-    way the library reads it (which would run code named in the file)."""
+    way the library reads it (which would run code named in the file). Made here, not at import:
+    only --fsdp loads the library (~1 CPU-s)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    def load_bytes(self, read_item, value):
-        torch.load(value, weights_only=True)  # raises on anything but tensors and plain data
-        value.seek(0)
-        super().load_bytes(read_item, value)
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            torch.load(value, weights_only=True)  # raises on anything but tensors and plain data
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafeLoadPlanner()
 
 
 def resume_point(args, quiet):

@@ -52,19 +52,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_problems)
 import pipeline
-from fit import predict_final
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
-from runs import (SafeLoadPlanner, check_shards, checkpoint_tmp, checkpoints, metrics_log,
+from runs import (check_shards, safe_load_planner, checkpoint_tmp, checkpoints, metrics_log,
                   prepare_out_dir, release_lock, resume_command, resume_point, save_checkpoint,
                   truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
@@ -832,7 +829,7 @@ class Trainer:
         self.reduce_grads()
         stepped = self.master or list(self.model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
-        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # DTensor: --fsdp
         if math.isfinite(norm) and math.isfinite(loss):  # every trainer sees the same sums
             self.opt.step()
             self.sched.step()
@@ -989,6 +986,7 @@ class ShardedTrainer(Trainer):
     def save_shards(self, folder):
         """Every trainer writes its float32 shards and their AdamW state into folder/SHARDS (a
         collective), once trainer 0 has emptied the folder."""
+        import torch.distributed.checkpoint as dcp  # here: --fsdp alone needs it (see pipeline's imports)
         self.any(False)  # a barrier
         dcp.save(pipeline.sharded_state(self.model, self.opt),
                  checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
@@ -999,11 +997,12 @@ class ShardedTrainer(Trainer):
 
     def load_optimizer(self, saved):
         """The shards this trainer saved: its float32 weights and their AdamW state."""
+        import torch.distributed.checkpoint as dcp
         folder = os.path.join(self.ckpt, SHARDS)
         state = pipeline.sharded_state(self.model, self.opt)
         check_shards(folder)  # nothing in the folder runs code
         dcp.load(state, checkpoint_id=folder, process_group=self.ctx.trainers,
-                 planner=SafeLoadPlanner())
+                 planner=safe_load_planner())
         pipeline.set_sharded_state(self.model, self.opt, state)
 
 # -----------------------------------------------------------------------------
@@ -1245,6 +1244,7 @@ def log_evals(rec, env, source, wait=False):
 def log_eval(rec, env, step, result, stamp):
     """A held-out eval's result at `step` (stamp: the compute_s and FLOPs of that step), the live
     fit of the curve so far, one log line and the alarms."""
+    from fit import predict_final  # here: scipy's import (~0.5 CPU-s) is rank 0's alone
     args, (compute_s, flops) = env.args, stamp
     m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
     rec.evals.append((compute_s, result["pass_rate"]))
