@@ -3721,41 +3721,49 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
 
 
 def listening_addresses(pids):
-    """The addresses the processes' TCP sockets listen on (ipaddress objects), read from /proc/net/tcp and tcp6."""
+    """The TCP sockets the processes listen on, read from /proc/net/tcp and tcp6 -> {inode: address (ipaddress)}."""
     inodes = set()
     for pid in pids:
         with contextlib.suppress(OSError):
             links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
             inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
-    found = []
+    found = {}
     for table in ("tcp", "tcp6"):
         for row in open(f"/proc/net/{table}").read().splitlines()[1:]:
             fields = row.split()
             if fields[3] == "0A" and fields[9] in inodes:  # LISTEN; the address: 32-bit words, each little-endian
                 raw = bytes.fromhex(fields[1].split(":")[0])
-                found.append(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+                found[fields[9]] = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
     return found
 
 
-def test_pipeline_torchrun_on_one_machine_listens_on_loopback_only_as_the_readme_says(tmp_path):
-    """Under `torchrun --standalone` (or without flags) the launcher's store listened on every interface: a process
-    that was no rank listed its keys, set one and stopped the run. Run as the README says for one machine, every
-    socket of the run (launcher, store, gloo) listens on the loopback interface alone."""
-    readme = (ROOT / "README.md").read_text()
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               **dict([re.search(r"^export (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)=(\S+)", readme, re.M).groups()]))
-    flags = re.search(r'^LOCAL="([^"]+)"', readme, re.M)[1].split()
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, "--rdzv-endpoint", str(tmp_path / "rdzv"),
-                          "--nproc_per_node", "2", str(ROOT / "train.py"), "--out", str(tmp_path / "run"), *PIPE_FLAGS,
-                          "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    try:
-        wait_for_train_records(tmp_path / "run", 1, [p])
-        addresses = listening_addresses([p.pid, *worker_pids(p.pid).values()])
-    finally:
-        p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=120)
-    assert len(addresses) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
-                                       for a in addresses), addresses
+def descendants(pid):
+    """The pids of every process under `pid` (read from /proc), itself included."""
+    parents = {}
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            parents[int(child)] = int(open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[1])
+    found, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        found += kids
+        todo += kids
+    return found
+
+
+def run_listening(cmd, cwd, timeout=300):
+    """`bash -c cmd`, and every 0.1 s while it runs the sockets its processes listen on ->
+    (returncode, stdout, stderr, {inode: address} of the sockets seen)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p, seen, t0 = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, stdout=out, stderr=err, text=True), {}, time.time()
+        while p.poll() is None:
+            seen.update(listening_addresses(descendants(p.pid)))
+            if time.time() - t0 > timeout:
+                p.kill()
+            time.sleep(0.1)
+        out.seek(0), err.seek(0)
+        return p.returncode, out.read(), err.read(), seen
 
 
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
@@ -3917,7 +3925,7 @@ def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypat
     def failing_fit(C, R, C_end, R0=None):
         assert len(C) == len(R) and C_end >= 0
         raise ValueError("cannot fit")
-    monkeypatch.setattr(train, "predict_final", failing_fit)
+    monkeypatch.setattr(fit, "predict_final", failing_fit)
     lines = run_train(toy_dir, tmp_path)
     assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2]
     assert "no live fit (cannot fit)" in capsys.readouterr().out
@@ -4478,7 +4486,10 @@ def readme_commands(text):
 def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     """Every command of the README, in the order written, in a copy of the repository's files, with the
     training runs shrunk (README_SHRINK): none fails, and none collides with another's run folder; the ones
-    that cannot run here (an install, a Hub id, a GPU) are named."""
+    that cannot run here (an install, a Hub id, a GPU) are named. Its torchrun commands for one machine listen
+    on the loopback interface alone (launcher, store, gloo): under `torchrun --standalone` (or without flags)
+    the launcher's store listened on every interface, and a process that was no rank listed its keys, set one
+    and stopped the run."""
     clone = tmp_path / "clone"
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     for f in files:
@@ -4497,10 +4508,12 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
             cmd = cmd.replace("ckpt-000150", "ckpt-000004") + " " + README_SHRINK
         cmd = cmd.replace("ckpt-000150", "ckpt-000004").replace("python ", sys.executable + " ", 1)
         cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
-        done = subprocess.run(["bash", "-c", "; ".join(setup + [cmd])], cwd=clone, capture_output=True,
-                              text=True, timeout=300)
-        flat = "fit.py" in cmd and "a flat series" in done.stderr  # a 4-step run has no curve to fit
-        assert done.returncode == 0 or flat, f"{cmd}:\n{done.stdout[-1500:]}{done.stderr[-1500:]}"
+        rc, out, err, listened = run_listening("; ".join(setup + [cmd]), clone)
+        flat = "fit.py" in cmd and "a flat series" in err  # a 4-step run has no curve to fit
+        assert rc == 0 or flat, f"{cmd}:\n{out[-1500:]}{err[-1500:]}"
+        if "torch.distributed.run" in cmd:  # launcher, store, gloo: the loopback interface alone
+            assert len(listened) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
+                                              for a in listened.values()), (cmd, listened)
         ran.append(cmd)
     assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 2, ran
@@ -4764,7 +4777,7 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=folder)
     runs.check_shards(folder)
     back = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": get_state_dict(model, opt)[1]}
-    dcp.load(back, checkpoint_id=folder, planner=runs.SafeLoadPlanner())
+    dcp.load(back, checkpoint_id=folder, planner=runs.safe_load_planner())
     assert all(torch.equal(back["model"][k], v) for k, v in weights.items())
     assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3
     good = (folder / ".metadata").read_bytes()
@@ -4776,7 +4789,7 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     torch.save(RunsCode(str(ran)), value)
     value.seek(0)
     with pytest.raises(pickle.UnpicklingError):
-        runs.SafeLoadPlanner().load_bytes(None, value)
+        runs.safe_load_planner().load_bytes(None, value)
     assert not ran.exists() and good
 
 
