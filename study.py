@@ -853,13 +853,13 @@ def main(argv=None):
     p.add_argument("--assets", default="",
                    help="also copy study_report.json, study.png, study_extrap.png here")
     p.add_argument("--quick", action="store_true",
-                   help="3 variants x 1 seed x 10 tiny steps (the test's form)")
+                   help="3 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
     args = p.parse_args(argv)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
     if args.quick:  # two one-process runs side by side and one under torchrun
         variants = {n: VARIANTS[n] for n in ("scalerl", "batch8", "pipelinerl")}
-        seeds, steps, held_out = 1, 10, 16
-        extra = ["--prompts", "4", "--samples", "4", "--eval_every", "2", "--eval_samples", "1"]
+        seeds, steps, held_out = 1, 6, 16
+        extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
         train_all(args.out, variants, seeds, steps, args.budget, extra, held_out=held_out)
