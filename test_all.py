@@ -177,6 +177,112 @@ class Forked:
 
 
 # =============================================================================
+# the README's commands. First in the file: the longest test (~55 s of fresh interpreters, two of them
+# torchrun runs), and pytest-xdist starts tests in file order; started last, it left a core idle for ~20 s
+
+# what the README-commands test does not run here, and why
+README_SKIP = [(r"pip install", "installs"), (r"pytest", "the tests themselves"),
+               (r"bench\.py", "benchmarks: BENCHMARKS.md"), (r"study\.py", "test_study_quick_* runs the study"),
+               (r"\b(Qwen|openai|POLARIS-Project|HuggingFaceH4)/", "a Hub id: no network here"),
+               (r"--device cuda", "no GPU here")]
+# the sizes every train.py command runs with here (flags given last win)
+README_SHRINK = "--steps 4 --eval_every 1 --prompts 2 --samples 2 --val_size 4 --eval_samples 1 --save_every 2"
+
+
+def readme_commands(text):
+    """The README's shell commands, in order: the lines of its ```bash blocks, continuations joined."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip():
+                lines.append(line.split("  #")[0].strip())
+    return lines
+
+
+def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
+    """Every command of the README, in the order written, in a copy of the repository's files, with the
+    training runs shrunk (README_SHRINK): none fails, and none collides with another's run folder; the ones
+    that cannot run here (an install, a Hub id, a GPU) are named. Its torchrun commands for one machine listen
+    on the loopback interface alone (launcher, store, gloo): under `torchrun --standalone` (or without flags)
+    the launcher's store listened on every interface, and a process that was no rank listed its keys, set one
+    and stopped the run."""
+    clone = tmp_path / "clone"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for f in files:
+        (clone / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, clone / f)
+    setup, ran, skipped = [], [], []
+    for cmd in readme_commands((ROOT / "README.md").read_text()):
+        why = next((why for pattern, why in README_SKIP if re.search(pattern, cmd)), None)
+        if why:
+            skipped.append(why)
+            continue
+        if re.match(r"(export )?\w+=", cmd):  # a variable the commands after it use
+            setup.append(cmd)
+            continue
+        if "train.py" in cmd:
+            cmd = cmd.replace("ckpt-000150", "ckpt-000004") + " " + README_SHRINK
+        cmd = cmd.replace("ckpt-000150", "ckpt-000004").replace("python ", sys.executable + " ", 1)
+        cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
+        rc, out, err, listened = run_listening("; ".join(setup + [cmd]), clone)
+        flat = "fit.py" in cmd and "a flat series" in err  # a 4-step run has no curve to fit
+        assert rc == 0 or flat, f"{cmd}:\n{out[-1500:]}{err[-1500:]}"
+        if "torch.distributed.run" in cmd:  # launcher, store, gloo: the loopback interface alone
+            assert len(listened) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
+                                              for a in listened.values()), (cmd, listened)
+        ran.append(cmd)
+    assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
+    assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 2, ran
+    assert "a Hub id: no network here" in skipped
+
+
+def listening_addresses(pids):
+    """The TCP sockets the processes listen on, read from /proc/net/tcp and tcp6 -> {inode: address (ipaddress)}."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = {}
+    for table in ("tcp", "tcp6"):
+        for row in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN; the address: 32-bit words, each little-endian
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                found[fields[9]] = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return found
+
+
+def descendants(pid):
+    """The pids of every process under `pid` (read from /proc), itself included."""
+    parents = {}
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            parents[int(child)] = int(open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[1])
+    found, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        found += kids
+        todo += kids
+    return found
+
+
+def run_listening(cmd, cwd, timeout=300):
+    """`bash -c cmd`, and every 0.1 s while it runs the sockets its processes listen on ->
+    (returncode, stdout, stderr, {inode: address} of the sockets seen)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p, seen, t0 = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, stdout=out, stderr=err, text=True), {}, time.time()
+        while p.poll() is None:
+            seen.update(listening_addresses(descendants(p.pid)))
+            if time.time() - t0 > timeout:
+                p.kill()
+            time.sleep(0.1)
+        out.seek(0), err.seek(0)
+        return p.returncode, out.read(), err.read(), seen
+
+
+# =============================================================================
 # loss.py: advantages, the four policy losses, the length penalty and the ratio statistics
 
 # ---------------------------------------------------------------------------------------------
@@ -3720,52 +3826,6 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
 
 
-def listening_addresses(pids):
-    """The TCP sockets the processes listen on, read from /proc/net/tcp and tcp6 -> {inode: address (ipaddress)}."""
-    inodes = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-            inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
-    found = {}
-    for table in ("tcp", "tcp6"):
-        for row in open(f"/proc/net/{table}").read().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN; the address: 32-bit words, each little-endian
-                raw = bytes.fromhex(fields[1].split(":")[0])
-                found[fields[9]] = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-    return found
-
-
-def descendants(pid):
-    """The pids of every process under `pid` (read from /proc), itself included."""
-    parents = {}
-    for child in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            parents[int(child)] = int(open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[1])
-    found, todo = [pid], [pid]
-    while todo:
-        parent = todo.pop()
-        kids = [c for c, p in parents.items() if p == parent]
-        found += kids
-        todo += kids
-    return found
-
-
-def run_listening(cmd, cwd, timeout=300):
-    """`bash -c cmd`, and every 0.1 s while it runs the sockets its processes listen on ->
-    (returncode, stdout, stderr, {inode: address} of the sockets seen)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p, seen, t0 = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, stdout=out, stderr=err, text=True), {}, time.time()
-        while p.poll() is None:
-            seen.update(listening_addresses(descendants(p.pid)))
-            if time.time() - t0 > timeout:
-                p.kill()
-            time.sleep(0.1)
-        out.seek(0), err.seek(0)
-        return p.returncode, out.read(), err.read(), seen
-
-
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
     """Two trainers with the model sharded (FSDP2), stopped after step 3 and resumed, take the same steps
     as two full replicas that run 5 steps straight (the sharded AdamW state comes back on resume: step 5's
@@ -4462,62 +4522,6 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
     assert (config["recipe"], config["lr"], config["warmup"], config["prompts"], config["think_budget"]) == \
         ("paper", 5e-7, 100, 2, 6)
     assert "recipe paper; given: --prompts 2 (recipe: 48), --samples 2 (recipe: 16)" in capsys.readouterr().out
-
-
-# what the README-commands test does not run here, and why
-README_SKIP = [(r"pip install", "installs"), (r"pytest", "the tests themselves"),
-               (r"bench\.py", "benchmarks: BENCHMARKS.md"), (r"study\.py", "test_study_quick_* runs the study"),
-               (r"\b(Qwen|openai|POLARIS-Project|HuggingFaceH4)/", "a Hub id: no network here"),
-               (r"--device cuda", "no GPU here")]
-# the sizes every train.py command runs with here (flags given last win)
-README_SHRINK = "--steps 4 --eval_every 1 --prompts 2 --samples 2 --val_size 4 --eval_samples 1 --save_every 2"
-
-
-def readme_commands(text):
-    """The README's shell commands, in order: the lines of its ```bash blocks, continuations joined."""
-    lines = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            if line.strip():
-                lines.append(line.split("  #")[0].strip())
-    return lines
-
-
-def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
-    """Every command of the README, in the order written, in a copy of the repository's files, with the
-    training runs shrunk (README_SHRINK): none fails, and none collides with another's run folder; the ones
-    that cannot run here (an install, a Hub id, a GPU) are named. Its torchrun commands for one machine listen
-    on the loopback interface alone (launcher, store, gloo): under `torchrun --standalone` (or without flags)
-    the launcher's store listened on every interface, and a process that was no rank listed its keys, set one
-    and stopped the run."""
-    clone = tmp_path / "clone"
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    for f in files:
-        (clone / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, clone / f)
-    setup, ran, skipped = [], [], []
-    for cmd in readme_commands((ROOT / "README.md").read_text()):
-        why = next((why for pattern, why in README_SKIP if re.search(pattern, cmd)), None)
-        if why:
-            skipped.append(why)
-            continue
-        if re.match(r"(export )?\w+=", cmd):  # a variable the commands after it use
-            setup.append(cmd)
-            continue
-        if "train.py" in cmd:
-            cmd = cmd.replace("ckpt-000150", "ckpt-000004") + " " + README_SHRINK
-        cmd = cmd.replace("ckpt-000150", "ckpt-000004").replace("python ", sys.executable + " ", 1)
-        cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
-        rc, out, err, listened = run_listening("; ".join(setup + [cmd]), clone)
-        flat = "fit.py" in cmd and "a flat series" in err  # a 4-step run has no curve to fit
-        assert rc == 0 or flat, f"{cmd}:\n{out[-1500:]}{err[-1500:]}"
-        if "torch.distributed.run" in cmd:  # launcher, store, gloo: the loopback interface alone
-            assert len(listened) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
-                                              for a in listened.values()), (cmd, listened)
-        ran.append(cmd)
-    assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
-    assert any("fit.py" in c for c in ran) and sum("torch.distributed.run" in c for c in ran) >= 2, ran
-    assert "a Hub id: no network here" in skipped
 
 
 def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
