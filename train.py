@@ -829,7 +829,8 @@ class Trainer:
         self.reduce_grads()
         stepped = self.master or list(self.model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
-        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # DTensor: --fsdp
+        whole = getattr(norm, "full_tensor", None)  # a DTensor under --fsdp
+        norm = (whole() if whole else norm).item()
         if math.isfinite(norm) and math.isfinite(loss):  # every trainer sees the same sums
             self.opt.step()
             self.sched.step()
@@ -986,7 +987,7 @@ class ShardedTrainer(Trainer):
     def save_shards(self, folder):
         """Every trainer writes its float32 shards and their AdamW state into folder/SHARDS (a
         collective), once trainer 0 has emptied the folder."""
-        import torch.distributed.checkpoint as dcp  # here: --fsdp alone needs it (see pipeline's imports)
+        import torch.distributed.checkpoint as dcp  # here: --fsdp alone needs it (pipeline's imports)
         self.any(False)  # a barrier
         dcp.save(pipeline.sharded_state(self.model, self.opt),
                  checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
