@@ -987,7 +987,7 @@ class ShardedTrainer(Trainer):
     def save_shards(self, folder):
         """Every trainer writes its float32 shards and their AdamW state into folder/SHARDS (a
         collective), once trainer 0 has emptied the folder."""
-        import torch.distributed.checkpoint as dcp  # here: --fsdp alone needs it (pipeline's imports)
+        import torch.distributed.checkpoint as dcp  # here: only --fsdp needs it
         self.any(False)  # a barrier
         dcp.save(pipeline.sharded_state(self.model, self.opt),
                  checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
