@@ -4380,6 +4380,16 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert not study.finished(str(tmp_path), 20)
 
 
+def test_train_resume_keeps_the_count_of_steps_that_kept_nothing(tmp_path, capsys):
+    """Two steps that keep no prompt, saved, then --resume: the third in a row stops the run with
+    --max_empty_steps 3, as it does uninterrupted (the count restarted at 0 stopped it at step 5)."""
+    flags = ("--think_budget", "2", "--answer_budget", "1", "--max_empty_steps", "3", "--eval_every", "50")
+    run_train(data.toy_model_dir(), tmp_path, "--steps", "2", "--save_every", "2", *flags)
+    recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "20", "--resume", *flags)
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
+    assert "stopping at step 3: 3 steps in a row kept no prompt" in capsys.readouterr().out
+
+
 def test_train_tok_s_of_a_step_that_trains_nothing_is_no_rate():
     sums = {"len": 300, "train_tokens": 0}  # a torchrun step that kept no prompt: nothing trained
     assert train.tokens_per_s(sums, {"gen_s": 2.0}, 3.0) == 150  # one process: the sampler's rate, as ever

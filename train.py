@@ -1033,13 +1033,14 @@ class Record:
 
 def new_record(env, trainer):
     """The record of a new run (metrics.jsonl's config line), or of a resumed one: the metrics
-    logged after its checkpoint dropped, the evals before it taken back for the live fit and the
-    steps' forget for its alarm's window."""
+    logged after its checkpoint dropped, the evals before it taken back for the live fit, the
+    steps' forget for its alarm's window and the count of steps in a row that kept nothing."""
     args, state = env.args, env.state
     rec = Record(args, env.log, env.ctx.world if env.ctx else 1, trainer.n_params,
                  sorted({p.get("domain", "math") for p in env.train}),
                  state.get("compute_s", 0.0), state.get("flops", 0.0),
                  loop_start=(time.time(), trainer.version))
+    rec.empty_steps = state.get("empty_steps", 0)  # every trainer: each decides the stop from it
     path = os.path.join(args.out, "metrics.jsonl")
     if env.rank0 and env.ckpt:
         kept = truncate_metrics(path, trainer.version)
@@ -1284,7 +1285,7 @@ def save(rec, env, trainer, source):
     --fsdp every trainer takes part in gathering the weights and writes its own shards)."""
     model, state = trainer.eval_model(), trainer.state_dict()
     state.update(source.state_dict(trainer.version), compute_s=rec.compute_s, flops=rec.flops,
-                 args=vars(env.args))
+                 empty_steps=rec.empty_steps, args=vars(env.args))
     trainer.save_shards(checkpoint_tmp(env.args.out, trainer.version, fresh=env.rank0))
     if env.rank0:
         path = save_checkpoint(env.args.out, trainer.version, model, env.tokenizer, state,
