@@ -427,26 +427,28 @@ def resume_command():
 
 
 def tracker(args):
-    """--wandb / --tensorboard: -> track(m), which sends the numbers of a metrics dict there too
-    (keys "train/..." and "eval/...", at m["step"]); without either flag it does nothing. Neither
-    is required."""
+    """--wandb / --tensorboard (either or both): -> track(m), which sends the numbers of a metrics
+    dict there too (keys "train/..." and "eval/...", at m["step"]); without either flag it does
+    nothing. Neither is required."""
     numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
                          if k not in ("kind", "step") and isinstance(v, (int, float))}
+    sinks, name = [], None
     try:
         if args.wandb:
+            name = "wandb"
             import wandb
             run = wandb.init(project=args.wandb, dir=args.out, config=vars(args))
-            return lambda m: run.log(numbers(m), step=m["step"])
+            sinks.append(lambda m: run.log(numbers(m), step=m["step"]))
         if args.tensorboard:
+            name = "tensorboard"
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(os.path.join(args.out, "tb"))
-            return lambda m: ([writer.add_scalar(k, v, m["step"]) for k, v in numbers(m).items()],
-                              writer.flush())
+            sinks.append(lambda m: ([writer.add_scalar(k, v, m["step"])
+                                     for k, v in numbers(m).items()], writer.flush()))
     except ImportError as err:
-        sys.exit(f"error: --{'wandb' if args.wandb else 'tensorboard'} needs a package that is not "
-                 f"installed ({err}); pip install {'wandb' if args.wandb else 'tensorboard'}, "
-                 "or run without the flag")
-    return lambda m: None
+        sys.exit(f"error: --{name} needs a package that is not installed ({err}); pip install "
+                 f"{name}, or run without the flag")
+    return lambda m: [send(m) for send in sinks]
 
 
 def release_lock():

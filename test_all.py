@@ -4600,12 +4600,18 @@ def test_train_wandb_and_tensorboard_get_every_logged_number(toy_dir, tmp_path, 
 
     class Writer:
         def __init__(self, path):
-            assert path == str(tmp_path / "t" / "tb")
+            assert path in (str(tmp_path / "t" / "tb"), str(tmp_path / "both" / "tb"))
         add_scalar = lambda self, k, v, step: got["tb"].append((step, k, v))
         flush = lambda self: None
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
     expected = numbers(run_train(toy_dir, tmp_path / "t", "--tensorboard"))
     assert got["tb"] == [(step, k, v) for step, d in expected for k, v in d.items()]
+    got["wandb"].clear(), got["tb"].clear()  # both flags: both get every number (wandb alone did)
+    expected = numbers(run_train(toy_dir, tmp_path / "both", "--tensorboard", "--wandb", "proj"))
+    assert got["wandb"] == expected and got["tb"] == [(step, k, v) for step, d in expected for k, v in d.items()]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(SystemExit, match="--tensorboard needs a package that is not installed.*pip install tensorboard"):
+        run_train(toy_dir, tmp_path / "m", "--wandb", "proj", "--tensorboard")
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: one line, before any work
     with pytest.raises(SystemExit, match="--wandb needs a package that is not installed.*pip install wandb"):
         run_train(toy_dir, tmp_path / "n", "--wandb", "proj")
