@@ -976,9 +976,7 @@ def stability_flags(args, folder):
     if args.stability_preset == "toy":
         return []
     if args.stability_preset == "study":
-        data = study.make_problems(os.path.join(folder, "study"))
-        return ["--model", toy_model_dir(preset="toy-hard"), "--data", data[0], "--val_data",
-                data[1], "--steps", str(study.STEPS), *study.TASK]
+        return study.task_flags(study.make_problems(os.path.join(folder, "study")), study.STEPS)
     data = study.make_problems(folder, max_ops=HARD_OPS)
     return ["--model", toy_model_dir(preset="toy-hard"), "--data", data[0], "--val_data", data[1],
             "--steps", str(HARD_STEPS), *HARD_FLAGS]

@@ -273,8 +273,15 @@ def run_command(name, flags, path, seed, steps, data, extra):
                "--rdzv-endpoint", rendezvous_file(path), "--nproc_per_node", "2"]
               if name in RANKS else [sys.executable])
     return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite",
-            "--seed", str(seed), "--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"),
-            "--data", data[0], "--val_data", data[1], *TASK, *extra, *flags]
+            "--seed", str(seed), *task_flags(data, steps), *extra, *flags]
+
+
+def task_flags(data, steps):
+    """train.py's flags for the study's task: `steps` steps of the toy-hard base model on the
+    problem files data = (train, held-out), at TASK's settings (bench.py's stability preset
+    `study` runs them too)."""
+    return ["--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"), "--data", data[0],
+            "--val_data", data[1], *TASK]
 
 
 def rendezvous_file(path, remove=False):
