@@ -96,7 +96,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 from data import Curriculum, score_samples, special_tokens
 from generate import FINISH, Sample, sampler, sequence_logprobs
 import generate
@@ -560,8 +559,13 @@ def whole_weights(model, dtype=None):
     (FSDP2) one is all-gathered, a collective over the trainers, its shard cast to `dtype` first
     (when given: half the bytes move for bf16); at most one whole parameter exists at a time."""
     for _, p in model.named_parameters():
-        p = p if dtype is None else p.to(dtype)
-        yield p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor: --fsdp
+        yield whole(p if dtype is None else p.to(dtype))
+
+
+def whole(t):
+    """A sharded tensor (a DTensor, under --fsdp) made whole, a collective over the trainers;
+    any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @torch.no_grad()

@@ -61,8 +61,8 @@ import pipeline
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
-from runs import (check_shards, safe_load_planner, checkpoint_tmp, checkpoints, metrics_log,
-                  prepare_out_dir, release_lock, resume_command, resume_point, save_checkpoint,
+from runs import (check_shards, checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
+                  release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
 
@@ -829,8 +829,7 @@ class Trainer:
         self.reduce_grads()
         stepped = self.master or list(self.model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
-        whole = getattr(norm, "full_tensor", None)  # a DTensor under --fsdp
-        norm = (whole() if whole else norm).item()
+        norm = pipeline.whole(norm).item()
         if math.isfinite(norm) and math.isfinite(loss):  # every trainer sees the same sums
             self.opt.step()
             self.sched.step()
