@@ -4378,6 +4378,13 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     assert study.finished(str(tmp_path), 20)  # no eval at step 20, but over
     runs.truncate_metrics(str(tmp_path / "metrics.jsonl"), 3)  # resumed, it goes on: no longer stopped
     assert not study.finished(str(tmp_path), 20)
+    # given --keep_truncated, no message suggests it; the batch's says the samples stay in the loss
+    run_train(data.toy_model_dir(), tmp_path / "kept", "--steps", "1", "--think_budget", "2", "--answer_budget",
+              "1", "--max_empty_steps", "1", "--keep_truncated")
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 3 and "--keep_truncated keeps them in the loss, as wrong answers" in out
+    assert "Raise --answer_budget or --think_budget\n" in out and "stopping at step 1" in out
+    assert "train on truncated samples" not in out and "train on them" not in out
 
 
 def test_train_resume_keeps_the_count_of_steps_that_kept_nothing(tmp_path, capsys):

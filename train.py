@@ -1172,9 +1172,10 @@ def alarms(rec, m):
     args, step = rec.args, m["step"]
     if m["trunc"] > 0.10:
         warn_once(rec, "trunc", step, f"{m['trunc']:.0%} of the batch was truncated (no eos "
-                  "within the budgets); the paper's runs became unstable above 10-15%. Truncated "
-                  "samples leave the loss, so a format that runs out of budget gets no gradient: "
-                  "watch trunc and forget")
+                  "within the budgets); the paper's runs became unstable above 10-15%. " +
+                  ("--keep_truncated keeps them in the loss, as wrong answers"
+                   if args.keep_truncated else "Truncated samples leave the loss, so a format "
+                   "that runs out of budget gets no gradient") + ": watch trunc and forget")
     if m["kept_prompts"] and m.get("forget") is not None:
         rec.forgets = (rec.forgets + [m["forget"]])[-FORGET_WINDOW:]
     forget = sum(rec.forgets) / FORGET_WINDOW  # a window not yet full counts its gaps as 0
@@ -1197,8 +1198,9 @@ def alarms(rec, m):
     if m["trunc"] >= 0.5:
         cause = ("the samples run out of budget (the policy writes past --answer_budget / "
                  "--think_budget), and truncated samples carry no gradient that could pull it "
-                 "back. Raise --answer_budget, or train on them with --keep_truncated, or lower "
-                 "--lr / --max_lag")
+                 "back. Raise --answer_budget, " + ("" if args.keep_truncated else
+                                                  "or train on them with --keep_truncated, ") +
+                 "or lower --lr / --max_lag")
     elif m["pass_rate"] >= 0.5:
         cause = ("every group was all correct: the policy has solved these prompts "
                  "(harder data, or stop here)")
@@ -1219,8 +1221,10 @@ def eval_alarms(rec, step, result):
                if step == 0 else "the policy being trained writes past its budgets"
                f"{' (its training batches are older)' if older else ''}. Raise --answer_budget, "
                "lower --lr or --max_lag")
+        keep = ("" if rec.args.keep_truncated else
+                ", or train on truncated samples with --keep_truncated")
         warn_once(rec, "held-out trunc", step, f"{result['trunc']:.1%} of the held-out samples ran "
-                  f"out of budget: {who}, or train on truncated samples with --keep_truncated")
+                  f"out of budget: {who}{keep}")
     if len(rec.evals) > 1 and rec.evals[-2][1] - rec.evals[-1][1] > HELD_OUT_DROP_ALARM:
         warn_once(rec, "held-out drop", step, f"the held-out pass rate fell from "
                   f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval. Look at "
