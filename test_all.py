@@ -102,11 +102,19 @@ FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_ll
 AutoModelForCausalLM.from_pretrained(data.toy_model_dir())
 
 
-def run_train_py(argv, env, log, slow=None, record=None):
+def run_train_py(argv, env, log, slow=None, record=None, root=ROOT):
     """In a forked process: `python train.py *argv` with env added to the environment, output to log;
     slow=(role, seconds): this rank, the last of its role, sleeps that long before each of its steps;
-    record: a file that every group's sampler items are appended to (record_groups)."""
-    os.chdir(ROOT)
+    record: a file that every group's sampler items are appended to (record_groups); root: another copy
+    of the project, whose train.py runs on its own modules, imported afresh from it (torch, transformers
+    and the Llama modeling code stay the server's)."""
+    if root != ROOT:
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None) or ""
+            if path.startswith(str(ROOT) + os.sep) and "site-packages" not in path:
+                del sys.modules[name]
+        sys.path.insert(0, str(root))
+    os.chdir(root)
     os.environ.update(env)
     if slow:
         slow_down(*slow)
@@ -116,8 +124,8 @@ def run_train_py(argv, env, log, slow=None, record=None):
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    sys.argv = [str(ROOT / "train.py"), *argv]
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    sys.argv = [str(root / "train.py"), *argv]
+    runpy.run_path(str(root / "train.py"), run_name="__main__")
 
 
 def slow_down(role, seconds):
@@ -145,8 +153,8 @@ def record_groups(path, real=pipeline.group_items):
 class Forked:
     """One forked train.py process, with the subprocess.Popen calls the tests make."""
 
-    def __init__(self, argv, env, log, slow=None, record=None):
-        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow, record))
+    def __init__(self, argv, env, log, slow=None, record=None, root=ROOT):
+        self.log, self.proc = log, FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow, record, root))
         self.proc.start()
         self.pid = self.proc.pid
 
@@ -3569,10 +3577,10 @@ PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_sa
               "--timeout", "120"]
 
 
-def launch(world, out, *flags, torchrun=False, slow=None, record=None):
+def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT):
     """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> a list of Popen, or of
-    Forked (same interface) where no torchrun is asked for; slow: see slow_down, record: see record_groups
-    (forked ranks only)."""
+    Forked (same interface) where no torchrun is asked for; slow: see slow_down, record: see record_groups,
+    root: see run_train_py (forked ranks only)."""
     argv = ["--out", str(out), *PIPE_FLAGS, *flags]
     if torchrun:
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
@@ -3581,7 +3589,7 @@ def launch(world, out, *flags, torchrun=False, slow=None, record=None):
     port = bench.free_port()
     env = lambda r: dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log", slow, record)
+    return [Forked(argv, env(r), out.parent / f"{out.name}-rank{r}-{time.time_ns()}.log", slow, record, root)
             for r in range(world)]
 
 
@@ -3662,7 +3670,7 @@ GRADED_REWARD = (
 
 def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path):
     """A copy of the project with verify.reward giving partial credit (its one-file diff) trains in one process
-    and under torchrun: the logged batch rewards are the graded ones (not 2 x pass@1 - 1, as +1 / -1 give), and
+    and as a generator and a trainer rank: the logged batch rewards are the graded ones (not 2 x pass@1 - 1, as +1 / -1 give), and
     the pass rates stay the verdicts'."""
     copy = tmp_path / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "assets",
@@ -3670,13 +3678,10 @@ def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path)
     source = (copy / "verify.py").read_text()
     assert source.count(GRADED_REWARD[0]) == 1
     (copy / "verify.py").write_text(source.replace(*GRADED_REWARD))
-    flags = [*PIPE_FLAGS, "--steps", "2"]
-    for name, launcher in (("one", [sys.executable]),
-                           ("ranks", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                      "--master_port", str(bench.free_port())])):
-        done = subprocess.run([*launcher, "train.py", "--out", str(tmp_path / name), *flags], cwd=copy,
-                              capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for name, world in (("one", 1), ("ranks", 2)):  # the copy's own modules, in ranks as torchrun starts them
+        rcs, outs = finish_all(launch(world, tmp_path / name, "--steps", "2", root=copy))
+        assert rcs == [0] * world, outs
+        assert f"{copy}{os.sep}toy_model" in outs[0]  # it ran the copy
         steps = [r for r in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if r["kind"] == "train"]
         assert len(steps) == 2
         for r in steps:  # each sample's reward: +-1 plus half its share of right steps (at most 0.5)
