@@ -108,7 +108,8 @@ def run_train_py(argv, env, log, slow=None, record=None, root=ROOT):
     record: a file that every group's sampler items are appended to (record_groups); root: another copy
     of the project, whose train.py runs on its own modules, imported afresh from it (torch, transformers
     and the Llama modeling code stay the server's)."""
-    if root != ROOT:
+    if root != ROOT:  # slow_down and record_groups patch the server's modules, which the copy does not use
+        assert not (slow or record), "slow and record act on this checkout's modules, not another copy's"
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None) or ""
             if path.startswith(str(ROOT) + os.sep) and "site-packages" not in path:
@@ -3670,8 +3671,8 @@ GRADED_REWARD = (
 
 def test_a_graded_reward_is_one_function_from_the_verifier_to_the_loss(tmp_path):
     """A copy of the project with verify.reward giving partial credit (its one-file diff) trains in one process
-    and as a generator and a trainer rank: the logged batch rewards are the graded ones (not 2 x pass@1 - 1, as +1 / -1 give), and
-    the pass rates stay the verdicts'."""
+    and as a generator and a trainer rank: the logged batch rewards are the graded ones (not 2 x pass@1 - 1, as
+    +1 / -1 give), and the pass rates stay the verdicts'."""
     copy = tmp_path / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "assets",
                                                              "toy_model_hard", "fixtures"))
