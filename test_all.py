@@ -84,7 +84,7 @@ def toy_dir(tmp_path_factory):
 
 def run_train(toy_dir, out, *flags):
     args = train.get_args(["--model", toy_dir, "--out", str(out), "--prompts", "4", "--samples", "4", "--steps", "2",
-                           "--eval_every", "2", "--val_size", "8", "--eval_samples", "1", "--save_every", "0",
+                           "--eval_every", "2", "--val_size", "4", "--eval_samples", "1", "--save_every", "0",
                            *flags])
     train.main(args)
     return [json.loads(ln) for ln in open(out / "metrics.jsonl")]
@@ -3592,7 +3592,7 @@ def test_pipeline_broadcast_makes_generators_bit_identical(tmp_path):
             assert all(torch.equal(sent[k], got[k]) for k in sent)
 
 
-PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "16", "--eval_samples", "1", "--eval_every", "100",
+PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "4", "--eval_samples", "1", "--eval_every", "100",
               "--save_every", "0", "--heartbeat_timeout", "20",
               "--timeout", "120"]
 
@@ -4812,7 +4812,7 @@ def test_train_resume_unpickles_nothing_that_could_run_code(toy_dir, tmp_path):
     assert not ran.exists()
     torch.save(saved, state)
     torch.save(RunsCode(str(ran)), out / "curriculum-rank1.pt")  # a generator's curriculum, pickled by an older run
-    args = train.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "8", "--resume"])
+    args = train.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "4", "--resume"])
     with pytest.raises(SystemExit, match=r"^error: --resume: .*curriculum-rank1.pt is a curriculum of an older "):
         runs.resume_point(args, quiet=True)
     assert not ran.exists()
