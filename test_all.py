@@ -828,6 +828,25 @@ def fuzz_cases(rng):
     return cases
 
 
+def test_verify_answer_key_prefilter_and_last_box_equal_the_regex_scans():
+    """extract_answer skips the answer-key regex when _may_have_key says no key can match, and last_boxed
+    searches from the end: on soups of keys in every case IGNORECASE matches (upper case, a long s), the
+    prefilter says yes wherever the regex matches, and the last box equals the last match of a left-to-right
+    scan."""
+    rng = random.Random(2)
+    parts = ["answer", "ANSWER", "an\u017fwer", "AnSwEr", "#", "##", "####", "final", "FINAL ", "the ", "is", ":", "*",
+             " ", "\n", "5", "\u0131", "\u0130", "answeR:", "\\boxed{3}", "\\fbox{", "\\\\boxed", "}", "\\"]
+    matched = 0
+    for _ in range(20_000):
+        text = "".join(rng.choices(parts, k=rng.randint(0, 10)))
+        if verify._ANSWER_KEY.search(text):
+            matched += 1
+            assert verify._may_have_key(text), text
+        ends = [m.end() for m in verify._BOX.finditer(text)]
+        assert verify.last_boxed(text) == (verify._box_content(text, ends[-1]) if ends else None), text
+    assert 5_000 < matched < 19_000 and not verify._may_have_key("{" * 1000 + "answe r")
+
+
 def test_verify_fuzz_10k_adversarial_strings_never_raise_or_hang():
     cases = fuzz_cases(random.Random(0))
     timeout, exceptions, verdicts = 2.0, 0, []
