@@ -865,7 +865,7 @@ def main(argv=None):
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
     if args.quick:  # two one-process runs side by side and one under torchrun
         variants = {n: VARIANTS[n] for n in ("scalerl", "batch8", "pipelinerl")}
-        seeds, steps, held_out = 1, 6, 16
+        seeds, steps, held_out = 1, 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
