@@ -152,7 +152,8 @@ def record_groups(path, real=pipeline.group_items):
 
 
 class Forked:
-    """One forked train.py process, with the subprocess.Popen calls the tests make."""
+    """One forked process of train.py (or another of the project's scripts: run_train_py), with the
+    subprocess.Popen calls the tests make."""
 
     def __init__(self, argv, env, log, slow=None, record=None, root=ROOT, script="train.py"):
         self.log = log

@@ -134,8 +134,8 @@ def last_boxed(text):
     """The argument of the last \\boxed{} (or \\fbox{}) in text, or None (also used by data.py).
     Found from the end (neither word can overlap another's match): a policy's million boxes cost
     one scan, not a list of a million matches."""
-    ends = [text.rfind(word) + len(word) for word in _BOX_WORDS if word in text]
-    return _box_content(text, max(ends)) if ends else None
+    at, word = max((text.rfind(word), word) for word in _BOX_WORDS)
+    return _box_content(text, at + len(word)) if at >= 0 else None
 
 
 def _box_content(text, start):
