@@ -94,12 +94,14 @@ def run_train(toy_dir, out, *flags):
 # test_all.py (so train.py and all it imports) and the Llama modeling code once: a rank then starts in
 # ~0.1 s instead of paying ~5 s of CPU for imports, most of what a short multi-rank run costs. The ranks
 # still run train.py as their __main__, with their own environment, argv and output; the tests that
-# start train.py under torchrun (and study.py's) cover a fresh interpreter's start and exit.
+# start train.py under torchrun (the README's first torchrun command and test_pipeline_*_torchrun_*) cover a
+# fresh interpreter's start and exit.
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
 # A process's first from_pretrained builds transformers' checkpoint-conversion table (~1 s of regex
 # compiling) and keeps it: loaded once here, on import, every rank forked from the server has it.
 AutoModelForCausalLM.from_pretrained(data.toy_model_dir())
+data.toy_task(0)  # and the embedded task at the default seed (data.py keeps it): ~0.1-0.3 CPU-s a run
 
 
 def run_train_py(argv, env, log, slow=None, record=None, root=ROOT, script="train.py"):
@@ -188,8 +190,8 @@ class Forked:
 
 
 # =============================================================================
-# the README's commands. First in the file: the longest test (~55 s of fresh interpreters, two of them
-# torchrun runs), and pytest-xdist starts tests in file order; started last, it left a core idle for ~20 s
+# the README's commands. First in the file: one of the longest tests (a torchrun run of fresh interpreters
+# among them), and pytest-xdist starts tests in file order; started last, it left a core idle for ~20 s
 
 # what the README-commands test does not run here, and why
 README_SKIP = [(r"pip install", "installs"), (r"pytest", "the tests themselves"),
@@ -244,14 +246,9 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
                                               for a in listened.values()), (cmd, listened)  # launcher, store, gloo
         else:
             assert words[0] in ("python", "torchrun") and "&" not in cmd and "|" not in cmd, cmd
-            world = int(words[words.index("--nproc_per_node") + 1]) if words[0] == "torchrun" else 1
-            script = next(w for w in words if w.endswith(".py"))
-            argv = words[words.index(script) + 1:]
-            procs = (fork_ranks(world, argv, log, root=clone) if words[0] == "torchrun"
-                     else [Forked(argv, {}, f"{log}.log", root=clone, script=script)])
-            rcs, outs = finish_all(procs, timeout=300)
-            flat = script == "fit.py" and "a flat series" in outs[0]  # a 4-step run has no curve to fit
-            assert rcs == [0] * world or flat, f"{cmd}:\n" + "\n".join(o[-1500:] for o in outs)
+            rcs, outs = finish_all(fork_command(words, f"{log}.log", root=clone), timeout=300)
+            flat = "fit.py" in words and "a flat series" in outs[0]  # a 4-step run has no curve to fit
+            assert rcs == [0] * len(rcs) or flat, f"{cmd}:\n" + "\n".join(o[-1500:] for o in outs)
         ran.append(cmd)
     assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum(c.startswith("torchrun") for c in ran) >= 2, ran
@@ -3407,13 +3404,12 @@ def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
 
 
 def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_path, capsys, monkeypatch):
-    """The quick study end to end: its torchrun run as study.py starts it, launcher and fresh interpreters;
-    its one-process runs, `python train.py` with the study's arguments and environment, forked from the
-    preloaded server (Forked: ~5 CPU-s less each, no other difference to study.py)."""
-    real = subprocess.Popen
-    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: (
-        real(cmd, stdout=stdout, env=env, **kw) if "torch.distributed.run" in cmd
-        else Forked(cmd[2:], env, stdout.name, script=os.path.basename(cmd[1]))))
+    """The quick study end to end. Its commands run as study.py makes them, with its arguments and environment,
+    in processes forked from the preloaded server (fork_command: ~5 CPU-s less a process), its torchrun run
+    as two forked ranks with the environment torchrun gives them: the launcher itself runs in the README's
+    first torchrun command (with the same loopback flags) and the torchrun tests below."""
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: ForkedRun(
+        fork_command(cmd, stdout.name, env=env)))
     out = tmp_path / "study"
     study.main([str(out), "--quick", "--assets", str(tmp_path / "assets")])
     first = capsys.readouterr().out
@@ -3629,13 +3625,40 @@ def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT
     return fork_ranks(world, argv, out.parent / out.name, slow, record, root)
 
 
-def fork_ranks(world, argv, logs, slow=None, record=None, root=ROOT):
-    """`world` Forked ranks of `train.py *argv`, with the environment torchrun gives them (a free port on the
-    loopback interface); their logs: `logs`-rank{r}-{time}.log."""
+def fork_ranks(world, argv, logs, slow=None, record=None, root=ROOT, env=None):
+    """`world` Forked ranks of `train.py *argv`, with `env` and the environment torchrun gives them (a free port
+    on the loopback interface); their logs: `logs`-rank{r}-{time}.log."""
     port = bench.free_port()
-    env = lambda r: dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return [Forked(argv, env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow, record, root) for r in range(world)]
+    rank_env = lambda r: dict(env or {}, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return [Forked(argv, rank_env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow, record, root)
+            for r in range(world)]
+
+
+class ForkedRun:
+    """Forked processes (a command's: fork_command) as the one process that study.py polls and kills."""
+
+    def __init__(self, procs):
+        self.procs = procs
+
+    def poll(self):  # as torchrun's: the first failure's code once all have ended
+        codes = [p.poll() for p in self.procs]
+        return None if None in codes else next((c for c in codes if c), 0)
+
+    def kill(self):
+        for p in self.procs:
+            p.kill()
+
+
+def fork_command(words, log, root=None, env=None):
+    """A command's words, `python X.py ...` or torchrun's (`torchrun ...` or `python -m torch.distributed.run
+    ...`) with `X.py ...`, run as Forked processes of X.py in root (else X.py's folder, else ROOT), with
+    `env` added: one process, its output in `log`, or torchrun's ranks (fork_ranks) -> the list of them."""
+    script = next(w for w in words if w.endswith(".py"))
+    argv, root = words[words.index(script) + 1:], root or Path(os.path.dirname(script) or ROOT)
+    if "torchrun" in words[0] or "torch.distributed.run" in words:
+        return fork_ranks(int(words[words.index("--nproc_per_node") + 1]), argv, log, root=root, env=env)
+    return [Forked(argv, env or {}, log, root=root, script=os.path.basename(script))]
 
 
 def finish_all(procs, timeout=240):

@@ -56,7 +56,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
-                  resolve_model, special_tokens, split_problems, toy_model_dir, toy_problems)
+                  resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
@@ -485,10 +485,7 @@ def load_source(flag, path, seed):
     --val_data). A missing file, a dataset that does not load or a bad record: one line naming the
     flag, or file:line (dataset row) and the field, not a traceback."""
     if path in PRESETS:
-        seen = {}
-        for p in toy_problems(4000, seed + 12345, path):
-            seen.setdefault(p["prompt"], dict(p, domain="math"))
-        return list(seen.values())
+        return [dict(p) for p in toy_task(seed, path)]
     try:
         return load_source_problems(path, "test" if flag == "--val_data" else "train")
     except OSError as err:
