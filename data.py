@@ -62,6 +62,7 @@ reward and data of section 2, the curriculum of section 3.2).
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import math
 import os
@@ -789,14 +790,16 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
     import torch
     import torch.nn.functional as F
 
-    prompts = [format_prompt(None, p["prompt"]) for p in problems]
-    enc = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]  # batch calls
-    n_prompt = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(0)
+    draws = [torch.randint(len(texts), (batch,), generator=g).tolist() for _ in range(steps)]
+    drawn = sorted(set(itertools.chain(*draws)))  # tokenized in two batch calls: only the drawn texts
+    enc = dict(zip(drawn, (ids + [tokenizer.eos_token_id]
+                           for ids in tokenizer([texts[i] for i in drawn])["input_ids"])))
+    prompts = [format_prompt(None, problems[i]["prompt"]) for i in drawn]
+    n_prompt = dict(zip(drawn, map(len, tokenizer(prompts)["input_ids"])))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     model.train()
-    for step in range(steps):
-        idx = torch.randint(len(enc), (batch,), generator=g).tolist()
+    for step, idx in enumerate(draws):
         T = max(len(enc[i]) for i in idx)
         ids = torch.full((batch, T), tokenizer.pad_token_id)
         labels = torch.full((batch, T), -100)
