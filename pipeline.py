@@ -396,18 +396,20 @@ def report_failure(err):
                 for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
     except Exception:
         gone = ["the rendezvous store (rank 0 or the launcher)"]
-    print(f"ERROR: {role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
-          f"{str(err).splitlines()[0] if str(err) else ''}; "
-          f"not responding: {'; '.join(gone) or 'none'}",
-          file=sys.stderr, flush=True)
+    line = (f"{role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}; "
+            f"not responding: {'; '.join(gone) or 'none'}")
+    record_error(line)
+    print(f"ERROR: {line}", file=sys.stderr, flush=True)
 
 
-def record_user_error(line):
-    """Under torchrun: a user error (one line, the same on every rank) into this rank's error file
+def record_error(line):
+    """Under torchrun: the one line this rank fails with (a user error, the same on every rank; why
+    it stopped waiting for another rank; what it was doing as it crashed) into its error file
     (TORCHELASTIC_ERROR_FILE, which torchrun sets), in the form of torch's ErrorHandler, so that
     torchrun's failure report shows the line as its root cause where it would say "To enable
-    traceback see: ...". Nothing outside torchrun; a file that cannot be written is let go (rank 0
-    has printed the line)."""
+    traceback see: ...". Nothing outside torchrun; a file that cannot be written is let go (the
+    line has been printed)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -421,6 +423,7 @@ def record_user_error(line):
 
 
 def _die(message):
+    record_error(message)
     print(f"ERROR: {message}; exiting", file=sys.stderr, flush=True)
     os._exit(1)
 

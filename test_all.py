@@ -3613,24 +3613,25 @@ PIPE_FLAGS = ["--prompts", "4", "--samples", "4", "--val_size", "4", "--eval_sam
               "--timeout", "120"]
 
 
-def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT):
+def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT, env=None):
     """Start `world` ranks of train.py as torchrun would (or with torchrun itself) -> a list of Popen, or of
     Forked (same interface) where no torchrun is asked for; slow: see slow_down, record: see record_groups,
-    root: see run_train_py (forked ranks only)."""
+    root: see run_train_py, env: see fork_ranks (forked ranks only)."""
     argv = ["--out", str(out), *PIPE_FLAGS, *flags]
     if torchrun:
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                                   "--master_port", str(bench.free_port()), str(ROOT / "train.py"), *argv],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)]
-    return fork_ranks(world, argv, out.parent / out.name, slow, record, root)
+    return fork_ranks(world, argv, out.parent / out.name, slow, record, root, env)
 
 
 def fork_ranks(world, argv, logs, slow=None, record=None, root=ROOT, env=None):
-    """`world` Forked ranks of `train.py *argv`, with `env` and the environment torchrun gives them (a free port
-    on the loopback interface); their logs: `logs`-rank{r}-{time}.log."""
+    """`world` Forked ranks of `train.py *argv`, with `env` (a dict, or rank -> dict) and the environment
+    torchrun gives them (a free port on the loopback interface); their logs: `logs`-rank{r}-{time}.log."""
     port = bench.free_port()
-    rank_env = lambda r: dict(env or {}, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_env = lambda r: dict((env(r) if callable(env) else env) or {}, RANK=str(r), WORLD_SIZE=str(world),
+                              LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
     return [Forked(argv, rank_env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow, record, root)
             for r in range(world)]
 
@@ -3889,12 +3890,16 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
     assert sorted(workers) == [0, 1]
     os.kill(workers[0], signal.SIGSTOP)  # the trainer freezes; torchrun's agent (the store) stays up
     t0, lines = time.time(), []
-    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
     while not any("rank 0 (trainer) sent no heartbeat" in ln for ln in lines):
         assert time.time() - t0 < 120, "".join(lines)[-3000:]
         time.sleep(0.5)
     os.kill(workers[0], signal.SIGCONT)  # only so that torchrun's SIGTERM acts now, not after its 30 s grace
     assert p.wait(timeout=60) != 0
+    reader.join(30)
+    report = "".join(lines).split("Failures:")[-1]  # torchrun's report: the line each rank wrote to its error file
+    assert "traceback : rank 0 (trainer) sent no heartbeat for 4 s" in report, report
     for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
 
@@ -4615,12 +4620,17 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
 
 
 def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
-    """torchrun's failure report names a root cause (its 'traceback' field); a user error's one line is it,
-    read from the error file each rank writes, not 'To enable traceback see: ...'."""
-    (p,) = launch(2, tmp_path / "run", "--gen_ranks", "5", torchrun=True)
-    (rc,), (out,) = finish_all([p], timeout=120)
+    """torchrun's failure report names a root cause (its 'traceback' field) from the error file each rank
+    writes (TORCHELASTIC_ERROR_FILE), not 'To enable traceback see: ...': a user error's one line, in every
+    rank's file, said by rank 0 alone. (torchrun reading the files: the stalled trainer under torchrun.)"""
+    files = [tmp_path / f"error-{r}.json" for r in range(2)]
+    procs = launch(2, tmp_path / "run", "--gen_ranks", "5", env=lambda r: {"TORCHELASTIC_ERROR_FILE": str(files[r])})
+    rcs, outs = finish_all(procs, timeout=120)
     line = "error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
-    assert rc == 1 and f"traceback : {line}\n" in out.split("Root Cause (first observed failure):")[1], out
+    assert rcs == [1, 1] and line in outs[0] and line not in outs[1], outs
+    for f in files:
+        said = json.loads(f.read_text())["message"]
+        assert said["message"] == said["extraInfo"]["py_callstack"] == line
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 1 here
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit):

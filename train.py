@@ -97,7 +97,7 @@ class FlagParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no
     abbreviations (--prompt is not taken for --prompts), and under torchrun only rank 0 says it
     (the others exit quietly); every rank writes it to torchrun's error file, whose report then
-    shows it as the root cause (pipeline.record_user_error)."""
+    shows it as the root cause (pipeline.record_error)."""
 
     def __init__(self, **kw):
         super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -111,7 +111,7 @@ class FlagParser(argparse.ArgumentParser):
                  if (close := closest_flag(t, flags))]
         line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
                 "(--help lists the flags)")
-        pipeline.record_user_error(line)  # torchrun's report: its root cause
+        pipeline.record_error(line)  # torchrun's report: its root cause
         self.exit(2, line + "\n" if int(os.environ.get("RANK", "0")) == 0 else None)
 
 
@@ -1512,7 +1512,7 @@ if __name__ == "__main__":
             # a user error: one line, said by rank 0 alone (every rank meets it), and the root
             # cause of torchrun's failure report
             if err.code not in (None, 0) and not isinstance(err.code, int):
-                pipeline.record_user_error(str(err.code))
+                pipeline.record_error(str(err.code))
                 if int(os.environ["RANK"]) == 0:
                     print(err.code, file=sys.stderr, flush=True)
             sys.stdout.flush()
