@@ -792,7 +792,7 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
 
     g = torch.Generator().manual_seed(0)
     draws = [torch.randint(len(texts), (batch,), generator=g).tolist() for _ in range(steps)]
-    drawn = sorted(set(itertools.chain(*draws)))  # tokenized in two batch calls: only the drawn texts
+    drawn = sorted(set(itertools.chain(*draws)))  # only the drawn texts, in two batch calls
     enc = dict(zip(drawn, (ids + [tokenizer.eos_token_id]
                            for ids in tokenizer([texts[i] for i in drawn])["input_ids"])))
     prompts = [format_prompt(None, problems[i]["prompt"]) for i in drawn]
