@@ -3812,7 +3812,7 @@ def test_pipeline_a_dead_or_stalled_rank_stops_the_other(tmp_path, who, sig):
     heartbeat's own deadline stops it (before it, the generator waited as long as the trainer stayed stopped). (A
     killed trainer: test_pipeline_sigkill_then_resume_restores_every_rank; a stopped one under torchrun's own store:
     test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process.)"""
-    trainer, generator = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4", "--max_lag", "1")
+    trainer, generator = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4")
     t0 = time.time()
     while not (tmp_path / "metrics.jsonl").exists() or not train_records(tmp_path):
         assert time.time() - t0 < 120, "the run never started"
@@ -3884,7 +3884,7 @@ def worker_pids(launcher_pid):
 
 
 def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process(tmp_path):
-    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4", "--max_lag", "1", torchrun=True)
+    (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4", torchrun=True)
     wait_for_train_records(tmp_path, 2, [p])
     workers = worker_pids(p.pid)
     assert sorted(workers) == [0, 1]
