@@ -37,6 +37,7 @@ import numpy as np
 from scipy import stats
 import pytest
 import torch
+import torch.distributed.run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -93,9 +94,9 @@ def run_train(toy_dir, out, *flags):
 # Multi-rank tests start train.py ranks by forking them from one server process that has imported
 # test_all.py (so train.py and all it imports) and the Llama modeling code once: a rank then starts in
 # ~0.1 s instead of paying ~5 s of CPU for imports, most of what a short multi-rank run costs. The ranks
-# still run train.py as their __main__, with their own environment, argv and output; the tests that
-# start train.py under torchrun (the README's first torchrun command and test_pipeline_*_torchrun_*) cover a
-# fresh interpreter's start and exit.
+# still run train.py as their __main__, with their own environment, argv and output; the README's first
+# torchrun command covers a fresh interpreter's start and exit (launcher and ranks), and the stalled-trainer
+# test torchrun's own launcher, forked (launch(torchrun=True)).
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
 # A process's first from_pretrained builds transformers' checkpoint-conversion table (~1 s of regex
@@ -1675,10 +1676,10 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
 
 
 def test_code_batch_equals_one_by_one_and_uses_workers(monkeypatch):
-    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")][::2]  # all: test_data_code_toy_*
-    responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:5]]
-    tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:6]]         # another's tests
-    expected = [True] * len(rows) + [False] * 5
+    rows = [json.loads(line) for line in open(FIXTURES / "code_toy.jsonl")][::3]  # all: test_data_code_toy_*
+    responses = [r["solution"] for r in rows] + [r["solution"] for r in rows[:3]]
+    tests = [r["tests"] for r in rows] + [r["tests"] for r in rows[1:4]]         # another's tests
+    expected = [True] * len(rows) + [False] * 3
     assert [score_code(r, t) for r, t in zip(responses, tests)] == expected
     # real sandboxes side by side: one worker per CPU, so min(4, CPUs) samples run at once (read from when
     # each sample's scoring began and ended, not from a wall-clock bound, which a loaded machine breaks)
@@ -1992,44 +1993,34 @@ def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch
     assert f"--model org/toy ({snapshot}): no weights" in capsys.readouterr().err
 
 
-HUB_DATA_SCRIPT = """
-import json, train, data
-out = {}
-train_set, val = train.load_data(train.get_args(["--data", "org/gsm:main", "--val_data", "org/gsm:main:test"]))
-out["gsm"] = [len(train_set), train_set[0], len(val), val[0]]
-out["math500"] = data.load_source_problems("org/math500", "test")
-out["errors"] = []
-for flag, spec in [("--data", "org/bad"), ("--data", "org/gsm:other"), ("--val_data", "org/gsm:main:validation"),
-                   ("--val_data", "org/none"), ("--data", "fixtures/none.jsonl")]:
-    try:
-        train.load_source(flag, spec, 0)
-    except SystemExit as e:
-        out["errors"].append(e.code)
-print(json.dumps(out))
-train.main(train.get_args(["--eval_only", "--model", "org/toy", "--data", "org/gsm:main", "--val_data",
-                           "org/math500", "--eval_samples", "1"]))
-"""
-
-
-def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monkeypatch):
+def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monkeypatch, capsys):
+    import datasets
+    import huggingface_hub
     hf = tmp_path / "hf"
+    for module, key, value in [(huggingface_hub.constants, "HF_HUB_CACHE", str(hf / "hub")),  # read at import:
+                               (datasets.config, "HF_DATASETS_CACHE", hf / "datasets"),  # the environment, as a
+                               (huggingface_hub.constants, "HF_HUB_OFFLINE", True),  # fresh process reads
+                               (datasets.config, "HF_HUB_OFFLINE", True)]:  # HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1
+        monkeypatch.setattr(module, key, value)
     hub_model_cache(hf / "hub", "org/toy", ROOT / "toy_model")
     math500 = _jsonl(FIXTURES / "math500.jsonl")[:5]  # its Hub layout: problem, solution, answer, subject, level, unique_id
     hub_dataset_cache(hf / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(8)],
                                                            "test": [gsm8k_record(i) for i in range(8, 10)]})
     hub_dataset_cache(hf / "datasets", "org/math500", "default", {"test": math500})
     hub_dataset_cache(hf / "datasets", "org/bad", "default", {"train": [gsm8k_record(0), {"question": "q", "answer": "x ####"}]})
-    env = dict(os.environ, HF_HOME=str(hf), HF_HUB_CACHE=str(hf / "hub"), HF_DATASETS_CACHE=str(hf / "datasets"),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-c", HUB_DATA_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    out = json.loads(lines[0])
-    assert out["gsm"] == [8, {"prompt": gsm8k_record(0)["question"], "answer": "2", "domain": "math"},
-                          2, {"prompt": gsm8k_record(8)["question"], "answer": "10", "domain": "math"}]
-    assert out["math500"] == [{"prompt": r["problem"], "answer": r["answer"], "domain": "math"} for r in math500]
-    bad, config, split, missing, no_file = out["errors"]
+    train_set, val = train.load_data(train.get_args(["--data", "org/gsm:main", "--val_data", "org/gsm:main:test"]))
+    assert [len(train_set), train_set[0], len(val), val[0]] == [
+        8, {"prompt": gsm8k_record(0)["question"], "answer": "2", "domain": "math"},
+        2, {"prompt": gsm8k_record(8)["question"], "answer": "10", "domain": "math"}]
+    assert data.load_source_problems("org/math500", "test") == [
+        {"prompt": r["problem"], "answer": r["answer"], "domain": "math"} for r in math500]
+    errors = []
+    for flag, spec in [("--data", "org/bad"), ("--data", "org/gsm:other"), ("--val_data", "org/gsm:main:validation"),
+                       ("--val_data", "org/none"), ("--data", "fixtures/none.jsonl")]:
+        with pytest.raises(SystemExit) as exit_:
+            train.load_source(flag, spec, 0)
+        errors.append(exit_.value.code)
+    bad, config, split, missing, no_file = errors
     assert bad == "error: --data: org/bad::train row 1: field 'answer' is empty after its last '####'"
     assert config == ("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm has no config "
                       "other (configs found: main): name one, org/gsm:main")
@@ -2039,7 +2030,11 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
                        "set): run this once with network access (it is cached then) or give a jsonl file; if it "
                        "has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
     assert no_file == "error: --data fixtures/none.jsonl: No such file or directory"  # a path, not a Hub id
-    assert lines[-1].startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in lines[-1]
+    capsys.readouterr()
+    train.main(train.get_args(["--eval_only", "--model", "org/toy", "--data", "org/gsm:main", "--val_data",
+                               "org/math500", "--eval_samples", "1"]))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in last, last
 
 
 def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, monkeypatch, capsys):
@@ -3086,10 +3081,11 @@ def test_fit_errors(tmp_path):
     write_run(tmp_path / "short", [0.0, 10.0, 20.0, 30.0], [0.3, 0.31, 0.33, 0.36])
     with pytest.raises(ValueError, match=r"short.*metrics.jsonl.*need at least 4 .* got 3"):
         fit.main([str(tmp_path / "short"), "--png", str(tmp_path / "x.png")])
-    for run in ("short", "missing"):  # the command line: one error line, no traceback
-        cli = subprocess.run([sys.executable, str(ROOT / "fit.py"), str(tmp_path / run)], capture_output=True, text=True)
-        assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
-        assert cli.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path / run}"), cli.stderr
+    for run in ("short", "missing"):  # the command line (fit.py as __main__, forked): one error line, no traceback
+        cli = Forked([str(tmp_path / run)], {}, tmp_path / f"{run}.log", script="fit.py")
+        out = cli.communicate(timeout=60)[0]
+        assert cli.returncode == 1 and "Traceback" not in out, out
+        assert out.strip().splitlines()[-1].startswith(f"error: {tmp_path / run}"), out
     good = json.dumps({"kind": "eval", "step": 0, "compute_s": 0.0, "pass_rate": 0.2})
     lines = [good, good.replace("0.0", "1.0"), '{"kind": "eval",']
     write_run(tmp_path / "bad", [], [], lines=lines)
@@ -3407,7 +3403,7 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     """The quick study end to end. Its commands run as study.py makes them, with its arguments and environment,
     in processes forked from the preloaded server (fork_command: ~5 CPU-s less a process), its torchrun run
     as two forked ranks with the environment torchrun gives them: the launcher itself runs in the README's
-    first torchrun command (with the same loopback flags) and the torchrun tests below."""
+    first torchrun command (with the same loopback flags) and the stalled-trainer test below."""
     monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: ForkedRun(
         fork_command(cmd, stdout.name, env=env)))
     out = tmp_path / "study"
@@ -3618,10 +3614,11 @@ def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT
     Forked (same interface) where no torchrun is asked for; slow: see slow_down, record: see record_groups,
     root: see run_train_py, env: see fork_ranks (forked ranks only)."""
     argv = ["--out", str(out), *PIPE_FLAGS, *flags]
-    if torchrun:
-        return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                                  "--master_port", str(bench.free_port()), str(ROOT / "train.py"), *argv],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)]
+    if torchrun:  # torchrun itself (its flags, agent, store, error files and report) in a process forked from the
+        # preloaded server; with --run-path --start-method fork its ranks fork from it and run train.py as __main__
+        return [Forked(["--run-path", "--start-method", "fork", "--nproc_per_node", str(world), "--master_port",
+                        str(bench.free_port()), str(ROOT / "train.py"), *argv], {},
+                       f"{out}-torchrun-{time.time_ns()}.log", script=torch.distributed.run.__file__)]
     return fork_ranks(world, argv, out.parent / out.name, slow, record, root, env)
 
 
@@ -3685,8 +3682,8 @@ def wait_for_train_records(out, n, procs, timeout=180):
 
 
 def test_pipeline_two_ranks_train_exit_cleanly_and_bound_the_lag_under_a_slow_trainer(tmp_path):
-    """(Under torchrun, from a fresh interpreter: test_study_quick_trains_under_torchrun_resumes_and_reports
-    runs two such runs to a clean exit.)"""
+    """(Under torchrun, launcher and ranks fresh interpreters, to a clean exit: the README's first torchrun
+    command, test_every_readme_command_runs_in_order_in_a_fresh_clone.)"""
     procs = launch(2, tmp_path, "--steps", "6", "--max_lag", "2", slow=("trainer", 0.6))
     rcs, (out, _) = finish_all(procs)
     assert rcs == [0, 0], out
@@ -3869,38 +3866,36 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
 
 
 def worker_pids(launcher_pid):
-    """RANK -> pid of the processes torchrun started (its children, read from /proc)."""
-    pids = {}
+    """The pids of the processes a launcher started (its children, read from /proc), in the order it started them
+    (torchrun forks local rank 0 first)."""
+    kids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
-        if ppid == launcher_pid and rank:
-            pids[int(rank[0])] = int(pid)
-    return pids
+        with contextlib.suppress(OSError):
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == launcher_pid:
+                kids.append((int(fields[19]), int(pid)))  # field 22: its start time
+    return [pid for _, pid in sorted(kids)]
 
 
 def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process(tmp_path):
+    """torchrun's own agent, store and report (torch.distributed.run, in a process forked from the preloaded
+    server, its ranks forked from it: --run-path --start-method fork; the README test starts torchrun and its
+    ranks as fresh interpreters). A stopped trainer 0: the generator names it, the launcher stops the run, kills
+    the stopped rank and reports the generator's line as the root cause."""
     (p,) = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4", torchrun=True)
     wait_for_train_records(tmp_path, 2, [p])
     workers = worker_pids(p.pid)
-    assert sorted(workers) == [0, 1]
+    assert len(workers) == 2, workers
     os.kill(workers[0], signal.SIGSTOP)  # the trainer freezes; torchrun's agent (the store) stays up
-    t0, lines = time.time(), []
-    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
-    reader.start()
-    while not any("rank 0 (trainer) sent no heartbeat" in ln for ln in lines):
-        assert time.time() - t0 < 120, "".join(lines)[-3000:]
+    t0 = time.time()
+    while "rank 0 (trainer) sent no heartbeat" not in Path(p.log).read_text():
+        assert time.time() - t0 < 120, Path(p.log).read_text()[-3000:]
         time.sleep(0.5)
     os.kill(workers[0], signal.SIGCONT)  # only so that torchrun's SIGTERM acts now, not after its 30 s grace
     assert p.wait(timeout=60) != 0
-    reader.join(30)
-    report = "".join(lines).split("Failures:")[-1]  # torchrun's report: the line each rank wrote to its error file
+    report = Path(p.log).read_text().split("Failures:")[-1]  # torchrun's: the line each rank wrote to its error file
     assert "traceback : rank 0 (trainer) sent no heartbeat for 4 s" in report, report
-    for pid in workers.values():  # no worker left behind (a stopped one is killed by the launcher)
+    for pid in workers:  # no worker left behind (a stopped one is killed by the launcher)
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
 
 
@@ -4582,8 +4577,8 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
         assert exit_.value.code == message and not (tmp_path / "out").exists()
     train_set, val = train.load_data(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl")]))
     assert (len(train_set), len(val)) == (18, 2)  # the default split of a small data set: a tenth held out
-    help_ = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True, text=True)
-    assert help_.returncode == 0 and "--build" in help_.stdout
+    help_ = Forked(["--help"], {}, tmp_path / "help.log", script="data.py")
+    assert help_.wait(timeout=60) == 0 and "--build" in help_.communicate()[0]
 
 
 def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
