@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import ipaddress
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -3801,28 +3802,30 @@ def test_pipeline_ppo_offpolicy_freezes_generator_weights_for_k_steps(tmp_path):
     assert [r["sync_MBps"] > 0 for r in recs] == [False, False, True, False, False, False]
 
 
-@pytest.mark.parametrize("who, sig", [("generator", signal.SIGKILL), ("generator", signal.SIGSTOP),
-                                      ("trainer", signal.SIGSTOP)])
-def test_pipeline_a_dead_or_stalled_rank_stops_the_other(tmp_path, who, sig):
+def test_pipeline_a_dead_or_stalled_rank_stops_the_other(tmp_path):
     """A killed or stopped generator: the trainer's heartbeat check names it. A stopped trainer 0 hosts the store
     here (no launcher, as under the README's one-machine torchrun), so the generator's store calls hang: the
-    heartbeat's own deadline stops it (before it, the generator waited as long as the trainer stayed stopped). (A
-    killed trainer: test_pipeline_sigkill_then_resume_restores_every_rank; a stopped one under torchrun's own store:
+    heartbeat's own deadline stops it (before it, the generator waited as long as the trainer stayed stopped). The
+    three runs side by side, so that their 4 s waits overlap. (A killed trainer:
+    test_pipeline_sigkill_then_resume_restores_every_rank; a stopped one under torchrun's own store:
     test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_process.)"""
-    trainer, generator = launch(2, tmp_path, "--steps", "1000", "--heartbeat_timeout", "4")
-    t0 = time.time()
-    while not (tmp_path / "metrics.jsonl").exists() or not train_records(tmp_path):
-        assert time.time() - t0 < 120, "the run never started"
-        time.sleep(0.5)
-    victim, other = (generator, trainer) if who == "generator" else (trainer, generator)
-    os.kill(victim.pid, sig)
-    t_kill = time.time()
-    out = other.communicate(timeout=120)[0]
-    assert other.returncode != 0 and time.time() - t_kill < 60
-    said = "rank 1 (generator)" if who == "generator" else "the rendezvous store did not answer for 4 s"
-    assert said in out and "ERROR" in out, out
-    victim.kill()
-    victim.wait()
+    cases = [("generator", signal.SIGKILL), ("generator", signal.SIGSTOP), ("trainer", signal.SIGSTOP)]
+    runs = [launch(2, tmp_path / f"{who}-{sig}", "--steps", "1000", "--heartbeat_timeout", "4") for who, sig in cases]
+    try:
+        for (who, sig), (trainer, generator) in zip(cases, runs):
+            wait_for_train_records(tmp_path / f"{who}-{sig}", 1, [trainer, generator])
+            os.kill((generator if who == "generator" else trainer).pid, sig)
+        t_kill = time.time()
+        for (who, sig), (trainer, generator) in zip(cases, runs):
+            other = trainer if who == "generator" else generator
+            out = other.communicate(timeout=120)[0]
+            assert other.returncode != 0 and time.time() - t_kill < 60, (who, sig, out)
+            said = "rank 1 (generator)" if who == "generator" else "the rendezvous store did not answer for 4 s"
+            assert said in out and "ERROR" in out, (who, sig, out)
+    finally:  # the victims (a stopped one would stay stopped), and every rank should a check fail
+        for rank in itertools.chain(*runs):
+            rank.kill()
+            rank.proc.join(30)
 
 
 def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
