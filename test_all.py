@@ -1994,15 +1994,22 @@ def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch
     assert f"--model org/toy ({snapshot}): no weights" in capsys.readouterr().err
 
 
-def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monkeypatch, capsys):
+def hub_settings(monkeypatch, hub, datasets_cache, offline):
+    """huggingface_hub's and datasets' cache folders and offline mode, patched: both libraries read them from the
+    environment at import (HF_HUB_CACHE, HF_DATASETS_CACHE, HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), as a fresh
+    process would."""
     import datasets
     import huggingface_hub
-    hf = tmp_path / "hf"
-    for module, key, value in [(huggingface_hub.constants, "HF_HUB_CACHE", str(hf / "hub")),  # read at import:
-                               (datasets.config, "HF_DATASETS_CACHE", hf / "datasets"),  # the environment, as a
-                               (huggingface_hub.constants, "HF_HUB_OFFLINE", True),  # fresh process reads
-                               (datasets.config, "HF_HUB_OFFLINE", True)]:  # HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1
+    for module, key, value in [(huggingface_hub.constants, "HF_HUB_CACHE", str(hub)),
+                               (datasets.config, "HF_DATASETS_CACHE", datasets_cache),
+                               (huggingface_hub.constants, "HF_HUB_OFFLINE", offline),
+                               (datasets.config, "HF_HUB_OFFLINE", offline)]:
         monkeypatch.setattr(module, key, value)
+
+
+def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monkeypatch, capsys):
+    hf = tmp_path / "hf"
+    hub_settings(monkeypatch, hf / "hub", hf / "datasets", offline=True)
     hub_model_cache(hf / "hub", "org/toy", ROOT / "toy_model")
     math500 = _jsonl(FIXTURES / "math500.jsonl")[:5]  # its Hub layout: problem, solution, answer, subject, level, unique_id
     hub_dataset_cache(hf / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(8)],
@@ -2048,12 +2055,9 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
     hole.bind(("127.0.0.1", 0))
     hole.listen(8)
     endpoint = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    hub_settings(monkeypatch, tmp_path / "hub", tmp_path / "datasets", offline=False)
     for module, key, value in [(huggingface_hub.constants, "ENDPOINT", endpoint),
                                (datasets.config, "HF_ENDPOINT", endpoint),
-                               (huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub")),
-                               (datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets"),
-                               (huggingface_hub.constants, "HF_HUB_OFFLINE", False),
-                               (datasets.config, "HF_HUB_OFFLINE", False),
                                (data, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
         monkeypatch.setattr(module, key, value)
     snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
