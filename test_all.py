@@ -3895,9 +3895,12 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
     assert len(workers) == 2, workers
     os.kill(workers[0], signal.SIGSTOP)  # the trainer freezes; torchrun's agent (the store) stays up
     t0 = time.time()
-    while "rank 0 (trainer) sent no heartbeat" not in Path(p.log).read_text():
+    # wait until the launcher has taken the generator's exit as the failure and signals the stopped rank: woken
+    # earlier, the trainer's own store watchdog (stopped past its limit) could exit first and be reported instead
+    while f"process {workers[0]} via signal" not in Path(p.log).read_text():  # torch.multiprocessing's words
         assert time.time() - t0 < 120, Path(p.log).read_text()[-3000:]
         time.sleep(0.5)
+    assert "rank 0 (trainer) sent no heartbeat" in Path(p.log).read_text()
     os.kill(workers[0], signal.SIGCONT)  # only so that torchrun's SIGTERM acts now, not after its 30 s grace
     assert p.wait(timeout=60) != 0
     report = Path(p.log).read_text().split("Failures:")[-1]  # torchrun's: the line each rank wrote to its error file
