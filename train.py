@@ -252,6 +252,10 @@ def optimization_flags(g):
                    help="AdamW weight decay (paper: 0.01)")
     g.add_argument("--adam_eps", type=float, default=1e-15,
                    help="a larger eps silently damps tiny gradients")
+    g.add_argument("--stale_beta1", type=float, default=None,
+                   help="a departure: AdamW's beta1 where trained samples can be stale (torchrun, "
+                        "--mode pipeline or ppo_offpolicy); default: 0.9 everywhere, as torch's "
+                        "AdamW and the paper (BENCHMARKS.md section 6)")
     g.add_argument("--grad_clip", type=float, default=1.0,
                    help="max gradient norm; 0 = off (not part of the recipe as the paper states "
                         "it; README: what the toy does without it)")
@@ -375,6 +379,7 @@ FLAG_RANGES = {
                      "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
                      "adam_eps", "eps_high"), POSITIVE),
+    "stale_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     **dict.fromkeys(("neg_trust", "micro_tokens", "grad_clip", "save_every", "l_max", "l_cache",
                      "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: see --help
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
@@ -785,11 +790,19 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.master = self.optimized_weights(state)
         self.opt = torch.optim.AdamW(self.master or model.parameters(), lr=args.lr,
-                                     eps=args.adam_eps, weight_decay=args.weight_decay)
+                                     eps=args.adam_eps, weight_decay=args.weight_decay,
+                                     betas=self.betas())
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: self.warmup(s))
         self.version, self.bad_steps = state.get("step", 0), 0
         if state:
             self.load_state_dict(state)
+
+    def betas(self):
+        """AdamW's (beta1, beta2): torch's (0.9, 0.999), or --stale_beta1 for beta1 where the
+        samples trained on can be stale (generator ranks ahead of the trainers)."""
+        stale = self.ctx is not None and self.args.mode != "sync"
+        return (self.args.stale_beta1 if stale and self.args.stale_beta1 is not None else 0.9,
+                0.999)
 
     def warmup(self, s):
         return min(1.0, (s + 1) / self.args.warmup)
@@ -912,7 +925,7 @@ class Trainer:
         for group in self.opt.param_groups:
             group.update(lr=self.args.lr * self.warmup(self.sched.last_epoch),
                          initial_lr=self.args.lr, eps=self.args.adam_eps,
-                         weight_decay=self.args.weight_decay)
+                         weight_decay=self.args.weight_decay, betas=self.betas())
         self.sched.base_lrs = [self.args.lr] * len(self.opt.param_groups)
 
     def load_optimizer(self, saved):
