@@ -4144,6 +4144,37 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
     assert whole > 6 * peaks[2048], (whole, peaks)
 
 
+def test_train_stale_beta1_acts_only_where_samples_can_be_stale():
+    """--stale_beta1 (a departure, off by default): AdamW's beta1 where generator ranks run ahead of the trainers
+    (a torchrun run in --mode pipeline or ppo_offpolicy); one process, --mode sync and every run without the flag
+    keep torch's 0.9. A resumed run takes the flag given now, its moments kept. And the second of two steps with
+    gradients +1 then -1, by hand (bias-corrected Adam, no decay, lr constant): m = b1 (1 - b1) - (1 - b1),
+    v = (1 - b2) (b2 + 1): after the first step's -lr the weight moves by -lr m / (1 - b1^2) / sqrt(v / (1 - b2^2)),
+    +lr / 3 at b1 0.5 (+0.053 lr at 0.9)."""
+    ranks = types.SimpleNamespace()  # a torchrun rank's context (the trainer only keeps it here)
+    def betas(flags, ctx, state=None):
+        args = train.get_args(["--lr", "0.1", "--warmup", "1", "--weight_decay", "0", *flags])
+        trainer = train.Trainer(args, torch.nn.Linear(1, 1, bias=False), ctx, state or {})
+        return trainer, trainer.opt.param_groups[0]["betas"]
+    assert betas([], None)[1] == betas([], ranks)[1] == (0.9, 0.999)
+    assert betas(["--stale_beta1", "0.5"], None)[1] == (0.9, 0.999)  # one process: on-policy
+    assert betas(["--stale_beta1", "0.5", "--mode", "sync"], ranks)[1] == (0.9, 0.999)
+    for mode in ("pipeline", "ppo_offpolicy"):
+        assert betas(["--stale_beta1", "0.5", "--mode", mode], ranks)[1] == (0.5, 0.999)
+    trainer, _ = betas(["--stale_beta1", "0.5"], ranks)
+    w = trainer.model.weight
+    w0 = w.item()
+    for g in (1.0, -1.0):
+        w.grad = torch.tensor([[g]])
+        trainer.opt.step()
+    assert w.item() - w0 == pytest.approx(-0.1 - 0.1 * (0.5 * 0.5 - 0.5) / 0.75 /
+                                          math.sqrt(0.001 * (0.999 + 1) / (1 - 0.999 ** 2)), rel=1e-6)
+    saved = trainer.state_dict()  # resumed without the flag: torch's beta1 again, the moments kept
+    resumed, now = betas([], ranks, saved)
+    assert now == (0.9, 0.999)
+    assert torch.equal(resumed.opt.state[resumed.model.weight]["exp_avg"], trainer.opt.state[w]["exp_avg"])
+
+
 def test_train_bf16_steps_float32_master_weights_and_resumes_them_exactly(toy_dir, tmp_path):
     """--dtype bfloat16: AdamW steps float32 copies. Its first step, by hand: bias-corrected Adam with eps
     1e-15 moves each weight by exactly lr_1 = lr / warmup against its gradient's sign (0 where the gradient
