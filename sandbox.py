@@ -1024,13 +1024,15 @@ def _start_sandbox(cmd, stdin, stdout, fds):
                 with open(f"/proc/{info['child-pid']}/{name}", "w") as f:
                     f.write(f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n")
         groups = _confine(child.pid, info)
+        # read while bwrap waits: once it goes on, a program that exits at once takes its namespace
+        namespace = _pid_namespace(info)
     except BaseException:
         child.kill()
         child.wait()
         raise
     finally:
         os.close(block_w)  # bwrap goes on
-    return child, _pid_namespace(info), groups
+    return child, namespace, groups
 
 
 def _confine(bwrap_pid, info):

@@ -1315,25 +1315,43 @@ def test_code_nproc_binds_in_a_user_namespace_whatever_the_user_runs_outside():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def in_namespace(namespace):
+    """Live processes (not zombies) in a PID namespace, as '/proc stat line | its parent's command line'."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                stat = open(f"/proc/{pid}/stat").read()
+                state, parent = stat.rsplit(")", 1)[1].split()[:2]
+                if state != "Z":
+                    found.append(stat[:120] + " | parent: " + ps_line(parent) + " " +
+                                 open(f"/proc/{parent}/cmdline", "rb").read()[:200].decode(errors="replace"))
+    return found
+
+
 @BWRAP
-def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox():
+def test_code_fork_bomb_past_the_guard_and_a_daemon_die_with_the_sandbox(monkeypatch):
+    """Each sample's PID namespace (recorded as the sandbox starts, read from /proc here) is empty soon after
+    score_code returns: nothing it forked, a setsid daemon included, outlives it. Watched by namespace, not by
+    command line, so another test's or another run's sandboxes on the machine cannot be mistaken for its own."""
     bomb = ("import sys\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
             "fork = ctypes.CDLL(None).fork\nwhile True:\n    fork()")
     daemon = ("import sys, time\ndel sys.modules['ctypes'], sys.modules['_ctypes']\nimport ctypes\n"
               "libc = ctypes.CDLL(None)\nif libc.fork() == 0:\n    libc.setsid()\n    if libc.fork() == 0:\n"
               "        time.sleep(60)\n")  # a double-forked setsid daemon; the program itself exits at once
-    before = set(sandbox_processes())  # another run's sandboxes on this machine, if any
+    namespaces, read = [], sandbox._pid_namespace
+    monkeypatch.setattr(sandbox, "_pid_namespace", lambda info: namespaces.append(read(info)) or namespaces[-1])
     for program, timeout in ((bomb, 3.0), (daemon, 6.0)):
-        start = time.perf_counter()
+        start, namespaces[:] = time.perf_counter(), []
         score_code(fenced(program + RAN), RUN, timeout=timeout)
         assert time.perf_counter() - start < 15.0
+        assert len(namespaces) == 1 and namespaces[0] is not None, namespaces  # one sandbox, its namespace read
         # SIGKILLed with the namespace; on a busy machine they take a moment to exit (5 s was once too short in a
         # CI run beside the other worker); the daemon would sleep 60 s, so 20 s still tells killed from alive
         gone = time.monotonic() + 20
-        while not set(sandbox_processes()) <= before and time.monotonic() < gone:
+        while in_namespace(namespaces[0]) and time.monotonic() < gone:
             time.sleep(0.05)
-        left = set(sandbox_processes()) - before
-        assert not left, (program, [ps_line(p) for p in left])  # the PID namespace died with the sample
+        assert not in_namespace(namespaces[0]), (program, in_namespace(namespaces[0]))
     assert score_code(fenced("a, b = map(int, input().split())\nprint(a + b)"), SUM) is True
 
 
@@ -5010,8 +5028,9 @@ def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equ
 
 # =============================================================================
 # under pytest-xdist (the README's `-n 2 --dist loadgroup`): every test that starts a code sandbox runs on one
-# worker, one after another. Two of them look from outside for sandbox processes left behind, and cannot tell
-# another test's sandboxes from their own: a new test that scores code joins SANDBOX_USERS.
+# worker, one after another, so that the samples' timings do not depend on the other worker's (a sandbox's limit
+# is wall-clock time) and the tests that look for sandboxes from outside see only their own: a new test that
+# scores code joins SANDBOX_USERS.
 
 SANDBOX_USERS = {"test_score_problems_routes_math_and_code", "test_data_code_toy_fixture_loads_and_its_solutions_pass",
                  "test_verify_thinking_opened_by_the_prompt_must_close",
