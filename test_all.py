@@ -4487,6 +4487,36 @@ def test_train_resume_gives_the_forget_alarm_its_window_back(tmp_path, capsys):
     assert capsys.readouterr().out.split("\n")[-2].startswith("warning: step 11: forget 0.016")  # alone: 0.004
 
 
+def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_path, capsys):
+    """The toy-hard collapse at lr 1.4e-4 (BENCHMARKS.md section 6): its held-out interruption went 0.3% -> 14.8%
+    between two evals, with truncation at 0 (the truncation alarms saw nothing). A rise of more than
+    HELD_OUT_INTR_RISE since the eval before warns once, naming the cause; the falling interruption of a healthy
+    run says nothing. On --resume the evals before the checkpoint give the alarm its last reading back."""
+    rec = train.Record(train.get_args([]), log=None, world=2, n_params=1, domains=["math"])
+    def ev(step, rate, intr):
+        rec.evals.append((step, rate))
+        rec.eval_intr.append(intr)
+        train.eval_alarms(rec, step, {"trunc": 0.0, "pass_rate": rate, "intr": intr})
+        return capsys.readouterr().out
+    assert train.HELD_OUT_INTR_RISE == 0.05
+    assert [ev(s, r, i) for s, r, i in [(0, 0.24, 0.137), (10, 0.30, 0.09), (150, 0.931, 0.003),
+                                        (152, 0.93, 0.05)]] == [""] * 4  # falling, then a rise of 0.047
+    out = ev(160, 0.784, 0.1485).splitlines()
+    assert out[0].startswith("warning: step 160: the held-out pass rate fell from 0.930 to 0.784")
+    assert out[1].startswith("warning: step 160: 14.8% of the held-out samples were interrupted (5.0% at the eval "
+                             "before)") and out[1].endswith("lower --max_lag (BENCHMARKS.md section 6)")
+    assert ev(170, 0.605, 0.326) == ""  # once
+    lines = [{"kind": "config"}] + [{"kind": "eval", "step": s, "compute_s": s, "pass_rate": 0.9, "intr": i}
+                                    for s, i in [(0, 0.1), (10, 0.004), (20, 0.3)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    env = types.SimpleNamespace(args=train.get_args(["--out", str(tmp_path)]), state={}, ctx=None, train=[{}],
+                                log=None, rank0=True, ckpt="ckpt-10")
+    rec = train.new_record(env, types.SimpleNamespace(n_params=1, version=10))
+    capsys.readouterr()
+    assert rec.eval_intr == [0.1, 0.004]  # step 20's eval came after the checkpoint: dropped
+    assert ev(20, 0.9, 0.2).startswith("warning: step 20: 20.0% of the held-out samples were interrupted (0.4%")
+
+
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
     """A budget too small for any answer: every sample truncated, every step keeps no prompt. The log warns
     once about the truncation rate and once about the empty step, and after --max_empty_steps in a row the

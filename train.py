@@ -1032,6 +1032,7 @@ class Record:
     compute_s: float = 0.0  # device-seconds: training wall-clock x processes
     flops: float = 0.0
     evals: list = field(default_factory=list)  # (compute_s, held-out pass rate) of every eval
+    eval_intr: list = field(default_factory=list)  # held-out interruption rate of every eval
     warned: set = field(default_factory=set)  # the alarms already raised (each is said once)
     empty_steps: int = 0  # consecutive steps that kept no prompt (nothing to train on)
     forgets: list = field(default_factory=list)  # forget of the last FORGET_WINDOW trained steps
@@ -1054,6 +1055,7 @@ def new_record(env, trainer):
     if env.rank0 and env.ckpt:
         kept = truncate_metrics(path, trainer.version)
         rec.evals = [(r["compute_s"], r["pass_rate"]) for r in kept if r["kind"] == "eval"]
+        rec.eval_intr = [r.get("intr", 0.0) for r in kept if r["kind"] == "eval"]
         rec.forgets = [r["forget"] for r in kept if r["kind"] == "train" and r["kept_prompts"]
                        and r.get("forget") is not None][-FORGET_WINDOW:]  # the alarm's window
         print(f"resumed from {env.ckpt} at step {trainer.version}")
@@ -1160,6 +1162,7 @@ def log_step(rec, m):
 FORGET_ALARM, FORGET_WINDOW = 0.01, 5
 HELD_OUT_TRUNC_ALARM = 0.05  # held-out hard truncation
 HELD_OUT_DROP_ALARM = 0.1  # held-out pass rate fallen since the eval before
+HELD_OUT_INTR_RISE = 0.05  # held-out forced-interruption rate risen since the eval before
 
 
 def warn_once(rec, key, step, text):
@@ -1224,7 +1227,8 @@ def alarms(rec, m):
 def eval_alarms(rec, step, result):
     """Trainer 0, after a held-out eval: warn once when the held-out samples truncate (the trained
     policy's own samples, k versions ahead of the batches: truncation shows here before it reaches
-    the training batches) and when the held-out pass rate fell since the eval before."""
+    the training batches), when the held-out pass rate fell since the eval before, and when more
+    of the held-out samples got the forced interruption than at the eval before."""
     if result["trunc"] > HELD_OUT_TRUNC_ALARM:
         older = rec.world > 1 and rec.args.mode != "sync"  # off-policy: batches behind the policy
         who = ("the base model writes past its budgets. Raise --answer_budget or --think_budget"
@@ -1239,6 +1243,13 @@ def eval_alarms(rec, step, result):
         warn_once(rec, "held-out drop", step, f"the held-out pass rate fell from "
                   f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval. Look at "
                   "forget, trunc and the held-out truncation; lower --lr or --max_lag")
+    if len(rec.eval_intr) > 1 and rec.eval_intr[-1] - rec.eval_intr[-2] > HELD_OUT_INTR_RISE:
+        warn_once(rec, "held-out intr", step, f"{rec.eval_intr[-1]:.1%} of the held-out samples "
+                  f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy now "
+                  "thinks past --think_budget. "
+                  "A prompt whose samples are all interrupted and wrong is dropped as zero-variance, "
+                  "so nothing trains it back; under PipelineRL-k its batches show it only k steps "
+                  "later: lower --max_lag (BENCHMARKS.md section 6)")
 
 
 def run_eval(rec, model, env, step, stamp):
@@ -1263,6 +1274,7 @@ def log_eval(rec, env, step, result, stamp):
     args, (compute_s, flops) = env.args, stamp
     m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
     rec.evals.append((compute_s, result["pass_rate"]))
+    rec.eval_intr.append(result.get("intr", 0.0))
     C, R = np.array(rec.evals).T
     try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
         pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
