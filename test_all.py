@@ -5059,7 +5059,7 @@ def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equ
 # =============================================================================
 # under pytest-xdist (the README's `-n 2 --dist loadgroup`): every test that starts a code sandbox runs on one
 # worker, one after another, so that the samples' timings do not depend on the other worker's (a sandbox's limit
-# is wall-clock time) and the tests that look for sandboxes from outside see only their own: a new test that
+# is wall-clock time) and the tests that look for sandboxes from outside see no other test's: a new test that
 # scores code joins SANDBOX_USERS.
 
 SANDBOX_USERS = {"test_score_problems_routes_math_and_code", "test_data_code_toy_fixture_loads_and_its_solutions_pass",
