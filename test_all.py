@@ -4504,7 +4504,7 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
     out = ev(160, 0.784, 0.1485).splitlines()
     assert out[0].startswith("warning: step 160: the held-out pass rate fell from 0.930 to 0.784")
     assert out[1].startswith("warning: step 160: 14.8% of the held-out samples were interrupted (5.0% at the eval "
-                             "before)") and out[1].endswith("lower --max_lag (BENCHMARKS.md section 6)")
+                             "before)") and out[1].endswith("(BENCHMARKS.md section 6): --mode sync")
     assert ev(170, 0.605, 0.326) == ""  # once
     lines = [{"kind": "config"}] + [{"kind": "eval", "step": s, "compute_s": s, "pass_rate": 0.9, "intr": i}
                                     for s, i in [(0, 0.1), (10, 0.004), (20, 0.3)]]
