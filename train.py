@@ -1247,9 +1247,9 @@ def eval_alarms(rec, step, result):
         warn_once(rec, "held-out intr", step, f"{rec.eval_intr[-1]:.1%} of the held-out samples "
                   f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy now "
                   "thinks past --think_budget. A prompt whose samples are all interrupted and "
-                  "wrong is dropped as zero-variance, so nothing trains it back; under PipelineRL-k its "
-                  "batches show it up to k steps later. On-policy runs did not fall so on toy-hard "
-                  "(BENCHMARKS.md section 6): --mode sync")
+                  "wrong is dropped as zero-variance, so nothing trains it back; under "
+                  "PipelineRL-k its batches show it up to k steps later. On-policy runs did not "
+                  "fall so on toy-hard (BENCHMARKS.md section 6): --mode sync")
 
 
 def run_eval(rec, model, env, step, stamp):
