@@ -1242,7 +1242,8 @@ def eval_alarms(rec, step, result):
     if len(rec.evals) > 1 and rec.evals[-2][1] - rec.evals[-1][1] > HELD_OUT_DROP_ALARM:
         warn_once(rec, "held-out drop", step, f"the held-out pass rate fell from "
                   f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval. Look at "
-                  "forget, trunc and the held-out truncation; lower --lr or --max_lag")
+                  "forget, trunc and the held-out truncation and interruption; lower --lr or "
+                  "--max_lag")
     if len(rec.eval_intr) > 1 and rec.eval_intr[-1] - rec.eval_intr[-2] > HELD_OUT_INTR_RISE:
         warn_once(rec, "held-out intr", step, f"{rec.eval_intr[-1]:.1%} of the held-out samples "
                   f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy now "
