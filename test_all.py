@@ -1315,6 +1315,13 @@ def test_code_nproc_binds_in_a_user_namespace_whatever_the_user_runs_outside():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def cmdline(pid):
+    """A process's command line (its first 200 bytes), or 'gone'."""
+    with contextlib.suppress(OSError):
+        return open(f"/proc/{pid}/cmdline", "rb").read()[:200].decode(errors="replace")
+    return "gone"
+
+
 def in_namespace(namespace):
     """Live processes (not zombies) in a PID namespace, as '/proc stat line | its parent's command line'."""
     found = []
@@ -1323,9 +1330,8 @@ def in_namespace(namespace):
             if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
                 stat = open(f"/proc/{pid}/stat").read()
                 state, parent = stat.rsplit(")", 1)[1].split()[:2]
-                if state != "Z":
-                    found.append(stat[:120] + " | parent: " + ps_line(parent) + " " +
-                                 open(f"/proc/{parent}/cmdline", "rb").read()[:200].decode(errors="replace"))
+                if state != "Z":  # listed even when its parent is gone by the time it is described
+                    found.append(stat[:120] + " | parent: " + ps_line(parent) + " " + cmdline(parent))
     return found
 
 

@@ -1275,7 +1275,7 @@ def log_eval(rec, env, step, result, stamp):
     args, (compute_s, flops) = env.args, stamp
     m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
     rec.evals.append((compute_s, result["pass_rate"]))
-    rec.eval_intr.append(result.get("intr", 0.0))
+    rec.eval_intr.append(result["intr"])
     C, R = np.array(rec.evals).T
     try:  # a diagnostic: a curve that cannot be fitted yet must not stop the run
         pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
