@@ -60,7 +60,8 @@ from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, rea
 import pipeline
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
-                  forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
+                  forgetting, group_index, policy_loss, ratio_stats, row_weights,
+                  zero_variance_keep)
 from runs import (check_shards, checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   truncate_metrics, write_file)
@@ -226,6 +227,12 @@ def loss_flags(g):
                         "PipelineRL-8 it keeps a policy from drifting off tokens its stale samples "
                         "share; 0.8 held too but learned more slowly at lag 8, BENCHMARKS.md "
                         "section 6); 0 = off")
+    g.add_argument("--pos_trust", type=float, default=0,
+                   help="a departure, off by default: the all-right groups that zero-variance "
+                        "filtering drops give a gradient on the tokens whose IS ratio has fallen "
+                        "below this, as right answers' (advantage +1): under PipelineRL-k a policy "
+                        "drifting off what its stale samples got right is pulled back before its "
+                        "errors reach the batches (train_batch); 0 = off")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -380,7 +387,7 @@ FLAG_RANGES = {
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
                      "adam_eps", "eps_high"), POSITIVE),
     "stale_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    **dict.fromkeys(("neg_trust", "micro_tokens", "grad_clip", "save_every", "l_max", "l_cache",
+    **dict.fromkeys(("neg_trust", "pos_trust", "micro_tokens", "grad_clip", "save_every", "l_max", "l_cache",
                      "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: see --help
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
     "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
@@ -656,6 +663,8 @@ class Batch:
     adv: torch.Tensor  # (len(rows),)
     # over every trainer: prompt, sample and token counts of the rows (the loss's denominators)
     sums: dict
+    # --pos_trust: the valid samples of the all-right groups that the filter dropped
+    anchors: list = field(default_factory=list)
 
 
 def make_batch(groups, args, all_sum=None):
@@ -675,11 +684,23 @@ def make_batch(groups, args, all_sum=None):
     valid = torch.ones(len(samples), dtype=torch.bool) if args.keep_truncated else ~truncated
     keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
     rows = keep.nonzero().squeeze(1).tolist()
+    anchors = all_right(correct, group, valid & ~keep) if args.pos_trust else []
     adv = advantages(rewards[rows], group[rows], args.adv_norm, all_sum=all_sum)
     masks = [torch.tensor(samples[r].mask) for r in rows]
     sums = (all_sum or dict)(agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
     return Batch([g["prompt"] for g in groups for _ in g["samples"]], samples, correct, rewards,
-                 group, truncated, valid, rows, adv, sums)
+                 group, truncated, valid, rows, adv, sums, anchors)
+
+
+def all_right(correct, group, candidates):
+    """The candidate samples (N,) bool whose group's candidates are at least two and all correct ->
+    their positions."""
+    right = torch.tensor(correct, dtype=torch.bool)
+    idx, n_groups = group_index(group)
+    count = torch.zeros(n_groups, dtype=torch.long).index_add_(0, idx, candidates.long())
+    wrong = torch.zeros(n_groups, dtype=torch.long).index_add_(0, idx, (candidates & ~right).long())
+    ok = (count >= 2) & (wrong == 0)
+    return (candidates & ok[idx]).nonzero().squeeze(1).tolist()
 
 
 def collate(prompt_ids, samples, pad_id, device, step=0):
@@ -717,36 +738,49 @@ def micro_batches(lengths, budget):
 
 
 def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lambda: None):
-    """Forward/backward of this trainer's rows (batch.rows), micro-batch by micro-batch (`parts`:
-    micro_batches of them); every row's loss terms carry its weight in the whole batch's loss
-    (loss.row_weights, from the counts over every trainer), so the gradients add up to the
-    full-batch gradient whatever the split. logprobs(ids, attention) -> (N, T-1): the trainer's
+    """Forward/backward of this trainer's rows (batch.rows, then batch.anchors), micro-batch by
+    micro-batch (`parts`: Trainer.micro_batches, positions in that list); every row's loss terms
+    carry its weight in the whole batch's loss (loss.row_weights, from the counts over every
+    trainer), so the gradients add up to the full-batch gradient whatever the split.
+    --pos_trust: an anchor (a sample of an all-right group) trains as a right answer (advantage
+    +1) on its tokens whose ratio has fallen below pos_trust, and nothing else; it weighs as a row
+    of the kept groups' loss would, and never counts in its denominators. In one process every
+    ratio is 1: the anchors add an exact zero. logprobs(ids, attention) -> (N, T-1): the trainer's
     forward; after(): called after each backward. -> (loss, stats: generator/trainer mismatch,
-    drift by lag, forgetting)."""
-    rows = batch.rows
+    drift by lag, forgetting, the share of anchor tokens trained)."""
+    rows, kept = batch.rows + batch.anchors, len(batch.rows)
+    adv = torch.cat([batch.adv, torch.ones(len(batch.anchors))]).to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
     weights = row_weights(batch.group[rows], tokens, args.agg, batch.sums).to(device)
-    loss_sum, stats, drift, lost = 0.0, [], [], []
+    loss_sum, stats, drift, lost, pulled = 0.0, [], [], [], [0, 0]
     for part in parts:
         ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[rows[i]] for i in part],
                                                  [batch.samples[rows[i]] for i in part], pad_id,
                                                  device, version)
         logp = logprobs(ids, attn)
+        anchor = part[0] >= kept  # a part holds rows of one kind (Trainer.micro_batches)
+        if anchor:
+            pulled[1] += int(mask.sum())
+            mask = mask * (logp.detach() - gen_logp < math.log(args.pos_trust))
+            pulled[0] += int(mask.sum())
         at = torch.tensor(part, device=device)
-        loss = policy_loss(logp, gen_logp, batch.adv.to(device)[at], mask,
-                           batch.group[rows].to(device)[at], kind=args.loss, agg=args.agg,
-                           eps_low=args.eps_low, eps_high=args.eps_high,
-                           weights=weights[at].to(logp.dtype), neg_trust=args.neg_trust or None)
+        loss = policy_loss(logp, gen_logp, adv[at], mask, batch.group[rows].to(device)[at],
+                           kind=args.loss, agg=args.agg, eps_low=args.eps_low,
+                           eps_high=args.eps_high, weights=weights[at].to(logp.dtype),
+                           neg_trust=args.neg_trust or None)
         loss.backward()
         after()
         loss_sum += loss.item()
+        if anchor:
+            continue
         stats.append(ratio_stats(logp.detach(), gen_logp, mask, args.loss, args.eps_high))
         drift.append(drift_by_lag(logp.detach(), gen_logp, mask, lag))
         lost.append(forgetting(logp.detach(), gen_logp, mask))
     mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
     lost_sum, sure = (sum(x) for x in zip(*lost))
     return loss_sum, {**mismatch, **lag_drift(drift),
-                      "forget": float(lost_sum / max(int(sure), 1))}
+                      "forget": float(lost_sum / max(int(sure), 1)),
+                      **({"anchored": pulled[0] / max(pulled[1], 1)} if args.pos_trust else {})}
 
 
 def lag_drift(parts):
@@ -865,8 +899,14 @@ class Trainer:
                            after=self.accumulate)
 
     def micro_batches(self, batch):
-        return micro_batches([len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
-                              for r in batch.rows], self.args.micro_tokens)
+        """The kept rows' micro-batches, then the anchors' (positions in rows + anchors): the kept
+        rows are split as without anchors, and their gradient summed in the same order."""
+        length = lambda r: len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
+        parts = micro_batches([length(r) for r in batch.rows], self.args.micro_tokens)
+        if not parts:  # a trainer with no kept row trains no anchor either
+            return []
+        return parts + [[len(batch.rows) + i for i in part] for part in micro_batches(
+            [length(r) for r in batch.anchors], self.args.micro_tokens)]
 
     def accumulate(self):
         """After each micro-batch's backward: under a half dtype its gradients are added to the
