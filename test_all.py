@@ -4131,6 +4131,70 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
             assert worst < 1e-12, (agg, budget, worst)
 
 
+def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_zero_on_policy(toy_dir):
+    """--pos_trust: make_batch picks the valid samples of the all-right groups (not a mixed group's, not an
+    all-wrong one's, not a truncated one; none by default); train_batch's gradient equals a hand-written loss:
+    policy_loss over the kept rows plus, on each anchor token whose ratio fell below pos_trust, -rho * logp /
+    (kept groups x the anchor group's tokens); with on-policy log-probs (every ratio 1) it is exactly the
+    gradient without anchors."""
+    def sample(i, n, finish="eos"):
+        return gen.Sample(i, list(range(12, 12 + n)), [-1.0] * n, [1] * n, [0] * n, finish)
+    groups = [{"prompt": p, "samples": [sample(i, 3 + i % 3) for i in range(4)], "correct": c,
+               "rewards": [float(x) for x in c]}
+              for p, c in (([3, 4, 5], [1, 0, 1, 0]), ([6, 7], [1, 1, 1, 1]), ([8, 9], [0, 0, 0, 0]),
+                           ([3, 6], [1, 1, 0, 1]), ([4, 7, 8], [1, 1, 1, 1]))]
+    groups[4]["samples"][0].finish = "truncated"  # out of the group: its other three are all right
+    assert train.make_batch(groups, train.get_args([])).anchors == []
+    batch = train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]))
+    assert batch.rows == [0, 1, 2, 3, 12, 13, 14, 15] and batch.anchors == [4, 5, 6, 7, 17, 18, 19]
+    model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
+    logprobs = lambda ids, attn: gen.sequence_logprobs(model, ids, attn, True, 1.0)
+    rows = batch.rows + batch.anchors
+    ids, attn, mask, _, _ = train.collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
+                                          0, "cpu")
+    with torch.no_grad():
+        on_policy = logprobs(ids, attn)
+    shift = torch.where(torch.rand(on_policy.shape, generator=torch.Generator().manual_seed(0)) < 0.4, 0.5, -0.1)
+    for i, r in enumerate(rows):  # the sampler's log-probs: the model's, then, for anchors, shifted
+        start = len(batch.prompt_ids[r]) - 1
+        got = on_policy[i, start:start + len(batch.samples[r].tokens)]
+        batch.samples[r].logps = (got + (shift[i, start:start + len(got)] if r in batch.anchors else 0)).tolist()
+    args = train.get_args(["--pos_trust", "0.8", "--micro_tokens", "12"])
+    parts = train.Trainer.micro_batches(types.SimpleNamespace(args=args), batch)
+    assert sorted(i for p in parts for i in p) == list(range(len(rows)))
+    assert all(len({i >= len(batch.rows) for i in p}) == 1 for p in parts)  # a part holds one kind
+
+    def grads(fn):
+        model.zero_grad()
+        out = fn()
+        return [p.grad.clone() for p in model.parameters()], out
+    got, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu"))
+
+    def by_hand():
+        logp, gen_logp = logprobs(ids, attn), train.collate([batch.prompt_ids[r] for r in rows],
+                                                              [batch.samples[r] for r in rows], 0, "cpu")[3]
+        k = len(batch.rows)
+        kept = loss.policy_loss(logp[:k], gen_logp[:k], batch.adv, mask[:k], batch.group[batch.rows],
+                                neg_trust=args.neg_trust)
+        rho = (logp - gen_logp).exp().detach()
+        drifted = (mask > 0) & (rho < 0.8)
+        group_tokens = {g: sum(mask[i].sum() for i, r in enumerate(rows) if batch.group[r] == g) for g in (1, 4)}
+        anchors = sum(-(rho[i] * logp[i])[drifted[i]].sum() / (2 * group_tokens[int(batch.group[r])])
+                      for i, r in enumerate(rows) if i >= k)
+        (kept + anchors).backward()
+        return drifted[k:].sum() / mask[k:].sum()
+    want, share = grads(by_hand)
+    assert 0.2 < share < 0.6 and abs(stats["anchored"] - share) < 1e-12
+    assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-12
+    for r in rows:  # on-policy: every ratio is 1, the anchors add an exact zero
+        batch.samples[r].logps = on_policy[rows.index(r), len(batch.prompt_ids[r]) - 1:][
+            :len(batch.samples[r].tokens)].tolist()
+    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu"))
+    kept_parts = [p for p in parts if p[0] < len(batch.rows)]
+    off, _ = grads(lambda: train.train_batch(logprobs, batch, kept_parts, args, 0, 0, "cpu"))
+    assert stats["anchored"] == 0 and all(torch.equal(a, b) for a, b in zip(on, off))
+
+
 def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_length():
     """The trainer's activations are sized by --micro_tokens: the same tiny model trains a group of 16 samples
     of 2k tokens and one of 16 x 256 with --micro_tokens 4096, and the most that one micro-batch's forward saves
