@@ -229,10 +229,11 @@ def loss_flags(g):
                         "section 6); 0 = off")
     g.add_argument("--pos_trust", type=float, default=0,
                    help="a departure, off by default: the all-right groups that zero-variance "
-                        "filtering drops give a gradient on the tokens whose IS ratio has fallen "
-                        "below this, as right answers' (advantage +1): under PipelineRL-k a policy "
-                        "drifting off what its stale samples got right is pulled back before its "
-                        "errors reach the batches (train_batch); 0 = off")
+                        "filtering drops train, as right answers (advantage +1), their tokens "
+                        "whose IS ratio has fallen below this: under PipelineRL-k a policy drifting "
+                        "off what its stale samples got right is pulled back before its errors "
+                        "reach the batches (train_batch). Screened at 0.8: the late dips at lag 8 "
+                        "not shown smaller (BENCHMARKS.md section 6); 0 = off")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -387,8 +388,8 @@ FLAG_RANGES = {
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
                      "adam_eps", "eps_high"), POSITIVE),
     "stale_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    **dict.fromkeys(("neg_trust", "pos_trust", "micro_tokens", "grad_clip", "save_every", "l_max", "l_cache",
-                     "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: see --help
+    **dict.fromkeys(("neg_trust", "pos_trust", "micro_tokens", "grad_clip", "save_every", "l_max",
+                     "l_cache", "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: --help
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
     "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
     # the fraction of the device memory the sampler's KV cache takes
@@ -693,8 +694,8 @@ def make_batch(groups, args, all_sum=None):
 
 
 def all_right(correct, group, candidates):
-    """The candidate samples (N,) bool whose group's candidates are at least two and all correct ->
-    their positions."""
+    """The positions of the candidates ((N,) bool) in a group with at least two candidates, all of
+    them correct."""
     right = torch.tensor(correct, dtype=torch.bool)
     idx, n_groups = group_index(group)
     count = torch.zeros(n_groups, dtype=torch.long).index_add_(0, idx, candidates.long())
@@ -1121,7 +1122,8 @@ def step_metrics(rec, trainer, batch, groups, rstats, train, loss_value, stats, 
         "sampled": sum(sum(s.mask) for s in samples),
         "lag": sum(lags), "lag_n": len(lags), "too_old": rstats["too_old"],
         "gen_tokens": rstats["gen_tokens"],
-        "train_tokens": sum(len(batch.prompt_ids[r]) + len(samples[r].tokens) for r in rows),
+        "train_tokens": sum(len(batch.prompt_ids[r]) + len(samples[r].tokens)
+                            for r in rows + batch.anchors),  # --pos_trust's anchors: trained too
         "loss": loss_value,
         **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups
                              if train[g["index"]].get("domain", "math") == d
