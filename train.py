@@ -230,10 +230,10 @@ def loss_flags(g):
     g.add_argument("--pos_trust", type=float, default=0,
                    help="a departure, off by default: the all-right groups that zero-variance "
                         "filtering drops train, as right answers (advantage +1), their tokens "
-                        "whose IS ratio has fallen below this: under PipelineRL-k a policy drifting "
-                        "off what its stale samples got right is pulled back before its errors "
-                        "reach the batches (train_batch). Screened at 0.8: the late dips at lag 8 "
-                        "not shown smaller (BENCHMARKS.md section 6); 0 = off")
+                        "whose IS ratio has fallen below this: under PipelineRL-k a policy "
+                        "drifting off what its stale samples got right is pulled back before its "
+                        "errors reach the batches (train_batch). Screened at 0.8: the late dips "
+                        "at lag 8 not shown smaller (BENCHMARKS.md section 6); 0 = off")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
