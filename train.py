@@ -60,7 +60,7 @@ from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, rea
 import pipeline
 from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
-                  forgetting, group_index, policy_loss, ratio_stats, row_weights,
+                  forgetting, group_index, group_sum, policy_loss, ratio_stats, row_weights,
                   zero_variance_keep)
 from runs import (check_shards, checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
@@ -685,7 +685,8 @@ def make_batch(groups, args, all_sum=None):
     valid = torch.ones(len(samples), dtype=torch.bool) if args.keep_truncated else ~truncated
     keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
     rows = keep.nonzero().squeeze(1).tolist()
-    anchors = all_right(correct, group, valid & ~keep) if args.pos_trust else []
+    # anchors only beside kept rows: a trainer that steps on nothing trains no anchor either
+    anchors = all_right(correct, group, valid & ~keep) if args.pos_trust and rows else []
     adv = advantages(rewards[rows], group[rows], args.adv_norm, all_sum=all_sum)
     masks = [torch.tensor(samples[r].mask) for r in rows]
     sums = (all_sum or dict)(agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
@@ -696,11 +697,10 @@ def make_batch(groups, args, all_sum=None):
 def all_right(correct, group, candidates):
     """The positions of the candidates ((N,) bool) in a group with at least two candidates, all of
     them correct."""
-    right = torch.tensor(correct, dtype=torch.bool)
+    wrong = candidates & ~torch.tensor(correct, dtype=torch.bool)
     idx, n_groups = group_index(group)
-    count = torch.zeros(n_groups, dtype=torch.long).index_add_(0, idx, candidates.long())
-    wrong = torch.zeros(n_groups, dtype=torch.long).index_add_(0, idx, (candidates & ~right).long())
-    ok = (count >= 2) & (wrong == 0)
+    count = lambda x: group_sum(x.long(), idx, n_groups)  # (G,)
+    ok = (count(candidates) >= 2) & (count(wrong) == 0)
     return (candidates & ok[idx]).nonzero().squeeze(1).tolist()
 
 
@@ -904,8 +904,6 @@ class Trainer:
         rows are split as without anchors, and their gradient summed in the same order."""
         length = lambda r: len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
         parts = micro_batches([length(r) for r in batch.rows], self.args.micro_tokens)
-        if not parts:  # a trainer with no kept row trains no anchor either
-            return []
         return parts + [[len(batch.rows) + i for i in part] for part in micro_batches(
             [length(r) for r in batch.anchors], self.args.micro_tokens)]
 
