@@ -4136,7 +4136,7 @@ def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_
     all-wrong one's, not a truncated one; none by default); train_batch's gradient equals a hand-written loss:
     policy_loss over the kept rows plus, on each anchor token whose ratio fell below pos_trust, -rho * logp /
     (kept groups x the anchor group's tokens); with on-policy log-probs (every ratio 1) it is exactly the
-    gradient without anchors."""
+    gradient without anchors, their micro-batches skipping the backward (not under --fsdp: computed, the same)."""
     def sample(i, n, finish="eos"):
         return gen.Sample(i, list(range(12, 12 + n)), [-1.0] * n, [1] * n, [0] * n, finish)
     groups = [{"prompt": p, "samples": [sample(i, 3 + i % 3) for i in range(4)], "correct": c,
@@ -4189,10 +4189,15 @@ def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_
     for r in rows:  # on-policy: every ratio is 1, the anchors add an exact zero
         batch.samples[r].logps = on_policy[rows.index(r), len(batch.prompt_ids[r]) - 1:][
             :len(batch.samples[r].tokens)].tolist()
-    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu"))
+    backwards = []
+    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu",
+                                                     after=lambda: backwards.append(1)))
     kept_parts = [p for p in parts if p[0] < len(batch.rows)]
     off, _ = grads(lambda: train.train_batch(logprobs, batch, kept_parts, args, 0, 0, "cpu"))
     assert stats["anchored"] == 0 and all(torch.equal(a, b) for a, b in zip(on, off))
+    assert len(backwards) == len(kept_parts) < len(parts)  # the idle anchors skipped their backward
+    full, _ = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu", skip_idle=False))
+    assert all(torch.equal(a, b) for a, b in zip(on, full))  # as under --fsdp: the same zero, computed
 
 
 def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_length():

@@ -738,7 +738,8 @@ def micro_batches(lengths, budget):
     return parts
 
 
-def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lambda: None):
+def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lambda: None,
+                skip_idle=True):
     """Forward/backward of this trainer's rows (batch.rows, then batch.anchors), micro-batch by
     micro-batch (`parts`: Trainer.micro_batches, positions in that list); every row's loss terms
     carry its weight in the whole batch's loss (loss.row_weights, from the counts over every
@@ -746,8 +747,11 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
     --pos_trust: an anchor (a sample of an all-right group) trains as a right answer (advantage
     +1) on its tokens whose ratio has fallen below pos_trust, and nothing else; it weighs as a row
     of the kept groups' loss would, and never counts in its denominators. In one process every
-    ratio is 1: the anchors add an exact zero. logprobs(ids, attention) -> (N, T-1): the trainer's
-    forward; after(): called after each backward. -> (loss, stats: generator/trainer mismatch,
+    ratio is 1: the anchors add an exact zero. An anchor micro-batch with no such token skips its
+    backward (skip_idle; not under --fsdp, where every backward is a collective that all trainers
+    run), so near the ceiling the anchors cost the trainer a forward, not a forward and backward.
+    logprobs(ids, attention) -> (N, T-1): the trainer's forward; after(): called after each
+    backward. -> (loss, stats: generator/trainer mismatch,
     drift by lag, forgetting, the share of anchor tokens trained)."""
     rows, kept = batch.rows + batch.anchors, len(batch.rows)
     adv = torch.cat([batch.adv, torch.ones(len(batch.anchors))]).to(device)
@@ -764,6 +768,8 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
             pulled[1] += int(mask.sum())
             mask = mask * (logp.detach() - gen_logp < math.log(args.pos_trust))
             pulled[0] += int(mask.sum())
+            if skip_idle and not mask.any():
+                continue
         at = torch.tensor(part, device=device)
         loss = policy_loss(logp, gen_logp, adv[at], mask, batch.group[rows].to(device)[at],
                            kind=args.loss, agg=args.agg, eps_low=args.eps_low,
@@ -897,7 +903,7 @@ class Trainer:
             return 0.0, {}
         device = next(self.model.parameters()).device
         return train_batch(self.logprobs, batch, parts, self.args, self.version, pad_id, device,
-                           after=self.accumulate)
+                           after=self.accumulate, skip_idle=not self.sharded)
 
     def micro_batches(self, batch):
         """The kept rows' micro-batches, then the anchors' (positions in rows + anchors): the kept
