@@ -4145,6 +4145,7 @@ def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_
                            ([3, 6], [1, 1, 0, 1]), ([4, 7, 8], [1, 1, 1, 1]))]
     groups[4]["samples"][0].finish = "truncated"  # out of the group: its other three are all right
     assert train.make_batch(groups, train.get_args([])).anchors == []
+    assert train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]), stale=False).anchors == []  # on-policy
     batch = train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]))
     assert batch.rows == [0, 1, 2, 3, 12, 13, 14, 15] and batch.anchors == [4, 5, 6, 7, 17, 18, 19]
     model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)

@@ -668,11 +668,12 @@ class Batch:
     anchors: list = field(default_factory=list)
 
 
-def make_batch(groups, args, all_sum=None):
+def make_batch(groups, args, all_sum=None, stale=True):
     """Rewards (the verifier's, plus the length penalty of a correct answer under --length_control
     penalty), truncated samples out (paper A.15), zero-variance filtering, advantages (the batch
     std over every trainer's part of the batch; all_sum: sums a dict over the trainer ranks, None
-    when these groups are the whole batch)."""
+    when these groups are the whole batch). --pos_trust's anchors only where the samples can be
+    stale (`stale`: Trainer.stale): on-policy every ratio is 1, up to the sampler's mismatch."""
     samples = [s for g in groups for s in g["samples"]]
     correct = [c for g in groups for c in g["correct"]]
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
@@ -686,7 +687,7 @@ def make_batch(groups, args, all_sum=None):
     keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
     rows = keep.nonzero().squeeze(1).tolist()
     # anchors only beside kept rows: a trainer that steps on nothing trains no anchor either
-    anchors = all_right(correct, group, valid & ~keep) if args.pos_trust and rows else []
+    anchors = all_right(correct, group, valid & ~keep) if args.pos_trust and stale and rows else []
     adv = advantages(rewards[rows], group[rows], args.adv_norm, all_sum=all_sum)
     masks = [torch.tensor(samples[r].mask) for r in rows]
     sums = (all_sum or dict)(agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
@@ -828,6 +829,8 @@ class Trainer:
         self.args, self.model, self.ctx, self.ckpt = args, model, ctx, ckpt
         # sums over the trainer ranks, for the batch's statistics (None: one process holds it all)
         self.ranks_sum = None if ctx is None else self.all_sum
+        # the samples trained on can be older than the policy (generator ranks ahead of it)
+        self.stale = ctx is not None and args.mode != "sync"
         self.n_params = sum(p.numel() for p in model.parameters())
         self.master = self.optimized_weights(state)
         self.opt = torch.optim.AdamW(self.master or model.parameters(), lr=args.lr,
@@ -841,8 +844,8 @@ class Trainer:
     def betas(self):
         """AdamW's (beta1, beta2): torch's (0.9, 0.999), or --stale_beta1 for beta1 where the
         samples trained on can be stale (generator ranks ahead of the trainers)."""
-        stale = self.ctx is not None and self.args.mode != "sync"
-        return (self.args.stale_beta1 if stale and self.args.stale_beta1 is not None else 0.9,
+        stale = self.stale and self.args.stale_beta1 is not None
+        return (self.args.stale_beta1 if stale else 0.9,
                 0.999)
 
     def warmup(self, s):
@@ -1492,7 +1495,7 @@ def main(args):
             print0(stopped, flush=True)
             break
         # ---- the batch, then one optimizer step, then the new weights to the generators
-        batch = make_batch(groups, args, trainer.ranks_sum)
+        batch = make_batch(groups, args, trainer.ranks_sum, trainer.stale)
         t_train = time.time()
         loss, stats = trainer.step(batch, env.tokenizer.pad_token_id or 0)
         t_train = time.time() - t_train
