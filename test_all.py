@@ -4579,6 +4579,8 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
                                         (152, 0.93, 0.05)]] == [""] * 4  # falling, then a rise of 0.047
     out = ev(160, 0.784, 0.1485).splitlines()
     assert out[0].startswith("warning: step 160: the held-out pass rate fell from 0.930 to 0.784")
+    assert out[0].endswith("stale samples' (one process did not dip so, BENCHMARKS.md section 6): a lower --max_lag, "
+                           "or --mode sync")  # PipelineRL-k's dips: staleness, not the lr
     assert out[1].startswith("warning: step 160: 14.8% of the held-out samples were interrupted (5.0% at the eval "
                              "before)") and out[1].endswith("(BENCHMARKS.md section 6): --mode sync")
     assert ev(170, 0.605, 0.326) == ""  # once

@@ -1248,8 +1248,8 @@ def alarms(rec, m):
                   "Such tokens (the answer format after </think>) are shared by right and wrong "
                   "samples, so the loss holds them nowhere; the policy drifts there unseen until "
                   "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
-                  f"Lower --lr or --max_lag, or mask more stale negatives: --neg_trust above "
-                  f"{rec.args.neg_trust:g}")
+                  f"Train nearer on-policy: a lower --max_lag, or --mode sync; or mask more stale "
+                  f"negatives: --neg_trust above {rec.args.neg_trust:g} (BENCHMARKS.md section 6)")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
@@ -1291,8 +1291,11 @@ def eval_alarms(rec, step, result):
     if len(rec.evals) > 1 and rec.evals[-2][1] - rec.evals[-1][1] > HELD_OUT_DROP_ALARM:
         warn_once(rec, "held-out drop", step, f"the held-out pass rate fell from "
                   f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval. Look at "
-                  "forget, trunc and the held-out truncation and interruption; lower --lr or "
-                  "--max_lag")
+                  "forget, trunc and the held-out truncation and interruption. " + (
+                      "Under PipelineRL-k such dips are the stale samples' (one process did not "
+                      "dip so, BENCHMARKS.md section 6): a lower --max_lag, or --mode sync"
+                      if rec.world > 1 and rec.args.mode != "sync" else
+                      "On-policy: a lower --lr"))
     if len(rec.eval_intr) > 1 and rec.eval_intr[-1] - rec.eval_intr[-2] > HELD_OUT_INTR_RISE:
         warn_once(rec, "held-out intr", step, f"{rec.eval_intr[-1]:.1%} of the held-out samples "
                   f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy now "
