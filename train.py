@@ -747,13 +747,13 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
     trainer), so the gradients add up to the full-batch gradient whatever the split.
     --pos_trust: an anchor (a sample of an all-right group) trains as a right answer (advantage
     +1) on its tokens whose ratio has fallen below pos_trust, and nothing else; it weighs as a row
-    of the kept groups' loss would, and never counts in its denominators. In one process every
-    ratio is 1: the anchors add an exact zero. An anchor micro-batch with no such token skips its
-    backward (skip_idle; not under --fsdp, where every backward is a collective that all trainers
-    run), so near the ceiling the anchors cost the trainer a forward, not a forward and backward.
+    of the kept groups' loss would, and never counts in its denominators (on-policy every ratio is
+    1: make_batch picks none). An anchor micro-batch with no such token skips its backward
+    (skip_idle; not under --fsdp, where every backward is a collective that all trainers run), so
+    on most steps the anchors cost the trainer a forward, not a forward and backward.
     logprobs(ids, attention) -> (N, T-1): the trainer's forward; after(): called after each
-    backward. -> (loss, stats: generator/trainer mismatch,
-    drift by lag, forgetting, the share of anchor tokens trained)."""
+    backward. -> (loss, stats: generator/trainer mismatch, drift by lag, forgetting, the share of
+    anchor tokens trained)."""
     rows, kept = batch.rows + batch.anchors, len(batch.rows)
     adv = torch.cat([batch.adv, torch.ones(len(batch.anchors))]).to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
@@ -845,8 +845,7 @@ class Trainer:
         """AdamW's (beta1, beta2): torch's (0.9, 0.999), or --stale_beta1 for beta1 where the
         samples trained on can be stale (generator ranks ahead of the trainers)."""
         stale = self.stale and self.args.stale_beta1 is not None
-        return (self.args.stale_beta1 if stale else 0.9,
-                0.999)
+        return (self.args.stale_beta1 if stale else 0.9, 0.999)
 
     def warmup(self, s):
         return min(1.0, (s + 1) / self.args.warmup)
@@ -1278,8 +1277,8 @@ def eval_alarms(rec, step, result):
     policy's own samples, k versions ahead of the batches: truncation shows here before it reaches
     the training batches), when the held-out pass rate fell since the eval before, and when more
     of the held-out samples got the forced interruption than at the eval before."""
+    older = rec.world > 1 and rec.args.mode != "sync"  # off-policy: batches behind the policy
     if result["trunc"] > HELD_OUT_TRUNC_ALARM:
-        older = rec.world > 1 and rec.args.mode != "sync"  # off-policy: batches behind the policy
         who = ("the base model writes past its budgets. Raise --answer_budget or --think_budget"
                if step == 0 else "the policy being trained writes past its budgets"
                f"{' (its training batches are older)' if older else ''}. Raise --answer_budget, "
@@ -1294,8 +1293,7 @@ def eval_alarms(rec, step, result):
                   "forget, trunc and the held-out truncation and interruption. " + (
                       "Under PipelineRL-k such dips are the stale samples' (one process did not "
                       "dip so, BENCHMARKS.md section 6): a lower --max_lag, or --mode sync"
-                      if rec.world > 1 and rec.args.mode != "sync" else
-                      "On-policy: a lower --lr"))
+                      if older else "On-policy: a lower --lr"))
     if len(rec.eval_intr) > 1 and rec.eval_intr[-1] - rec.eval_intr[-2] > HELD_OUT_INTR_RISE:
         warn_once(rec, "held-out intr", step, f"{rec.eval_intr[-1]:.1%} of the held-out samples "
                   f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy now "
