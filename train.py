@@ -768,8 +768,9 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
         if anchor:
             pulled[1] += int(mask.sum())
             mask = mask * (logp.detach() - gen_logp < math.log(args.pos_trust))
-            pulled[0] += int(mask.sum())
-            if skip_idle and not mask.any():
+            drifted = int(mask.sum())
+            pulled[0] += drifted
+            if skip_idle and not drifted:
                 continue
         at = torch.tensor(part, device=device)
         loss = policy_loss(logp, gen_logp, adv[at], mask, batch.group[rows].to(device)[at],
