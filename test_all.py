@@ -4595,6 +4595,23 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
     assert ev(20, 0.9, 0.2).startswith("warning: step 20: 20.0% of the held-out samples were interrupted (0.4%")
 
 
+def test_train_held_out_truncation_warning_names_the_flags_of_its_mode(capsys):
+    """Held-out truncation after step 0: under PipelineRL-k the advice is the lag (a lower lr did worse on
+    toy-hard, BENCHMARKS.md section 6); on-policy (one process, or --mode sync) it is the lr."""
+    def warned(world, *flags):
+        rec = train.Record(train.get_args(list(flags)), log=None, world=world, n_params=1, domains=["math"])
+        train.eval_alarms(rec, 10, {"trunc": train.HELD_OUT_TRUNC_ALARM + 0.01, "pass_rate": 0.5, "intr": 0.0})
+        return capsys.readouterr().out
+    stale = warned(2)
+    assert "(its training batches are older). Raise --answer_budget, or train nearer on-policy: a lower " \
+           "--max_lag, or --mode sync, or train on truncated samples with --keep_truncated" in stale
+    assert "--lr" not in stale
+    for on_policy in (warned(1), warned(2, "--mode", "sync")):
+        assert "writes past its budgets. Raise --answer_budget or lower --lr, or train on truncated" in on_policy
+        assert "--max_lag" not in on_policy and "older" not in on_policy
+    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync")
+
+
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
     """A budget too small for any answer: every sample truncated, every step keeps no prompt. The log warns
     once about the truncation rate and once about the empty step, and after --max_empty_steps in a row the

@@ -1281,9 +1281,10 @@ def eval_alarms(rec, step, result):
     older = rec.world > 1 and rec.args.mode != "sync"  # off-policy: batches behind the policy
     if result["trunc"] > HELD_OUT_TRUNC_ALARM:
         who = ("the base model writes past its budgets. Raise --answer_budget or --think_budget"
-               if step == 0 else "the policy being trained writes past its budgets"
-               f"{' (its training batches are older)' if older else ''}. Raise --answer_budget, "
-               "lower --lr or --max_lag")
+               if step == 0 else "the policy being trained writes past its budgets" + (
+                   " (its training batches are older). Raise --answer_budget, or train nearer "
+                   "on-policy: a lower --max_lag, or --mode sync" if older else
+                   ". Raise --answer_budget or lower --lr"))
         keep = ("" if rec.args.keep_truncated else
                 ", or train on truncated samples with --keep_truncated")
         warn_once(rec, "held-out trunc", step, f"{result['trunc']:.1%} of the held-out samples ran "
