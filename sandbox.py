@@ -36,8 +36,12 @@ at all, no /usr, no /etc, no home, no data, no /proc), a fresh 64 MiB tmpfs /tmp
 writable place and its cwd, uid 65534 inside (root's sandboxes: the real uid 65534),
 --die-with-parent, a new session, an environment of HOME, LANG, LD_LIBRARY_PATH; a seccomp filter
 (seccomp_filter: built with libseccomp, loaded by bwrap; without libseccomp code rewards refuse to
-run, as without bwrap); and limits: one wall-clock budget for the whole sample, `timeout` s (10)
-for all its runs together, each run SIGKILLed when the budget is spent, and at most CODE_MAX_CASES
+run, as without bwrap); and limits: one CPU-time budget for the whole sample, `timeout` s (10) for
+all its runs together, counted by its cgroup (every process of it), each run SIGKILLed when the
+budget is spent, and a wall-clock cap of CODE_WALL_FACTOR (3) times that for a program that waits:
+a correct program on a busy machine keeps its reward, which then does not depend on the load. Where
+no cgroup counts CPU time (cgroup v2's cpu.stat, v1's cpuacct; and --unsafe_code_exec) the budget
+is wall-clock time, as a slow machine then fails slow answers; at most CODE_MAX_CASES
 (32) stdin cases, its problem's first (data.py keeps only those, and says so); RLIMIT_CPU budget+1
 s; RLIMIT_AS `memory` (1 GiB); RLIMIT_FSIZE and the output read back 16 MiB; no core files;
 RLIMIT_NPROC = 32 tasks more than the sandbox's user namespace counts (Linux >= 5.14; before, than
@@ -123,9 +127,10 @@ import time
 import types
 import zipfile
 
-# wall-clock seconds for a whole sample: all its program runs together (one per stdin case, one
-# for asserts)
+# CPU seconds for a whole sample: all its program runs together (one per stdin case, one for
+# asserts); and its wall-clock cap, this many times that (a program that sleeps or blocks)
 CODE_TIMEOUT = 10.0
+CODE_WALL_FACTOR = 3
 CODE_MAX_CASES = 32        # stdin/stdout cases a sample is run on: its problem's first ones
 CODE_MEMORY = 1 << 30      # RLIMIT_AS of a program run, bytes
 # stdout (and assert values) read back, and RLIMIT_FSIZE: any file it writes
@@ -415,33 +420,43 @@ def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe
         program = extract_code(response)
         if program is None:
             return False
-        deadline = time.monotonic() + timeout
+        budget = Budget(timeout, time.monotonic() + CODE_WALL_FACTOR * timeout)
         if isinstance(tests, dict):
-            return _cases_pass(program, tests, deadline, memory, unsafe)
+            return _cases_pass(program, tests, budget, memory, unsafe)
         asserts = "\n".join(tests) if isinstance(tests, list) else tests
         if not isinstance(asserts, str):
             return False
         source, checks = split_asserts(asserts)
-        code, _, results = _run_program(program, source, "", timeout, memory, unsafe)
+        code, _, results = _run_program(program, source, "", budget, memory, unsafe)
         return code == 0 and _asserts_pass(results, checks)
     except Exception:                               # malformed tests, unreadable text, ...
         return False
 
 
-def _cases_pass(program, tests, deadline, memory, unsafe):
-    """Whether the program passes each stdin/stdout case (the first CODE_MAX_CASES) before
-    `deadline` (time.monotonic()): one time budget for the whole sample, so that a slow program
-    costs its budget once, not once per case. The parent compares: expected outputs never enter
-    the sandbox."""
+class Budget:
+    """What is left of a sample's time: `cpu` seconds of CPU, until `deadline` (time.monotonic());
+    each run of the sample spends from it (_run_program)."""
+
+    def __init__(self, cpu, deadline):
+        self.cpu, self.deadline = cpu, deadline
+
+    def left(self):
+        """-> (CPU seconds, wall-clock seconds) left; a run may start only while both are > 0."""
+        return self.cpu, self.deadline - time.monotonic()
+
+
+def _cases_pass(program, tests, budget, memory, unsafe):
+    """Whether the program passes each stdin/stdout case (the first CODE_MAX_CASES) within
+    `budget`: one time budget for the whole sample, so that a slow program costs its budget once,
+    not once per case. The parent compares: expected outputs never enter the sandbox."""
     inputs, outputs = tests["inputs"], tests["outputs"]
     cases = list(zip(inputs, outputs, strict=True)) if isinstance(inputs, list) else []
     if not cases or not all(isinstance(x, str) for case in cases for x in case):
         return False
     for stdin, expected in cases[:CODE_MAX_CASES]:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if min(budget.left()) <= 0:
             return False
-        code, out, _ = _run_program(program, "", stdin, left, memory, unsafe)
+        code, out, _ = _run_program(program, "", stdin, budget, memory, unsafe)
         too_long = len(out) > 4 * len(expected) + 4096  # not parsed: up to 16 MiB of lines
         if code != 0 or too_long or _output_lines(out) != _output_lines(expected):
             return False
@@ -607,8 +622,12 @@ def _cgroup_parents(folders):
                        f"({err.strerror or err})")
     if all(c in folders for c in _V1_LIMITS):
         try:
-            return ([(_our_group(folders[c][1], v2=False), limits)
-                     for c, limits in _V1_LIMITS.items()], "cgroup v1")
+            plan = [(_our_group(folders[c][1], v2=False), limits)
+                    for c, limits in _V1_LIMITS.items()]
+            if "cpuacct" in folders and folders["cpuacct"][0] != folders["cpu"][0]:
+                with contextlib.suppress(OSError):  # no count: the budget is wall-clock then
+                    plan.append((_our_group(folders["cpuacct"][1], v2=False), []))
+            return plan, "cgroup v1"
         except OSError as err:
             why.append(f"cgroup v1: cannot make a group ({err.strerror or err})")
     raise OSError(errno.ENOENT, "; ".join(why) or "no cgroup file system for this process")
@@ -656,7 +675,7 @@ def _our_group(parent, v2):
     if v2:
         _write(os.path.join(parent, "cgroup.subtree_control"), enable)
     group = os.path.join(parent, f"scalerl-sandboxes-{os.getpid()}")
-    os.mkdir(group)
+    os.makedirs(group, exist_ok=True)  # ours already, where cgroup_plan was cleared
     atexit.register(_remove_cgroups, [group], os.getpid())
     if v2:
         try:
@@ -685,6 +704,20 @@ def _cgroup_for(pids):
         _remove_cgroups(made)
         raise RuntimeError(f"a sandbox's cgroup {made[-1]}: {err}") from None
     return made
+
+
+def _cgroup_cpu(groups):
+    """The CPU seconds all the processes of a sample's cgroup have used (every one, a process it
+    never waited for included), or None where none of its groups counts them (cgroup v2's cpu.stat,
+    v1's cpuacct)."""
+    for folder in groups:
+        for name, key, unit in (("cpu.stat", "usage_usec", 1e-6), ("cpuacct.usage", "", 1e-9)):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(folder, name)) as f:
+                    for line in f:
+                        if line.startswith(key):
+                            return int(line.split()[-1]) * unit
+    return None
 
 
 def _remove_cgroups(folders, owner=None):
@@ -931,11 +964,11 @@ def _bwrap_args(fds):
     return args
 
 
-def _run_program(program, tests, stdin, timeout, memory, unsafe):
+def _run_program(program, tests, stdin, budget, memory, unsafe):
     """Run `program` then `tests` (asserts rewritten by split_asserts, or "") under the limits, in a
-    fresh bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody) -> (exit code, stdout,
-    results as bytes); the exit code is None when it ran out of time or wrote more than
-    CODE_MAX_OUTPUT."""
+    fresh bwrap sandbox (unsafe: a fresh temp dir, as the caller or nobody), its CPU time spent from
+    `budget` (a Budget) -> (exit code, stdout, results as bytes); the exit code is None when it ran
+    out of CPU time or wall-clock time or wrote more than CODE_MAX_OUTPUT."""
     if not unsafe and not bwrap_ready():
         raise RuntimeError(not_ready_reason())
     # who the program runs as
@@ -943,10 +976,11 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
     # a user namespace of its own: its count starts there
     own_namespace = not unsafe and _nproc_per_user_namespace()
     tasks = SANDBOX_TASKS if own_namespace else _tasks_of(os.getuid() if uid is None else uid)
-    limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_CORE": 0,
+    cpu, wall = budget.left()
+    limits = {"RLIMIT_AS": memory, "RLIMIT_CPU": math.ceil(cpu) + 1, "RLIMIT_CORE": 0,
               "RLIMIT_FSIZE": CODE_MAX_OUTPUT, "RLIMIT_NOFILE": 64,
               "RLIMIT_NPROC": CODE_NPROC_MARGIN}  # + tasks
-    folder = tempfile.mkdtemp(prefix="sandbox-") if unsafe else None
+    folder, groups = tempfile.mkdtemp(prefix="sandbox-") if unsafe else None, []
     files = [tempfile.TemporaryFile() for _ in range(4)]  # source, stdin, stdout, assert values
     try:
         source, stdin_file, stdout_file, results_file = files
@@ -970,15 +1004,19 @@ def _run_program(program, tests, stdin, timeout, memory, unsafe):
             # a venv's interpreter is a link into its base prefix
             cmd[0] = os.path.realpath(sys.executable)
             child, namespace, groups = _start_sandbox(cmd, stdin_file, stdout_file, fds)
-        finished = _wait_without_reaping(child.pid, timeout)
+        started, counted = time.monotonic(), _cgroup_cpu(groups) is not None
+        over = lambda: _cgroup_cpu(groups) > cpu
+        finished = (_wait_without_reaping(child.pid, wall, over) if counted else  # CPU time
+                    _wait_without_reaping(child.pid, min(cpu, wall)))  # no count: wall-clock
         with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
             os.killpg(child.pid, signal.SIGKILL)       # group id still names only its group
         child.wait()
         if not unsafe and not _namespace_emptied(namespace):
             raise RuntimeError(f"processes of a sandbox ({namespace}) were still alive "
                                "10 s after it ended")
-        if not unsafe:
-            _remove_cgroups(groups)
+        budget.cpu -= _cgroup_cpu(groups) if counted else time.monotonic() - started
+        finished = finished and budget.cpu >= 0
+        _remove_cgroups(groups)
         stdout_file.seek(0), results_file.seek(0)
         out, results = stdout_file.read(CODE_MAX_OUTPUT + 1), results_file.read(CODE_MAX_OUTPUT + 1)
     finally:
@@ -1091,11 +1129,12 @@ def _namespace_emptied(namespace, deadline=10.0):
     return namespace is None
 
 
-def _wait_without_reaping(pid, timeout):
-    """Whether the child exited within `timeout` s; it stays a zombie so its pid is not reused."""
+def _wait_without_reaping(pid, timeout, over=lambda: False):
+    """Whether the child exited within `timeout` s and before over() (polled) was true; it stays a
+    zombie so its pid is not reused."""
     deadline, delay = time.monotonic() + timeout, 0.001
     while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or over():
             return False
         time.sleep(delay)
         delay = min(2 * delay, 0.02)

@@ -1183,7 +1183,8 @@ print("holding", len(reported - dead), flush=True)
 def test_code_a_sample_cannot_hold_more_memory_than_its_cgroup_allows():
     """RLIMIT_AS binds each process alone: 4 forked processes of 400 MiB held 1.6 GiB against a 1 GiB limit. In a
     cgroup of its own the sample's processes together hold at most CODE_SAMPLE_MEMORY (the kernel kills past it)."""
-    code, out, _ = sandbox._run_program(HOARD, "", "", 10.0, sandbox.CODE_MEMORY, False)
+    budget = sandbox.Budget(10.0, time.monotonic() + 30.0)
+    code, out, _ = sandbox._run_program(HOARD, "", "", budget, sandbox.CODE_MEMORY, False)
     held = re.search(r"holding (\d+)", out)
     assert held or code != 0, out                            # the sample ran, or the kernel killed it whole
     assert held is None or int(held[1]) * (400 << 20) <= 5 << 28, out                 # 1.25 GiB, for all of it
@@ -1233,16 +1234,71 @@ def test_code_a_sample_is_the_oom_killers_first_pick_and_runs_without_a_cgroup(m
         sandbox.cgroup_plan.cache_clear()
 
 
+SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}:\n    pass\n"  # CPU seconds
+
+
 @BWRAP
-def test_code_one_time_budget_for_all_the_cases_of_a_sample():
+def test_code_one_time_budget_for_all_the_cases_of_a_sample(monkeypatch):
     """A correct but slow program costs its sample's budget once, not once per case (5 cases of 1 s each ran 5 s
-    under a 3 s limit per run)."""
-    slow = fenced("import time\ntime.sleep(1)\nprint(2 * int(input()))")
+    under a 3 s limit per run): the third run of 1 s of CPU each spends the last of 3 s (sooner where the budget
+    is wall-clock time, on a busy machine), and the sample fails there, its last cases never run."""
+    slow = fenced(SPIN.format(1.0) + "print(2 * int(input()))")
     assert score_code(slow, {"inputs": ["4"], "outputs": ["8"]}, timeout=3.0) is True
-    start = time.perf_counter()
+    runs, real = [], sandbox._run_program
+    monkeypatch.setattr(sandbox, "_run_program", lambda *a: runs.append(a[2]) or real(*a))
     assert score_code(slow, {"inputs": [str(k) for k in range(5)], "outputs": [str(2 * k) for k in range(5)]},
                       timeout=3.0) is False
-    assert time.perf_counter() - start < 4.5
+    assert runs == ["0", "1", "2"][:len(runs)] and len(runs) >= 2
+
+
+CPU_COUNTED = pytest.mark.skipif(
+    not sandbox.bwrap_ready() or sandbox._cgroup_cpu([p for p, _ in sandbox.cgroup_plan()[0]]) is None,
+    reason="no cgroup here counts a sample's CPU time (cgroup v2's cpu.stat, v1's cpuacct): its budget is wall-clock")
+
+
+@CPU_COUNTED
+def test_code_time_budget_is_cpu_time_not_wall_clock():
+    """The budget is CPU time: a program that needs 0.6 s of CPU passes a 1 s budget with a process spinning on its
+    CPU beside it (it then takes ~1.2 s of wall-clock, and failed when the budget was wall-clock: a correct answer's
+    reward depended on the machine's load); one that needs 1.5 s fails it on an idle CPU; one that sleeps 1.5 s
+    passes (the wall-clock cap is CODE_WALL_FACTOR budgets), and one that sleeps past the cap fails."""
+    answer = {"inputs": [""], "outputs": ["7"]}
+    assert score_code(fenced(SPIN.format(1.5) + "print(7)"), answer, timeout=1.0) is False
+    assert score_code(fenced("import time\ntime.sleep(1.5)\nprint(7)"), answer, timeout=1.0) is True
+    start = time.monotonic()
+    assert score_code(fenced("import time\ntime.sleep(60)\nprint(7)"), answer, timeout=1.0) is False
+    assert sandbox.CODE_WALL_FACTOR == 3 and 3.0 <= time.monotonic() - start < 10.0
+    cpu, mask = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n"
+                            "    pass"])
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread, and the sandboxes it starts: beside the hog
+        time.sleep(0.2)
+        start = time.monotonic()
+        assert score_code(fenced(SPIN.format(0.6) + "print(7)"), answer, timeout=1.0) is True
+        assert time.monotonic() - start > 1.0  # it shared its CPU: more wall-clock than budget
+    finally:
+        os.sched_setaffinity(0, mask)
+        hog.kill()
+        hog.wait()
+
+
+@CPU_COUNTED
+def test_code_cpu_time_of_a_child_never_waited_for_counts():
+    """A program that hands its work to a forked child, which is still alive (asleep) when the program exits: wait4
+    would count the program's CPU time, not the child's (and bwrap's outer process does not even wait for the
+    program); the sample's cgroup counts both, so 0.5 s of it in the child is spent from the budget, and 2 s of it
+    fails a 1 s budget (with a wall-clock cap of 30 s, which it would have passed uncounted)."""
+    def offload(seconds):
+        child = "".join("    " + line + "\n" for line in SPIN.format(seconds).splitlines())
+        return (PAST_THE_GUARD + "import os, time\nr, w = os.pipe()\nif libc.fork() == 0:\n" + child +
+                "    os.write(w, b'7')\n    time.sleep(60)\nprint(os.read(r, 1).decode())\n")
+    budget = sandbox.Budget(10.0, time.monotonic() + 30.0)
+    assert sandbox._run_program(offload(0.5), "", "", budget, sandbox.CODE_MEMORY, False)[:2] == (0, "7\n")
+    assert 10.0 - budget.cpu >= 0.5, budget.cpu
+    budget, start = sandbox.Budget(1.0, time.monotonic() + 30.0), time.monotonic()
+    assert sandbox._run_program(offload(2.0), "", "", budget, sandbox.CODE_MEMORY, False)[0] is None
+    assert time.monotonic() - start < 15.0 and budget.cpu < 0
 
 
 def test_code_a_sample_runs_on_at_most_code_max_cases_cases(monkeypatch):
@@ -1688,7 +1744,7 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
     try:
         assert sandbox.bwrap_ready() is False and "apt-get install libseccomp2" in sandbox.not_ready_reason()
         with pytest.raises(RuntimeError, match="need libseccomp.*--unsafe_code_exec"):
-            sandbox._run_program("print(1)", "", "", 6.0, 1 << 30, False)
+            sandbox._run_program("print(1)", "", "", sandbox.Budget(6.0, time.monotonic() + 18), 1 << 30, False)
         add = fenced("def add(a, b):\n    return a + b")
         assert score_code(add, ["assert add(1, 2) == 3"]) is False
         assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
