@@ -411,10 +411,11 @@ def _asserts_pass(results, checks):
 
 def score_code(response, tests, timeout=CODE_TIMEOUT, memory=CODE_MEMORY, unsafe=False):
     """True when the last Python block of `response` passes every test, all its runs within
-    `timeout` seconds together. `tests` is {"inputs": [str], "outputs": [str]} (stdin -> stdout,
-    the first CODE_MAX_CASES pairs, each one run needing exit code 0; an output over 4x the expected
-    one + 4 KiB fails unparsed) or asserts: a list of statements or one string, run after the
-    program (split_asserts). unsafe: rlimits only, no bwrap (see the module docstring). Never
+    `timeout` seconds of CPU time together (Budget; wall-clock where no cgroup counts it).
+    `tests` is {"inputs": [str], "outputs": [str]} (stdin -> stdout, the first CODE_MAX_CASES
+    pairs, each one run needing exit code 0; an output over 4x the expected one + 4 KiB fails
+    unparsed) or asserts: a list of statements or one string, run after the program
+    (split_asserts). unsafe: rlimits only, no bwrap (see the module docstring). Never
     raises."""
     try:
         program = extract_code(response)
