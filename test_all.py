@@ -4190,9 +4190,10 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
 def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_zero_on_policy(toy_dir):
     """--pos_trust: make_batch picks the valid samples of the all-right groups (not a mixed group's, not an
     all-wrong one's, not a truncated one; none by default); train_batch's gradient equals a hand-written loss:
-    policy_loss over the kept rows plus, on each anchor token whose ratio fell below pos_trust, -rho * logp /
-    (kept groups x the anchor group's tokens); with on-policy log-probs (every ratio 1) it is exactly the
-    gradient without anchors, their micro-batches skipping the backward (not under --fsdp: computed, the same)."""
+    policy_loss over the kept rows plus, on each anchor token whose ratio fell below pos_trust and that older
+    weights sampled (lag > 0: at lag 0 a ratio off 1 is the sampler's numerics), -rho * logp / (kept groups x the
+    anchor group's tokens); with on-policy log-probs (every ratio 1) it is exactly the gradient without anchors,
+    their micro-batches skipping the backward (not under --fsdp: computed, the same)."""
     def sample(i, n, finish="eos"):
         return gen.Sample(i, list(range(12, 12 + n)), [-1.0] * n, [1] * n, [0] * n, finish)
     groups = [{"prompt": p, "samples": [sample(i, 3 + i % 3) for i in range(4)], "correct": c,
@@ -4216,6 +4217,7 @@ def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_
         start = len(batch.prompt_ids[r]) - 1
         got = on_policy[i, start:start + len(batch.samples[r].tokens)]
         batch.samples[r].logps = (got + (shift[i, start:start + len(got)] if r in batch.anchors else 0)).tolist()
+        batch.samples[r].versions = [2 * (j % 3 == 0) for j in range(len(got))]  # lag 2, 2, 0, 2, 2, 0, ...
     args = train.get_args(["--pos_trust", "0.8", "--micro_tokens", "12"])
     parts = train.Trainer.micro_batches(types.SimpleNamespace(args=args), batch)
     assert sorted(i for p in parts for i in p) == list(range(len(rows)))
@@ -4225,16 +4227,18 @@ def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_
         model.zero_grad()
         out = fn()
         return [p.grad.clone() for p in model.parameters()], out
-    got, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu"))
+    got, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu"))
 
     def by_hand():
-        logp, gen_logp = logprobs(ids, attn), train.collate([batch.prompt_ids[r] for r in rows],
-                                                              [batch.samples[r] for r in rows], 0, "cpu")[3]
+        _, _, _, gen_logp, lag = train.collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
+                                               0, "cpu", 2)
+        logp = logprobs(ids, attn)
         k = len(batch.rows)
         kept = loss.policy_loss(logp[:k], gen_logp[:k], batch.adv, mask[:k], batch.group[batch.rows],
                                 neg_trust=args.neg_trust)
         rho = (logp - gen_logp).exp().detach()
-        drifted = (mask > 0) & (rho < 0.8)
+        drifted = (mask > 0) & (rho < 0.8) & (lag > 0)
+        assert ((mask > 0) & (rho < 0.8) & (lag == 0))[k:].sum() > 0  # some drifted at lag 0: left alone
         group_tokens = {g: sum(mask[i].sum() for i, r in enumerate(rows) if batch.group[r] == g) for g in (1, 4)}
         anchors = sum(-(rho[i] * logp[i])[drifted[i]].sum() / (2 * group_tokens[int(batch.group[r])])
                       for i, r in enumerate(rows) if i >= k)
@@ -4247,13 +4251,13 @@ def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_
         batch.samples[r].logps = on_policy[rows.index(r), len(batch.prompt_ids[r]) - 1:][
             :len(batch.samples[r].tokens)].tolist()
     backwards = []
-    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu",
+    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu",
                                                      after=lambda: backwards.append(1)))
     kept_parts = [p for p in parts if p[0] < len(batch.rows)]
-    off, _ = grads(lambda: train.train_batch(logprobs, batch, kept_parts, args, 0, 0, "cpu"))
+    off, _ = grads(lambda: train.train_batch(logprobs, batch, kept_parts, args, 2, 0, "cpu"))
     assert stats["anchored"] == 0 and all(torch.equal(a, b) for a, b in zip(on, off))
     assert len(backwards) == len(kept_parts) < len(parts)  # the idle anchors skipped their backward
-    full, _ = grads(lambda: train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu", skip_idle=False))
+    full, _ = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu", skip_idle=False))
     assert all(torch.equal(a, b) for a, b in zip(on, full))  # as under --fsdp: the same zero, computed
 
 

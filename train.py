@@ -746,9 +746,9 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
     carry its weight in the whole batch's loss (loss.row_weights, from the counts over every
     trainer), so the gradients add up to the full-batch gradient whatever the split.
     --pos_trust: an anchor (a sample of an all-right group) trains as a right answer (advantage
-    +1) on its tokens whose ratio has fallen below pos_trust, and nothing else; it weighs as a row
-    of the kept groups' loss would, and never counts in its denominators (on-policy every ratio is
-    1: make_batch picks none). An anchor micro-batch with no such token skips its backward
+    +1) on its tokens whose ratio has fallen below pos_trust since the older weights that sampled
+    them (lag > 0), and nothing else; it weighs as a row of the kept groups' loss would, and never
+    counts in its denominators (on-policy every ratio is 1: make_batch picks none). An anchor micro-batch with no such token skips its backward
     (skip_idle; not under --fsdp, where every backward is a collective that all trainers run), so
     on most steps the anchors cost the trainer a forward, not a forward and backward.
     logprobs(ids, attention) -> (N, T-1): the trainer's forward; after(): called after each
@@ -767,7 +767,8 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
         anchor = part[0] >= kept  # a part holds rows of one kind (Trainer.micro_batches)
         if anchor:
             pulled[1] += int(mask.sum())
-            mask = mask * (logp.detach() - gen_logp < math.log(args.pos_trust))
+            # drifted: sampled by older weights (lag 0: a ratio off 1 is the sampler's numerics)
+            mask = mask * (logp.detach() - gen_logp < math.log(args.pos_trust)) * (lag > 0)
             drifted = int(mask.sum())
             pulled[0] += drifted
             if skip_idle and not drifted:
