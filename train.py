@@ -748,9 +748,10 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
     --pos_trust: an anchor (a sample of an all-right group) trains as a right answer (advantage
     +1) on its tokens whose ratio has fallen below pos_trust since the older weights that sampled
     them (lag > 0), and nothing else; it weighs as a row of the kept groups' loss would, and never
-    counts in its denominators (on-policy every ratio is 1: make_batch picks none). An anchor micro-batch with no such token skips its backward
-    (skip_idle; not under --fsdp, where every backward is a collective that all trainers run), so
-    on most steps the anchors cost the trainer a forward, not a forward and backward.
+    counts in its denominators (on-policy every ratio is 1: make_batch picks none). An anchor
+    micro-batch with no such token skips its backward (skip_idle; not under --fsdp, where every
+    backward is a collective that all trainers run), so on most steps the anchors cost the trainer
+    a forward, not a forward and backward.
     logprobs(ids, attention) -> (N, T-1): the trainer's forward; after(): called after each
     backward. -> (loss, stats: generator/trainer mismatch, drift by lag, forgetting, the share of
     anchor tokens trained)."""
