@@ -1006,7 +1006,7 @@ def _run_program(program, tests, stdin, budget, memory, unsafe):
             cmd[0] = os.path.realpath(sys.executable)
             child, namespace, groups = _start_sandbox(cmd, stdin_file, stdout_file, fds)
         started, counted = time.monotonic(), _cgroup_cpu(groups) is not None
-        over = lambda: _cgroup_cpu(groups) > cpu
+        over = lambda: (_cgroup_cpu(groups) or 0.0) > cpu
         finished = (_wait_without_reaping(child.pid, wall, over) if counted else  # CPU time
                     _wait_without_reaping(child.pid, min(cpu, wall)))  # no count: wall-clock
         with contextlib.suppress(ProcessLookupError):  # the leader is not reaped yet, so its
@@ -1015,7 +1015,8 @@ def _run_program(program, tests, stdin, budget, memory, unsafe):
         if not unsafe and not _namespace_emptied(namespace):
             raise RuntimeError(f"processes of a sandbox ({namespace}) were still alive "
                                "10 s after it ended")
-        budget.cpu -= _cgroup_cpu(groups) if counted else time.monotonic() - started
+        spent = _cgroup_cpu(groups) if counted else None
+        budget.cpu -= time.monotonic() - started if spent is None else spent
         finished = finished and budget.cpu >= 0
         _remove_cgroups(groups)
         stdout_file.seek(0), results_file.seek(0)
