@@ -4855,7 +4855,20 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
     config = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert (config["recipe"], config["lr"], config["warmup"], config["prompts"], config["think_budget"]) == \
         ("paper", 5e-7, 100, 2, 6)
-    assert "recipe paper; given: --prompts 2 (recipe: 48), --samples 2 (recipe: 16)" in capsys.readouterr().out
+    assert config["neg_trust"] == 0 and config["grad_clip"] == 0  # the paper's CISPO: no mask, no clipping
+    out = capsys.readouterr().out
+    assert "recipe paper: 2 prompts x 2 samples | think 6 + answer 4 tokens | 1 steps, lr 5e-07, warm-up 100, " \
+        "no grad clip, no CISPO mask | eval every 100 on 2 held-out x 1 | save every 0 | float32" in out
+    assert f"flags that differ from it and the defaults: --model {folder} --val_size 2 --dtype float32 --prompts 2 " \
+        "--samples 2 --think_budget 6 --answer_budget 4 --steps 1 --eval_samples 1 --save_every 0\n" in out
+    for argv, recipe in (([], "toy"), (["--model", folder, "--recipe", "one_gpu"], "one_gpu"),
+                         (["--model", folder, "--recipe", "paper"], "paper"), (["--recipe", "paper"], "paper")):
+        a = train.get_args(argv)  # the toy's CISPO mask and clipping are the toy's alone (README, "Recipes")
+        assert (a.recipe, a.neg_trust, a.grad_clip) == ((recipe, 0.5, 1.0) if recipe == "toy" else (recipe, 0, 0))
+    assert train.get_args(["--model", folder, "--neg_trust", "0.8"]).neg_trust == 0.8  # a flag given wins
+    help_ = " ".join(train.make_parser().format_help().split())
+    assert "(recipe: toy 0.5, paper 0, one_gpu 0)" in help_ and "(recipe: toy 16, paper 48, one_gpu 16)" in help_
+    assert "default: None" not in help_
 
 
 def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
