@@ -3519,6 +3519,40 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     assert "study: [" not in capsys.readouterr().out
 
 
+def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_them(tmp_path, capsys, monkeypatch):
+    """Ctrl-C on the study (a KeyboardInterrupt in its wait, once the run has logged step 2): the run gets SIGINT,
+    saves its step and stops; the study names it "interrupted" (not "failed"), prints the command to continue
+    and exits 130. Run again, it continues from that checkpoint (--resume): steps 1-6 each logged once."""
+    commands, real_sleep = [], time.sleep
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: (
+        commands.append(cmd), ForkedRun(fork_command(cmd, stdout.name, env=env)))[1])
+    out, run = tmp_path / "study", tmp_path / "study" / "scalerl-s0"
+    quick = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1", "--save_every", "0"]
+
+    def ctrl_c(seconds):  # the terminal's Ctrl-C, once, with the run under way
+        if not commands[1:] and study.last_step(run) >= 2:
+            commands.append("ctrl-c")
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+    monkeypatch.setattr(study.time, "sleep", ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        study.train_all(str(out), {"scalerl": []}, 1, 6, 1000, quick, held_out=8, again="python study.py X")
+    said = capsys.readouterr().out
+    saved = runs.checkpoints(run)
+    assert stopped.value.code == 130 and "failed" not in said and len(saved) == 1, said
+    step = runs.step_of(saved[0])
+    assert 2 <= step < 6 and not study.finished(run, 6)
+    assert f"study: scalerl seed 0 interrupted at step {step}/6; saved: {saved[0]}" in said
+    assert "study: interrupted; continue with: python study.py X" in said
+    assert "--overwrite" in commands[0] and "--resume" not in commands[0]
+    assert study.train_all(str(out), {"scalerl": []}, 1, 6, 1000, quick, held_out=8) == []
+    assert "--resume" in commands[-1] and "--overwrite" not in commands[-1]
+    assert "(continued from its last checkpoint)" in capsys.readouterr().out and study.finished(run, 6)
+    assert [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2, 3, 4,
+                                                                                                        5, 6]
+    assert study.run_minutes(run) > 0
+
+
 def fake_study_runs(monkeypatch, minutes):
     """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
     and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
@@ -3729,6 +3763,10 @@ class ForkedRun:
     def kill(self):
         for p in self.procs:
             p.kill()
+
+    def send_signal(self, sig):
+        for p in self.procs:
+            p.send_signal(sig)
 
 
 def fork_command(words, log, root=None, env=None):
