@@ -4864,8 +4864,8 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
 def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
     run_train(toy_dir, tmp_path, "--steps", "1")
     rcs, outs = finish_all(launch(2, tmp_path, "--steps", "1"))
-    assert rcs == [1, 1]
-    assert outs[0].strip().splitlines() == [f"error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
+    assert rcs == [2, 2]  # as argparse's errors: one prefix, one exit code
+    assert outs[0].strip().splitlines() == [f"train.py: error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
                                             "pass --resume to continue it, --overwrite to start over, or another --out"]
     assert outs[1].strip() == ""
 
@@ -4907,25 +4907,29 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
     assert "default: None" not in help_
 
 
-def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
-    """torchrun's failure report names a root cause (its 'traceback' field) from the error file each rank
-    writes (TORCHELASTIC_ERROR_FILE), not 'To enable traceback see: ...': a user error's one line, in every
-    rank's file, said by rank 0 alone. (torchrun reading the files: the stalled trainer under torchrun.)"""
+def test_pipeline_torchrun_reports_a_user_error_once_last_as_its_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's failure report (torch's own ChildFailedError, from the error file each rank writes:
+    TORCHELASTIC_ERROR_FILE) shows a user error's one line once, last, on a line of its own, as its root cause;
+    the other ranks' files point to it, and no rank prints it besides (torchrun reading the files: the
+    stalled trainer under torchrun)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     files = [tmp_path / f"error-{r}.json" for r in range(2)]
     procs = launch(2, tmp_path / "run", "--gen_ranks", "5", env=lambda r: {"TORCHELASTIC_ERROR_FILE": str(files[r])})
     rcs, outs = finish_all(procs, timeout=120)
-    line = "error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
-    assert rcs == [1, 1] and line in outs[0] and line not in outs[1], outs
-    for f in files:
-        said = json.loads(f.read_text())["message"]
-        assert said["message"] == said["extraInfo"]["py_callstack"] == line
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 1 here
-    monkeypatch.setenv("RANK", "1")
-    with pytest.raises(SystemExit):
+    line = "train.py: error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
+    assert rcs == [2, 2] and "error" not in outs[0] + outs[1], outs
+    report = ChildFailedError("train.py", {r: ProcessFailure(r, p.pid, 2, str(f))
+                                           for r, (p, f) in enumerate(zip(procs, files))}).format_msg()
+    lines = report.strip().splitlines()
+    assert report.count("error: --gen_ranks") == 1 and lines[-2] == "  " + line, report
+    assert "the same error as rank 0 (the root cause, below)" in report
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 0 here
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_:
         train.get_args(["--lr_rate", "1"])
-    assert capsys.readouterr().err == ""  # rank 0 alone prints it
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""  # torchrun's report says it
     said = json.loads((tmp_path / "error.json").read_text())["message"]
-    assert said["message"] == said["extraInfo"]["py_callstack"] == (
+    assert said["message"] == said["extraInfo"]["py_callstack"].strip() == (
         "train.py: error: unrecognized arguments: --lr_rate 1 (--lr_rate: did you mean --lr?) (--help lists the flags)")
 
 

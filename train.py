@@ -97,10 +97,9 @@ RECIPES = {
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no
-    abbreviations (--prompt is not taken for --prompts), and under torchrun only rank 0 says it
-    (the others exit quietly); every rank writes it to torchrun's error file, whose report then
-    shows it as the root cause (pipeline.record_error)."""
+    """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), said
+    once under torchrun (pipeline.say_error), and no abbreviations (--prompt is not taken for
+    --prompts)."""
 
     def __init__(self, **kw):
         super().__init__(allow_abbrev=False, formatter_class=RecipeHelpFormatter, **kw)
@@ -113,8 +112,8 @@ class FlagParser(argparse.ArgumentParser):
                  if (close := closest_flag(t, flags))]
         line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
                 "(--help lists the flags)")
-        pipeline.record_error(line)  # torchrun's report: its root cause
-        self.exit(2, line + "\n" if int(os.environ.get("RANK", "0")) == 0 else None)
+        pipeline.say_error(line)  # under torchrun: once, in its report
+        self.exit(2)
 
 
 class RecipeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1614,25 +1613,25 @@ if __name__ == "__main__":
         pipeline.stop_on_signals()
     # under torchrun the last --gen_ranks ranks serve rollouts, the others train
     entry = serve_rollouts if pipeline.generator_rank(args) else main
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    one = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    try:
         entry(args)
-    else:
-        try:
-            entry(args)
-        except SystemExit as err:
-            # a user error: one line, said by rank 0 alone (every rank meets it), and the root
-            # cause of torchrun's failure report
-            if err.code not in (None, 0) and not isinstance(err.code, int):
-                pipeline.record_error(str(err.code))
-                if int(os.environ["RANK"]) == 0:
-                    print(err.code, file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(err.code if isinstance(err.code, int) else 1)
-        except BaseException as err:
-            # one rank failing: print why, and exit without waiting on the others
-            traceback.print_exc()
-            pipeline.report_failure(err)
-            sys.stderr.flush()
-            os._exit(1)
+    except SystemExit as err:
+        if isinstance(err.code, str):  # a user error: one line, as argparse's, exit 2
+            message = err.code.removeprefix("error: ")
+            pipeline.say_error(f"train.py: error: {message}")
+            err.code = 2
+        if one:
+            raise
+        sys.stdout.flush()
+        os._exit(err.code or 0)
+    except BaseException as err:
+        if one:
+            raise
+        # one rank failing: print why, and exit without waiting on the others
+        traceback.print_exc()
+        pipeline.report_failure(err)
+        sys.stderr.flush()
+        os._exit(1)
     if pipeline.STOP:  # stopped by a signal, its step saved: the status a signal gives
         sys.exit(128 + signal.Signals[pipeline.STOP["name"]].value)
