@@ -4950,9 +4950,13 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
 
 def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, capsys, monkeypatch):
     args = train.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
+    monkeypatch.setattr(train.Progress, "PROGRESS_S", 0)  # a long eval's progress line, at every decode step here
     r = train.main(args)
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(rf"eval {re.escape(toy_dir)} on 6 held-out problems of --data: pass rate {r['pass_rate']:.3f} "
+    said = capsys.readouterr().out.strip().splitlines()
+    counts = [int(m[1]) for m in map(re.compile(r"held-out eval: (\d+)/18 samples in \d+ s, ").match, said) if m]
+    assert counts == sorted(counts) and counts[-1] == 18 and said[-2].endswith(", ETA 0 s"), said
+    line = said[-1]  # no --data given: the toy task's, not "of --data"
+    assert re.fullmatch(rf"eval {re.escape(toy_dir)} on 6 held-out problems of the toy task: pass rate {r['pass_rate']:.3f} "
                         r"\(mean@3 over 6 problems, 18 samples\) \| trunc [0-9.]+ \| intr [0-9.]+ \| len [0-9.]+ tokens \| .* s", line)
     # by hand: the same held-out problems, 3 samples each with the eval's noise keys, decoded and scored
     _, val = train.load_data(args)

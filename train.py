@@ -581,6 +581,11 @@ def load_model(model_dir, args, device):
     """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs. Nothing in
     the folder runs as code (no trust_remote_code; its chat template, rendered once here under a
     time limit, is data.format_prompt's): a folder that needs it stops the run with one line."""
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")) +
+                  glob.glob(os.path.join(model_dir, "*.bin")))
+    if weights > 1e8:  # seconds to minutes: say so (the toy's 1.4 MB loads at once)
+        print0(f"loading {model_dir} ({weights / 1e9:.1f} GB of weights) onto {device} ...",
+               flush=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         for domain in ("math", "code"):
@@ -610,13 +615,41 @@ def domain_rates(problems, correct):
             for d in domains}
 
 
+class Progress:
+    """A sampler's steps (make_sampler) that say how far a long phase is: every PROGRESS_S seconds,
+    the samples finished of `total` and an ETA at the pace so far."""
+    PROGRESS_S = 10
+
+    def __init__(self, steps, total, what):
+        self.steps, self.total, self.what, self.done = steps, total, what, 0
+        self.t0 = self.shown = time.time()
+
+    def __next__(self):
+        return next(self.steps)
+
+    def send(self, value):
+        finished, *rest = self.steps.send(value)
+        self.done += len(finished)
+        if time.time() - self.shown >= self.PROGRESS_S:
+            self.shown, spent = time.time(), time.time() - self.t0
+            eta = (f"ETA {(self.total - self.done) * spent / self.done:.0f} s" if self.done else
+                   "no sample finished yet")
+            print0(f"{self.what}: {self.done}/{self.total} samples in {spent:.0f} s, {eta}",
+                   flush=True)
+        return (finished, *rest)
+
+    def close(self):
+        self.steps.close()
+
+
 def evaluate(model, tokenizer, val_ids, val, args):
     """Held-out mean@k of `model` here (pipeline.held_out_items: the same samples at every eval;
     generator ranks sample the same ones) -> summarize_eval's dict; None when a signal stopped
     it."""
     items = pipeline.held_out_items(val_ids, args.eval_samples)
     steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)), cap=len(items))
-    done = pipeline.sample_all(steps, items, stop=lambda: bool(pipeline.STOP))
+    done = pipeline.sample_all(Progress(steps, len(items), "held-out eval"), items,
+                               stop=lambda: bool(pipeline.STOP))
     if done is None:
         return None
     records = pipeline.score_held_out(tokenizer, {i: s for (_, i), s in done.items()}, val,
@@ -654,8 +687,9 @@ def eval_only(args):
     r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items()
                          if k.startswith("pass_rate/"))
-    print(f"eval {args.model or model_dir} on "
-          f"{args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
+    held = args.val_data or f"{len(val)} held-out problems of " + \
+        (f"--data {args.data}" if args.data else "the toy task")
+    print(f"eval {args.model or model_dir} on {held}: pass rate "
           f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, "
           f"{r['n']} samples){per_domain} | trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | "
           f"len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
