@@ -1301,7 +1301,8 @@ def alarms(rec, m):
                   "samples, so the loss holds them nowhere; the policy drifts there unseen until "
                   "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
                   f"Train nearer on-policy: a lower --max_lag, or --mode sync; or mask more stale "
-                  f"negatives: --neg_trust above {rec.args.neg_trust:g} (BENCHMARKS.md section 6)")
+                  f"negatives: --neg_trust above {rec.args.neg_trust:g} (the toy's 0.5: "
+                  "BENCHMARKS.md section 6)")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
