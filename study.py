@@ -426,10 +426,6 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 path = run_dir(out, name, seed)
                 cmd = run_command(name, flags, path, seed, steps, data, extra)
                 pending.remove((name, seed))
-                print(f"study: [{name} seed {seed}] -> {path}"
-                      f"{' (continued from its last checkpoint)' if '--resume' in cmd else ''} | "
-                      f"{(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min, "
-                      f"{eta()}", flush=True)
                 log = open(os.path.join(out, f"{name}-s{seed}.log"), "a" if "--resume" in cmd
                            else "w")
                 rendezvous_file(path, remove=True)
@@ -438,6 +434,10 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log,
                                     cores=cores, start=time.time(), expected=expected or 0.0,
                                     before=run_minutes(path) if "--resume" in cmd else 0.0))
+                print(f"study: [{name} seed {seed}] -> {path}"
+                      f"{' (continued from its last checkpoint)' if '--resume' in cmd else ''} | "
+                      f"{(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min, "
+                      f"{eta()}", flush=True)
         wait(PARALLEL)
     except KeyboardInterrupt:
         stop("interrupted", 130)

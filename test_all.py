@@ -3594,6 +3594,20 @@ def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monke
     assert len(started) == 6  # finished runs cost nothing and are not run again; no_npr would end at 90 > 65
 
 
+def test_study_overall_eta_is_within_2x_of_the_time_it_took(tmp_path, monkeypatch, capsys):
+    """Each run's start line says the minutes so far and an overall ETA: from the first run's end on, so far + ETA
+    is within 2x of the whole study's time (fake runs of 20 min on one core, two at a time, and under torchrun)."""
+    clock, started = fake_study_runs(monkeypatch, 20)
+    variants = {"scalerl": [], "batch8": ["--prompts", "8"], "pipelinerl": []}
+    study.train_all(str(tmp_path), variants, 3, 5, budget_min=1000, held_out=16)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("study: [")]
+    assert len(lines) == 9 and "an ETA once a run has ended" in lines[0]
+    total = clock[0] / 60
+    guesses = [float(a) + float(b) for a, b in
+               (re.search(r"\| ([\d.]+) min so far, .* about (\d+) min left", ln).groups() for ln in lines[2:])]
+    assert len(guesses) == 7 and all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
+
+
 def test_study_runs_the_off_policy_variants_under_torchrun_alone(tmp_path, monkeypatch):
     clock, started = fake_study_runs(monkeypatch, 10)
     variants = {"scalerl": [], "pipelinerl": []}
