@@ -407,15 +407,15 @@ def record_error(line, later=False, shown=None):
     """Under torchrun: the one line this rank fails with (a user error; why it stopped waiting for
     another rank; what it was doing as it crashed) into its error file (TORCHELASTIC_ERROR_FILE,
     which torchrun sets), in the form of torch's ErrorHandler, so that torchrun's failure report
-    shows it where it would say "To enable traceback see: ...". later: a second later than now, so
-    that another rank's line is the report's root cause (its first failure); shown: what the report
+    shows it where it would say "To enable traceback see: ...". later: stamped 10 s later, so that
+    another rank's line is the report's root cause (its first failure); shown: what the report
     prints instead of the line. -> whether the file was written (nothing outside torchrun)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
     # the report shows py_callstack
     info = {"py_callstack": line if shown is None else shown,
-            "timestamp": str(int(time.time()) + bool(later))}
+            "timestamp": str(int(time.time()) + 10 * bool(later))}
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
