@@ -948,6 +948,12 @@ def main(argv=None):
         variants = {n: VARIANTS[n] for n in ("scalerl", "batch8", "pipelinerl")}
         seeds, steps, held_out = 1, 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
+    report = os.path.join(args.assets, "study_report.json")
+    if args.quick and args.assets and os.path.exists(report):
+        with open(report) as f:
+            if "note" not in json.load(f):  # a full study's (a quick one's carries QUICK_NOTE)
+                sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
+                         "give --quick another --assets")
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
         again = shlex.join(["python", sys.argv[0] if argv is None else "study.py",

@@ -3553,6 +3553,14 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
     assert study.run_minutes(run) > 0
 
 
+def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
+    (tmp_path / "assets").mkdir()
+    shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
+    with pytest.raises(SystemExit, match="--quick would replace the full study's report"):
+        study.main([str(tmp_path / "study"), "--quick", "--assets", str(tmp_path / "assets")])
+    assert not (tmp_path / "study").exists()  # refused before anything ran
+
+
 def fake_study_runs(monkeypatch, minutes):
     """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
     and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
