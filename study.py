@@ -345,7 +345,8 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
     one-process runs PARALLEL at a time (one torch thread each), a torchrun run alone. A variant
     starts only if its runs fit in the budget (the machine-minutes of the finished and started runs,
     plus the variant's runs at their kind's pace) -> the variants left out. Ctrl-C: the running
-    runs save and stop, are named "interrupted", and `again` (the command) continues them; exit 130."""
+    runs save and stop, are named "interrupted", and `again` (the command) continues them;
+    exit 130."""
     data = make_problems(out, held_out)
     minutes = {True: [], False: []}  # finished runs' machine-minutes, by kind (torchrun or not)
     for name in variants:
@@ -382,8 +383,8 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
             print(f"study: {r['name']} seed {r['seed']} interrupted at step "
                   f"{last_step(r['path'])}/{steps}; saved: "
                   f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
-        print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are kept, "
-              "interrupted ones continue from their last checkpoint)", flush=True)
+        print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are "
+              "kept, interrupted ones continue from their last checkpoint)", flush=True)
         sys.exit(code)
 
     def wait(free):  # until `free` cores are free: record each run that ends
