@@ -4915,6 +4915,8 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
         ("paper", 5e-7, 100, 2, 6)
     assert config["neg_trust"] == 0 and config["grad_clip"] == 0  # the paper's CISPO: no mask, no clipping
     out = capsys.readouterr().out
+    size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e9  # loading says so: seconds on a GPU
+    assert f"loading {folder} ({size:.1f} GB of weights) onto cpu ...\n" in out and size > 0.1
     assert "recipe paper: 2 prompts x 2 samples | think 6 + answer 4 tokens | 1 steps, lr 5e-07, warm-up 100, " \
         "no grad clip, no CISPO mask | eval every 100 on 2 held-out x 1 | save every 0 | float32" in out
     assert f"flags that differ from it and the defaults: --model {folder} --val_size 2 --dtype float32 --prompts 2 " \
