@@ -775,6 +775,8 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
     _warm_up(model, tokenizer, problems, texts, sft_steps, log)
     model.save_pretrained(out_dir + ".tmp")
     tokenizer.save_pretrained(out_dir + ".tmp")
+    for name in ("config.json", "generation_config.json"):
+        normalize_json(os.path.join(out_dir + ".tmp", name))
     if os.path.exists(out_dir):  # a rebuild: the old folder goes only once the new one is complete
         os.replace(out_dir, out_dir + ".old")
     os.replace(out_dir + ".tmp", out_dir)  # a half-built folder is never picked up
@@ -783,6 +785,16 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
     log(f"built toy base model ({n_params / 1e6:.2f}M params, vocab {len(tokenizer)}) "
         f"in {time.time() - t0:.0f}s -> {out_dir}")
     return out_dir
+
+
+def normalize_json(path):
+    """A built folder's config file with sorted keys and no transformers_version: a rebuild with
+    the same content leaves the tracked files unchanged, whatever the library's version."""
+    with open(path) as f:
+        config = json.load(f)
+    config.pop("transformers_version", None)
+    with open(path, "w") as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):

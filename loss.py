@@ -31,8 +31,8 @@ Readings chosen and departures from the textbook formulas:
   norm="prompt" divides by the group's std of r + 1e-6, so an all-equal group gets A = 0.
 - CISPO: sg(clamp(rho, eps_low, eps_high)) * A * logp. For cispo the eps are ABSOLUTE bounds
   on the ratio, not 1 -/+ eps: eps_high defaults to 4 (the cap eps_max), and there is no lower
-  truncation unless eps_low is given. A departure, train.py --neg_trust (0.5 by default; 0 = the
-  paper's CISPO): CISPO's token mask M (MiniMax-M1) set as PPO clips a negative advantage, so a
+  truncation unless eps_low is given. A toy departure, train.py --neg_trust (the toy
+  recipe's 0.5; real-model recipes' 0 = the paper's CISPO): CISPO's token mask M (MiniMax-M1) set as PPO clips a negative advantage, so a
   token of a sample with A < 0 whose ratio rho has fallen below neg_trust gives no gradient. A
   token shared by right and wrong samples (the answer format after </think>) gets pushes that
   cancel; a policy k versions ahead of its samples can drift off it through other weights, unseen,

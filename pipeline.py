@@ -403,23 +403,35 @@ def report_failure(err):
     print(f"ERROR: {line}", file=sys.stderr, flush=True)
 
 
-def record_error(line):
-    """Under torchrun: the one line this rank fails with (a user error, the same on every rank; why
-    it stopped waiting for another rank; what it was doing as it crashed) into its error file
-    (TORCHELASTIC_ERROR_FILE, which torchrun sets), in the form of torch's ErrorHandler, so that
-    torchrun's failure report shows the line as its root cause where it would say "To enable
-    traceback see: ...". Nothing outside torchrun; a file that cannot be written is let go (the
-    line has been printed)."""
+def record_error(line, later=False, shown=None):
+    """Under torchrun: the one line this rank fails with (a user error; why it stopped waiting for
+    another rank; what it was doing as it crashed) into its error file (TORCHELASTIC_ERROR_FILE,
+    which torchrun sets), in the form of torch's ErrorHandler, so that torchrun's failure report
+    shows it where it would say "To enable traceback see: ...". later: stamped 10 s later, so that
+    another rank's line is the report's root cause (its first failure); shown: what the report
+    prints instead of the line. -> whether the file was written (nothing outside torchrun)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     # the report shows py_callstack
-    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    info = {"py_callstack": line if shown is None else shown,
+            "timestamp": str(int(time.time()) + 10 * bool(later))}
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
+        return True
     except OSError:
-        pass
+        return False
+
+
+def say_error(line):
+    """A user error's one line, which every rank meets: said once. Under torchrun rank 0's error
+    file holds it, shown by torchrun's failure report last, as its root cause, on a line of its
+    own; the other ranks' files point to it. Printed where no such file is written."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        record_error("the same error as rank 0 (the root cause, below)", later=True)
+    elif not record_error(line, shown="\n" + line):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _die(message):

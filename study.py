@@ -4,9 +4,9 @@ The miniature ScaleRL study: ScaleRL and the paper's variants trained on the emb
 Eq. 1), and a report of which of the paper's findings the miniature reproduces, each decided by a
 paired test over the seeds whose rules are fixed here, before any run.
 
-    python study.py runs/study                   # the variants in priority order,
-                                                   within --budget; resumes
-    python study.py runs/study --assets assets   # also copy study_report.json and the figures there
+    python study.py runs/study                   # the variants in priority order, within
+                                                   --budget; Ctrl-C, then the same command: resumes
+    python study.py runs/study --assets assets   # also replace the committed report and figures
     python study.py runs/study --report          # only fit the runs there and write the report
     python study.py runs/study --quick           # 3 variants x 1 seed x a few steps:
                                                    the test's form
@@ -126,10 +126,13 @@ The design, and why:
   and is left out when the runs are slower than that.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -138,6 +141,7 @@ import numpy as np
 from scipy import stats
 
 from data import read_jsonl, toy_model_dir, toy_problems
+from runs import checkpoints
 from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid, fit_start,
                  load_run, plot, save_figure, sigmoid)
 
@@ -179,6 +183,7 @@ LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
 LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
 PARALLEL = 2
+PROGRESS_S = 60  # seconds between the study's progress lines while runs go on
 # the statistics, fixed before the runs (docstring): one-sided paired t-tests at ALPHA over at
 # least MIN_PAIRS seed pairs; superiority needs X - Y above MIN_EFFECT (the floor on every margin),
 # non-inferiority X - Y above -NI_MARGIN; every endpoint is a pass rate
@@ -267,12 +272,14 @@ def finished(path, steps):
 
 def run_command(name, flags, path, seed, steps, data, extra):
     """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants,
-    else one process (the synchronous loop, `--mode sync` of one generator)."""
+    else one process (the synchronous loop, `--mode sync` of one generator); a run with checkpoints
+    (interrupted) continues from its last one (--resume), any other starts over."""
     here = os.path.dirname(os.path.abspath(__file__))
     launch = ([sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN,
                "--rdzv-endpoint", rendezvous_file(path), "--nproc_per_node", "2"]
               if name in RANKS else [sys.executable])
-    return [*launch, os.path.join(here, "train.py"), "--out", path, "--overwrite",
+    return [*launch, os.path.join(here, "train.py"), "--out", path,
+            "--resume" if checkpoints(path) else "--overwrite",
             "--seed", str(seed), *task_flags(data, steps), *extra, *flags]
 
 
@@ -304,19 +311,81 @@ def pace(minutes, name):
     return float(np.mean(other)) * (1.4 if name in RANKS else 1 / 1.4) if other else None
 
 
-def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_OUT):
+def last_step(path):
+    """The last step a run's metrics record (0 before any)."""
+    try:
+        return max((r.get("step", 0) for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))),
+                   default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+def stop_runs(running, timeout=120):
+    """SIGINT to every running run (train.py saves its last step and exits; torchrun passes it to
+    its ranks; a second within 3 s of the terminal's is the same request), then wait for them."""
+    for r in running:
+        with contextlib.suppress(OSError, AttributeError):
+            r["proc"].send_signal(signal.SIGINT)
+    if running:
+        print(f"study: waiting up to {timeout} s for {len(running)} runs to save their last step "
+              "(Ctrl-C again: stop at once)", flush=True)
+    deadline = time.time() + timeout
+    try:
+        while any(r["proc"].poll() is None for r in running) and time.time() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    for r in running:
+        if r["proc"].poll() is None:
+            r["proc"].kill()
+
+
+def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_OUT, again=None):
     """Train every (variant, seed) not finished yet, variant by variant in priority order:
     one-process runs PARALLEL at a time (one torch thread each), a torchrun run alone. A variant
     starts only if its runs fit in the budget (the machine-minutes of the finished and started runs,
-    plus the variant's runs at their kind's pace) -> the variants left out."""
+    plus the variant's runs at their kind's pace) -> the variants left out. Ctrl-C: the running
+    runs save and stop, are named "interrupted", and `again` (the command) continues them;
+    exit 130."""
     data = make_problems(out, held_out)
     minutes = {True: [], False: []}  # finished runs' machine-minutes, by kind (torchrun or not)
     for name in variants:
         for s in range(seeds):
             if finished(run_dir(out, name, s), steps):
                 minutes[name in RANKS].append(run_minutes(run_dir(out, name, s)))
-    t0, running, left_out = time.time(), [], []
+    t0, running, left_out, shown = time.time(), [], [], [time.time()]
     spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
+    pending = [(n, s) for n in variants for s in range(seeds)
+               if not finished(run_dir(out, n, s), steps)]
+    used = lambda r: (time.time() - r["start"]) / 60 * r["cores"] / PARALLEL + r["before"]
+
+    def eta():  # machine-minutes left (a machine-minute: the whole machine for a minute)
+        paces = [pace(minutes, n) for n, _ in pending]
+        if None in paces:
+            return "an ETA once a run has ended"
+        left = sum(paces) + sum(max(0.0, r["expected"] - used(r)) for r in running)
+        room = budget_min - sum(map(sum, minutes.values())) - sum(map(used, running))
+        return f"about {max(0.0, min(left, room)):.0f} min left"
+
+    def progress():
+        done = sum(map(len, minutes.values()))
+        runs = ", ".join(f"{r['name']} seed {r['seed']} step {last_step(r['path'])}/{steps}"
+                         for r in running)
+        print(f"study: {(time.time() - t0) / 60:.1f} min | {done} runs done, {len(pending)} to "
+              f"start | running: {runs or 'none'} | {eta()}", flush=True)
+
+    def stop(why, code):
+        stopped = list(running)
+        stop_runs(running)
+        for r in stopped:
+            with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
+                json.dump(used(r), f)  # the minutes so far: the continued run adds its own
+            print(f"study: {r['name']} seed {r['seed']} interrupted at step "
+                  f"{last_step(r['path'])}/{steps}; saved: "
+                  f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
+        print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are "
+              "kept, interrupted ones continue from their last checkpoint)", flush=True)
+        sys.exit(code)
 
     def wait(free):  # until `free` cores are free: record each run that ends
         while True:
@@ -327,40 +396,52 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 running.remove(r)
                 r["log"].close()
                 rendezvous_file(r["path"], remove=True)
+                if code in (130, 143, -2, -15):  # stopped by a signal: its step saved
+                    stop(f"{r['name']} seed {r['seed']} was stopped by a signal", 130)
                 if code:
-                    for other in running:
-                        other["proc"].kill()
-                    sys.exit(f"study: {r['name']} seed {r['seed']} failed; "
-                             f"its log: {r['log'].name}")
-                used = (time.time() - r["start"]) / 60 * r["cores"] / PARALLEL
-                minutes[r["name"] in RANKS].append(used)
+                    stop(f"{r['name']} seed {r['seed']} failed (exit {code}; its log: "
+                         f"{r['log'].name})", 1)
+                minutes[r["name"] in RANKS].append(used(r))
                 with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
-                    json.dump(used, f)
+                    json.dump(used(r), f)
+                print(f"study: {r['name']} seed {r['seed']} done in {used(r):.1f} machine-min | "
+                      f"{eta()}", flush=True)
             if PARALLEL - sum(r["cores"] for r in running) >= free:
                 return
+            if time.time() - shown[0] >= PROGRESS_S:
+                shown[0] = time.time()
+                progress()
             time.sleep(0.2)
 
-    for name, flags in variants.items():
-        todo = [s for s in range(seeds) if not finished(run_dir(out, name, s), steps)]
-        expected = pace(minutes, name)
-        if todo and expected is not None and spent() + len(todo) * expected > budget_min:
-            left_out.append(name)
-            continue
-        for seed in todo:
-            cores = PARALLEL if name in RANKS else 1
-            wait(cores)
-            path = run_dir(out, name, seed)
-            print(f"study: [{name} seed {seed}] -> {path} "
-                  f"({(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min)",
-                  flush=True)
-            log = open(os.path.join(out, f"{name}-s{seed}.log"), "w")
-            cmd = run_command(name, flags, path, seed, steps, data, extra)
-            rendezvous_file(path, remove=True)
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env=os.environ | {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
-            running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log, cores=cores,
-                                start=time.time(), expected=expected or 0.0))
-    wait(PARALLEL)
+    try:
+        for name, flags in variants.items():
+            todo = [s for s in range(seeds) if not finished(run_dir(out, name, s), steps)]
+            expected = pace(minutes, name)
+            if todo and expected is not None and spent() + len(todo) * expected > budget_min:
+                left_out.append(name)
+                pending[:] = [(n, s) for n, s in pending if n != name]
+                continue
+            for seed in todo:
+                cores = PARALLEL if name in RANKS else 1
+                wait(cores)
+                path = run_dir(out, name, seed)
+                cmd = run_command(name, flags, path, seed, steps, data, extra)
+                pending.remove((name, seed))
+                log = open(os.path.join(out, f"{name}-s{seed}.log"), "a" if "--resume" in cmd
+                           else "w")
+                rendezvous_file(path, remove=True)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        env=os.environ | {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
+                running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log,
+                                    cores=cores, start=time.time(), expected=expected or 0.0,
+                                    before=run_minutes(path) if "--resume" in cmd else 0.0))
+                print(f"study: [{name} seed {seed}] -> {path}"
+                      f"{' (continued from its last checkpoint)' if '--resume' in cmd else ''} | "
+                      f"{(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min, "
+                      f"{eta()}", flush=True)
+        wait(PARALLEL)
+    except KeyboardInterrupt:
+        stop("interrupted", 130)
     if left_out:
         print(f"study: over the budget of {budget_min:g} min, left out: {', '.join(left_out)} "
               f"(a larger --budget runs them; finished runs are kept)", flush=True)
@@ -858,7 +939,8 @@ def main(argv=None):
     p.add_argument("--report", action="store_true",
                    help="only fit the runs in the folder and write the report")
     p.add_argument("--assets", default="",
-                   help="also copy study_report.json, study.png, study_extrap.png here")
+                   help="also copy study_report.json, study.png, study_extrap.png here "
+                        "(--assets assets replaces the committed ones)")
     p.add_argument("--quick", action="store_true",
                    help="3 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
     args = p.parse_args(argv)
@@ -867,9 +949,17 @@ def main(argv=None):
         variants = {n: VARIANTS[n] for n in ("scalerl", "batch8", "pipelinerl")}
         seeds, steps, held_out = 1, 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
+    report = os.path.join(args.assets, "study_report.json")
+    if args.quick and args.assets and os.path.exists(report):
+        with open(report) as f:
+            if "note" not in json.load(f):  # a full study's (a quick one's carries QUICK_NOTE)
+                sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
+                         "give --quick another --assets")
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
-        train_all(args.out, variants, seeds, steps, args.budget, extra, held_out=held_out)
+        again = shlex.join(["python", sys.argv[0] if argv is None else "study.py",
+                            *(sys.argv[1:] if argv is None else argv)])
+        train_all(args.out, variants, seeds, steps, args.budget, extra, held_out, again)
     names = [n for n in variants
              if all(finished(run_dir(args.out, n, s), steps) for s in range(seeds))]
     if not names:

@@ -1867,10 +1867,8 @@ def test_data_build_toy_model_remakes_the_shipped_tokenizer_and_config_and_its_w
     shipped = Path(data.TOY_DIRS["toy"])
     assert json.loads((tmp_path / "toy" / "tokenizer.json").read_text()) == json.loads(
         (shipped / "tokenizer.json").read_text())
-    config = {k: v for k, v in json.loads((tmp_path / "toy" / "config.json").read_text()).items()
-              if k != "transformers_version"}
-    assert config == {k: v for k, v in json.loads((shipped / "config.json").read_text()).items()
-                      if k != "transformers_version"}
+    for name in ("config.json", "generation_config.json"):  # byte for byte: a rebuild leaves git clean
+        assert (tmp_path / "toy" / name).read_bytes() == (shipped / name).read_bytes(), name
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() == AutoModelForCausalLM.from_pretrained(
         shipped).num_parameters()
     losses = [float(re.search(r"loss ([\d.]+)", m)[1]) for m in said if "warm-up step" in m]
@@ -3521,6 +3519,48 @@ def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_pat
     assert "study: [" not in capsys.readouterr().out
 
 
+def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_them(tmp_path, capsys, monkeypatch):
+    """Ctrl-C on the study (a KeyboardInterrupt in its wait, once the run has logged step 2): the run gets SIGINT,
+    saves its step and stops; the study names it "interrupted" (not "failed"), prints the command to continue
+    and exits 130. Run again, it continues from that checkpoint (--resume): steps 1-6 each logged once."""
+    commands, real_sleep = [], time.sleep
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: (
+        commands.append(cmd), ForkedRun(fork_command(cmd, stdout.name, env=env)))[1])
+    out, run = tmp_path / "study", tmp_path / "study" / "scalerl-s0"
+    quick = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1", "--save_every", "0"]
+
+    def ctrl_c(seconds):  # the terminal's Ctrl-C, once, with the run under way
+        if not commands[1:] and study.last_step(run) >= 2:
+            commands.append("ctrl-c")
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+    monkeypatch.setattr(study.time, "sleep", ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        study.train_all(str(out), {"scalerl": []}, 1, 6, 1000, quick, held_out=8, again="python study.py X")
+    said = capsys.readouterr().out
+    saved = runs.checkpoints(run)
+    assert stopped.value.code == 130 and "failed" not in said and len(saved) == 1, said
+    step = runs.step_of(saved[0])
+    assert 2 <= step < 6 and not study.finished(run, 6)
+    assert f"study: scalerl seed 0 interrupted at step {step}/6; saved: {saved[0]}" in said
+    assert "study: interrupted; continue with: python study.py X" in said
+    assert "--overwrite" in commands[0] and "--resume" not in commands[0]
+    assert study.train_all(str(out), {"scalerl": []}, 1, 6, 1000, quick, held_out=8) == []
+    assert "--resume" in commands[-1] and "--overwrite" not in commands[-1]
+    assert "(continued from its last checkpoint)" in capsys.readouterr().out and study.finished(run, 6)
+    assert [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2, 3, 4,
+                                                                                                        5, 6]
+    assert study.run_minutes(run) > 0
+
+
+def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
+    (tmp_path / "assets").mkdir()
+    shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
+    with pytest.raises(SystemExit, match="--quick would replace the full study's report"):
+        study.main([str(tmp_path / "study"), "--quick", "--assets", str(tmp_path / "assets")])
+    assert not (tmp_path / "study").exists()  # refused before anything ran
+
+
 def fake_study_runs(monkeypatch, minutes):
     """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
     and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
@@ -3560,6 +3600,20 @@ def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monke
     assert clock[0] == 3600 and study.run_minutes(tmp_path / "scalerl-s0") == 10
     assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
     assert len(started) == 6  # finished runs cost nothing and are not run again; no_npr would end at 90 > 65
+
+
+def test_study_overall_eta_is_within_2x_of_the_time_it_took(tmp_path, monkeypatch, capsys):
+    """Each run's start line says the minutes so far and an overall ETA: from the first run's end on, so far + ETA
+    is within 2x of the whole study's time (fake runs of 20 min on one core, two at a time, and under torchrun)."""
+    clock, started = fake_study_runs(monkeypatch, 20)
+    variants = {"scalerl": [], "batch8": ["--prompts", "8"], "pipelinerl": []}
+    study.train_all(str(tmp_path), variants, 3, 5, budget_min=1000, held_out=16)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("study: [")]
+    assert len(lines) == 9 and "an ETA once a run has ended" in lines[0]
+    total = clock[0] / 60
+    guesses = [float(a) + float(b) for a, b in
+               (re.search(r"\| ([\d.]+) min so far, .* about (\d+) min left", ln).groups() for ln in lines[2:])]
+    assert len(guesses) == 7 and all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
 
 
 def test_study_runs_the_off_policy_variants_under_torchrun_alone(tmp_path, monkeypatch):
@@ -3731,6 +3785,10 @@ class ForkedRun:
     def kill(self):
         for p in self.procs:
             p.kill()
+
+    def send_signal(self, sig):
+        for p in self.procs:
+            p.send_signal(sig)
 
 
 def fork_command(words, log, root=None, env=None):
@@ -4828,8 +4886,8 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
 def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
     run_train(toy_dir, tmp_path, "--steps", "1")
     rcs, outs = finish_all(launch(2, tmp_path, "--steps", "1"))
-    assert rcs == [1, 1]
-    assert outs[0].strip().splitlines() == [f"error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
+    assert rcs == [2, 2]  # as argparse's errors: one prefix, one exit code
+    assert outs[0].strip().splitlines() == [f"train.py: error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
                                             "pass --resume to continue it, --overwrite to start over, or another --out"]
     assert outs[1].strip() == ""
 
@@ -4855,28 +4913,47 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
     config = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert (config["recipe"], config["lr"], config["warmup"], config["prompts"], config["think_budget"]) == \
         ("paper", 5e-7, 100, 2, 6)
-    assert "recipe paper; given: --prompts 2 (recipe: 48), --samples 2 (recipe: 16)" in capsys.readouterr().out
+    assert config["neg_trust"] == 0 and config["grad_clip"] == 0  # the paper's CISPO: no mask, no clipping
+    out = capsys.readouterr().out
+    size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e9  # loading says so: seconds on a GPU
+    assert f"loading {folder} ({size:.1f} GB of weights) onto cpu ...\n" in out and size > 0.1
+    assert "recipe paper: 2 prompts x 2 samples | think 6 + answer 4 tokens | 1 steps, lr 5e-07, warm-up 100, " \
+        "no grad clip, no CISPO mask | eval every 100 on 2 held-out x 1 | save every 0 | float32" in out
+    assert f"flags that differ from it and the defaults: --model {folder} --val_size 2 --dtype float32 --prompts 2 " \
+        "--samples 2 --think_budget 6 --answer_budget 4 --steps 1 --eval_samples 1 --save_every 0\n" in out
+    for argv, recipe in (([], "toy"), (["--model", folder, "--recipe", "one_gpu"], "one_gpu"),
+                         (["--model", folder, "--recipe", "paper"], "paper"), (["--recipe", "paper"], "paper")):
+        a = train.get_args(argv)  # the toy's CISPO mask and clipping are the toy's alone (README, "Recipes")
+        assert (a.recipe, a.neg_trust, a.grad_clip) == ((recipe, 0.5, 1.0) if recipe == "toy" else (recipe, 0, 0))
+    assert train.get_args(["--model", folder, "--neg_trust", "0.8"]).neg_trust == 0.8  # a flag given wins
+    help_ = " ".join(train.make_parser().format_help().split())
+    assert "(recipe: toy 0.5, paper 0, one_gpu 0)" in help_ and "(recipe: toy 16, paper 48, one_gpu 16)" in help_
+    assert "default: None" not in help_
 
 
-def test_pipeline_torchrun_reports_a_user_error_as_its_root_cause(tmp_path, monkeypatch, capsys):
-    """torchrun's failure report names a root cause (its 'traceback' field) from the error file each rank
-    writes (TORCHELASTIC_ERROR_FILE), not 'To enable traceback see: ...': a user error's one line, in every
-    rank's file, said by rank 0 alone. (torchrun reading the files: the stalled trainer under torchrun.)"""
+def test_pipeline_torchrun_reports_a_user_error_once_last_as_its_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's failure report (torch's own ChildFailedError, from the error file each rank writes:
+    TORCHELASTIC_ERROR_FILE) shows a user error's one line once, last, on a line of its own, as its root cause;
+    the other ranks' files point to it, and no rank prints it besides (torchrun reading the files: the
+    stalled trainer under torchrun)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     files = [tmp_path / f"error-{r}.json" for r in range(2)]
     procs = launch(2, tmp_path / "run", "--gen_ranks", "5", env=lambda r: {"TORCHELASTIC_ERROR_FILE": str(files[r])})
     rcs, outs = finish_all(procs, timeout=120)
-    line = "error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
-    assert rcs == [1, 1] and line in outs[0] and line not in outs[1], outs
-    for f in files:
-        said = json.loads(f.read_text())["message"]
-        assert said["message"] == said["extraInfo"]["py_callstack"] == line
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 1 here
-    monkeypatch.setenv("RANK", "1")
-    with pytest.raises(SystemExit):
+    line = "train.py: error: --gen_ranks 5 with 2 ranks: need at least one generator and one trainer"
+    assert rcs == [2, 2] and "error" not in outs[0] + outs[1], outs
+    report = ChildFailedError("train.py", {r: ProcessFailure(r, p.pid, 2, str(f))
+                                           for r, (p, f) in enumerate(zip(procs, files))}).format_msg()
+    lines = report.strip().splitlines()
+    assert report.count("error: --gen_ranks") == 1 and lines[-2] == "  " + line, report
+    assert "the same error as rank 0 (the root cause, below)" in report
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 0 here
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_:
         train.get_args(["--lr_rate", "1"])
-    assert capsys.readouterr().err == ""  # rank 0 alone prints it
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""  # torchrun's report says it
     said = json.loads((tmp_path / "error.json").read_text())["message"]
-    assert said["message"] == said["extraInfo"]["py_callstack"] == (
+    assert said["message"] == said["extraInfo"]["py_callstack"].strip() == (
         "train.py: error: unrecognized arguments: --lr_rate 1 (--lr_rate: did you mean --lr?) (--help lists the flags)")
 
 
@@ -4897,9 +4974,13 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
 
 def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, capsys, monkeypatch):
     args = train.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
+    monkeypatch.setattr(train.Progress, "PROGRESS_S", 0)  # a long eval's progress line, at every decode step here
     r = train.main(args)
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(rf"eval {re.escape(toy_dir)} on 6 held-out problems of --data: pass rate {r['pass_rate']:.3f} "
+    said = capsys.readouterr().out.strip().splitlines()
+    counts = [int(m[1]) for m in map(re.compile(r"held-out eval: (\d+)/18 samples in \d+ s, ").match, said) if m]
+    assert counts == sorted(counts) and counts[-1] == 18 and said[-2].endswith(", ETA 0 s"), said
+    line = said[-1]  # no --data given: the toy task's, not "of --data"
+    assert re.fullmatch(rf"eval {re.escape(toy_dir)} on 6 held-out problems of the toy task: pass rate {r['pass_rate']:.3f} "
                         r"\(mean@3 over 6 problems, 18 samples\) \| trunc [0-9.]+ \| intr [0-9.]+ \| len [0-9.]+ tokens \| .* s", line)
     # by hand: the same held-out problems, 3 samples each with the eval's noise keys, decoded and scored
     _, val = train.load_data(args)

@@ -77,32 +77,32 @@ LENGTH_CONTROLS = ("interrupt", "penalty", "none")
 SHARDS = "shards"  # under --fsdp: a checkpoint's sharded float32 weights and AdamW state
 
 # What a run starts from (--recipe); a flag given overrides its value. toy: the embedded task's, on
-# a CPU in minutes. paper: the paper's runs (appendix A.3: 48 prompts x 16, 12k thinking + 2k answer
-# tokens with the interruption in the thinking budget's last sixth, lr 5e-7 constant after 100
-# warm-up steps, eval every 100 steps on 1000 held-out prompts x 16), for any other model. one_gpu:
-# the same recipe scaled to one GPU and a day.
+# a CPU in minutes, with two toy settings its PipelineRL-8 stability needs (--neg_trust 0.5,
+# --grad_clip 1; README's recipe table). paper: the paper's runs (appendix A.3: 48 prompts x 16,
+# 12k thinking + 2k answer tokens with the interruption in the thinking budget's last sixth, lr 5e-7
+# constant after 100 warm-up steps, eval every 100 steps on 1000 held-out prompts x 16; CISPO with
+# no mask and no gradient clipping: AdamW eps 1e-15 instead), for any other model. one_gpu: the same
+# recipe scaled to one GPU and a day.
 RECIPES = {
     "toy": dict(prompts=16, samples=8, think_budget=48, answer_budget=64, lr=2e-4, warmup=10,
                 steps=150, eval_every=10, eval_samples=4, val_size=None, save_every=50,
-                dtype="float32"),
+                dtype="float32", neg_trust=0.5, grad_clip=1.0),
     "paper": dict(prompts=48, samples=16, think_budget=12288, answer_budget=2048, lr=5e-7,
                   warmup=100, steps=2000, eval_every=100, eval_samples=16, val_size=1000,
-                  save_every=100, dtype="bfloat16"),
+                  save_every=100, dtype="bfloat16", neg_trust=0.0, grad_clip=0.0),
     "one_gpu": dict(prompts=16, samples=8, think_budget=4096, answer_budget=1024, lr=1e-6,
                     warmup=20, steps=500, eval_every=50, eval_samples=4, val_size=500,
-                    save_every=100, dtype="bfloat16"),
+                    save_every=100, dtype="bfloat16", neg_trust=0.0, grad_clip=0.0),
 }
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), no
-    abbreviations (--prompt is not taken for --prompts), and under torchrun only rank 0 says it
-    (the others exit quietly); every rank writes it to torchrun's error file, whose report then
-    shows it as the root cause (pipeline.record_error)."""
+    """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), said
+    once under torchrun (pipeline.say_error), and no abbreviations (--prompt is not taken for
+    --prompts)."""
 
     def __init__(self, **kw):
-        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                         **kw)
+        super().__init__(allow_abbrev=False, formatter_class=RecipeHelpFormatter, **kw)
 
     def error(self, message):
         flags = [o for a in self._actions for o in a.option_strings]
@@ -112,8 +112,20 @@ class FlagParser(argparse.ArgumentParser):
                  if (close := closest_flag(t, flags))]
         line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
                 "(--help lists the flags)")
-        pipeline.record_error(line)  # torchrun's report: its root cause
-        self.exit(2, line + "\n" if int(os.environ.get("RANK", "0")) == 0 else None)
+        pipeline.say_error(line)  # under torchrun: once, in its report
+        self.exit(2)
+
+
+class RecipeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help: a recipe flag shows each recipe's value (toy / paper / one_gpu); a None default is
+    said by the help's own words, not "default: None"."""
+
+    def _get_help_string(self, action):
+        if action.dest not in RECIPES["toy"]:
+            return action.help if action.default is None else super()._get_help_string(action)
+        show = lambda v: "auto" if v is None else f"{v:g}" if isinstance(v, float) else v
+        values = ", ".join(f"{name} {show(r[action.dest])}" for name, r in RECIPES.items())
+        return f"{action.help} (recipe: {values})"
 
 
 def closest_flag(typed, flags):
@@ -157,8 +169,8 @@ def model_flags(g):
                         "(split default test; e.g. openai/gsm8k:main, HuggingFaceH4/MATH-500); "
                         "empty = hold out --val_size problems of --data")
     g.add_argument("--val_size", type=int, default=None,
-                   help="held-out problems (recipe; paper: 1000); toy: 200, or a tenth of a --data "
-                        "of fewer than 2,000 problems")
+                   help="held-out problems (toy: 200, or a tenth of a --data of fewer than 2,000 "
+                        "problems)")
     g.add_argument("--out", default=None,
                    help="output folder: metrics.jsonl and checkpoints; None = runs/ and the run's "
                         "shape: its data, and under torchrun its ranks, mode and --fsdp "
@@ -179,9 +191,9 @@ def model_flags(g):
 def rollout_flags(g):
     """The flags of --help's group "rollouts"."""
     g.add_argument("--prompts", type=int, default=None,
-                   help="prompts per optimizer step (recipe; paper: 48)")
+                   help="prompts per optimizer step")
     g.add_argument("--samples", type=int, default=None,
-                   help="completions per prompt, G (recipe; paper: 16)")
+                   help="completions per prompt, G")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (paper: 1.0)")
     g.add_argument("--slots", type=int, default=None,
@@ -194,9 +206,9 @@ def rollout_flags(g):
                         "sequences that fit at the full budget are printed. Ranks sharing one "
                         "GPU: lower it (two ranks of the toy on one H100 ran at 0.3)")
     g.add_argument("--think_budget", type=int, default=None,
-                   help="thinking tokens (recipe; paper: 12288)")
+                   help="thinking tokens")
     g.add_argument("--answer_budget", type=int, default=None,
-                   help="answer tokens after </think> (recipe; paper: 2048). The toy's answer is "
+                   help="answer tokens after </think>. The toy's answer is "
                         "11 tokens; 64 leaves room for a whole rethought chain plus the answer, so "
                         "a policy that changes format is scored (-1) rather than truncated (out of "
                         "the loss, no gradient)")
@@ -220,13 +232,12 @@ def loss_flags(g):
     g.add_argument("--eps_high", type=float, default=None,
                    help="None = the loss kind's default: cispo 4 (the cap on the IS weight), grpo "
                         "0.2, dapo 0.28, gspo 4e-3")
-    g.add_argument("--neg_trust", type=float, default=0.5,
+    g.add_argument("--neg_trust", type=float, default=None,
                    help="cispo: a token of a negative-advantage sample whose IS ratio has fallen "
-                        "below this gives no gradient (CISPO's token mask M, as PPO clips A < 0; "
-                        "a departure from the paper's CISPO, which masks nothing: under "
-                        "PipelineRL-8 it keeps a policy from drifting off tokens its stale samples "
-                        "share; 0.8 held too but learned more slowly at lag 8, BENCHMARKS.md "
-                        "section 6); 0 = off")
+                        "below this gives no gradient (CISPO's token mask M, as PPO clips A < 0); "
+                        "0 = off, the paper's CISPO. A toy setting: under PipelineRL-8 it keeps "
+                        "the toy from drifting off tokens its stale samples share (BENCHMARKS.md "
+                        "section 6)")
     g.add_argument("--pos_trust", type=float, default=0,
                    help="a departure, off by default: the all-right groups that zero-variance "
                         "filtering drops train, as right answers (advantage +1), their tokens "
@@ -249,13 +260,13 @@ def loss_flags(g):
 
 def optimization_flags(g):
     """The flags of --help's group "optimization"."""
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps (recipe)")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps")
     g.add_argument("--lr", type=float, default=None,
-                   help="recipe; paper: 5e-7 for an 8B model. The toy's 2e-4 holds under "
+                   help="learning rate. The toy's 2e-4 holds under "
                         "PipelineRL-8 with every token 8 versions old; 3e-4 collapsed there "
                         "(BENCHMARKS.md section 6)")
     g.add_argument("--warmup", type=int, default=None,
-                   help="linear warm-up steps (recipe; paper: 100)")
+                   help="linear warm-up steps")
     g.add_argument("--weight_decay", type=float, default=0.01,
                    help="AdamW weight decay (paper: 0.01)")
     g.add_argument("--adam_eps", type=float, default=1e-15,
@@ -264,9 +275,9 @@ def optimization_flags(g):
                    help="a departure: AdamW's beta1 where trained samples can be stale (torchrun, "
                         "--mode pipeline or ppo_offpolicy); default: 0.9 everywhere, as torch's "
                         "AdamW and the paper (BENCHMARKS.md section 6)")
-    g.add_argument("--grad_clip", type=float, default=1.0,
-                   help="max gradient norm; 0 = off (not part of the recipe as the paper states "
-                        "it; README: what the toy does without it)")
+    g.add_argument("--grad_clip", type=float, default=None,
+                   help="max gradient norm; 0 = off, the paper's (AdamW eps 1e-15 instead); the "
+                        "toy's 1 is a toy setting (README, \"Recipes\")")
     g.add_argument("--micro_tokens", type=int, default=8192,
                    help="tokens per forward/backward (rows x the longest, padding included; a row "
                         "longer than that alone): the trainer's activations are sized by it, not "
@@ -305,12 +316,12 @@ def rank_flags(g):
 def logging_flags(g):
     """The flags of --help's group "evaluation, logging, checkpoints"."""
     g.add_argument("--eval_every", type=int, default=None,
-                   help="steps between held-out evals (recipe; paper: 100)")
+                   help="steps between held-out evals")
     g.add_argument("--log_every", type=int, default=1,
                    help="print the step line every N steps (and the last one); metrics.jsonl "
                         "keeps every step")
     g.add_argument("--eval_samples", type=int, default=None,
-                   help="samples per held-out prompt, mean@k (recipe; paper: 16)")
+                   help="samples per held-out prompt, mean@k")
     g.add_argument("--eval_only", action="store_true",
                    help="only evaluate --model (default: the --data preset's base model) on "
                         "--val_data (default: the held-out split of --data), print the pass rate "
@@ -332,7 +343,7 @@ def logging_flags(g):
                         "is refused)")
 
 
-def get_args(argv=None):
+def make_parser():
     ap = FlagParser(prog="train.py", description="ScaleRL training loop")
     model_flags(ap.add_argument_group("model and data"))
     rollout_flags(ap.add_argument_group("rollouts"))
@@ -340,6 +351,11 @@ def get_args(argv=None):
     optimization_flags(ap.add_argument_group("optimization"))
     rank_flags(ap.add_argument_group("ranks (pipeline.py; under torchrun only)"))
     logging_flags(ap.add_argument_group("evaluation, logging, checkpoints"))
+    return ap
+
+
+def get_args(argv=None):
+    ap = make_parser()
     args = ap.parse_args(argv)
     # what loads; args.model stays as typed (--resume compares it)
     args.model_dir = check_model_dir(args.model, ap.error)
@@ -565,6 +581,11 @@ def load_model(model_dir, args, device):
     """-> (tokenizer, model in --dtype on device), checked to be one the sampler runs. Nothing in
     the folder runs as code (no trust_remote_code; its chat template, rendered once here under a
     time limit, is data.format_prompt's): a folder that needs it stops the run with one line."""
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")) +
+                  glob.glob(os.path.join(model_dir, "*.bin")))
+    if weights > 1e8:  # seconds to minutes: say so (the toy's 1.4 MB loads at once)
+        print0(f"loading {model_dir} ({weights / 1e9:.1f} GB of weights) onto {device} ...",
+               flush=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         for domain in ("math", "code"):
@@ -594,13 +615,41 @@ def domain_rates(problems, correct):
             for d in domains}
 
 
+class Progress:
+    """A sampler's steps (make_sampler) that say how far a long phase is: every PROGRESS_S seconds,
+    the samples finished of `total` and an ETA at the pace so far."""
+    PROGRESS_S = 10
+
+    def __init__(self, steps, total, what):
+        self.steps, self.total, self.what, self.done = steps, total, what, 0
+        self.t0 = self.shown = time.time()
+
+    def __next__(self):
+        return next(self.steps)
+
+    def send(self, value):
+        finished, *rest = self.steps.send(value)
+        self.done += len(finished)
+        if time.time() - self.shown >= self.PROGRESS_S:
+            self.shown, spent = time.time(), time.time() - self.t0
+            eta = (f"ETA {(self.total - self.done) * spent / self.done:.0f} s" if self.done else
+                   "no sample finished yet")
+            print0(f"{self.what}: {self.done}/{self.total} samples in {spent:.0f} s, {eta}",
+                   flush=True)
+        return (finished, *rest)
+
+    def close(self):
+        self.steps.close()
+
+
 def evaluate(model, tokenizer, val_ids, val, args):
     """Held-out mean@k of `model` here (pipeline.held_out_items: the same samples at every eval;
     generator ranks sample the same ones) -> summarize_eval's dict; None when a signal stopped
     it."""
     items = pipeline.held_out_items(val_ids, args.eval_samples)
     steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)), cap=len(items))
-    done = pipeline.sample_all(steps, items, stop=lambda: bool(pipeline.STOP))
+    done = pipeline.sample_all(Progress(steps, len(items), "held-out eval"), items,
+                               stop=lambda: bool(pipeline.STOP))
     if done is None:
         return None
     records = pipeline.score_held_out(tokenizer, {i: s for (_, i), s in done.items()}, val,
@@ -638,8 +687,9 @@ def eval_only(args):
     r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items()
                          if k.startswith("pass_rate/"))
-    print(f"eval {args.model or model_dir} on "
-          f"{args.val_data or f'{len(val)} held-out problems of --data'}: pass rate "
+    held = args.val_data or f"{len(val)} held-out problems of " + \
+        (f"--data {args.data}" if args.data else "the toy task")
+    print(f"eval {args.model or model_dir} on {held}: pass rate "
           f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, "
           f"{r['n']} samples){per_domain} | trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | "
           f"len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
@@ -1251,7 +1301,8 @@ def alarms(rec, m):
                   "samples, so the loss holds them nowhere; the policy drifts there unseen until "
                   "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
                   f"Train nearer on-policy: a lower --max_lag, or --mode sync; or mask more stale "
-                  f"negatives: --neg_trust above {rec.args.neg_trust:g} (BENCHMARKS.md section 6)")
+                  f"negatives: --neg_trust above {rec.args.neg_trust:g} (the toy's 0.5: "
+                  "BENCHMARKS.md section 6)")
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
@@ -1447,19 +1498,33 @@ def make_trainer(env):
                                                     env.ckpt)
 
 
+def recipe_values(args, n_val):
+    """The recipe's values in force, one line: batch, budgets, steps, lr, evals, clipping."""
+    clip = f"grad clip {args.grad_clip:g}" if args.grad_clip else "no grad clip"
+    mask = f"--neg_trust {args.neg_trust:g}" if args.neg_trust else "no CISPO mask"
+    return (f"{args.prompts} prompts x {args.samples} samples | think {args.think_budget} + answer "
+            f"{args.answer_budget} tokens | {args.steps} steps, lr {args.lr:g}, warm-up "
+            f"{args.warmup}, {clip}, {mask} | eval every {args.eval_every} on {n_val} held-out x "
+            f"{args.eval_samples} | save every "
+            f"{args.save_every} | {args.dtype}")
+
+
 def describe(env, trainer):
-    """Rank 0's start-up lines: the model, the device, the roles, the data, the batch; the recipe
-    and each flag given that differs from it; the memory plan."""
+    """Rank 0's start-up lines: the recipe's values in force and each flag that differs from it or
+    its default; the model, the device, the roles, the data; the memory plan."""
     args, ctx = env.args, env.ctx
-    changes = ", ".join(f"--{k} {getattr(args, k)} (recipe: {value})"
-                        for k, value in RECIPES[args.recipe].items() if getattr(args, k) != value)
-    print0(f"recipe {args.recipe}" + (f"; given: {changes}" if changes else ""))
+    print0(f"recipe {args.recipe}: " + recipe_values(args, len(env.val)))
+    defaults = vars(make_parser().parse_args([])) | RECIPES[args.recipe]
+    flag = lambda k, v: f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
+    given = [flag(k, getattr(args, k)) for k, v in defaults.items()
+             if k not in ("recipe", "out") and getattr(args, k) != v]
+    print0(f"flags that differ from it and the defaults: {' '.join(given) or 'none'}")
     roles = (f"{ctx.n_trainers} trainer + {ctx.n_gens} generator ranks, {args.mode}, "
-             f"max lag {ctx.k}" if ctx else "one process, synchronous")
+             f"max lag {ctx.k}" if ctx else "one process, synchronous and on-policy")
     device = next(env.model.parameters()).device
     print0(f"model {env.model_dir} ({trainer.n_params / 1e6:.2f}M params, "
            f"{env.model.config.model_type}) on {device} | {roles} | {len(env.train)} train / "
-           f"{len(env.val)} held-out problems | {args.prompts} prompts x {args.samples} samples")
+           f"{len(env.val)} held-out problems")
     if env.rank0:
         pipeline.print_memory_plan(env.model.config, args, env.ctx, device,
                                    max(map(len, env.train_ids)),
@@ -1583,25 +1648,25 @@ if __name__ == "__main__":
         pipeline.stop_on_signals()
     # under torchrun the last --gen_ranks ranks serve rollouts, the others train
     entry = serve_rollouts if pipeline.generator_rank(args) else main
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    one = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    try:
         entry(args)
-    else:
-        try:
-            entry(args)
-        except SystemExit as err:
-            # a user error: one line, said by rank 0 alone (every rank meets it), and the root
-            # cause of torchrun's failure report
-            if err.code not in (None, 0) and not isinstance(err.code, int):
-                pipeline.record_error(str(err.code))
-                if int(os.environ["RANK"]) == 0:
-                    print(err.code, file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(err.code if isinstance(err.code, int) else 1)
-        except BaseException as err:
-            # one rank failing: print why, and exit without waiting on the others
-            traceback.print_exc()
-            pipeline.report_failure(err)
-            sys.stderr.flush()
-            os._exit(1)
+    except SystemExit as err:
+        if isinstance(err.code, str):  # a user error: one line, as argparse's, exit 2
+            message = err.code.removeprefix("error: ")
+            pipeline.say_error(f"train.py: error: {message}")
+            err.code = 2
+        if one:
+            raise
+        sys.stdout.flush()
+        os._exit(err.code or 0)
+    except BaseException as err:
+        if one:
+            raise
+        # one rank failing: print why, and exit without waiting on the others
+        traceback.print_exc()
+        pipeline.report_failure(err)
+        sys.stderr.flush()
+        os._exit(1)
     if pipeline.STOP:  # stopped by a signal, its step saved: the status a signal gives
         sys.exit(128 + signal.Signals[pipeline.STOP["name"]].value)
