@@ -5044,7 +5044,7 @@ def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_d
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000003", "ckpt-000004"]
     for step in (999999, 1000000):  # past 999,999 the names no longer sort as their steps do
         shutil.copytree(out / "ckpt-000004", out / f"ckpt-{step:06d}")
-    fake = dict(model=types.SimpleNamespace(save_pretrained=os.makedirs),
+    fake = dict(model=types.SimpleNamespace(save_pretrained=lambda p: os.makedirs(p, exist_ok=True)),
                 tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={}, keep=2)
     runs.save_checkpoint(str(out), 1000001, **fake)
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-1000000", "ckpt-1000001"]
@@ -5124,9 +5124,8 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     folder, ran = tmp_path / "shards", tmp_path / "ran"
     weights, optimizer = get_state_dict(model, opt)
     dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=folder)
-    runs.check_shards(folder)
     back = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": get_state_dict(model, opt)[1]}
-    dcp.load(back, checkpoint_id=folder, planner=runs.safe_load_planner())
+    dcp.load(back, storage_reader=runs.shard_reader(folder), planner=runs.safe_load_planner())
     assert all(torch.equal(back["model"][k], v) for k, v in weights.items())
     assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3
     good = (folder / ".metadata").read_bytes()
@@ -5140,6 +5139,64 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         runs.safe_load_planner().load_bytes(None, value)
     assert not ran.exists() and good
+
+
+def shards_and_a_payload(tmp_path):
+    """A real sharded checkpoint of a bf16 and a float32 layer with AdamW state -> (its folder, a state to load it
+    into, the saved weights, a file that exists only if a payload ran)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).to(torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model[0](torch.randn(1, 3)).sum().backward()
+    opt.step()
+    weights, optimizer = get_state_dict(model, opt)
+    folder = tmp_path / "shards"
+    dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=folder)
+    back = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": get_state_dict(model, opt)[1]}
+    return folder, back, weights, tmp_path / "ran"
+
+
+def test_runs_shard_metadata_naming_a_dotted_name_runs_nothing(tmp_path):
+    """Pickle protocol 4 lets a name be dotted: torch.distributed.checkpoint.metadata imports os, so "os.system"
+    under that module ran a command inside the check itself. Only exact (module, name) pairs load."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    folder, _, _, ran = shards_and_a_payload(tmp_path)
+    assert isinstance(runs.check_shards(folder), Metadata)  # the real file passes
+    module, name, command = b"torch.distributed.checkpoint.metadata", b"os.system", f"touch {ran}".encode()
+    payload = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+               + b"\x8c" + bytes([len(command)]) + command + b"\x85R.")
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*\.metadata is not a plain sharded checkpoint's "
+                                         r"metadata \(it names torch\.distributed\.checkpoint\.metadata\.os\.system\)"):
+        runs.check_shards(folder)
+    assert not ran.exists()
+
+
+def test_runs_shard_metadata_of_none_falls_back_to_no_other_file(tmp_path):
+    """A .metadata holding pickle(None) passed the check, and torch's reader then fell back to __0.metadata, loaded
+    unchecked. It is refused, and no other metadata file is ever read."""
+    import torch.distributed.checkpoint as dcp
+    folder, back, _, ran = shards_and_a_payload(tmp_path)
+    (folder / ".metadata").write_bytes(pickle.dumps(None))
+    (folder / "__0.metadata").write_bytes(pickle.dumps(RunsCode(str(ran))))
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*\.metadata is not a plain sharded checkpoint's "
+                                         r"metadata \(it holds a NoneType, not a Metadata\)"):
+        runs.check_shards(folder)
+    with pytest.raises(SystemExit):
+        dcp.load(back, storage_reader=runs.shard_reader(folder), planner=runs.safe_load_planner())
+    assert not ran.exists()
+
+
+def test_runs_shard_metadata_swapped_after_the_check_is_never_loaded(tmp_path):
+    """The check and the load opened .metadata separately: a file swapped between them ran. The metadata is read
+    once: what loads is what was checked, whatever the file holds by then."""
+    import torch.distributed.checkpoint as dcp
+    folder, back, weights, ran = shards_and_a_payload(tmp_path)
+    reader = runs.shard_reader(folder)
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(str(ran))))
+    dcp.load(back, storage_reader=reader, planner=runs.safe_load_planner())
+    assert not ran.exists() and all(torch.equal(back["model"][k], v) for k, v in weights.items())
 
 
 def warmed_up(records, lr, warmup=10):

@@ -62,9 +62,9 @@ from generate import SUPPORTED, check_supported, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, group_index, group_sum, policy_loss, ratio_stats, row_weights,
                   zero_variance_keep)
-from runs import (check_shards, checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
+from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
-                  truncate_metrics, write_file)
+                  shard_reader, truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
 
 # -----------------------------------------------------------------------------
@@ -1060,9 +1060,8 @@ class ShardedTrainer(Trainer):
         import torch.distributed.checkpoint as dcp
         folder = os.path.join(self.ckpt, SHARDS)
         state = pipeline.sharded_state(self.model, self.opt)
-        check_shards(folder)  # nothing in the folder runs code
-        dcp.load(state, checkpoint_id=folder, process_group=self.ctx.trainers,
-                 planner=safe_load_planner())
+        dcp.load(state, storage_reader=shard_reader(folder),  # nothing in the folder runs code
+                 process_group=self.ctx.trainers, planner=safe_load_planner())
         pipeline.set_sharded_state(self.model, self.opt, state)
 
 # -----------------------------------------------------------------------------
