@@ -5023,6 +5023,59 @@ def test_train_run_files_are_never_written_through_a_symlink(toy_dir, tmp_path):
     assert target.read_text() == "precious"
 
 
+def planted(tmp_path, *links):
+    """A folder outside the run that links planted in it point to -> a snapshot of it (names and bytes)."""
+    victim = tmp_path / "victim"
+    victim.mkdir(exist_ok=True)
+    (victim / "config.json").write_text("precious")
+    for link in links:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(victim if link.name.endswith("ckpt-000002.tmp") else victim / "config.json")
+    return lambda: {p.name: p.read_bytes() for p in victim.iterdir()}
+
+
+def test_runs_a_planted_checkpoint_temp_link_is_never_written_through(tmp_path):
+    """A planted ckpt-STEP.tmp link: rmtree(ignore_errors) failed silently on it, save_pretrained wrote into another
+    model folder and ckpt-STEP pointed there. The link is removed, the folder made anew."""
+    out = tmp_path / "run"
+    snapshot = planted(tmp_path, out / "ckpt-000002.tmp", out / "ckpt-000002")
+    before = snapshot()
+    write = lambda p: (Path(p) / "config.json").write_text("{}")  # noqa: E731
+    fake = dict(model=types.SimpleNamespace(save_pretrained=write),
+                tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={"step": 2}, keep=2)
+    final = runs.save_checkpoint(str(out), 2, **fake)
+    assert snapshot() == before and not os.path.islink(final) and (out / "ckpt-000002" / "config.json").read_text() == "{}"
+    (out / "ckpt-000003.tmp").symlink_to(tmp_path / "victim")  # one left for a later rank's shards: refused
+    with pytest.raises(SystemExit, match=r"^error: .*ckpt-000003\.tmp is not the folder this run made"):
+        runs.save_checkpoint(str(out), 3, **fake, fresh=False)
+    assert snapshot() == before
+
+
+def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_dir, tmp_path, monkeypatch):
+    """curriculum-rankN.json.tmp (plain open), curves.png (savefig), study's problems/*.jsonl.tmp and --out's
+    .write-test-PID (its PID guessable) were written through a link planted there: now each is replaced or
+    removed, never followed, and the files land in the folder."""
+    out = tmp_path / "run"
+    snapshot = planted(tmp_path, out / "curriculum-rank1.json.tmp", out / "curves.png", out / "curves.png.tmp",
+                       tmp_path / "new" / f".write-test-{os.getpid()}", tmp_path / "study" / "problems" / "train.jsonl.tmp",
+                       tmp_path / "study" / "problems" / "val.jsonl")
+    before = snapshot()
+    pipeline._save_curriculum(data.Curriculum(10, seed=1), str(out / "curriculum-rank1.json"))
+    assert json.loads((out / "curriculum-rank1.json").read_text()) == data.Curriculum(10, seed=1).state_dict()
+    write_eval_lines(out, [{"kind": "eval", "step": i, "compute_s": 1.0 + i, "pass_rate": 0.5} for i in range(3)])
+    png = fit.plot_curves(str(out))
+    assert not os.path.islink(png) and Path(png).read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.setattr(study, "TRAIN", 20)
+    paths = study.make_problems(str(tmp_path / "study"), held_out=5)
+    assert [len(Path(p).read_text().splitlines()) for p in paths] == [20, 5]
+    args = train.get_args(["--model", str(toy_dir), "--out", str(tmp_path / "new")])
+    try:
+        runs.prepare_out_dir(args)
+    finally:
+        runs.release_lock()
+    assert snapshot() == before
+
+
 def test_train_resume_falls_back_past_a_checkpoint_without_config_and_names_bad_metrics_lines(toy_dir, tmp_path,
                                                                                               capsys):
     out = tmp_path / "run"
