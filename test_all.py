@@ -1005,6 +1005,20 @@ def test_verify_a_word_beside_the_answer_must_be_a_unit_and_points_alone_prove_n
     assert firsts != seconds and len({abs(x).q for x in firsts}) == len(firsts)  # drawn afresh, no shared grid
 
 
+LISTS = [  # (answer, gold, verdict): a gold that is a list ("2, 100": a comma and a space, or a variable before each
+    # item) reads the answer's commas as a list too, compared as a set (roots in any order); else they may be thousands
+    ("2100", "2, 100", False), ("2100", "x = 2, x = 100", False), ("-3125", "-3, 125", False),
+    ("2,100", "2, 100", True), ("2, 100", "2, 100", True), ("100, 2", "2, 100", True), ("x=100, x=2", "x = 2, x = 100", True),
+    ("125, -3", "-3, 125", True), ("2, 10", "2, 100", False), ("2,100", "2100", True), ("1, 000", "1000", True),
+]
+
+
+def test_verify_a_list_gold_is_never_read_as_thousands():
+    """normalize dropped the spaces, then "2, 100" read as 2100: wrong answers scored True and the right "100, 2"
+    False. The gold's form decides (verify._normalize_pair)."""
+    assert _verdicts(LISTS) == [ok for _, _, ok in LISTS]
+
+
 def test_verify_thinking_opened_by_the_prompt_must_close():
     """DeepSeek-R1 templates end the prompt with "<think>\\n": the completion holds no <think>, so it answers
     only after a </think>; a box inside thoughts it never closed is no answer (math and code alike)."""
@@ -3253,6 +3267,28 @@ def test_fit_load_run_rejects_a_wrong_typed_value_naming_file_line_and_field(tmp
     with pytest.raises(ValueError) as err:
         fit.load_run(str(tmp_path / "run"))
     assert str(err.value) == f"{path}: compute must strictly increase: C=30.0 at line 5, then C=25.0 at line 6"
+
+
+def test_fit_and_study_a_400_digit_number_is_one_line_naming_file_line_and_field(tmp_path):
+    """A 400-digit integer (JSON admits it) raised OverflowError from math.isfinite, outside fit.py's except: an
+    eval line's is a ValueError naming file:line and field, a train line's is skipped like any non-number, and
+    study's run_logs names the file and line of any field it reads that is not a finite number."""
+    huge = 10 ** 400
+    recs = [{"kind": "eval", "step": i, "compute_s": 10.0 * i + 1, "pass_rate": 0.3 + 0.05 * i} for i in range(6)]
+    recs[3]["compute_s"] = huge
+    path = write_eval_lines(tmp_path / "run", recs)
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}:5: field 'compute_s' must be a finite number, got "
+                                         r"10000000000000000000\.\.\. \(401 characters\)$"):
+        fit.load_run(str(tmp_path / "run"))
+    recs[3]["compute_s"] = 31.0
+    train_lines = [{"kind": "train", "step": 1, "reward": huge, "len": 12}, {"kind": "train", "step": 2, "reward": 0.5,
+                                                                              "len": huge}]
+    write_eval_lines(tmp_path / "run", recs + train_lines)
+    assert fit.train_curves(str(tmp_path / "run"))["reward"][1].tolist() == [0.5]
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}:9: field 'len' must be a finite number"):
+        study.run_logs(str(tmp_path / "run"))
+    (tmp_path / "run" / "study_minutes.json").write_text(str(huge))
+    assert study.run_minutes(str(tmp_path / "run")) == 0.0
 
 
 def test_fit_pass_rates_on_a_0_to_100_scale_are_named_as_such(tmp_path):
