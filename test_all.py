@@ -2267,6 +2267,23 @@ def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_pat
     assert time.monotonic() - start < 15 and "\n" not in said["exit"]
 
 
+def test_a_chat_template_computing_a_huge_power_stops_at_the_limit_with_one_line(toy_dir, monkeypatch):
+    """10 ** (10 ** 8) is one C call holding the GIL: neither the trace deadline nor a thread's join acted, and
+    start-up hung (~10 min). The template renders in a child killed at the limit; its errors come back as one line."""
+    tok = AutoTokenizer.from_pretrained(toy_dir)
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0, raising=False)
+    tok.chat_template = "{% for m in messages %}<u>{{ m.content }}{% endfor %}<a>"
+    assert data.render_chat_template(tok, "What is 2+2?") == "<u>What is 2+2?<a>"
+    tok.chat_template = "{{ 10 ** (10 ** 8) }}{{ messages[0].content }}"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^its chat template took over 1 s to render one prompt \(a loop or a huge "):
+        data.render_chat_template(tok, "What is 2+2?")
+    assert time.monotonic() - start < 5
+    tok.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(ValueError, match=r"^its chat template fails: TemplateError: no system role$"):
+        data.render_chat_template(tok, "What is 2+2?")
+
+
 def test_split_is_seeded_and_disjoint():
     probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     tr, va = data.split_problems(probs, 20, seed=3)
