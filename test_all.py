@@ -2953,6 +2953,39 @@ def test_generate_rejects_unsupported_architecture():
         gen.generate(dynamic, [[1, 2]], **GEN)
 
 
+def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(toy_dir, tmp_path, monkeypatch):
+    """rope_theta 0 loaded, made the rotary tables NaN and the sampler died with an IndexError at its first decode
+    step: a rope parameter, a size or a token id out of range is one line naming the field, at --model's check
+    and at load. A tokenizer's PanicException (a BaseException from Rust) is one line too."""
+    base = json.loads((Path(toy_dir) / "config.json").read_text())
+    for k, (edit, field) in enumerate([(("rope_parameters", "rope_theta", 0), "rope_parameters.rope_theta is 0, not a finite"),
+                        ((None, "rope_theta", -1.0), "rope_theta is -1.0, not a finite"),
+                        (("rope_parameters", "factor", float("nan")), "rope_parameters.factor is nan"),
+                        ((None, "hidden_size", 0), "hidden_size is 0, not a whole number >= 1"),
+                        ((None, "num_hidden_layers", -2), "num_hidden_layers is -2"),
+                        ((None, "num_key_value_heads", 3), "num_key_value_heads 3 does not divide"),
+                        ((None, "eos_token_id", [0, 378]), "eos_token_id is [0, 378], not an id below vocab_size 378")]):
+        config = json.loads(json.dumps(base))
+        (config[edit[0]] if edit[0] else config)[edit[1]] = edit[2]
+        folder = tmp_path / f"model{k}"
+        shutil.copytree(toy_dir, folder)
+        (folder / "config.json").write_text(json.dumps(config))
+        errors = []
+        train.check_model_dir(str(folder), errors.append)
+        assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {field}"), errors
+    with pytest.raises(SystemExit, match=r"^error: --model .*: config\.json: rope_parameters\.rope_theta is 0"):
+        train.load_model(str(tmp_path / "model0"), train.get_args([]), torch.device("cpu"))
+
+    class PanicException(BaseException):  # what pyo3 raises for a panic in the tokenizers library
+        pass
+
+    def panic(*a, **k):
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+    monkeypatch.setattr(train.AutoTokenizer, "from_pretrained", panic)
+    with pytest.raises(SystemExit, match=r"^error: --model .*: its tokenizer fails: called `Option::unwrap\(\)`"):
+        train.load_model(str(toy_dir), train.get_args([]), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16)])
 def test_generate_rope_tables_equal_the_models_rotary_module_per_position(kind, dtype):
     """The decode step looks positions up in tables made once; they are the model's own rotary values

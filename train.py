@@ -58,7 +58,7 @@ from transformers.utils import logging as hf_logging
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
-from generate import SUPPORTED, check_supported, sequence_logprobs
+from generate import SUPPORTED, check_supported, config_problem, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, group_index, group_sum, policy_loss, ratio_stats, row_weights,
                   zero_variance_keep)
@@ -462,11 +462,17 @@ def check_model_dir(path, error):
     if not (glob.glob(os.path.join(folder, "*.safetensors")) +
             glob.glob(os.path.join(folder, "*.bin"))):
         error(f"--model {name}: no weights (*.safetensors or *.bin) in the folder")
-    with open(os.path.join(folder, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        config = {"model_type": f"unreadable ({type(err).__name__}: {err})"}
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in SUPPORTED:
         error(f"--model {name}: model_type {model_type!r} is not supported by the sampler "
               f"({', '.join(SUPPORTED)})")
+    elif problem := config_problem(config):
+        error(f"--model {name}: config.json: {problem}")
     return folder
 
 
@@ -571,9 +577,14 @@ def load_model(model_dir, args, device):
             format_prompt(tokenizer, "", domain)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, args.dtype), trust_remote_code=False).to(device)
+        check_supported(model)
     except ValueError as err:
         sys.exit(f"error: --model {model_dir}: {' '.join(str(err).split())[:400]}")
-    check_supported(model)
+    except BaseException as err:  # the tokenizers library's PanicException (a Rust panic) is none
+        if type(err).__name__ != "PanicException":
+            raise
+        sys.exit(f"error: --model {model_dir}: its tokenizer fails: "
+                 f"{' '.join(str(err).split())[:400]}")
     return tokenizer, model
 
 
