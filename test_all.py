@@ -5148,12 +5148,13 @@ def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_d
     before = snapshot()
     pipeline._save_curriculum(data.Curriculum(10, seed=1), str(out / "curriculum-rank1.json"))
     assert json.loads((out / "curriculum-rank1.json").read_text()) == data.Curriculum(10, seed=1).state_dict()
+    assert snapshot() == before
     write_eval_lines(out, [{"kind": "eval", "step": i, "compute_s": 1.0 + i, "pass_rate": 0.5} for i in range(3)])
     png = fit.plot_curves(str(out))
-    assert not os.path.islink(png) and Path(png).read_bytes()[:4] == b"\x89PNG"
+    assert snapshot() == before and not os.path.islink(png) and Path(png).read_bytes()[:4] == b"\x89PNG"
     monkeypatch.setattr(study, "TRAIN", 20)
     paths = study.make_problems(str(tmp_path / "study"), held_out=5)
-    assert [len(Path(p).read_text().splitlines()) for p in paths] == [20, 5]
+    assert snapshot() == before and [len(Path(p).read_text().splitlines()) for p in paths] == [20, 5]
     args = train.get_args(["--model", str(toy_dir), "--out", str(tmp_path / "new")])
     try:
         runs.prepare_out_dir(args)
@@ -5299,9 +5300,8 @@ def shards_and_a_payload(tmp_path):
 def test_runs_shard_metadata_naming_a_dotted_name_runs_nothing(tmp_path):
     """Pickle protocol 4 lets a name be dotted: torch.distributed.checkpoint.metadata imports os, so "os.system"
     under that module ran a command inside the check itself. Only exact (module, name) pairs load."""
-    from torch.distributed.checkpoint.metadata import Metadata
     folder, _, _, ran = shards_and_a_payload(tmp_path)
-    assert isinstance(runs.check_shards(folder), Metadata)  # the real file passes
+    runs.check_shards(folder)  # the real file passes
     module, name, command = b"torch.distributed.checkpoint.metadata", b"os.system", f"touch {ran}".encode()
     payload = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
                + b"\x8c" + bytes([len(command)]) + command + b"\x85R.")
