@@ -147,7 +147,7 @@ def open_run_file(path, mode, new=False):
     flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
              | (os.O_APPEND if "a" in mode else os.O_TRUNC) | (os.O_EXCL if new else 0))
     try:
-        return os.fdopen(os.open(path, flags, 0o644), mode)
+        return open(path, mode, opener=lambda p, _: os.open(p, flags, 0o644))  # .name: the path
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.EEXIST):
             sys.exit(f"error: {path} is a symlink{' or was made again' if new else ''}: a run "
