@@ -68,7 +68,9 @@ import math
 import os
 import random
 import re
+import select
 import shutil
+import signal
 import stat
 import sys
 import threading
@@ -483,36 +485,48 @@ def chat_frame(tokenizer, instruction):
 
 
 def render_chat_template(tokenizer, content):
-    """tokenizer.apply_chat_template of one user message, in a thread of its own that stops at
-    TEMPLATE_SECONDS (a trace function ends a loop of the template's Python; a wait past it gives up
-    on anything else) -> the prompt text; ValueError, one line, when it fails or takes too long."""
+    """tokenizer.apply_chat_template of one user message, in a forked child killed at
+    TEMPLATE_SECONDS: a template is code from the model folder, and neither a loop nor one long C
+    call (10 ** (10 ** 8)) in it can hold this process -> the prompt text; ValueError, one line,
+    when it fails or takes too long."""
     seconds = TEMPLATE_SECONDS
-    result, deadline = {}, time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        return trace
-
-    def render():
-        sys.settrace(trace)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, send the result as JSON, exit without any clean-up
         try:
-            result["text"] = tokenizer.apply_chat_template(
+            os.close(read)
+            text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-        except Exception as err:
-            result["error"] = err
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=render, daemon=True)
-    thread.start()
-    thread.join(seconds + 1)
-    if isinstance(result.get("text"), str):
-        return result["text"]
-    error = result.get("error", TimeoutError())
-    raise ValueError(f"its chat template took over {seconds:g} s to render one prompt (a loop in "
-                     "it?)" if isinstance(error, TimeoutError) else
-                     f"its chat template fails: {type(error).__name__}: {_one_line(error)}")
+            said = ({"text": text} if isinstance(text, str) else
+                    {"error": f"it renders a {type(text).__name__}, not text"})
+        except BaseException as err:  # a PanicException too: reported, then the child exits
+            said = {"error": f"{type(err).__name__}: {_one_line(err)}"}
+        with contextlib.suppress(BaseException):
+            with os.fdopen(write, "w") as f:
+                json.dump(said, f)
+        os._exit(0)
+    os.close(write)
+    deadline, chunks = time.monotonic() + seconds, []
+    try:
+        while (left := deadline - time.monotonic()) > 0 and select.select([read], [], [], left)[0]:
+            if not (chunk := os.read(read, 1 << 20)):
+                break
+            chunks.append(chunk)
+        else:
+            raise ValueError(f"its chat template took over {seconds:g} s to render one prompt "
+                             "(a loop or a huge computation in it?)")
+    finally:
+        os.close(read)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    try:
+        said = json.loads(b"".join(chunks))
+    except ValueError:
+        said = {"error": "its renderer died"}
+    if "text" in said:
+        return said["text"]
+    raise ValueError(f"its chat template fails: {said['error']}")
 
 
 def prompt_ids(tokenizer, problem, domain="math"):

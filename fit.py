@@ -82,6 +82,7 @@ import numpy as np
 from scipy.optimize import curve_fit
 
 from data import read_jsonl
+from runs import replace_file
 
 FIT_FROM = 0.1  # default fit start: this fraction of the largest compute fitted
 MIN_POINTS = 4       # fitted points needed (3 parameters + 1)
@@ -334,14 +335,30 @@ def eval_point(rec, compute, metric, where):
     missing = [k for k in (compute, metric) if k not in rec]
     if missing:
         raise ValueError(f"{where}: eval line: missing field '{missing[0]}' (it has {sorted(rec)})")
-    for k in (compute, metric):
-        v = rec[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"{where}: field '{k}' must be a finite number, got {v!r}")
-    if not 0 <= rec[metric] <= 1:
+    C, R = (checked_number(rec, k, where) for k in (compute, metric))
+    if not 0 <= R <= 1:
         raise ValueError(f"{where}: field '{metric}' must be a pass rate in [0, 1], "
                          f"got {rec[metric]!r}")
-    return rec[compute], rec[metric]
+    return C, R
+
+
+def finite(v):
+    """v is a number a float holds, finite (not a boolean, not an integer past 1e308)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def checked_number(rec, key, where):
+    """rec[key] as a float, or ValueError 'WHERE: ...' when it is not a finite number."""
+    v = rec[key]
+    if not finite(v):
+        text = repr(v) if len(repr(v)) < 40 else f"{repr(v)[:20]}... ({len(repr(v))} characters)"
+        raise ValueError(f"{where}: field '{key}' must be a finite number, got {text}")
+    return float(v)
 
 
 def metrics_file(run_dir):
@@ -393,9 +410,7 @@ def number(rec, key):
     """rec[key] as a float, or None where it is missing or not a finite number
     (a boolean is not one)."""
     v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
+    return float(v) if finite(v) else None
 
 
 def train_curves(run_dir):
@@ -482,7 +497,7 @@ def plot_curves(run_dir):
         axes[-1].set_xlim(steps[0] - 1, steps[0] + 1)
     fig.suptitle(f"{os.path.basename(os.path.normpath(run_dir))}: training curves", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=90)
+    savefig(fig, png)
     plt.close(fig)
     return png
 
@@ -590,7 +605,13 @@ def save_figure(fig, ax, path, n):
     if ax.get_legend_handles_labels()[0]:
         beside = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if n > 4 else {}
         ax.legend(fontsize=7, **beside)
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    savefig(fig, path, bbox_inches="tight")
+
+
+def savefig(fig, path, **kw):
+    """fig.savefig, never through a link planted at path (runs.replace_file)."""
+    kind = os.path.splitext(path)[1][1:].lower() or "png"
+    replace_file(path, lambda f: fig.savefig(f, format=kind, dpi=90, **kw), "wb")
 
 
 def figure_name(compute, metric):

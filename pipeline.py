@@ -1435,9 +1435,8 @@ def send_group(ctx, gen, group):
 
 def _save_curriculum(curriculum, path):
     """As JSON: plain data, which loading cannot turn into code (a pickle could)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(curriculum.state_dict(), f)
-    os.replace(path + ".tmp", path)
+    from runs import replace_file  # never through a link planted in --out
+    replace_file(path, lambda f: json.dump(curriculum.state_dict(), f))
 
 # -----------------------------------------------------------------------------
 # memory plan: the bytes each role will hold, from the model's config and the run's sizes (rank 0

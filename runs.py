@@ -7,13 +7,16 @@ GPU-hours), so a run must survive being stopped and resumed, and never touch wha
   would clear (check_out_dir); a folder is a run of train.py when it holds RUN_MARK (or, written
   before that existed, a metrics.jsonl that opens with train.py's config line); --overwrite deletes,
   and checkpoint pruning prunes, only the names a run writes (RUN_NAME: metrics.jsonl, ckpt-STEP,
-  curriculum-rankN.json (.pt before), and tb/ or wandb/ when RUN_MARK says a run used them); run
-  files are never written through a symlink; rank 0 holds --out/.lock for the whole run.
+  curriculum-rankN.json (.pt before), and tb/ or wandb/ when RUN_MARK says a run used them); run,
+  study and fit files are written through open_run_file / replace_file / checkpoint_tmp only, which
+  never follow a link (one planted there is an error or is replaced, never written through);
+  rank 0 holds --out/.lock for the whole run.
 - Checkpoints: written under a temporary name and renamed into place; --resume takes the newest one
   whose state, config and weight headers load (a broken newer one is skipped and named), refuses
   another data set, split or model, and drops the metrics lines written after it. Nothing is
   unpickled: state.pt loads as tensors and plain data only (load_state), the generators'
-  curricula are JSON; a state.pt or curriculum of another kind stops --resume with one line.
+  curricula are JSON, --fsdp's shard metadata is read once, naming only SHARD_METADATA
+  (shard_reader); a file of another kind stops --resume with one line.
 - Metrics: metrics.jsonl, one JSON object a line, and the optional --wandb / --tensorboard trackers.
 - The exact command that resumes this run (printed when a signal stops it).
 
@@ -22,6 +25,7 @@ GPU-hours), so a run must survive being stopped and resumed, and never touch wha
 import errno
 import fcntl
 import glob
+import io
 import json
 import os
 import pickle
@@ -30,9 +34,7 @@ import shlex
 import shutil
 import socket
 import sys
-
-import torch
-from safetensors import safe_open
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
@@ -109,9 +111,9 @@ def prepare_out_dir(args, need_mb=100):
         sys.exit(f"error: {problem}")
     try:
         os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("x")
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")  # a new file: never a link
+        os.write(fd, b"x")
+        os.close(fd)
         os.remove(probe)
     except OSError as err:
         sys.exit(f"error: --out {out} is not writable: {err}")
@@ -132,25 +134,44 @@ def prepare_out_dir(args, need_mb=100):
         return
     lock_run(out)
     for name in held if args.overwrite else []:
-        path = os.path.join(out, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        remove(os.path.join(out, name))
     mark = {} if args.overwrite else read_mark(out)
     write_file(os.path.join(out, RUN_MARK),
                json.dumps({"tb": mark.get("tb") or args.tensorboard,
                            "wandb": mark.get("wandb") or bool(args.wandb)}))
 
 
-def open_run_file(path, mode):
-    """Open a file of the run folder for writing ("w" or "a") without following a symlink
-    planted there."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+def open_run_file(path, mode, new=False):
+    """Open a file of a run, study or fit folder for writing ("w", "a", "wb") without following a
+    symlink planted there (new: it must not exist yet)."""
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+             | (os.O_APPEND if "a" in mode else os.O_TRUNC) | (os.O_EXCL if new else 0))
     try:
-        return os.fdopen(os.open(path, flags, 0o644), mode)
+        return open(path, mode, opener=lambda p, _: os.open(p, flags, 0o644))  # .name: the path
     except OSError as err:
-        if err.errno == errno.ELOOP:
-            sys.exit(f"error: {path} is a symlink: a run writes its own files only, "
-                     "never through a link")
+        if err.errno in (errno.ELOOP, errno.EEXIST):
+            sys.exit(f"error: {path} is a symlink{' or was made again' if new else ''}: a run "
+                     "writes its own files only, never through a link")
         raise
+
+
+def replace_file(path, write, mode="w"):
+    """Write path whole or not at all: write(f) fills PATH.tmp, created new (whatever was there,
+    a planted link included, is removed, never followed), which then replaces path (a link at
+    path is replaced, its target untouched)."""
+    tmp = path + ".tmp"
+    remove(tmp)
+    with open_run_file(tmp, mode, new=True) as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def remove(path):
+    """Delete a file, folder or link (the link, never what it points to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def write_file(path, text):
@@ -191,10 +212,16 @@ def disk_error(path, err, out):
 
 
 def checkpoint_tmp(out, step, fresh=True):
-    """The folder ckpt-STEP is written into before it is renamed into place (fresh: emptied)."""
+    """The folder ckpt-STEP is written into before it is renamed into place (fresh: made anew,
+    whatever was there removed; a link there is removed, never written through)."""
     tmp = os.path.join(out, f"ckpt-{step:06d}.tmp")
     if fresh:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
+        try:
+            os.mkdir(tmp)  # fails on anything made there since: never a link
+        except FileExistsError:
+            sys.exit(f"error: {tmp} was made again while the run writes it: a run writes its own "
+                     "files only, never through a link")
     return tmp
 
 
@@ -203,20 +230,25 @@ def save_checkpoint(out, step, model, tokenizer, state, keep, fresh=True):
     this run: older steps are pruned by step number, never the one just written. A failed write
     (disk full) leaves the earlier checkpoints as they were and exits with one line. fresh=False:
     the temp folder already holds what other ranks wrote into it (sharded state), and is kept."""
+    import torch
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = checkpoint_tmp(out, step, fresh)
+    if os.path.islink(tmp) or not os.path.isdir(tmp):  # the folder rank 0 made (--fsdp's shards)
+        sys.exit(f"error: {tmp} is not the folder this run made (a symlink?): a run writes its "
+                 "own files only, never through a link")
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open_run_file(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise disk_error(tmp, err, out) from None
-    shutil.rmtree(final, ignore_errors=True)
+    remove(final)
     os.replace(tmp, final)
     older = [p for p in checkpoints(out) if step_of(p) < step]
     for old in older[:max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old)
+        remove(old)
     return final
 
 
@@ -236,6 +268,7 @@ def checkpoints(out):
 def intact_checkpoint(out, quiet=False):
     """The newest checkpoint whose state and weight headers load -> (path, state), or (None, {}). A
     newer broken one (a crash mid-copy, a bad disk) is skipped and named."""
+    from safetensors import safe_open
     for path in reversed(checkpoints(out)):
         try:
             state = load_state(os.path.join(path, "state.pt"))
@@ -263,6 +296,7 @@ def load_state(path):
     unpickle anything else would run code named in the file. One that holds other objects (written
     by an older train.py, or not by train.py) stops the run with one line: it is not broken, and
     falling back to an older checkpoint would silently lose steps."""
+    import torch
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     if unsafe:
         sys.exit(f"error: --resume: {path} holds objects other than tensors and plain data "
@@ -272,36 +306,66 @@ def load_state(path):
     return torch.load(path, weights_only=True)
 
 
-# what a sharded checkpoint's .metadata (torch.distributed.checkpoint) may name: its own record
-# types, torch.Size, dtypes, layouts and a path; nothing that runs code
+# all that a sharded checkpoint's .metadata (torch.distributed.checkpoint's pickle of its Metadata)
+# names, as torch 2.13 writes it: its record types, torch.Size, a layout, a path and dtypes (added
+# in check_shards); exact pairs, so no dotted name reaches past them
 SHARD_METADATA = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                   ("pathlib", "PosixPath"),
-                  ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-
-class ShardMetadata(pickle.Unpickler):
-    """Unpickles a .metadata file naming nothing but SHARD_METADATA, the record types of
-    torch.distributed.checkpoint.metadata and torch's dtypes."""
-
-    def find_class(self, module, name):
-        if ((module, name) in SHARD_METADATA or module == "torch.distributed.checkpoint.metadata"
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}")
+                  ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                 "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                 "_MEM_FORMAT_ENCODING")}
 
 
 def check_shards(folder):
-    """--resume --fsdp: torch.distributed.checkpoint unpickles a checkpoint's shards/.metadata with
-    no restriction; read it here first, allowing only its own record types: a file that names
-    anything else (it could run code) stops the run with one line."""
+    """--resume --fsdp: a checkpoint's shards/.metadata, read once and unpickled naming nothing
+    but SHARD_METADATA and torch's dtypes -> its Metadata; anything else (it could run code), or
+    data files outside the folder, stops the run with one line."""
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    allowed = SHARD_METADATA | {("torch", n) for n, v in vars(torch).items()
+                                if isinstance(v, torch.dtype)}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in allowed:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"it names {module}.{name}")
+
     path = os.path.join(folder, ".metadata")
     try:
         with open(path, "rb") as f:
-            ShardMetadata(f).load()
+            metadata = Unpickler(io.BytesIO(f.read())).load()
+        if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_data, dict)
+                and isinstance(metadata.storage_meta, (StorageMeta, type(None)))):
+            raise ValueError(f"it holds a {type(metadata).__name__}, not a Metadata")
+        for info in metadata.storage_data.values():
+            name = getattr(info, "relative_path", None)
+            if not (isinstance(name, str) and re.fullmatch(r"[\w.-]+", name) and name[0] != "."):
+                raise ValueError(f"it names a data file {name!r} outside its folder")
     except Exception as err:
         sys.exit(f"error: --resume: {path} is not a plain sharded checkpoint's metadata ({err}): "
                  "it is not loaded, since loading it could run code from the file; start another "
                  "--out")
+    return metadata
+
+
+def shard_reader(folder):
+    """dcp.load's storage_reader for --resume --fsdp: its metadata is the one check_shards read
+    and checked (the file is read once, so one swapped after the check is never loaded), and it
+    never falls back to another metadata file (__RANK.metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    metadata = check_shards(folder)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self):  # no rank argument: dcp.load has no fallback to try
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(folder)
 
 
 def safe_load_planner():
@@ -309,6 +373,7 @@ def safe_load_planner():
     hyper-parameters) must load as plain data (torch.load weights_only=True) before it is read the
     way the library reads it (which would run code named in the file). Made here, not at import:
     only --fsdp loads the library (~1 CPU-s)."""
+    import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):

@@ -141,9 +141,9 @@ import numpy as np
 from scipy import stats
 
 from data import read_jsonl, toy_model_dir, toy_problems
-from runs import checkpoints
-from fit import (NOISE_A, check_points, color, extrapolation_check, fit_sigmoid, fit_start,
-                 load_run, plot, save_figure, sigmoid)
+from runs import checkpoints, open_run_file, replace_file
+from fit import (NOISE_A, check_points, checked_number, color, extrapolation_check, finite,
+                 fit_sigmoid, fit_start, load_run, plot, save_figure, sigmoid)
 
 SEEDS = 5
 HELD_OUT = 2000       # held-out prompts, the same for every run
@@ -238,9 +238,7 @@ def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
     problems = list(distinct.values())
     random.Random(0).shuffle(problems)
     for path, rows in zip(paths, (problems[held_out:held_out + TRAIN], problems[:held_out])):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(path + ".tmp", path)
+        replace_file(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
     return paths
 
 
@@ -253,9 +251,10 @@ def run_minutes(path):
     had, evals included), 0 when it did not."""
     try:
         with open(os.path.join(path, "study_minutes.json")) as f:
-            return float(json.load(f))
+            minutes = json.load(f)
     except (OSError, ValueError):
         return 0.0
+    return float(minutes) if finite(minutes) and minutes >= 0 else 0.0
 
 
 def finished(path, steps):
@@ -402,8 +401,9 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                     stop(f"{r['name']} seed {r['seed']} failed (exit {code}; its log: "
                          f"{r['log'].name})", 1)
                 minutes[r["name"] in RANKS].append(used(r))
-                with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
-                    json.dump(used(r), f)
+                spent_r = used(r)
+                replace_file(os.path.join(r["path"], "study_minutes.json"),
+                             lambda f: json.dump(spent_r, f))
                 print(f"study: {r['name']} seed {r['seed']} done in {used(r):.1f} machine-min | "
                       f"{eta()}", flush=True)
             if PARALLEL - sum(r["cores"] for r in running) >= free:
@@ -427,8 +427,8 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 path = run_dir(out, name, seed)
                 cmd = run_command(name, flags, path, seed, steps, data, extra)
                 pending.remove((name, seed))
-                log = open(os.path.join(out, f"{name}-s{seed}.log"), "a" if "--resume" in cmd
-                           else "w")
+                log = open_run_file(os.path.join(out, f"{name}-s{seed}.log"),
+                                    "a" if "--resume" in cmd else "w")
                 rendezvous_file(path, remove=True)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                         env=os.environ | {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
@@ -451,6 +451,11 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
 # fitting and judging
 
 
+# the fields of a metrics line that run_logs reads as numbers
+NUMBERS = ("pass_rate_se", "intr", "trunc", "len", "lag", "retired", "epoch", "dropped_zero_var",
+           "prompts")
+
+
 def run_logs(path):
     """What a run's metrics say besides its curve, read once -> (the standard error of its last
     eval, pass_rate_se, NaN when it logged none; what its knobs did: the shares of samples
@@ -458,11 +463,15 @@ def run_logs(path):
     over the steps), and at the end the prompts retired by No-Positive-Resampling and the epoch
     reached (a retired prompt is only ever skipped from epoch 1 on); NaN where the run did not log
     a field)."""
-    records = [r for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))]
+    file = os.path.join(path, "metrics.jsonl")
+    # every number these fields hold, checked: a finite float, or ValueError naming file:line
+    records = [{k: checked_number(r, k, f"{file}:{i}")
+                if k in NUMBERS and r.get("kind") in ("train", "eval") else v
+                for k, v in r.items()} for i, r in read_jsonl(file)]
     evals = [r for r in records if r.get("kind") == "eval"]
     train = [r for r in records if r.get("kind") == "train"]
     nan = float("nan")
-    se = float(evals[-1].get("pass_rate_se", nan)) if evals else nan
+    se = evals[-1].get("pass_rate_se", nan) if evals else nan
     values = lambda key: [r[key] for r in train if key in r]  # noqa: E731
     mean = lambda v: float(np.mean(v)) if v else nan  # noqa: E731
     zero_var = [r["dropped_zero_var"] / max(r.get("prompts", 1), 1) for r in train
@@ -889,10 +898,9 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
     meta = dict(seeds=seeds, steps=steps, minutes=minutes, left_out=left_out, quick=quick,
                 auc_to=auc_to)
     text = "\n".join(report_lines(out, tables, found, pred, averaged, meta)) + "\n"
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, "study_report.json"), "w") as f:
-        json.dump(summary_json(table, found, pred, averaged, meta), f, indent=1)
+    replace_file(os.path.join(out, "report.md"), lambda f: f.write(text))
+    summary = summary_json(table, found, pred, averaged, meta)
+    replace_file(os.path.join(out, "study_report.json"), lambda f: json.dump(summary, f, indent=1))
     draw(out, table)
     return text
 
@@ -971,10 +979,15 @@ def main(argv=None):
     if args.assets:
         os.makedirs(args.assets, exist_ok=True)
         for name in written[1:]:
-            shutil.copyfile(os.path.join(args.out, name), os.path.join(args.assets, name))
+            with open(os.path.join(args.out, name), "rb") as src:
+                replace_file(os.path.join(args.assets, name), lambda f: shutil.copyfileobj(src, f),
+                             "wb")
     print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}" +
           (f"; copied the last three to {args.assets}" if args.assets else ""))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError) as err:  # a file that cannot be read: one line, no traceback
+        sys.exit(f"study: error: {err}")

@@ -1005,6 +1005,20 @@ def test_verify_a_word_beside_the_answer_must_be_a_unit_and_points_alone_prove_n
     assert firsts != seconds and len({abs(x).q for x in firsts}) == len(firsts)  # drawn afresh, no shared grid
 
 
+LISTS = [  # (answer, gold, verdict): a gold that is a list ("2, 100": a comma and a space, or a variable before each
+    # item) reads the answer's commas as a list too, compared as a set (roots in any order); else they may be thousands
+    ("2100", "2, 100", False), ("2100", "x = 2, x = 100", False), ("-3125", "-3, 125", False),
+    ("2,100", "2, 100", True), ("2, 100", "2, 100", True), ("100, 2", "2, 100", True), ("x=100, x=2", "x = 2, x = 100", True),
+    ("125, -3", "-3, 125", True), ("2, 10", "2, 100", False), ("2,100", "2100", True), ("1, 000", "1000", True),
+]
+
+
+def test_verify_a_list_gold_is_never_read_as_thousands():
+    """normalize dropped the spaces, then "2, 100" read as 2100: wrong answers scored True and the right "100, 2"
+    False. The gold's form decides (verify._normalize_pair)."""
+    assert _verdicts(LISTS) == [ok for _, _, ok in LISTS]
+
+
 def test_verify_thinking_opened_by_the_prompt_must_close():
     """DeepSeek-R1 templates end the prompt with "<think>\\n": the completion holds no <think>, so it answers
     only after a </think>; a box inside thoughts it never closed is no answer (math and code alike)."""
@@ -2251,6 +2265,23 @@ def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_pat
     assert time.monotonic() - start < 15 and "\n" not in said["exit"]
 
 
+def test_a_chat_template_computing_a_huge_power_stops_at_the_limit_with_one_line(toy_dir, monkeypatch):
+    """10 ** (10 ** 8) is one C call holding the GIL: neither the trace deadline nor a thread's join acted, and
+    start-up hung (~10 min). The template renders in a child killed at the limit; its errors come back as one line."""
+    tok = AutoTokenizer.from_pretrained(toy_dir)
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0, raising=False)
+    tok.chat_template = "{% for m in messages %}<u>{{ m.content }}{% endfor %}<a>"
+    assert data.render_chat_template(tok, "What is 2+2?") == "<u>What is 2+2?<a>"
+    tok.chat_template = "{{ 10 ** (10 ** 8) }}{{ messages[0].content }}"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^its chat template took over 1 s to render one prompt \(a loop or a huge "):
+        data.render_chat_template(tok, "What is 2+2?")
+    assert time.monotonic() - start < 5
+    tok.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(ValueError, match=r"^its chat template fails: TemplateError: no system role$"):
+        data.render_chat_template(tok, "What is 2+2?")
+
+
 def test_split_is_seeded_and_disjoint():
     probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     tr, va = data.split_problems(probs, 20, seed=3)
@@ -2920,6 +2951,39 @@ def test_generate_rejects_unsupported_architecture():
         gen.generate(dynamic, [[1, 2]], **GEN)
 
 
+def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(toy_dir, tmp_path, monkeypatch):
+    """rope_theta 0 loaded, made the rotary tables NaN and the sampler died with an IndexError at its first decode
+    step: a rope parameter, a size or a token id out of range is one line naming the field, at --model's check
+    and at load. A tokenizer's PanicException (a BaseException from Rust) is one line too."""
+    base = json.loads((Path(toy_dir) / "config.json").read_text())
+    for k, (edit, field) in enumerate([(("rope_parameters", "rope_theta", 0), "rope_parameters.rope_theta is 0, not a finite"),
+                        ((None, "rope_theta", -1.0), "rope_theta is -1.0, not a finite"),
+                        (("rope_parameters", "factor", float("nan")), "rope_parameters.factor is nan"),
+                        ((None, "hidden_size", 0), "hidden_size is 0, not a whole number >= 1"),
+                        ((None, "num_hidden_layers", -2), "num_hidden_layers is -2"),
+                        ((None, "num_key_value_heads", 3), "num_key_value_heads 3 does not divide"),
+                        ((None, "eos_token_id", [0, 378]), "eos_token_id is [0, 378], not an id below vocab_size 378")]):
+        config = json.loads(json.dumps(base))
+        (config[edit[0]] if edit[0] else config)[edit[1]] = edit[2]
+        folder = tmp_path / f"model{k}"
+        shutil.copytree(toy_dir, folder)
+        (folder / "config.json").write_text(json.dumps(config))
+        errors = []
+        train.check_model_dir(str(folder), errors.append)
+        assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {field}"), errors
+    with pytest.raises(SystemExit, match=r"^error: --model .*: config\.json: rope_parameters\.rope_theta is 0"):
+        train.load_model(str(tmp_path / "model0"), train.get_args([]), torch.device("cpu"))
+
+    class PanicException(BaseException):  # what pyo3 raises for a panic in the tokenizers library
+        pass
+
+    def panic(*a, **k):
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+    monkeypatch.setattr(train.AutoTokenizer, "from_pretrained", panic)
+    with pytest.raises(SystemExit, match=r"^error: --model .*: its tokenizer fails: called `Option::unwrap\(\)`"):
+        train.load_model(str(toy_dir), train.get_args([]), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16)])
 def test_generate_rope_tables_equal_the_models_rotary_module_per_position(kind, dtype):
     """The decode step looks positions up in tables made once; they are the model's own rotary values
@@ -3251,6 +3315,28 @@ def test_fit_load_run_rejects_a_wrong_typed_value_naming_file_line_and_field(tmp
     with pytest.raises(ValueError) as err:
         fit.load_run(str(tmp_path / "run"))
     assert str(err.value) == f"{path}: compute must strictly increase: C=30.0 at line 5, then C=25.0 at line 6"
+
+
+def test_fit_and_study_a_400_digit_number_is_one_line_naming_file_line_and_field(tmp_path):
+    """A 400-digit integer (JSON admits it) raised OverflowError from math.isfinite, outside fit.py's except: an
+    eval line's is a ValueError naming file:line and field, a train line's is skipped like any non-number, and
+    study's run_logs names the file and line of any field it reads that is not a finite number."""
+    huge = 10 ** 400
+    recs = [{"kind": "eval", "step": i, "compute_s": 10.0 * i + 1, "pass_rate": 0.3 + 0.05 * i} for i in range(6)]
+    recs[3]["compute_s"] = huge
+    path = write_eval_lines(tmp_path / "run", recs)
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}:5: field 'compute_s' must be a finite number, got "
+                                         r"10000000000000000000\.\.\. \(401 characters\)$"):
+        fit.load_run(str(tmp_path / "run"))
+    recs[3]["compute_s"] = 31.0
+    train_lines = [{"kind": "train", "step": 1, "reward": huge, "len": 12}, {"kind": "train", "step": 2, "reward": 0.5,
+                                                                              "len": huge}]
+    write_eval_lines(tmp_path / "run", recs + train_lines)
+    assert fit.train_curves(str(tmp_path / "run"))["reward"][1].tolist() == [0.5]
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}:9: field 'len' must be a finite number"):
+        study.run_logs(str(tmp_path / "run"))
+    (tmp_path / "run" / "study_minutes.json").write_text(str(huge))
+    assert study.run_minutes(str(tmp_path / "run")) == 0.0
 
 
 def test_fit_pass_rates_on_a_0_to_100_scale_are_named_as_such(tmp_path):
@@ -5104,6 +5190,60 @@ def test_train_run_files_are_never_written_through_a_symlink(toy_dir, tmp_path):
     assert target.read_text() == "precious"
 
 
+def planted(tmp_path, *links):
+    """A folder outside the run that links planted in it point to -> a snapshot of it (names and bytes)."""
+    victim = tmp_path / "victim"
+    victim.mkdir(exist_ok=True)
+    (victim / "config.json").write_text("precious")
+    for link in links:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(victim if link.name.endswith("ckpt-000002.tmp") else victim / "config.json")
+    return lambda: {p.name: p.read_bytes() for p in victim.iterdir()}
+
+
+def test_runs_a_planted_checkpoint_temp_link_is_never_written_through(tmp_path):
+    """A planted ckpt-STEP.tmp link: rmtree(ignore_errors) failed silently on it, save_pretrained wrote into another
+    model folder and ckpt-STEP pointed there. The link is removed, the folder made anew."""
+    out = tmp_path / "run"
+    snapshot = planted(tmp_path, out / "ckpt-000002.tmp", out / "ckpt-000002")
+    before = snapshot()
+    write = lambda p: (Path(p) / "config.json").write_text("{}")  # noqa: E731
+    fake = dict(model=types.SimpleNamespace(save_pretrained=write),
+                tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={"step": 2}, keep=2)
+    final = runs.save_checkpoint(str(out), 2, **fake)
+    assert snapshot() == before and not os.path.islink(final) and (out / "ckpt-000002" / "config.json").read_text() == "{}"
+    (out / "ckpt-000003.tmp").symlink_to(tmp_path / "victim")  # one left for a later rank's shards: refused
+    with pytest.raises(SystemExit, match=r"^error: .*ckpt-000003\.tmp is not the folder this run made"):
+        runs.save_checkpoint(str(out), 3, **fake, fresh=False)
+    assert snapshot() == before
+
+
+def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_dir, tmp_path, monkeypatch):
+    """curriculum-rankN.json.tmp (plain open), curves.png (savefig), study's problems/*.jsonl.tmp and --out's
+    .write-test-PID (its PID guessable) were written through a link planted there: now each is replaced or
+    removed, never followed, and the files land in the folder."""
+    out = tmp_path / "run"
+    snapshot = planted(tmp_path, out / "curriculum-rank1.json.tmp", out / "curves.png", out / "curves.png.tmp",
+                       tmp_path / "new" / f".write-test-{os.getpid()}", tmp_path / "study" / "problems" / "train.jsonl.tmp",
+                       tmp_path / "study" / "problems" / "val.jsonl")
+    before = snapshot()
+    pipeline._save_curriculum(data.Curriculum(10, seed=1), str(out / "curriculum-rank1.json"))
+    assert json.loads((out / "curriculum-rank1.json").read_text()) == data.Curriculum(10, seed=1).state_dict()
+    assert snapshot() == before
+    write_eval_lines(out, [{"kind": "eval", "step": i, "compute_s": 1.0 + i, "pass_rate": 0.5} for i in range(3)])
+    png = fit.plot_curves(str(out))
+    assert snapshot() == before and not os.path.islink(png) and Path(png).read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.setattr(study, "TRAIN", 20)
+    paths = study.make_problems(str(tmp_path / "study"), held_out=5)
+    assert snapshot() == before and [len(Path(p).read_text().splitlines()) for p in paths] == [20, 5]
+    args = train.get_args(["--model", str(toy_dir), "--out", str(tmp_path / "new")])
+    try:
+        runs.prepare_out_dir(args)
+    finally:
+        runs.release_lock()
+    assert snapshot() == before
+
+
 def test_train_resume_falls_back_past_a_checkpoint_without_config_and_names_bad_metrics_lines(toy_dir, tmp_path,
                                                                                               capsys):
     out = tmp_path / "run"
@@ -5125,7 +5265,7 @@ def test_train_checkpoints_pruned_by_step_and_resume_survives_broken_files(toy_d
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000003", "ckpt-000004"]
     for step in (999999, 1000000):  # past 999,999 the names no longer sort as their steps do
         shutil.copytree(out / "ckpt-000004", out / f"ckpt-{step:06d}")
-    fake = dict(model=types.SimpleNamespace(save_pretrained=os.makedirs),
+    fake = dict(model=types.SimpleNamespace(save_pretrained=lambda p: os.makedirs(p, exist_ok=True)),
                 tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={}, keep=2)
     runs.save_checkpoint(str(out), 1000001, **fake)
     assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-1000000", "ckpt-1000001"]
@@ -5205,9 +5345,8 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     folder, ran = tmp_path / "shards", tmp_path / "ran"
     weights, optimizer = get_state_dict(model, opt)
     dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=folder)
-    runs.check_shards(folder)
     back = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": get_state_dict(model, opt)[1]}
-    dcp.load(back, checkpoint_id=folder, planner=runs.safe_load_planner())
+    dcp.load(back, storage_reader=runs.shard_reader(folder), planner=runs.safe_load_planner())
     assert all(torch.equal(back["model"][k], v) for k, v in weights.items())
     assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3
     good = (folder / ".metadata").read_bytes()
@@ -5221,6 +5360,63 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         runs.safe_load_planner().load_bytes(None, value)
     assert not ran.exists() and good
+
+
+def shards_and_a_payload(tmp_path):
+    """A real sharded checkpoint of a bf16 and a float32 layer with AdamW state -> (its folder, a state to load it
+    into, the saved weights, a file that exists only if a payload ran)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).to(torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model[0](torch.randn(1, 3)).sum().backward()
+    opt.step()
+    weights, optimizer = get_state_dict(model, opt)
+    folder = tmp_path / "shards"
+    dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=folder)
+    back = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": get_state_dict(model, opt)[1]}
+    return folder, back, weights, tmp_path / "ran"
+
+
+def test_runs_shard_metadata_naming_a_dotted_name_runs_nothing(tmp_path):
+    """Pickle protocol 4 lets a name be dotted: torch.distributed.checkpoint.metadata imports os, so "os.system"
+    under that module ran a command inside the check itself. Only exact (module, name) pairs load."""
+    folder, _, _, ran = shards_and_a_payload(tmp_path)
+    runs.check_shards(folder)  # the real file passes
+    module, name, command = b"torch.distributed.checkpoint.metadata", b"os.system", f"touch {ran}".encode()
+    payload = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+               + b"\x8c" + bytes([len(command)]) + command + b"\x85R.")
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*\.metadata is not a plain sharded checkpoint's "
+                                         r"metadata \(it names torch\.distributed\.checkpoint\.metadata\.os\.system\)"):
+        runs.check_shards(folder)
+    assert not ran.exists()
+
+
+def test_runs_shard_metadata_of_none_falls_back_to_no_other_file(tmp_path):
+    """A .metadata holding pickle(None) passed the check, and torch's reader then fell back to __0.metadata, loaded
+    unchecked. It is refused, and no other metadata file is ever read."""
+    import torch.distributed.checkpoint as dcp
+    folder, back, _, ran = shards_and_a_payload(tmp_path)
+    (folder / ".metadata").write_bytes(pickle.dumps(None))
+    (folder / "__0.metadata").write_bytes(pickle.dumps(RunsCode(str(ran))))
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*\.metadata is not a plain sharded checkpoint's "
+                                         r"metadata \(it holds a NoneType, not a Metadata\)"):
+        runs.check_shards(folder)
+    with pytest.raises(SystemExit):
+        dcp.load(back, storage_reader=runs.shard_reader(folder), planner=runs.safe_load_planner())
+    assert not ran.exists()
+
+
+def test_runs_shard_metadata_swapped_after_the_check_is_never_loaded(tmp_path):
+    """The check and the load opened .metadata separately: a file swapped between them ran. The metadata is read
+    once: what loads is what was checked, whatever the file holds by then."""
+    import torch.distributed.checkpoint as dcp
+    folder, back, weights, ran = shards_and_a_payload(tmp_path)
+    reader = runs.shard_reader(folder)
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(str(ran))))
+    dcp.load(back, storage_reader=reader, planner=runs.safe_load_planner())
+    assert not ran.exists() and all(torch.equal(back["model"][k], v) for k, v in weights.items())
 
 
 def warmed_up(records, lr, warmup=10):

@@ -58,13 +58,13 @@ from transformers.utils import logging as hf_logging
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
-from generate import SUPPORTED, check_supported, sequence_logprobs
+from generate import SUPPORTED, check_supported, config_problem, sequence_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, group_index, group_sum, policy_loss, ratio_stats, row_weights,
                   zero_variance_keep)
-from runs import (check_shards, checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
+from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
-                  truncate_metrics, write_file)
+                  shard_reader, truncate_metrics, write_file)
 from sandbox import bwrap_ready, not_ready_reason
 
 # -----------------------------------------------------------------------------
@@ -478,11 +478,17 @@ def check_model_dir(path, error):
     if not (glob.glob(os.path.join(folder, "*.safetensors")) +
             glob.glob(os.path.join(folder, "*.bin"))):
         error(f"--model {name}: no weights (*.safetensors or *.bin) in the folder")
-    with open(os.path.join(folder, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        config = {"model_type": f"unreadable ({type(err).__name__}: {err})"}
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in SUPPORTED:
         error(f"--model {name}: model_type {model_type!r} is not supported by the sampler "
               f"({', '.join(SUPPORTED)})")
+    elif problem := config_problem(config):
+        error(f"--model {name}: config.json: {problem}")
     return folder
 
 
@@ -592,9 +598,14 @@ def load_model(model_dir, args, device):
             format_prompt(tokenizer, "", domain)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, args.dtype), trust_remote_code=False).to(device)
+        check_supported(model)
     except ValueError as err:
         sys.exit(f"error: --model {model_dir}: {' '.join(str(err).split())[:400]}")
-    check_supported(model)
+    except BaseException as err:  # the tokenizers library's PanicException (a Rust panic) is none
+        if type(err).__name__ != "PanicException":
+            raise
+        sys.exit(f"error: --model {model_dir}: its tokenizer fails: "
+                 f"{' '.join(str(err).split())[:400]}")
     return tokenizer, model
 
 
@@ -1110,9 +1121,8 @@ class ShardedTrainer(Trainer):
         import torch.distributed.checkpoint as dcp
         folder = os.path.join(self.ckpt, SHARDS)
         state = pipeline.sharded_state(self.model, self.opt)
-        check_shards(folder)  # nothing in the folder runs code
-        dcp.load(state, checkpoint_id=folder, process_group=self.ctx.trainers,
-                 planner=safe_load_planner())
+        dcp.load(state, storage_reader=shard_reader(folder),  # nothing in the folder runs code
+                 process_group=self.ctx.trainers, planner=safe_load_planner())
         pipeline.set_sharded_state(self.model, self.opt, state)
 
 # -----------------------------------------------------------------------------

@@ -172,6 +172,7 @@ _REPLACE = [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\dbinom", "\\binom"
 _SIZING = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])")
 _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|~|\\q?quad(?![a-zA-Z])")
 _TEXT = re.compile(r"\\(text\w*|mbox|math\w+|operatorname)\s*\{([^{}]*)\}(\^\{?\d\}?)?")
+_LIST_WORD = re.compile(r"\\(?:text|mbox|textrm|textnormal)\s*\{\s*(?:and|or)\s*\}", re.I)
 _UNIT_TEXT = re.compile(r"[a-zA-Z .]*(?:/ *[a-zA-Z][a-zA-Z .]*)*")     # \text{ km/h}: no digits
 # 18 km/h
 _UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")
@@ -205,11 +206,14 @@ _PM = re.compile(r"\\(?:pm|mp)(?![a-zA-Z])")
 _FRACTION = re.compile(r"(-?)(\d+)?\\frac\{(\d+)\}\{(\d+)\}")        # \frac{3}{4}, 1\frac{4}{5}
 
 
-def normalize(answer):
-    """A canonical string form of an answer: equal strings mean equal answers."""
+def normalize(answer, listed=None):
+    """A canonical string form of an answer: equal strings mean equal answers. Commas between digit
+    groups: listed True reads them as a list, False as thousands ("1,000"), None by the text's own
+    form (a list when a comma is followed by a space or each item names the variable: "2, 100")."""
     s = answer.strip()
     for old, new in _REPLACE:
         s = s.replace(old, new)
+    spaced = re.search(r",\s", s) or _LIST_WORD.search(s)  # "10,\!080" and "1{,}000" are not
     s = _SPACING.sub(" ", _SIZING.sub("", s))
     s = _drop_text(s)
     s = re.sub(r"\s+", " ", s).strip().removesuffix(".")
@@ -219,8 +223,10 @@ def normalize(answer):
     s = re.sub(r"\\(frac|sqrt) ?([0-9a-zA-Z])", r"\\\1{\2}", s)    # \frac34 -> \frac{3}4
     s = re.sub(r"\\frac(\{[^{}]*\}) ?([0-9a-zA-Z])", r"\\frac\1{\2}", s)   # -> \frac{3}{4}
     s = re.sub(r"_\{(\w)\}", r"_\1", s)                        # 4210_{5} -> 4210_5
-    s = _drop_variable(s)
-    if _THOUSANDS.fullmatch(s):
+    named, s = s, _drop_variable(s)
+    if listed is None:
+        listed = bool(spaced) or named != s
+    if _THOUSANDS.fullmatch(s) and not listed:
         s = s.replace(",", "")
     choice = re.fullmatch(r"\(([A-E])\)", s)                   # multiple choice (B) -> B
     return choice.group(1) if choice else s
@@ -281,7 +287,7 @@ def quick_check(answer, gold):
     """True or False when strings or plain numbers decide it, None when sympy must."""
     if len(answer) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
-    a, b = normalize(answer), normalize(gold)
+    a, b = _normalize_pair(answer, gold)
     if not a or not b:
         return False
     if a == b:
@@ -292,6 +298,13 @@ def quick_check(answer, gold):
     if x is not None and y is not None:
         return x == y
     return None
+
+
+def _normalize_pair(answer, gold):
+    """normalize both, the answer's commas read by the gold's form: against a list gold ("2, 100")
+    as a list, never as thousands (2100); a list compares as a set (_shape: roots in any order)."""
+    b = normalize(gold)
+    return normalize(answer, listed=len(_split_top(b, ",")) > 1), b
 
 
 def never_matched(gold):
@@ -311,7 +324,7 @@ def equivalent(answer, gold):
     quick = quick_check(answer, gold)
     if quick is not None:
         return quick
-    a, b = normalize(answer), normalize(gold)
+    a, b = _normalize_pair(answer, gold)
     if max(_depths(a) + _depths(b)) > MAX_DEPTH:
         return False
     try:
