@@ -377,8 +377,9 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
         stopped = list(running)
         stop_runs(running)
         for r in stopped:
-            with open(os.path.join(r["path"], "study_minutes.json"), "w") as f:
-                json.dump(used(r), f)  # the minutes so far: the continued run adds its own
+            spent_r = used(r)  # the minutes so far: the continued run adds its own
+            replace_file(os.path.join(r["path"], "study_minutes.json"),
+                         lambda f: json.dump(spent_r, f))
             print(f"study: {r['name']} seed {r['seed']} interrupted at step "
                   f"{last_step(r['path'])}/{steps}; saved: "
                   f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
@@ -404,7 +405,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 spent_r = used(r)
                 replace_file(os.path.join(r["path"], "study_minutes.json"),
                              lambda f: json.dump(spent_r, f))
-                print(f"study: {r['name']} seed {r['seed']} done in {used(r):.1f} machine-min | "
+                print(f"study: {r['name']} seed {r['seed']} done in {spent_r:.1f} machine-min | "
                       f"{eta()}", flush=True)
             if PARALLEL - sum(r["cores"] for r in running) >= free:
                 return
