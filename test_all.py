@@ -2456,6 +2456,7 @@ def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
         params = {p.data_ptr() for p in model.parameters()}  # the head weight itself, where it needs no copy
         held = [t for t in vars(dec).values() if isinstance(t, torch.Tensor) and t.data_ptr() not in params]
         held += [t for kv in dec.cache for t in kv] + list(dec.rope)
+        held += [t for wb in dec.qkv for t in wb if t is not None]
         per_slot, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6)
         assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + fixed
     kv = sum(k.nbytes + v.nbytes for k, v in dec.cache)
@@ -2685,7 +2686,7 @@ def test_generate_decode_step_makes_no_host_sync(monkeypatch):
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for _ in range(3):
-        dec._step(4, 40, dec.live[:4])
+        dec._step(4, dec.plan(4, [40] * 4), dec.live[:4])
     monkeypatch.undo()
     assert (dec.n - before).tolist() == [3, 3, 3, 0]  # three tokens in each live row, none in the free one
 
@@ -2700,9 +2701,9 @@ def test_generate_masked_off_warm_up_steps_change_nothing(monkeypatch):
     plain = gen.generate(model, prompts, **cfg)
     real_step = gen.Decoder._step
 
-    def after_a_warm_up(self, R, L, live):
-        real_step(self, R, L, self.off[:R])
-        real_step(self, R, L, live)
+    def after_a_warm_up(self, R, plan, live):
+        real_step(self, R, plan, self.off[:R])
+        real_step(self, R, plan, live)
     monkeypatch.setattr(gen.Decoder, "_step", after_a_warm_up)
     warmed = gen.generate(model, prompts, **cfg)
     assert any(0 in s.mask for s in plain) and {s.finish for s in plain} >= {"eos", "truncated"}
