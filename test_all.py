@@ -2711,6 +2711,43 @@ def test_generate_masked_off_warm_up_steps_change_nothing(monkeypatch):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
 
 
+def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them():
+    """The decode step's attention (rows grouped by length bucket off CUDA; every row over the longest row's
+    bucket, the CUDA-graph fallback) against each row's softmax over its own keys written out, grouped query
+    heads included; the groups read at most 1.25x the rows' keys where one bucket for all reads ~2x."""
+    g = torch.Generator().manual_seed(0)
+    R, H, Hkv, D, max_len = 9, 4, 2, 8, 600
+    q = torch.randn(R, 1, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(R + 2, max_len, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.tensor([0, 599, 17, 130, 64, 299, 3, 450, 200])
+    ref = torch.stack([torch.stack([((q[r, 0, h] @ k[r, :p + 1, h // 2].T) * 0.3).softmax(-1) @ v[r, :p + 1, h // 2]
+                                    for h in range(H)]) for r, p in enumerate(pos.tolist())])
+    lengths = (pos + 1).tolist()
+    plan = gen.row_groups(lengths, max_len)
+    members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S in plan]
+    assert sorted(r for rs, _ in members for r in rs) == list(range(R))  # every row in one group
+    assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
+    for how in (("groups", plan), ("masked", 600)):
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos)), ref, atol=1e-12), how[0]
+    read = sum(len(rs) * S for rs, S in members)
+    assert read <= 1.25 * sum(lengths) and 600 * R > 1.9 * sum(lengths)
+    for n in range(1, 5000):  # a group's keys: at most 1/8 more than its longest row's (or 16 under 128)
+        assert n <= gen.len_bucket(n, 10 ** 6) <= max(n + 15, n * 9 / 8)
+
+
+def test_generate_one_bucket_attention_gives_the_same_samples_as_grouped(monkeypatch):
+    """The CUDA fallback (every row over the longest row's bucket, masked) and the grouped path give the same
+    samples on a float64 model: same tokens, masks and finishes, log-probs to rounding."""
+    model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(9, seed=3)
+    cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=5)
+    grouped = gen.generate(model, prompts, **cfg)
+    monkeypatch.setattr(gen, "decode_kernel", lambda device: "masked")
+    masked = gen.generate(model, prompts, **cfg)
+    for a, b in zip(grouped, masked):
+        assert (a.tokens, a.mask, a.finish) == (b.tokens, b.mask, b.finish)
+        assert np.allclose(a.logps, b.logps, atol=1e-12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
