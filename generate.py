@@ -62,6 +62,7 @@ logits. flash-attn's varlen path (packed rows) is not used.
 """
 
 import argparse
+import inspect
 import random
 import sys
 from collections import deque
@@ -227,8 +228,8 @@ def _decode(q, k_cache, v_cache, scale, how):
         return flash_attn_with_kvcache(q.contiguous(), k_cache[:R], v_cache[:R],
                                        cache_seqlens=how[1], softmax_scale=scale)[:, 0]
     if how[0] == "varlen":  # row r's keys start at r * max_len of the flat cache
-        return varlen_attn(q[:, 0].contiguous(), k_cache.view(-1, Hkv, D),
-                           v_cache.view(-1, Hkv, D), how[2], how[2] * max_len, 1, max_len,
+        return varlen_attn(q[:, 0].contiguous(), k_cache[:R].view(-1, Hkv, D),
+                           v_cache[:R].view(-1, Hkv, D), how[2], how[2] * max_len, 1, max_len,
                            scale=scale, enable_gqa=True, seqused_k=how[1])
 
     def sdpa(q, k, v, mask):  # the query heads of one kv head are its rows: no repeat
@@ -391,40 +392,57 @@ def len_bucket(n, cap):
     return min(-(-n // step) * step, cap)
 
 
-def row_groups(lengths, cap):
-    """Rows 0..R-1 of up to lengths[r] keys grouped by len_bucket -> ((rows, S), ...): rows a slice
+def row_groups(lengths, cap, slack=1.2):
+    """Rows 0..R-1 of up to lengths[r] keys grouped by len_bucket, neighbouring groups merged while
+    the keys read stay within slack x the rows' (fewer calls) -> ((rows, S), ...): rows a slice
     where they are consecutive, else a tuple."""
     groups = {}
     for r, n in enumerate(lengths):
         groups.setdefault(len_bucket(max(int(n), 1), cap), []).append(r)
+    groups = sorted(groups.items())  # [(S, rows)], S ascending
+    room = slack * sum(max(int(n), 1) for n in lengths) - sum(S * len(rs) for S, rs in groups)
+    while len(groups) > 1:  # merge the pair that adds the fewest keys, while there is room
+        cost, i = min(((groups[i + 1][0] - S) * len(rs), i)
+                      for i, (S, rs) in enumerate(groups[:-1]))
+        if cost > room:
+            break
+        room -= cost
+        groups[i:i + 2] = [(groups[i + 1][0], sorted(groups[i][1] + groups[i + 1][1]))]
     return tuple((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S)
-                 for S, rs in sorted(groups.items()))
+                 for S, rs in groups)
 
 
-def decode_kernel(device):
+_KERNELS = {}  # (device, dtype, head dim) -> decode_kernel's choice
+
+
+def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
     """The decode attention: on CUDA flash-attn's flash_attn_with_kvcache where importable, else
-    torch's varlen_attn where it takes seqused_k (each checked once against SDPA here), else
-    "masked" (every row over the longest row's length bucket: a CUDA graph needs static shapes).
-    Off CUDA "groups": rows grouped by length bucket, each group over its own keys."""
+    torch's varlen_attn where it takes seqused_k (each checked once against SDPA here, at this
+    dtype and head size), else "masked" (every row over the longest row's length bucket: a CUDA
+    graph needs static shapes). Off CUDA "groups": rows grouped by length, each over its own
+    keys."""
     if device.type != "cuda":
         return "groups"
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(3, n, h, 64, generator=g, device=device, dtype=torch.bfloat16)
-               for n, h in ((1, 4), (256, 2), (256, 2)))
-    pos = torch.tensor([0, 99, 255], device=device)
-    ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos))
-    ok = {"flash": flash_attn_with_kvcache is not None,
-          "varlen": varlen_attn is not None and "seqused_k" in str(
-              getattr(varlen_attn, "__signature__", None) or __import__("inspect").signature(
-                  varlen_attn))}
-    for kernel in ("flash", "varlen"):
-        try:
-            if ok[kernel] and torch.allclose(_decode(q, k, v, 0.125, _how((kernel,), pos)).float(),
-                                             ref.float(), atol=2e-2):
-                return kernel
-        except Exception:  # a build without this GPU's kernels
-            pass
-    return "masked"
+    key = (str(device), dtype, head_dim)
+    if key not in _KERNELS:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(3 + (n > 1), n, h, head_dim, generator=g, device=device, dtype=dtype)
+                   for n, h in ((1, 4), (256, 2), (256, 2)))  # the cache has a 4th row
+        pos = torch.tensor([0, 99, 255], device=device)
+        ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos)).float()
+        ok = {"flash": flash_attn_with_kvcache is not None,
+              "varlen": (varlen_attn is not None
+                         and "seqused_k" in inspect.signature(varlen_attn).parameters)}
+        _KERNELS[key] = "masked"
+        for kernel in ("flash", "varlen"):
+            try:
+                out = ok[kernel] and _decode(q, k, v, 0.125, _how((kernel,), pos)).float()
+                if ok[kernel] and torch.allclose(out, ref, atol=2e-2):
+                    _KERNELS[key] = kernel
+                    break
+            except Exception:  # a build without kernels for this GPU or dtype
+                pass
+    return _KERNELS[key]
 
 
 def _how(plan, pos):
@@ -472,14 +490,14 @@ class Decoder:
     decode step.
 
     A decode step runs all of rows 0..R-1 (R from a few buckets), each over its own keys
-    (decode_kernel, plan), with no host sync and no per-slot Python: the policy samples one token in every live row, forced-phrase
-    tokens replace the draw where a row is being interrupted, and eos / </think> / budgets update
-    the row's state and its finish code. Rows that are not live compute garbage that is never kept:
-    they write only at their own next cache position and output column, which a live row rewrites
-    before reading. On CUDA each (R, plan) step is captured once as a CUDA graph and replayed
-    (graphs=True); elsewhere it runs eagerly. In-flight weight updates copy into the same parameter
-    storage; the fused q/k/v weights and the float32 head copy are refreshed in place by
-    new_weights(), so a captured graph reads the new weights."""
+    (decode_kernel, plan), with no host sync and no per-slot Python: the policy samples one token
+    in every live row, forced-phrase tokens replace the draw where a row is being interrupted, and
+    eos / </think> / budgets update the row's state and its finish code. Rows that are not live
+    compute garbage that is never kept: they write only at their own next cache position and output
+    column, which a live row rewrites before reading. On CUDA each (R, plan) step is captured once
+    as a CUDA graph and replayed (graphs=True); elsewhere it runs eagerly. In-flight weight updates
+    copy into the same parameter storage; the fused q/k/v weights and the float32 head copy are
+    refreshed in place by new_weights(), so a captured graph reads the new weights."""
 
     def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids,
                  think_budget, answer_budget, interrupt, temperature, fp32_head, seed,
@@ -495,7 +513,7 @@ class Decoder:
                                    device=dev)  # (P,); unused without interrupt
         self.cache = new_cache(model, slots, max_len)
         self.qkv = fused_qkv(model)
-        self.kernel = decode_kernel(dev)
+        self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config))
         self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a
                                                               # float32 copy of it
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
