@@ -99,6 +99,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
 from transformers.utils import logging as hf_logging
@@ -687,11 +688,29 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
 # figure efficiency, the sampler's part: KV bytes a decode step reads, kernels it launches
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched under it but views (each a kernel or more on a GPU)."""
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view  # a view launches nothing
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(dec, rows, lens):
+    """ATen ops of one eager decode step of rows 0..rows-1 at lengths lens (2 layers here)."""
+    plan = dec.plan(rows, lens.tolist())
+    with OpCounter() as count:
+        dec._step(rows, plan, dec.off[:rows])
+    return count.n
+
+
 def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     """One decode step of `rows` rows at mixed lengths (uniform over 64..max_len: rows in flight at
     a random step of continuous batching) -> {decode_kv_read_ratio: KV bytes its attention reads /
     bytes of the rows' own keys (`_masked`: every row over the longest row's bucket, the step
-    before)}; on CUDA also decode_kernels_per_step (profiler, eager steps of the --size model)."""
+    before), decode_ops_per_step: ATen ops of one step of a 2-layer model}; on CUDA also
+    decode_kernels_per_step (profiler, eager steps of the --size model)."""
     device, dtype = args.device, DTYPES[args.dtype]
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
@@ -728,6 +747,8 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
         ratio = read[0] / (int(lens.sum()) * per_token)
         out["decode_kv_read_ratio" + ("_masked" if kernel == "masked" and out else "")] = ratio
         out.setdefault("decode_kernel", kernel)
+    dec.kernel = out["decode_kernel"]
+    out["decode_ops_per_step"] = ops_per_step(dec, rows, lens)
     if device == "cuda":  # kernels a step launches, eager (a graph replays the same ones)
         dec = decoder(qwen2_model(SIZES[args.size], device, dtype))
         plan = dec.plan(rows, lens.tolist())

@@ -134,19 +134,24 @@ def new_cache(model, slots, max_len):
 
 def fused_qkv(model, into=None):
     """Per layer the q, k and v projections' weights and biases concatenated (one GEMM instead of
-    three): a copy, made once and refreshed in place (into) after new weights."""
+    three), and Qwen3's q and k norm weights as one (H + Hkv, D) weight (one norm for both): copies,
+    made once and refreshed in place (into) after new weights -> [(w, b or None, norm or None)]."""
     out = []
-    for i, layer in enumerate(model.model.layers):
+    for layer in model.model.layers:
         a = layer.self_attn
-        parts = [(m.weight, m.bias) for m in (a.q_proj, a.k_proj, a.v_proj)]
-        w = torch.cat([w for w, _ in parts]).detach()
-        b = None if parts[0][1] is None else torch.cat([b for _, b in parts]).detach()
-        if into is None:
-            out.append((w, b))
-        else:
-            into[i][0].copy_(w)
-            if b is not None:
-                into[i][1].copy_(b)
+        w = torch.cat([m.weight for m in (a.q_proj, a.k_proj, a.v_proj)]).detach()
+        b = (None if a.q_proj.bias is None else
+             torch.cat([m.bias for m in (a.q_proj, a.k_proj, a.v_proj)]).detach())
+        norm = None
+        if hasattr(a, "q_norm"):
+            H, Hkv = (m.out_features // a.head_dim for m in (a.q_proj, a.k_proj))
+            norm = torch.cat([a.q_norm.weight.expand(H, -1), a.k_norm.weight.expand(Hkv, -1)])
+        out.append((w, b, None if norm is None else norm.detach()))
+    if into is not None:
+        for new, old in zip(out, into):
+            for t, o in zip(new, old):
+                if t is not None:
+                    o.copy_(t)
     return out
 
 
@@ -187,17 +192,17 @@ def _keys(attn, x, cos, sin, cache, at, qkv, keys_only=False):
     """Project x (R, T, d) with the fused weights qkv, rotary-embed, and write the keys and values
     in place at flat cache positions `at` (R * T,) (row * max_len + position) -> q, k, v
     (R, T, heads, D); q None with keys_only (a prefill's last layer)."""
-    w, b = qkv
+    w, b, norm = qkv
     D, Hkv = attn.head_dim, cache[0].size(2)
     H = 0 if keys_only else w.size(0) // D - 2 * Hkv
     if keys_only:
         w, b = w[-2 * Hkv * D:], None if b is None else b[-2 * Hkv * D:]
     y = F.linear(x, w, b).view(*x.shape[:2], -1, D)  # (R, T, H + 2 Hkv, D)
-    q, k, v = y.split([H, Hkv, Hkv], 2)
-    if hasattr(attn, "k_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
-        q, k = _rope(_norm(attn.q_norm, q), cos, sin), _rope(_norm(attn.k_norm, k), cos, sin)
-    else:  # one rotary embedding for the queries and keys together
-        q, k = _rope(y[:, :, :H + Hkv], cos, sin).split([H, Hkv], 2)
+    qk, v = y[:, :, :H + Hkv], y[:, :, H + Hkv:]
+    if norm is not None:  # Qwen3: RMSNorm over the head dim before the rotary embedding, as _norm
+        qk = norm[-(H + Hkv):] * F.rms_norm(qk.float(), (D,),
+                                            eps=attn.k_norm.variance_epsilon).to(qk.dtype)
+    q, k = _rope(qk, cos, sin).split([H, Hkv], 2)  # one rotary embedding for queries and keys
     for c, t in zip(cache, (k, v)):
         c.view(-1, Hkv, D).index_copy_(0, at, t.reshape(-1, Hkv, D))
     return (None if keys_only else q), k, v
@@ -429,14 +434,14 @@ def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
         q, k, v = (torch.randn(3 + (n > 1), n, h, head_dim, generator=g, device=device, dtype=dtype)
                    for n, h in ((1, 4), (256, 2), (256, 2)))  # the cache has a 4th row
         pos = torch.tensor([0, 99, 255], device=device)
-        ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos)).float()
+        ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos, dtype)).float()
         ok = {"flash": flash_attn_with_kvcache is not None,
               "varlen": (varlen_attn is not None
                          and "seqused_k" in inspect.signature(varlen_attn).parameters)}
         _KERNELS[key] = "masked"
         for kernel in ("flash", "varlen"):
             try:
-                out = ok[kernel] and _decode(q, k, v, 0.125, _how((kernel,), pos)).float()
+                out = ok[kernel] and _decode(q, k, v, 0.125, _how((kernel,), pos, dtype)).float()
                 if ok[kernel] and torch.allclose(out, ref, atol=2e-2):
                     _KERNELS[key] = kernel
                     break
@@ -445,16 +450,18 @@ def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
     return _KERNELS[key]
 
 
-def _how(plan, pos):
-    """The attention argument of a decode step (_decode) from its plan and the rows' positions."""
+def _how(plan, pos, dtype):
+    """The attention argument of a decode step (_decode) from its plan and the rows' positions; a
+    mask is additive, in the attention's dtype (one mask for every layer)."""
     if plan[0] == "flash":
         return "flash", (pos + 1).int()
     if plan[0] == "varlen":
         cu = torch.arange(pos.size(0) + 1, dtype=torch.int32, device=pos.device)
         return "varlen", (pos + 1).int(), cu
 
-    def mask(p, S):  # (n, 1, 1, S): each row's keys so far (key 0 always, so no row is empty)
-        return torch.arange(S, device=pos.device) <= p[:, None, None, None]
+    def mask(p, S):  # (n, 1, 1, S): 0 for each row's keys so far, -inf after (key 0 always kept)
+        return torch.zeros(p.size(0), 1, 1, S, dtype=dtype, device=pos.device).masked_fill_(
+            torch.arange(S, device=pos.device) > p[:, None, None, None], float("-inf"))
     if plan[0] == "masked":
         return "masked", mask(pos, plan[1])
     groups = []
@@ -605,7 +612,7 @@ class Decoder:
         interruption the phrase and the thinking state play no part, and their ops are left out."""
         n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
-                         self.qkv, how=_how(plan, pos))[:, 0]  # (R, d)
+                         self.qkv, how=_how(plan, pos, self.cache[0][0].dtype))[:, 0]  # (R, d)
         tok, logp = sample(logits_of(hidden, self.weight), self.temperature,
                            self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
@@ -697,11 +704,13 @@ def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3):
 
 
 def qkv_bytes(config, dtype):
-    """The fused q/k/v weights and biases of every layer (fused_qkv): Qwen2's projections have
-    biases, Llama's and Mistral's where attention_bias, Qwen3's none."""
+    """The fused q/k/v weights and biases of every layer (fused_qkv; Qwen2's projections have
+    biases, Llama's and Mistral's where attention_bias), and Qwen3's q/k norm weight."""
     width = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
     bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-    return config.num_hidden_layers * width * (config.hidden_size + bias) * dtype.itemsize
+    norm = (config.num_attention_heads + config.num_key_value_heads) * head_dim_of(config)
+    return (config.num_hidden_layers * dtype.itemsize
+            * (width * (config.hidden_size + bias) + norm * (config.model_type == "qwen3")))
 
 
 def free_device_bytes(device):

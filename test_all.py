@@ -2728,7 +2728,7 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
     assert sorted(r for rs, _ in members for r in rs) == list(range(R))  # every row in one group
     assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
     for how in (("groups", plan), ("masked", 600)):
-        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos)), ref, atol=1e-12), how[0]
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos, q.dtype)), ref, atol=1e-12), how[0]
     read = sum(len(rs) * S for rs, S in members)
     assert read <= 1.25 * sum(lengths) and 600 * R > 1.9 * sum(lengths)
     for n in range(1, 5000):  # a group's keys: at most 1/8 more than its longest row's (or 16 under 128)
