@@ -405,7 +405,8 @@ def row_groups(lengths, cap, slack=1.2):
     for r, n in enumerate(lengths):
         groups.setdefault(len_bucket(max(int(n), 1), cap), []).append(r)
     groups = sorted(groups.items())  # [(S, rows)], S ascending
-    room = slack * sum(max(int(n), 1) for n in lengths) - sum(S * len(rs) for S, rs in groups)
+    # a row counts as 64 keys at least: below that, another call costs more than the keys it saves
+    room = slack * sum(max(int(n), 64) for n in lengths) - sum(S * len(rs) for S, rs in groups)
     while len(groups) > 1:  # merge the pair that adds the fewest keys, while there is room
         cost, i = min(((groups[i + 1][0] - S) * len(rs), i)
                       for i, (S, rs) in enumerate(groups[:-1]))
