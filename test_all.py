@@ -2739,6 +2739,29 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
         assert n <= gen.len_bucket(n, 10 ** 6) <= max(n + 15, n * 9 / 8)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_decoder_new_weights_refresh_the_fused_projections_in_their_storage(kind):
+    """The fused q/k/v weights (and Qwen3's q/k norm weight) are copies: new_weights() refreshes them in place
+    (a captured CUDA graph reads the same storage) to the model's new projections, concatenated."""
+    model, other = tiny_model(kind), tiny_model(kind, seed=1)
+    dec = gen.Decoder(model, 2, 16, 4, eos_id=0, think_end=[1], interrupt_ids=[], think_budget=4, answer_budget=0,
+                      interrupt=False, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=False)
+    ptrs = [t.data_ptr() for wb in dec.qkv for t in wb if t is not None]
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.copy_(q)
+    dec.new_weights(1)
+    assert [t.data_ptr() for wb in dec.qkv for t in wb if t is not None] == ptrs
+    for layer, (w, b, norm) in zip(other.model.layers, dec.qkv):
+        a = layer.self_attn
+        assert torch.equal(w, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        assert (b is None) == (kind == "qwen3") and (b is None or torch.equal(b, torch.cat([a.q_proj.bias, a.k_proj.bias,
+                                                                                             a.v_proj.bias])))
+        if kind == "qwen3":
+            assert torch.equal(norm[0], a.q_norm.weight) and torch.equal(norm[-1], a.k_norm.weight)
+            assert norm.size(0) == model.config.num_attention_heads + model.config.num_key_value_heads
+
+
 def test_generate_one_bucket_attention_gives_the_same_samples_as_grouped(monkeypatch):
     """The CUDA fallback (every row over the longest row's bucket, masked) and the grouped path give the same
     samples on a float64 model: same tokens, masks and finishes, log-probs to rounding."""
