@@ -224,7 +224,7 @@ def _attention(attn, x, cos, sin, cache, at, qkv, how):
 
 def _decode(q, k_cache, v_cache, scale, how):
     """Decode attention of q (R, 1, H, D) over cache rows 0..R-1 -> (R, H, D). how: ("flash",
-    lens) or ("varlen", lens, cu_q, cu_k): a kernel that reads each row's own lens (R,) keys;
+    lens) or ("varlen", lens, 0..R): a kernel that reads each row's own lens (R,) keys;
     ("masked", mask (R, 1, 1, S)): every row over the first S keys, later ones masked; ("groups",
     [(rows, S, mask)]): each group of rows over its own S keys, the exact reference off CUDA."""
     R, _, H, D = q.shape
@@ -392,7 +392,7 @@ def bucket(n, sizes):
 
 def len_bucket(n, cap):
     """The keys a group of rows of up to n keys attends over: n rounded up to a multiple of 16 or of
-    1/16 of its power of two (at most 1/8 more than n), at most cap."""
+    1/16 of its power of two (at most 15 or n/8 more), at most cap."""
     step = max(16, 1 << max(0, n.bit_length() - 4))
     return min(-(-n // step) * step, cap)
 
@@ -440,14 +440,14 @@ def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
               "varlen": (varlen_attn is not None
                          and "seqused_k" in inspect.signature(varlen_attn).parameters)}
         _KERNELS[key] = "masked"
-        for kernel in ("flash", "varlen"):
+        for kernel in [name for name in ("flash", "varlen") if ok[name]]:
             try:
-                out = ok[kernel] and _decode(q, k, v, 0.125, _how((kernel,), pos, dtype)).float()
-                if ok[kernel] and torch.allclose(out, ref, atol=2e-2):
-                    _KERNELS[key] = kernel
-                    break
+                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype)).float()
             except Exception:  # a build without kernels for this GPU or dtype
-                pass
+                continue
+            if torch.allclose(out, ref, atol=2e-2):
+                _KERNELS[key] = kernel
+                break
     return _KERNELS[key]
 
 
