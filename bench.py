@@ -76,6 +76,7 @@ may stay).
     python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
     python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
+    python bench.py --figures efficiency --json   # a decode step's KV bytes read / its rows' own
     python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
     python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
