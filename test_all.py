@@ -2711,10 +2711,11 @@ def test_generate_masked_off_warm_up_steps_change_nothing(monkeypatch):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
 
 
-def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them():
+def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(monkeypatch):
     """The decode step's attention (rows grouped by length bucket off CUDA; every row over the longest row's
     bucket, the CUDA-graph fallback) against each row's softmax over its own keys written out, grouped query
-    heads included; the groups read at most 1.25x the rows' keys where one bucket for all reads ~2x."""
+    heads included; the groups read at most 1.25x the rows' keys where one bucket for all reads ~2x. The
+    CUDA kernels (flash-attn's, torch's varlen_attn) are stood in for by what their docs say they compute."""
     g = torch.Generator().manual_seed(0)
     R, H, Hkv, D, max_len = 9, 4, 2, 8, 600
     q = torch.randn(R, 1, H, D, generator=g, dtype=torch.float64)
@@ -2729,6 +2730,23 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
     assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
     for how in (("groups", plan), ("masked", 600)):
         assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos, q.dtype)), ref, atol=1e-12), how[0]
+
+    def attend(q, k, v, scale):  # q (H, D) over k, v (n, Hkv, D), grouped heads
+        return torch.stack([((q[h] @ k[:, h // 2].T) * scale).softmax(-1) @ v[:, h // 2] for h in range(H)])
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k):  # as its docstring says
+        assert cu_k[-1] == k.size(0) and max_q == 1 and enable_gqa
+        return torch.stack([attend(q[i], k[a:a + n], v[a:a + n], scale)
+                            for i, (a, n) in enumerate(zip(cu_k[:-1].tolist(), seqused_k.tolist()))])
+
+    def flash(q, k, v, *, cache_seqlens, softmax_scale):  # flash_attn_with_kvcache: (R, 1, H, D) out
+        assert k.size(0) == q.size(0)
+        return torch.stack([attend(q[i, 0], k[i, :n], v[i, :n], softmax_scale)[None]
+                            for i, n in enumerate(cache_seqlens.tolist())])
+    monkeypatch.setattr(gen, "varlen_attn", varlen)
+    monkeypatch.setattr(gen, "flash_attn_with_kvcache", flash)
+    for kernel in ("varlen", "flash"):  # the arguments the CUDA kernels are handed, read as their docs say
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how((kernel,), pos, q.dtype)), ref, atol=1e-12), kernel
     read = sum(len(rs) * S for rs, S in members)
     assert read <= 1.2 * sum(max(n, 64) for n in lengths) and 600 * R > 1.9 * sum(lengths)
     for seed in range(5):  # rows of 64..2048 keys: the groups read at most 1.25x, one bucket for all ~2x
