@@ -721,8 +721,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
         dec = Decoder(model, rows, max_len, steps + 1, eos_id=-1, think_end=[-2],
                       interrupt_ids=[], think_budget=max_len, answer_budget=0, interrupt=False,
                       temperature=1.0, fp32_head=False, seed=0, version=0, graphs=False)
-        dec.pos.copy_(lens - 1)
-        dec.live.fill_(True)
+        dec.pos.copy_(lens - 1)  # the cache's contents play no part in what is read
         return dec
 
     model = qwen2_model(tiny, device, dtype)
