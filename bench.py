@@ -76,6 +76,7 @@ may stay).
     python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
     python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
+    python bench.py --figures efficiency --json   # a decode step's KV bytes read / its rows' own
     python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
     python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
@@ -99,6 +100,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
 from transformers.utils import logging as hf_logging
@@ -161,7 +163,8 @@ def get_args(argv=None):
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5",
-                    help="comma-separated figures to run: 1 to 7, memory, stability, replay")
+                    help="comma-separated figures to run: 1 to 7, memory, efficiency, "
+                         "stability, replay")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
@@ -681,6 +684,85 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
           f"{r['kv_gb']:.2f} GB per step | <= {steps:.0f} steps/s = {r['tok_s']:.0f} tok/s | "
           f"arithmetic, not measured")
     return r
+
+# -----------------------------------------------------------------------------
+# figure efficiency, the sampler's part: KV bytes a decode step reads, kernels it launches
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched under it but views (each a kernel or more on a GPU)."""
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view  # a view launches nothing
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(dec, rows, lens):
+    """ATen ops of one eager decode step of rows 0..rows-1 at lengths lens (2 layers here)."""
+    plan = dec.plan(rows, lens.tolist())
+    with OpCounter() as count:
+        dec._step(rows, plan, dec.off[:rows])
+    return count.n
+
+
+def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
+    """One decode step of `rows` rows at mixed lengths (uniform over 64..max_len: rows in flight at
+    a random step of continuous batching) -> {decode_kv_read_ratio: KV bytes its attention reads /
+    bytes of the rows' own keys (`_masked`: every row over the longest row's bucket, the step
+    before), decode_ops_per_step: ATen ops of one step of a 2-layer model}; on CUDA also
+    decode_kernels_per_step (profiler, eager steps of the --size model)."""
+    device, dtype = args.device, DTYPES[args.dtype]
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
+    lens = torch.randint(64, max_len + 1, (rows,), generator=torch.Generator().manual_seed(0))
+
+    def decoder(model):
+        dec = Decoder(model, rows, max_len, steps + 1, eos_id=-1, think_end=[-2],
+                      interrupt_ids=[], think_budget=max_len, answer_budget=0, interrupt=False,
+                      temperature=1.0, fp32_head=False, seed=0, version=0, graphs=False)
+        dec.pos.copy_(lens - 1)  # the cache's contents play no part in what is read
+        return dec
+
+    model = qwen2_model(tiny, device, dtype)
+    dec, read, sdpa = decoder(model), [0], torch.nn.functional.scaled_dot_product_attention
+    per_token = kv_bytes_per_token(model.config, dtype) // model.config.num_hidden_layers
+
+    def counted(q, k, v, **kw):  # the decode step's keys and values, as SDPA is handed them
+        read[0] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        return sdpa(q, k, v, **kw)
+    out = {}
+    for kernel in (dec.kernel, "masked"):
+        dec.kernel, read[0] = kernel, 0
+        plan = dec.plan(rows, lens.tolist())
+        if kernel in ("flash", "varlen"):  # no SDPA call: each row's keys, in tiles of 128
+            read[0] = int(((lens + 127) // 128 * 128).sum()) * per_token * 2
+        else:
+            torch.nn.functional.scaled_dot_product_attention = counted
+            try:
+                dec._step(rows, plan, dec.off[:rows])
+            finally:
+                torch.nn.functional.scaled_dot_product_attention = sdpa
+            read[0] //= model.config.num_hidden_layers
+        ratio = read[0] / (int(lens.sum()) * per_token)
+        out["decode_kv_read_ratio" + ("_masked" if kernel == "masked" and out else "")] = ratio
+        out.setdefault("decode_kernel", kernel)
+    dec.kernel = out["decode_kernel"]
+    out["decode_ops_per_step"] = ops_per_step(dec, rows, lens)
+    if device == "cuda":  # kernels a step launches, eager (a graph replays the same ones)
+        dec = decoder(qwen2_model(SIZES[args.size], device, dtype))
+        plan = dec.plan(rows, lens.tolist())
+        dec._step(rows, plan, dec.off[:rows])
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                dec._step(rows, plan, dec.off[:rows])
+            torch.cuda.synchronize()
+        out["decode_kernels_per_step"] = sum(
+            e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) / steps
+    print(f"efficiency  | sampler decode step, {rows} rows of 64..{max_len} keys | "
+          + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in out.items()))
+    return out
 
 # -----------------------------------------------------------------------------
 # figure 7: FSDP2 trainers under a memory cap
@@ -1239,7 +1321,8 @@ def main(args):
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
-    models = bench_models(args) if figures - {"memory", "stability", "replay"} else []
+    models = (bench_models(args) if figures - {"memory", "stability", "replay", "efficiency"}
+              else [])
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
@@ -1259,6 +1342,8 @@ def main(args):
         results["pipeline"] = bench_pipeline(args)
     if "7" in figures:
         results["fsdp"] = bench_fsdp(args)
+    if "efficiency" in figures:
+        results.setdefault("efficiency", {}).update(efficiency_sampler(args))
     if "memory" in figures:
         results["memory_plan"] = bench_memory_plan(args)
     if "stability" in figures:

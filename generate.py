@@ -40,9 +40,10 @@ it adds over `model.generate`:
   logits that differ in the last bits (other kernels, batch sizes, thread counts) change a token
   when its uniform lies that close to a CDF boundary (odds ~ vocab x the difference per token).
 
-Attention is torch's scaled_dot_product_attention over the first L cache positions, L the smallest
-bucket (64, 128, 256, ...) that holds every running row, so its cost follows the real context, not
-the cache size; it is the sampler's one attention path (flash-attn is not used). Supported:
+A decode step's attention reads each row's own keys (decode_kernel): flash-attn's
+flash_attn_with_kvcache or torch's varlen_attn on CUDA, where they run; off CUDA, rows grouped by
+length bucket, each group over its own keys (SDPA); on CUDA without either, every row over the
+longest row's bucket. The q/k/v projections run as one GEMM (fused_qkv). Supported:
 model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of softmax(logits /
 temperature), the distribution actually sampled; the trainer divides its logits by the same
 temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
@@ -61,6 +62,7 @@ logits. flash-attn's varlen path (packed rows) is not used.
 """
 
 import argparse
+import inspect
 import random
 import sys
 from collections import deque
@@ -70,6 +72,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+try:  # decode attention over each row's own length on CUDA (decode_kernel picks one that runs)
+    from flash_attn import flash_attn_with_kvcache
+except Exception:  # not installed, or built for another torch
+    flash_attn_with_kvcache = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 FINISH = ("eos", "interrupted", "truncated")  # a slot's finish code c > 0 means FINISH[c - 1]
@@ -149,14 +160,37 @@ def head_dim_of(config):
 
 
 def new_cache(model, slots, max_len):
-    """One (k, v) pair per layer, each (slots, n_kv_heads, max_len, head_dim): SDPA's layout, so a
-    decode step reads keys 0..L-1 of every row as a view with contiguous rows."""
+    """One (k, v) pair per layer, each (slots, max_len, n_kv_heads, head_dim): a row's keys are
+    contiguous (flash-attn's and varlen attention's layout), written in place by index_copy_."""
     cfg = model.config
     p = next(model.parameters())
-    shape = (slots, cfg.num_key_value_heads, max_len, head_dim_of(cfg))
+    shape = (slots, max_len, cfg.num_key_value_heads, head_dim_of(cfg))
     return [(torch.zeros(shape, dtype=p.dtype, device=p.device),
              torch.zeros(shape, dtype=p.dtype, device=p.device))
             for _ in range(cfg.num_hidden_layers)]
+
+
+def fused_qkv(model, into=None):
+    """Per layer the q, k and v projections' weights and biases concatenated (one GEMM instead of
+    three), and Qwen3's q and k norm weights as one (H + Hkv, D) weight (one norm for both): copies,
+    made once and refreshed in place (into) after new weights -> [(w, b or None, norm or None)]."""
+    out = []
+    for layer in model.model.layers:
+        a = layer.self_attn
+        w = torch.cat([m.weight for m in (a.q_proj, a.k_proj, a.v_proj)]).detach()
+        b = (None if a.q_proj.bias is None else
+             torch.cat([m.bias for m in (a.q_proj, a.k_proj, a.v_proj)]).detach())
+        norm = None
+        if hasattr(a, "q_norm"):
+            H, Hkv = (m.out_features // a.head_dim for m in (a.q_proj, a.k_proj))
+            norm = torch.cat([a.q_norm.weight.expand(H, -1), a.k_norm.weight.expand(Hkv, -1)])
+        out.append((w, b, None if norm is None else norm.detach()))
+    if into is not None:
+        for new, old in zip(out, into):
+            for t, o in zip(new, old):
+                if t is not None:
+                    o.copy_(t)
+    return out
 
 
 def rope_tables(model, n):
@@ -192,44 +226,69 @@ def _rope(x, cos, sin_signed):
     return x * cos + x.roll(x.size(-1) // 2, -1) * sin_signed
 
 
-def _keys(attn, x, cos, sin, cache, pos, rows):
-    """The keys and values of x (R, T, d), tokens at positions pos (R, T), written into cache rows
-    `rows` (R,) -> k, v (R, T, Hkv, D)."""
-    shape = (*x.shape[:2], -1, attn.head_dim)
-    k, v = _linear(attn.k_proj, x).view(shape), _linear(attn.v_proj, x).view(shape)
-    if hasattr(attn, "k_norm"):  # Qwen3: RMSNorm over the head dim before the rotary embedding
-        k = _norm(attn.k_norm, k)
-    k = _rope(k, cos, sin)
-    k_cache, v_cache = cache
-    k_cache[rows[:, None], :, pos] = k  # the indexed view is (R, T, Hkv, D)
-    v_cache[rows[:, None], :, pos] = v
-    return k, v
+def _keys(attn, x, cos, sin, cache, at, qkv, keys_only=False):
+    """Project x (R, T, d) with the fused weights qkv, rotary-embed, and write the keys and values
+    in place at flat cache positions `at` (R * T,) (row * max_len + position) -> q, k, v
+    (R, T, heads, D); q None with keys_only (a prefill's last layer)."""
+    w, b, norm = qkv
+    D, Hkv = attn.head_dim, cache[0].size(2)
+    H = 0 if keys_only else w.size(0) // D - 2 * Hkv
+    if keys_only:
+        w, b = w[-2 * Hkv * D:], None if b is None else b[-2 * Hkv * D:]
+    y = F.linear(x, w, b).view(*x.shape[:2], -1, D)  # (R, T, H + 2 Hkv, D)
+    qk, v = y[:, :, :H + Hkv], y[:, :, H + Hkv:]
+    if norm is not None:  # Qwen3: RMSNorm over the head dim before the rotary embedding, as _norm
+        qk = norm[-(H + Hkv):] * F.rms_norm(qk.float(), (D,),
+                                            eps=attn.k_norm.variance_epsilon).to(qk.dtype)
+    q, k = _rope(qk, cos, sin).split([H, Hkv], 2)  # one rotary embedding for queries and keys
+    for c, t in zip(cache, (k, v)):
+        c.view(-1, Hkv, D).index_copy_(0, at, t.reshape(-1, Hkv, D))
+    return (None if keys_only else q), k, v
 
 
-def _attention(attn, x, cos, sin, cache, pos, rows, mask):
-    """x (R, T, d): new tokens at positions pos (R, T) of cache rows `rows` (R,); their k, v are
-    written into the cache. mask None: a prefill from position 0, attending causally to the new keys
-    alone; mask (R, 1, 1, S), 0 or -inf: a decode step (T = 1) of cache rows 0..R-1 over their first
-    S keys (a view of the cache)."""
+def _attention(attn, x, cos, sin, cache, at, qkv, how):
+    """x (R, T, d): new tokens written at flat cache positions `at`. how None: a prefill from
+    position 0, attending causally to the new keys alone; else a decode step (T = 1) of cache rows
+    0..R-1, each over its own keys (_decode)."""
     R, T, _ = x.shape
-    q = _linear(attn.q_proj, x).view(R, T, -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):
-        q = _norm(attn.q_norm, q)
-    q = _rope(q, cos, sin)  # (R, T, H, D)
-    k, v = _keys(attn, x, cos, sin, cache, pos, rows)
-    if mask is None:  # prefill: causal over the new keys;
-                      # right padding comes after every real token
+    q, k, v = _keys(attn, x, cos, sin, cache, at, qkv)
+    if how is None:  # prefill: causal over the new keys; right padding comes after every real token
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True, scale=attn.scaling,
                                              enable_gqa=True)  # (R, H, T, D)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(R, T, -1))
-    k_cache, v_cache = cache
-    Hkv, S = k_cache.size(1), mask.size(-1)  # decode: the query heads of one kv head are its
-                                             # rows; no repeat
-    out = F.scaled_dot_product_attention(q.view(R, Hkv, -1, attn.head_dim), k_cache[:R, :, :S],
-                                         v_cache[:R, :, :S], attn_mask=mask,
-                                         scale=attn.scaling)  # (R, Hkv, H/Hkv, D)
-    return _linear(attn.o_proj, out.reshape(R, 1, -1))
+    return _linear(attn.o_proj, _decode(q, *cache, attn.scaling, how).reshape(R, 1, -1))
+
+
+def _decode(q, k_cache, v_cache, scale, how):
+    """Decode attention of q (R, 1, H, D) over cache rows 0..R-1 -> (R, H, D). how: ("flash",
+    lens) or ("varlen", lens, 0..R): a kernel that reads each row's own lens (R,) keys;
+    ("masked", mask (R, 1, 1, S)): every row over the first S keys, later ones masked; ("groups",
+    [(rows, S, mask)]): each group of rows over its own S keys, the exact reference off CUDA."""
+    R, _, H, D = q.shape
+    Hkv, max_len = k_cache.shape[2], k_cache.shape[1]
+    if how[0] == "flash":
+        return flash_attn_with_kvcache(q.contiguous(), k_cache[:R], v_cache[:R],
+                                       cache_seqlens=how[1], softmax_scale=scale)[:, 0]
+    if how[0] == "varlen":  # row r's keys start at r * max_len of the flat cache
+        return varlen_attn(q[:, 0].contiguous(), k_cache[:R].view(-1, Hkv, D),
+                           v_cache[:R].view(-1, Hkv, D), how[2], how[2] * max_len, 1, max_len,
+                           scale=scale, enable_gqa=True, seqused_k=how[1])
+
+    def sdpa(q, k, v, mask):  # the query heads of one kv head are its rows: no repeat
+        out = F.scaled_dot_product_attention(q.reshape(-1, Hkv, H // Hkv, D), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=mask, scale=scale)
+        return out.reshape(-1, H, D)
+    if how[0] == "masked":
+        S = how[1].size(-1)
+        return sdpa(q, k_cache[:R, :S], v_cache[:R, :S], how[1])
+    out = q.new_empty(R, H, D)
+    for rows, S, mask in how[1]:
+        if isinstance(rows, slice):  # a run of rows: a view, no copy
+            out[rows] = sdpa(q[rows], k_cache[rows, :S], v_cache[rows, :S], mask)
+        else:
+            out.index_copy_(0, rows, sdpa(q[rows], k_cache[rows, :S], v_cache[rows, :S], mask))
+    return out
 
 
 def _mlp(mlp, x):
@@ -237,29 +296,27 @@ def _mlp(mlp, x):
 
 
 @torch.no_grad()
-def forward(model, ids, pos, cache, rope, rows=None, n_keys=None):
+def forward(model, ids, pos, cache, rope, qkv, rows=None, how=None):
     """Run new tokens ids (R, T) at positions pos (R, T). rows None: a decode step of cache rows
-    0..R-1 (T = 1) over keys 0..n_keys-1 -> hidden (R, T, d). rows (R,): a prefill of those rows,
-    pos 0..T-1, which only fills the cache (of the last layer it computes just the keys and values)
-    -> None. rope: rope_tables(model, cache length). The model's own weights and modules
-    (projections called as functions: _linear, MLP, rotary frequencies); the norms and the rotary
-    embedding in fewer ops (_norm, _rope), the same arithmetic."""
+    0..R-1 (T = 1), attention per `how` (_decode) -> hidden (R, T, d). rows (R,): a prefill of those
+    rows, pos 0..T-1, which only fills the cache (of the last layer it computes just the keys and
+    values) -> None. rope: rope_tables(model, cache length); qkv: fused_qkv(model). The model's
+    own weights and modules; the norms and the rotary embedding in fewer ops (_norm, _rope), the
+    same arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]  # (R, T, 1, D): over heads
-    mask, last = None, inner.layers[-1]
-    if rows is None:  # (R, 1, 1, S): 0 for each row's keys so far, -inf after
-        keys = torch.arange(max(n_keys, ids.size(0)), device=x.device)  # one arange: the rows and
-                                                                         # the key positions
-        rows, mask = keys[:ids.size(0)], torch.zeros(ids.size(0), 1, 1, n_keys, dtype=x.dtype,
-                                                     device=x.device)
-        mask.masked_fill_(keys[:n_keys] > pos[:, :, None, None], float("-inf"))
-    for layer, layer_cache in zip(inner.layers, cache):
+    max_len = cache[0][0].size(1)
+    if rows is None:
+        rows = torch.arange(ids.size(0), device=x.device)
+    at = (rows[:, None] * max_len + pos).view(-1)  # flat cache positions of the new tokens
+    last = inner.layers[-1]
+    for layer, layer_cache, w in zip(inner.layers, cache, qkv):
         h = _norm(layer.input_layernorm, x)
-        if mask is None and layer is last:  # a prefill: nothing reads its output
-            _keys(layer.self_attn, h, cos, sin, layer_cache, pos, rows)
+        if how is None and layer is last:  # a prefill: nothing reads its output
+            _keys(layer.self_attn, h, cos, sin, layer_cache, at, w, keys_only=True)
             return None
-        x = x + _attention(layer.self_attn, h, cos, sin, layer_cache, pos, rows, mask)
+        x = x + _attention(layer.self_attn, h, cos, sin, layer_cache, at, w, how)
         x = x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
     return _norm(inner.norm, x)
 
@@ -371,6 +428,89 @@ def bucket(n, sizes):
     return next(s for s in sizes if s >= n)
 
 
+def len_bucket(n, cap):
+    """The keys a group of rows of up to n keys attends over: n rounded up to a multiple of 16 or of
+    1/16 of its power of two (at most 15 or n/8 more), at most cap."""
+    step = max(16, 1 << max(0, n.bit_length() - 4))
+    return min(-(-n // step) * step, cap)
+
+
+def row_groups(lengths, cap, slack=1.2):
+    """Rows 0..R-1 of up to lengths[r] keys grouped by len_bucket, neighbouring groups merged while
+    the keys read stay within slack x the rows' (fewer calls) -> ((rows, S), ...): rows a slice
+    where they are consecutive, else a tuple."""
+    groups = {}
+    for r, n in enumerate(lengths):
+        groups.setdefault(len_bucket(max(int(n), 1), cap), []).append(r)
+    groups = sorted(groups.items())  # [(S, rows)], S ascending
+    # a row counts as 64 keys at least: below that, another call costs more than the keys it saves
+    room = slack * sum(max(int(n), 64) for n in lengths) - sum(S * len(rs) for S, rs in groups)
+    while len(groups) > 1:  # merge the pair that adds the fewest keys, while there is room
+        cost, i = min(((groups[i + 1][0] - S) * len(rs), i)
+                      for i, (S, rs) in enumerate(groups[:-1]))
+        if cost > room:
+            break
+        room -= cost
+        groups[i:i + 2] = [(groups[i + 1][0], sorted(groups[i][1] + groups[i + 1][1]))]
+    return tuple((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S)
+                 for S, rs in groups)
+
+
+_KERNELS = {}  # (device, dtype, head dim) -> decode_kernel's choice
+
+
+def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
+    """The decode attention: on CUDA flash-attn's flash_attn_with_kvcache where importable, else
+    torch's varlen_attn where it takes seqused_k (each checked once against SDPA here, at this
+    dtype and head size), else "masked" (every row over the longest row's length bucket: a CUDA
+    graph needs static shapes). Off CUDA "groups": rows grouped by length, each over its own
+    keys."""
+    if device.type != "cuda":
+        return "groups"
+    key = (str(device), dtype, head_dim)
+    if key not in _KERNELS:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(3 + (n > 1), n, h, head_dim, generator=g, device=device, dtype=dtype)
+                   for n, h in ((1, 4), (256, 2), (256, 2)))  # the cache has a 4th row
+        pos = torch.tensor([0, 99, 255], device=device)
+        ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos, dtype)).float()
+        ok = {"flash": flash_attn_with_kvcache is not None,
+              "varlen": (varlen_attn is not None
+                         and "seqused_k" in inspect.signature(varlen_attn).parameters)}
+        _KERNELS[key] = "masked"
+        for kernel in [name for name in ("flash", "varlen") if ok[name]]:
+            try:
+                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype)).float()
+            except Exception:  # a build without kernels for this GPU or dtype
+                continue
+            if torch.allclose(out, ref, atol=2e-2):
+                _KERNELS[key] = kernel
+                break
+    return _KERNELS[key]
+
+
+def _how(plan, pos, dtype):
+    """The attention argument of a decode step (_decode) from its plan and the rows' positions; a
+    mask is additive, in the attention's dtype (one mask for every layer)."""
+    if plan[0] == "flash":
+        return "flash", (pos + 1).int()
+    if plan[0] == "varlen":
+        cu = torch.arange(pos.size(0) + 1, dtype=torch.int32, device=pos.device)
+        return "varlen", (pos + 1).int(), cu
+
+    def mask(p, S):  # (n, 1, 1, S): 0 for each row's keys so far, -inf after (key 0 always kept)
+        return torch.zeros(p.size(0), 1, 1, S, dtype=dtype, device=pos.device).masked_fill_(
+            torch.arange(S, device=pos.device) > p[:, None, None, None], float("-inf"))
+    if plan[0] == "masked":
+        return "masked", mask(pos, plan[1])
+    groups = []
+    for rows, S in plan[1]:
+        if not isinstance(rows, slice):
+            rows = torch.tensor(rows, device=pos.device)
+        groups.append((rows, S, mask(pos[rows], S)))
+    return "groups", groups
+
+
 def prefill_width(length, max_len):
     """The padded width of a prefill forward whose longest prompt has `length` tokens: all but the
     last, rounded up to a multiple of 16."""
@@ -395,15 +535,15 @@ class Decoder:
     """The sampler's device side: the KV cache, every slot's state as (slots,) tensors, and the
     decode step.
 
-    A decode step runs all of rows 0..R-1 over cache keys 0..L-1 (R, L from a few buckets) with no
-    host sync and no per-slot Python: the policy samples one token in every live row, forced-phrase
-    tokens replace the draw where a row is being interrupted, and eos / </think> / budgets update
-    the row's state and its finish code. Rows that are not live compute garbage that is never kept:
-    they write only at their own next cache position and output column, which a live row rewrites
-    before reading. On CUDA each (R, L) step is captured once as a CUDA graph and replayed
-    (graphs=True); elsewhere it runs eagerly. In-flight weight updates copy into the same parameter
-    storage; the float32 head copy is refreshed by new_weights(), so a captured graph reads the new
-    weights."""
+    A decode step runs all of rows 0..R-1 (R from a few buckets), each over its own keys
+    (decode_kernel, plan), with no host sync and no per-slot Python: the policy samples one token
+    in every live row, forced-phrase tokens replace the draw where a row is being interrupted, and
+    eos / </think> / budgets update the row's state and its finish code. Rows that are not live
+    compute garbage that is never kept: they write only at their own next cache position and output
+    column, which a live row rewrites before reading. On CUDA each (R, plan) step is captured once
+    as a CUDA graph and replayed (graphs=True); elsewhere it runs eagerly. In-flight weight updates
+    copy into the same parameter storage; the fused q/k/v weights and the float32 head copy are
+    refreshed in place by new_weights(), so a captured graph reads the new weights."""
 
     def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids,
                  think_budget, answer_budget, interrupt, temperature, fp32_head, seed,
@@ -418,6 +558,8 @@ class Decoder:
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long,
                                    device=dev)  # (P,); unused without interrupt
         self.cache = new_cache(model, slots, max_len)
+        self.qkv = fused_qkv(model)
+        self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config))
         self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a
                                                               # float32 copy of it
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
@@ -444,6 +586,7 @@ class Decoder:
         """After new weights were copied into the model: the new version, and the head copy
         refreshed."""
         self.version.fill_(version)
+        fused_qkv(self.model, into=self.qkv)
         if self.weight is not self.model.lm_head.weight:
             self.weight.copy_(self.model.lm_head.weight)
 
@@ -457,7 +600,7 @@ class Decoder:
                                    device=self.device)  # (b - a, width)
                 forward(self.model, ids,
                         torch.arange(width, device=self.device).expand(b - a, width), self.cache,
-                        self.rope, rows=torch.tensor(slots[a:b], device=self.device))
+                        self.rope, self.qkv, rows=torch.tensor(slots[a:b], device=self.device))
 
     def admit(self, slots, prompts, keys):
         """Start samples in free slots: their prompts prefilled, their state set."""
@@ -475,30 +618,40 @@ class Decoder:
             0, self.think_budget + self.answer_budget, 0)
         self.live[rows], self.thinking[rows], self.interrupted[rows] = True, True, False
 
-    def step(self, R, L):
-        """One decode step of rows 0..R-1 over cache keys 0..L-1: a graph replay on CUDA, else
-        eager."""
+    def plan(self, R, lengths):
+        """What a step of rows 0..R-1 of at most lengths[r] keys each attends over (_how): the
+        kernel's own lengths; or the longest row's bucket ("masked"); or groups by length."""
+        if self.kernel == "groups":
+            return "groups", row_groups(lengths, self.max_len)
+        if self.kernel == "masked":
+            return "masked", bucket(int(max(lengths)), bucket_sizes(self.max_len, 64))
+        return (self.kernel,)
+
+    def step(self, R, lengths):
+        """One decode step of rows 0..R-1, row r of at most lengths[r] keys (host numbers: an upper
+        bound): a graph replay on CUDA, else eager."""
+        plan = self.plan(R, lengths)
         if self.graphs is None:
-            return self._step(R, L, self.live[:R])
-        graph = self.graphs.get((R, L))
+            return self._step(R, plan, self.live[:R])
+        graph = self.graphs.get((R, plan))
         if graph is None:
             stream = torch.cuda.Stream()  # warm up off the capture (lazy inits), with
                                           # every row masked off
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._step(R, L, self.off[:R])
+                self._step(R, plan, self.off[:R])
             torch.cuda.current_stream().wait_stream(stream)
-            graph = self.graphs[(R, L)] = torch.cuda.CUDAGraph()
+            graph = self.graphs[(R, plan)] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._step(R, L, self.live[:R])
+                self._step(R, plan, self.live[:R])
         graph.replay()
 
-    def _step(self, R, L, live):
+    def _step(self, R, plan, live):
         """The static decode step; live (R,) picks the rows whose state it advances. Without
         interruption the phrase and the thinking state play no part, and their ops are left out."""
         n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
-                         n_keys=L)[:, 0]  # (R, d)
+                         self.qkv, how=_how(plan, pos, self.cache[0][0].dtype))[:, 0]  # (R, d)
         tok, logp = sample(logits_of(hidden, self.weight), self.temperature,
                            self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
@@ -578,14 +731,25 @@ def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3):
     """What a Decoder allocates -> (bytes per slot: its KV cache at max_len tokens and its
     bookkeeping, six int64 and four bool scalars plus max_new + 1 columns of token, log-prob, mask,
     version and noise; bytes whatever the slots: the rotary tables, the float32 head copy, the
-    n_ids ids of </think>, the phrase and eos, the version)."""
+    fused q/k/v weights, the n_ids ids of </think>, the phrase and eos, the version)."""
     size = dtype.itemsize
     per_slot = (kv_bytes_per_token(config, dtype) * max_len + 6 * 8 + 4
                 + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))  # log-probs: >= float32
     copy = fp32_head and size < 4  # head_weight's float32 copy of a half-precision head
     fixed = (2 * max_len * head_dim_of(config) * size
-             + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1))
+             + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1)
+             + qkv_bytes(config, dtype))
     return per_slot, fixed
+
+
+def qkv_bytes(config, dtype):
+    """The fused q/k/v weights and biases of every layer (fused_qkv; Qwen2's projections have
+    biases, Llama's and Mistral's where attention_bias), and Qwen3's q/k norm weight."""
+    width = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
+    bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    norm = (config.num_attention_heads + config.num_key_value_heads) * head_dim_of(config)
+    return (config.num_hidden_layers * dtype.itemsize
+            * (width * (config.hidden_size + bias) + norm * (config.model_type == "qwen3")))
 
 
 def free_device_bytes(device):
@@ -671,7 +835,6 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                   fp32_head=fp32_head, seed=seed, version=version, graphs=graphs,
                   prefill_tokens=prefill_tokens)
     row_sizes = bucket_sizes(slots, 8)  # a step decodes rows 0..R-1, R one of these
-    len_sizes = bucket_sizes(max_len, 64)  # and attends over cache keys 0..L-1, L one of these
     pending = deque()  # (prompt ids, key, tag) waiting for a slot
     owner = [None] * slots  # per slot: (key, tag) of the sample in it, or None when free
     bound = np.full(slots, -1)  # per slot: an upper bound of its cache position (-1: free)
@@ -698,7 +861,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             continue
         R = bucket(busy[-1] + 1, row_sizes)
         for _ in range(sync_every):
-            dec.step(R, bucket(int(bound.max()) + 1, len_sizes))
+            dec.step(R, bound[:R] + 1)
             bound[busy] = np.minimum(bound[busy] + 1, max_len - 1)
         for s, sample in dec.collect(R).items():
             (sample.key, tag), owner[s], bound[s] = owner[s], None, -1

@@ -2485,6 +2485,7 @@ def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
         params = {p.data_ptr() for p in model.parameters()}  # the head weight itself, where it needs no copy
         held = [t for t in vars(dec).values() if isinstance(t, torch.Tensor) and t.data_ptr() not in params]
         held += [t for kv in dec.cache for t in kv] + list(dec.rope)
+        held += [t for wb in dec.qkv for t in wb if t is not None]
         per_slot, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6)
         assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + fixed
     kv = sum(k.nbytes + v.nbytes for k, v in dec.cache)
@@ -2714,7 +2715,7 @@ def test_generate_decode_step_makes_no_host_sync(monkeypatch):
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for _ in range(3):
-        dec._step(4, 40, dec.live[:4])
+        dec._step(4, dec.plan(4, [40] * 4), dec.live[:4])
     monkeypatch.undo()
     assert (dec.n - before).tolist() == [3, 3, 3, 0]  # three tokens in each live row, none in the free one
 
@@ -2729,14 +2730,96 @@ def test_generate_masked_off_warm_up_steps_change_nothing(monkeypatch):
     plain = gen.generate(model, prompts, **cfg)
     real_step = gen.Decoder._step
 
-    def after_a_warm_up(self, R, L, live):
-        real_step(self, R, L, self.off[:R])
-        real_step(self, R, L, live)
+    def after_a_warm_up(self, R, plan, live):
+        real_step(self, R, plan, self.off[:R])
+        real_step(self, R, plan, live)
     monkeypatch.setattr(gen.Decoder, "_step", after_a_warm_up)
     warmed = gen.generate(model, prompts, **cfg)
     assert any(0 in s.mask for s in plain) and {s.finish for s in plain} >= {"eos", "truncated"}
     for a, b in zip(plain, warmed):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
+
+
+def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(monkeypatch):
+    """The decode step's attention (rows grouped by length bucket off CUDA; every row over the longest row's
+    bucket, the CUDA-graph fallback) against each row's softmax over its own keys written out, grouped query
+    heads included; the groups read at most 1.25x the rows' keys where one bucket for all reads ~2x. The
+    CUDA kernels (flash-attn's, torch's varlen_attn) are stood in for by what their docs say they compute."""
+    g = torch.Generator().manual_seed(0)
+    R, H, Hkv, D, max_len = 9, 4, 2, 8, 600
+    q = torch.randn(R, 1, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(R + 2, max_len, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.tensor([0, 599, 17, 130, 64, 299, 3, 450, 200])
+    ref = torch.stack([torch.stack([((q[r, 0, h] @ k[r, :p + 1, h // 2].T) * 0.3).softmax(-1) @ v[r, :p + 1, h // 2]
+                                    for h in range(H)]) for r, p in enumerate(pos.tolist())])
+    lengths = (pos + 1).tolist()
+    plan = gen.row_groups(lengths, max_len)
+    members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S in plan]
+    assert sorted(r for rs, _ in members for r in rs) == list(range(R))  # every row in one group
+    assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
+    for how in (("groups", plan), ("masked", 600)):
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos, q.dtype)), ref, atol=1e-12), how[0]
+
+    def attend(q, k, v, scale):  # q (H, D) over k, v (n, Hkv, D), grouped heads
+        return torch.stack([((q[h] @ k[:, h // 2].T) * scale).softmax(-1) @ v[:, h // 2] for h in range(H)])
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k):  # as its docstring says
+        assert cu_k[-1] == k.size(0) and max_q == 1 and enable_gqa
+        return torch.stack([attend(q[i], k[a:a + n], v[a:a + n], scale)
+                            for i, (a, n) in enumerate(zip(cu_k[:-1].tolist(), seqused_k.tolist()))])
+
+    def flash(q, k, v, *, cache_seqlens, softmax_scale):  # flash_attn_with_kvcache: (R, 1, H, D) out
+        assert k.size(0) == q.size(0)
+        return torch.stack([attend(q[i, 0], k[i, :n], v[i, :n], softmax_scale)[None]
+                            for i, n in enumerate(cache_seqlens.tolist())])
+    monkeypatch.setattr(gen, "varlen_attn", varlen)
+    monkeypatch.setattr(gen, "flash_attn_with_kvcache", flash)
+    for kernel in ("varlen", "flash"):  # the arguments the CUDA kernels are handed, read as their docs say
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how((kernel,), pos, q.dtype)), ref, atol=1e-12), kernel
+    read = sum(len(rs) * S for rs, S in members)
+    assert read <= 1.2 * sum(max(n, 64) for n in lengths) and 600 * R > 1.9 * sum(lengths)
+    for seed in range(5):  # rows of 64..2048 keys: the groups read at most 1.25x, one bucket for all ~2x
+        n = torch.randint(64, 2049, (64,), generator=torch.Generator().manual_seed(seed)).tolist()
+        sizes = [(len(range(64)[a]) if isinstance(a, slice) else len(a), S) for a, S in gen.row_groups(n, 2048)]
+        assert sum(k * S for k, S in sizes) <= 1.25 * sum(n)
+    for n in range(1, 5000):  # a group's keys: at most 1/8 more than its longest row's (or 16 under 128)
+        assert n <= gen.len_bucket(n, 10 ** 6) <= max(n + 15, n * 9 / 8)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_decoder_new_weights_refresh_the_fused_projections_in_their_storage(kind):
+    """The fused q/k/v weights (and Qwen3's q/k norm weight) are copies: new_weights() refreshes them in place
+    (a captured CUDA graph reads the same storage) to the model's new projections, concatenated."""
+    model, other = tiny_model(kind), tiny_model(kind, seed=1)
+    dec = gen.Decoder(model, 2, 16, 4, eos_id=0, think_end=[1], interrupt_ids=[], think_budget=4, answer_budget=0,
+                      interrupt=False, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=False)
+    ptrs = [t.data_ptr() for wb in dec.qkv for t in wb if t is not None]
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.copy_(q)
+    dec.new_weights(1)
+    assert [t.data_ptr() for wb in dec.qkv for t in wb if t is not None] == ptrs
+    for layer, (w, b, norm) in zip(other.model.layers, dec.qkv):
+        a = layer.self_attn
+        assert torch.equal(w, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        assert (b is None) == (kind == "qwen3") and (b is None or torch.equal(b, torch.cat([a.q_proj.bias, a.k_proj.bias,
+                                                                                             a.v_proj.bias])))
+        if kind == "qwen3":
+            assert torch.equal(norm[0], a.q_norm.weight) and torch.equal(norm[-1], a.k_norm.weight)
+            assert norm.size(0) == model.config.num_attention_heads + model.config.num_key_value_heads
+
+
+def test_generate_one_bucket_attention_gives_the_same_samples_as_grouped(monkeypatch):
+    """The CUDA fallback (every row over the longest row's bucket, masked) and the grouped path give the same
+    samples on a float64 model: same tokens, masks and finishes, log-probs to rounding."""
+    model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(9, seed=3)
+    cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=5)
+    grouped = gen.generate(model, prompts, **cfg)
+    monkeypatch.setattr(gen, "decode_kernel", lambda *args: "masked")
+    masked = gen.generate(model, prompts, **cfg)
+    for a, b in zip(grouped, masked):
+        assert (a.tokens, a.mask, a.finish) == (b.tokens, b.mask, b.finish)
+        assert np.allclose(a.logps, b.logps, atol=1e-12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
