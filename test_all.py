@@ -3916,7 +3916,7 @@ def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_tra
     rcs, outs = finish_all(procs)
     assert rcs == [128 + signal.SIGINT] * 2, outs
     lines = [(r["kind"], r["step"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "step" in r]
-    assert lines[:2] == [("train", 1), ("train", 2)], lines
+    assert lines[0] == ("train", 1) and ("train", 2) in lines, lines  # step 1 before the eval's line, if any
 
 
 def test_pipeline_a_held_out_prompt_longer_than_every_training_prompt_is_sampled_on_the_generators(tmp_path):
