@@ -1584,7 +1584,7 @@ def memory_plan(config, run):
     trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head)
     resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
     weights = plan_param_count(s) * size
-    held = resident if run.generators == 0 else weights
+    held = resident if run.generators == 0 and not run.evaluate else weights
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
     most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
     caps = [c for c in (run.slots, most if run.sized else None) if c]

@@ -2927,6 +2927,11 @@ def test_memory_plan_is_the_slots_every_sampler_takes_on_cpu(toy_dir, tmp_path, 
     assert "recipe paper" in out and "mean@16 over 10 problems, 160 samples" in out
     planned = [int(n) for n in re.findall(r"sampler: (\d+) sequences of up to 14\d\d\d tokens", out)]
     assert len(planned) == 2 and taken == [planned[0]] + [planned[1]] * 2 == [gen.CPU_SLOTS] * 3, (taken, out)
+    config = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
+    plan = pipeline.memory_plan(config, pipeline.PlanRun(**bench.recipe_run("paper"), evaluate=16000))
+    weights = pipeline.plan_param_count(pipeline.plan_shape(config)) * 2
+    assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), config, torch.bfloat16,
+                                             *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
 
 
 def test_busy_metrics_keep_the_last_rates_while_no_generator_has_published():
