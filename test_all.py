@@ -3911,11 +3911,11 @@ def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their
 
 
 def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_trainer(tmp_path):
-    """The generator runs the step-0 eval (1,200 samples: seconds, past --timeout) beside the training groups, in
-    at most EVAL_SHARE of its slots: the trainer takes its steps while it runs (it was queued ahead of them: "rank 0
-    (trainer) waited 2.0 s for rollouts for step 1 (groups 0..3) (--timeout)"). Stopped by a signal after step 2,
-    before the eval ends: a signal skips the last eval."""
-    procs = launch(2, tmp_path, "--steps", "1000", "--val_size", "300", "--eval_samples", "4", "--timeout", "2")
+    """The generator runs the step-0 eval (4,000 samples: about 12 s, past --timeout) beside the training groups,
+    in at most EVAL_SHARE of its slots: the trainer takes its steps while it runs (it was queued ahead of them:
+    "rank 0 (trainer) waited 5.0 s for rollouts for step 1 (groups 0..3) (--timeout)"). Stopped by a signal after
+    step 2, long before the eval ends: a signal skips the evals."""
+    procs = launch(2, tmp_path, "--steps", "1000", "--val_size", "500", "--eval_samples", "8", "--timeout", "5")
     wait_for_train_records(tmp_path, 2, procs)
     procs[0].send_signal(signal.SIGINT)
     rcs, outs = finish_all(procs)
