@@ -1315,7 +1315,8 @@ def generate_pipelined(ctx, gen):
         sampler_step(gen, items, version, evals)
         if v is not None and len(gen.eval_done) != done:  # progress: the trainers' waits go on
             ctx.store.add("eval_progress", 1)
-            set_status(ctx, f"generating; evaluating step {v} ({len(gen.eval_done)}/{gen.eval_want})"
+            done = len(gen.eval_done)
+            set_status(ctx, f"generating; evaluating step {v} ({done}/{gen.eval_want})"
                        if gen.eval_version is not None else "generating")
         return
     if gen.verifying:  # nothing to decode: the groups under verification go out first
@@ -1568,7 +1569,7 @@ class PlanRun:
     slots: int = None
     lag: int = 8  # the lag bound k (--max_lag): what a generator can have in flight (in_flight)
     fp32_head: bool = True
-    evaluate: int = 0  # --eval_only: its held-out samples (no trainer; the sampler holds at most these)
+    evaluate: int = 0  # --eval_only's held-out samples: no trainer, a sampler of at most these
 
 
 def memory_plan(config, run):
@@ -1617,11 +1618,11 @@ def plan_lines(plan, run, context=None):
                      + ("fits" if r["fits"] else "DOES NOT FIT"))
     per_layer = act["checkpointed"] if plan["ckpt"] else act["layer"]
     if not run.evaluate:
-        lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves {per_layer / 1e3:.1f} KB "
-                     f"per token x {s['L']} {'checkpointed ' * plan['ckpt']}layers + head "
-                     f"{act['head'] / 1e3:.1f} KB" + (f"; the layer recomputed in the backward "
-                                                      f"{act['layer'] / 1e3:.1f} KB per token"
-                                                      if plan["ckpt"] else ""))
+        lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves "
+                     f"{per_layer / 1e3:.1f} KB per token x {s['L']} "
+                     f"{'checkpointed ' * plan['ckpt']}layers + head {act['head'] / 1e3:.1f} KB"
+                     + (f"; the layer recomputed in the backward {act['layer'] / 1e3:.1f} KB per "
+                        "token" if plan["ckpt"] else ""))
     where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
              if run.generators else "")
     lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
