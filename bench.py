@@ -57,6 +57,9 @@ replay (not in the default set; --replay_run: a toy run with a checkpoint every 
    AdamW-preconditioned step (the checkpoint's own second moments) of the loss of such a stale batch
    against an on-policy one (drawn by s itself), split into its terms: positive and negative
    advantages, the answer's tokens and the thinking's, with the IS weight and with rho = 1.
+plan_rss (not in the default set: about 80 s): the memory plan train.py prints against the peak
+   RSS of its process on CPU, --eval_only and a training run's first 40 s, a small random Qwen2
+   under the paper's recipe (BENCHMARKS.md section 10).
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
