@@ -57,6 +57,9 @@ replay (not in the default set; --replay_run: a toy run with a checkpoint every 
    AdamW-preconditioned step (the checkpoint's own second moments) of the loss of such a stale batch
    against an on-policy one (drawn by s itself), split into its terms: positive and negative
    advantages, the answer's tokens and the thinking's, with the IS weight and with rho = 1.
+plan_rss (not in the default set: about 80 s): the memory plan train.py prints against the peak
+   RSS of its process on CPU, --eval_only and a training run's first 40 s, a small random Qwen2
+   under the paper's recipe (BENCHMARKS.md section 10).
 
 Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
 max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
@@ -79,6 +82,7 @@ may stay).
     python bench.py --figures efficiency --json   # a decode step's KV bytes read / its rows' own
     python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
     python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
+    python bench.py --figures plan_rss         # the printed memory plan against the peak RSS, CPU
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
         --new_tokens 256 --batch 256
     python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16
@@ -86,6 +90,7 @@ may stay).
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import json
@@ -164,7 +169,7 @@ def get_args(argv=None):
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5",
                     help="comma-separated figures to run: 1 to 7, memory, efficiency, "
-                         "stability, replay")
+                         "stability, replay, plan_rss")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
@@ -1035,6 +1040,48 @@ def bench_memory_plan(args):
 # -----------------------------------------------------------------------------
 
 
+# a real model's shape in small on CPU (the paper's recipe: a 14k-token cache per sequence)
+RSS_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512, vocab_size=32000, tie_word_embeddings=True)
+
+
+def peak_rss(cmd, seconds):
+    """Run cmd for `seconds` (then stop it) -> (its peak RSS in bytes, VmHWM, its output)."""
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    peak, t0 = 0, time.time()
+    while proc.poll() is None and time.time() - t0 < seconds:
+        with contextlib.suppress(OSError, StopIteration), open(f"/proc/{proc.pid}/status") as f:
+            peak = max(peak, next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")))
+        time.sleep(0.2)
+    proc.kill()
+    return peak, proc.communicate()[0]
+
+
+def bench_plan_rss(args, seconds=40):
+    """The printed memory plan against the peak RSS of the run on CPU: a random Qwen2 of RSS_SHAPE
+    with the toy tokenizer under the paper's recipe, --eval_only (20 prompts x 16) and a training
+    run's first 40 s (its step-0 eval), each in a fresh process."""
+    import tempfile
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+        qwen2_model(dict(RSS_SHAPE, eos_token_id=tokenizer.eos_token_id), "cpu",
+                    torch.bfloat16).save_pretrained(tmp + "/model")
+        tokenizer.save_pretrained(tmp + "/model")
+        base = [sys.executable, "train.py", "--model", tmp + "/model", "--val_size", "20"]
+        for name, extra in (("eval_only", ["--eval_only"]),
+                            ("train", ["--out", tmp + "/run", "--save_every", "0"])):
+            peak, text = peak_rss(base + extra, seconds)
+            plan = float(re.findall(r"total ([\d.]+): fits", text)[0]) * 1e9
+            out[name] = {"plan_gb": plan / 1e9, "peak_rss_gb": peak / 1e9, "ratio": peak / plan}
+            print(f"plan_rss | {name}, paper recipe, Qwen2 {RSS_SHAPE['hidden_size']} wide, "
+                  f"{RSS_SHAPE['num_hidden_layers']} layers on CPU | plan {plan / 1e9:.2f} GB | "
+                  f"peak RSS {peak / 1e9:.2f} GB in {seconds} s ({peak / plan:.2f} x the plan)",
+                  flush=True)
+    return out
+
+
 # -----------------------------------------------------------------------------
 # figure "stability": PipelineRL-8 at its worst case, seed by seed
 
@@ -1321,8 +1368,8 @@ def main(args):
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
-    models = (bench_models(args) if figures - {"memory", "stability", "replay", "efficiency"}
-              else [])
+    models = (bench_models(args) if figures - {"memory", "stability", "replay", "efficiency",
+                                               "plan_rss"} else [])
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
@@ -1348,6 +1395,8 @@ def main(args):
         results["memory_plan"] = bench_memory_plan(args)
     if "stability" in figures:
         results["stability"] = bench_stability(args)
+    if "plan_rss" in figures:
+        results["plan_rss"] = bench_plan_rss(args)
     if "replay" in figures:
         results["replay"] = bench_replay(args)
     results["seconds"] = time.perf_counter() - t_start

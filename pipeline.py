@@ -442,16 +442,18 @@ def _die(message):
 
 def wait_until(ctx, ready, what, status=None):
     """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was
-    awaited. The deadline does not run out while trainer 0 evaluates, or waits for the generators'
-    eval (held-out evals have no bound of their own; heartbeats still tell a dead rank within
-    --heartbeat_timeout). status: this rank's status meanwhile (default: waiting for `what`)."""
+    awaited. The deadline does not run out while trainer 0 evaluates or waits for the generators'
+    eval, nor while the generators' held-out evals make progress (they share the generators' time
+    with training groups); a stuck eval still runs it out. status: this rank's status meanwhile
+    (default: waiting for `what`)."""
     set_status(ctx, status or f"waiting for {what}")
-    t0, pause = time.time(), 0.0005
+    t0, pause, evals = time.time(), 0.0005, get_int(ctx, "eval_progress")
     while not ready():
         if time.time() - t0 > ctx.timeout:
-            if (ctx.store.check(["status/0"])
-                    and ctx.store.get("status/0").startswith(b"evaluating")):
-                t0 = time.time()
+            now = get_int(ctx, "eval_progress")  # the generators' held-out samples done
+            if now != evals or (ctx.store.check(["status/0"])
+                                and ctx.store.get("status/0").startswith(b"evaluating")):
+                t0, evals = time.time(), now
                 continue
             raise TimeoutError(
                 f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
@@ -1063,11 +1065,19 @@ def in_flight(args, n_gens, k):
     return math.ceil((k + 1) * args.prompts / n_gens) * args.samples
 
 
+def sampler_most(args, ctx):
+    """The most sequences a training run's sampler holds (the memory plan's bound): a generator
+    rank's in_flight, or one process's; a held-out eval's sampler holds no more."""
+    return in_flight(args, ctx.n_gens if ctx else 1, ctx.k if ctx else 0)
+
+
 def start_sampler(gen, version, k=0, say=None):
     """The generator's sampler, started at weights version `version`: its slots (as many sequences
-    as fit, generate.fit_slots, on CUDA at most what lag k lets it have in flight) all free."""
-    gen.steps = make_sampler(gen.model, gen.tokenizer, gen.args, max(map(len, gen.prompt_ids)),
-                             version, say=say, most=in_flight(gen.args, gen.n_gens, k))
+    as fit, generate.fit_slots, on CUDA at most what lag k lets it have in flight) all free; its
+    prompts: the training ones and, on a generator rank, the held-out ones too."""
+    longest = max(map(len, gen.prompt_ids + (gen.val_ids or [])))
+    gen.steps = make_sampler(gen.model, gen.tokenizer, gen.args, longest, version, say=say,
+                             most=in_flight(gen.args, gen.n_gens, k))
     _, gen.free = next(gen.steps)
     gen.slots = gen.free
 
@@ -1167,11 +1177,11 @@ def admit(gen, gis):
     return items
 
 
-def sampler_step(gen, items, version):
-    """One send to the sampler (queue `items`, decode); the groups it completes go to the verifier
-    (verify_beside), held-out samples to the eval under way; groups verified are sent."""
-    finished, gen.free = gen.steps.send((gen.eval_items + items, version))
-    gen.eval_items = []
+def sampler_step(gen, items, version, evals=()):
+    """One send to the sampler (queue held-out `evals`, then `items`; decode); the groups it
+    completes go to the verifier (verify_beside), held-out samples to the eval under way; groups
+    verified are sent."""
+    finished, gen.free = gen.steps.send((list(evals) + items, version))
     for (gi, j), sample in finished:
         gen.tokens += len(sample.tokens)
         if gi == "eval":
@@ -1210,13 +1220,25 @@ def finish_groups(gen, wait=False):
                   "correct": correct, "rewards": rewards})
 
 
+EVAL_SHARE = 0.5  # the most of a generator's sampler slots a held-out eval takes at once
+
+
 def start_eval(gen, version):
     """A held-out eval of the weights the generator holds (`version`), asked by trainer 0: its share
-    of the held-out samples goes to the sampler first; newer weights wait on the host until it is
-    done (poll), so every sample is of `version`."""
+    of the held-out samples goes to the sampler beside the training groups (eval_share); newer
+    weights wait on the host until it is done (poll), so every sample is of `version`."""
     gen.eval_version, gen.eval_done = version, {}
     gen.eval_items = held_out_items(gen.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
     gen.eval_want = len(gen.eval_items)
+
+
+def eval_share(gen):
+    """The held-out items to queue now: into free slots, at most EVAL_SHARE of the slots in flight,
+    so the training groups the trainers wait for are never queued behind a whole eval."""
+    running = gen.eval_want - len(gen.eval_items) - len(gen.eval_done)
+    n = max(0, min(max(1, int(gen.slots * EVAL_SHARE)) - running, gen.free))
+    items, gen.eval_items = gen.eval_items[:n], gen.eval_items[n:]
+    return items
 
 
 def finish_eval(gen):
@@ -1295,11 +1317,19 @@ def generate_pipelined(ctx, gen):
     free slots, run the sampler; with nothing running and nothing admissible (k batches ahead),
     wait."""
     version = poll(ctx, gen)
-    items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(gen.free / gen.args.samples),
+    evals = eval_share(gen)
+    free = gen.free - len(evals)
+    items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(free / gen.args.samples),
                                                 version))
-             if gen.free > 0 else [])
-    if items or gen.eval_items or gen.free < gen.slots:
-        sampler_step(gen, items, version)
+             if free > 0 else [])
+    if items or evals or gen.free < gen.slots:
+        done, v = len(gen.eval_done), gen.eval_version
+        sampler_step(gen, items, version, evals)
+        if v is not None and len(gen.eval_done) != done:  # progress: the trainers' waits go on
+            ctx.store.add("eval_progress", 1)
+            done = len(gen.eval_done)
+            set_status(ctx, f"generating; evaluating step {v} ({done}/{gen.eval_want})"
+                       if gen.eval_version is not None else "generating")
         return
     if gen.verifying:  # nothing to decode: the groups under verification go out first
         finish_groups(gen, wait=True)
@@ -1550,6 +1580,7 @@ class PlanRun:
     slots: int = None
     lag: int = 8  # the lag bound k (--max_lag): what a generator can have in flight (in_flight)
     fp32_head: bool = True
+    evaluate: int = 0  # --eval_only's held-out samples: no trainer, a sampler of at most these
 
 
 def memory_plan(config, run):
@@ -1565,13 +1596,15 @@ def memory_plan(config, run):
     trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head)
     resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
     weights = plan_param_count(s) * size
-    held = resident if run.generators == 0 else weights
+    held = resident if run.generators == 0 and not run.evaluate else weights
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
-    most = in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
+    most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
     caps = [c for c in (run.slots, most if run.sized else None) if c]
     gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room,
                                          min(caps, default=None), run.fp32_head)
-    if run.generators == 0:
+    if run.evaluate:
+        roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
+    elif run.generators == 0:
         roles = {"one process": (1, {**trainer, **gen},
                                  max(sum(trainer.values()), resident + sum(gen.values())), seqs)}
     else:
@@ -1595,24 +1628,26 @@ def plan_lines(plan, run, context=None):
         lines.append(f"  {role} (x{r['count']}): {parts} | total {gb(r['total'])}: "
                      + ("fits" if r["fits"] else "DOES NOT FIT"))
     per_layer = act["checkpointed"] if plan["ckpt"] else act["layer"]
-    lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves {per_layer / 1e3:.1f} KB "
-                 f"per token x {s['L']} {'checkpointed ' * plan['ckpt']}layers + head "
-                 f"{act['head'] / 1e3:.1f} KB" + (f"; the layer recomputed in the backward "
-                                                  f"{act['layer'] / 1e3:.1f} KB per token"
-                                                  if plan["ckpt"] else ""))
+    if not run.evaluate:
+        lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves "
+                     f"{per_layer / 1e3:.1f} KB per token x {s['L']} "
+                     f"{'checkpointed ' * plan['ckpt']}layers + head {act['head'] / 1e3:.1f} KB"
+                     + (f"; the layer recomputed in the backward {act['layer'] / 1e3:.1f} KB per "
+                        "token" if plan["ckpt"] else ""))
     where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
              if run.generators else "")
     lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
-                 f"once ({plan['per_slot'] / 1e6:,.1f} MB each){where}, for a batch of "
-                 f"{run.prompts * run.samples}"
+                 f"once ({plan['per_slot'] / 1e6:,.1f} MB each){where}, for "
+                 + (f"{run.evaluate} held-out samples" if run.evaluate else
+                    f"a batch of {run.prompts * run.samples}")
                  + (f"; the model's context {context}" if context else ""))
     return lines
 
 
-def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len):
+def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len, evaluate=0):
     """Rank 0 at start-up: the run's memory plan on this device (one device per rank; on CPU the
-    machine's memory), printed. Micro-batches hold --micro_tokens tokens (0: a trainer's whole
-    share of the batch, at the full budget)."""
+    machine's memory), printed -> the plan. Micro-batches hold --micro_tokens tokens (0: a
+    trainer's whole share of the batch, at the full budget). evaluate: --eval_only's samples."""
     trainers, cuda = ctx.n_trainers if ctx else 1, device.type == "cuda"
     seq = prompt_len + args.think_budget + args.answer_budget + phrase_len
     groups = -(-args.prompts // trainers)
@@ -1626,7 +1661,10 @@ def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len):
                   ckpt_layers=args.ckpt_layers, fsdp=bool(ctx and args.fsdp),
                   trainers=trainers, generators=ctx.n_gens if ctx else 0, device_bytes=total,
                   gen_memory=args.gen_memory, sized=cuda, slots=args.slots,
-                  lag=ctx.k if ctx else 0, fp32_head=args.fp32_head)
-    lines = plan_lines(memory_plan(config, run), run,
-                       getattr(config, "max_position_embeddings", None))
-    print("\n".join(lines), flush=True)
+                  lag=ctx.k if ctx else 0, fp32_head=args.fp32_head, evaluate=evaluate)
+    if evaluate:
+        run.samples = args.eval_samples  # it fits if it holds one prompt's samples
+    plan = memory_plan(config, run)
+    print("\n".join(plan_lines(plan, run, getattr(config, "max_position_embeddings", None))),
+          flush=True)
+    return plan

@@ -3000,6 +3000,52 @@ def test_memory_plan_caps_the_kv_cache_at_what_a_generator_can_have_in_flight():
     assert pipeline.in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
 
 
+def qwen2_folder(toy_dir, folder):
+    """A real model's shape in miniature: a random Qwen2 (no scalerl_task: the paper's recipe) with the toy's
+    tokenizer, its context long enough for the paper's budgets."""
+    tok = AutoTokenizer.from_pretrained(toy_dir)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                                 tie_word_embeddings=True)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_memory_plan_is_the_slots_every_sampler_takes_on_cpu(toy_dir, tmp_path, monkeypatch, capsys):
+    """The paper's recipe on CPU: the held-out eval's sampler (step 0, and --eval_only, which prints its plan too)
+    and the training sampler take the slots the printed plan says. (The eval took one slot per sample: 16 per
+    held-out prompt, 8,000 at 500 prompts, and the kernel killed the run.)"""
+    folder = qwen2_folder(toy_dir, tmp_path / "qwen2")
+    taken = []
+
+    class Enough(Exception):
+        pass
+
+    def sampler(model, *, slots, **kw):  # each sampler's slots; its items end at once (empty samples)
+        taken.append(slots)
+        if len(taken) == 3:
+            raise Enough  # the training sampler: far enough
+        new, _ = yield [], slots
+        while True:
+            new, _ = yield [(tag, gen.Sample(key, [], [], [], [], "truncated")) for _, key, tag in new], slots
+
+    monkeypatch.setattr(pipeline, "sampler", sampler)
+    flags = ["--model", str(folder), "--val_size", "10", "--save_every", "0"]  # 160 held-out samples
+    train.eval_only(train.get_args(["--eval_only", *flags]))
+    with pytest.raises(Enough):
+        train.main(train.get_args(["--out", str(tmp_path / "run"), *flags]))
+    out = capsys.readouterr().out
+    assert "recipe paper" in out and "mean@16 over 10 problems, 160 samples" in out
+    planned = [int(n) for n in re.findall(r"sampler: (\d+) sequences of up to 14\d\d\d tokens", out)]
+    assert len(planned) == 2 and taken == [planned[0]] + [planned[1]] * 2 == [gen.CPU_SLOTS] * 3, (taken, out)
+    config = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
+    plan = pipeline.memory_plan(config, pipeline.PlanRun(**bench.recipe_run("paper"), evaluate=16000))
+    weights = pipeline.plan_param_count(pipeline.plan_shape(config)) * 2
+    assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), config, torch.bfloat16,
+                                             *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
+
+
 def test_busy_metrics_keep_the_last_rates_while_no_generator_has_published():
     """Generators publish their counters at most every 0.1 s; steps can be faster (50 ms on a GPU). A step
     with nothing new keeps the last busy fraction and tokens/s (it read 0.00 on every other step), and the
@@ -4091,6 +4137,33 @@ def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their
             {k: evals[step][k] for k in ("pass_rate", "trunc", "len", "n")}, step
 
 
+def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_trainer(tmp_path):
+    """The generator runs the step-0 eval (4,000 samples: about 12 s, past --timeout) beside the training groups,
+    in at most EVAL_SHARE of its slots: the trainer takes its steps while it runs (it was queued ahead of them:
+    "rank 0 (trainer) waited 5.0 s for rollouts for step 1 (groups 0..3) (--timeout)"). Stopped by a signal after
+    step 2, long before the eval ends: a signal skips the evals."""
+    procs = launch(2, tmp_path, "--steps", "1000", "--val_size", "500", "--eval_samples", "8", "--timeout", "5")
+    wait_for_train_records(tmp_path, 2, procs)
+    procs[0].send_signal(signal.SIGINT)
+    rcs, outs = finish_all(procs)
+    assert rcs == [128 + signal.SIGINT] * 2, outs
+    lines = [(r["kind"], r["step"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "step" in r]
+    assert lines[0] == ("train", 1) and ("train", 2) in lines, lines  # step 1 before the eval's line, if any
+
+
+def test_pipeline_a_held_out_prompt_longer_than_every_training_prompt_is_sampled_on_the_generators(tmp_path):
+    """The generator's sampler, which samples the held-out prompts too, is sized by the longest of every prompt
+    (it was sized by the training prompts', and the eval stopped every generator with "ValueError: prompt of N
+    tokens: a prompt needs 1 to max_prompt_len")."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"problem": f"Compute {'+'.join(['1'] * n)}.", "answer": str(n)}) + "\n"
+                           for n in (2, 12)))  # the toy's prompts have 1 to 4 operations
+    rcs, (out, _) = finish_all(launch(2, tmp_path / "run", "--steps", "1", "--val_data", str(val)))
+    assert rcs == [0, 0], out
+    evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "eval"]
+    assert [(r["step"], r["n"]) for r in evals] == [(0, 2), (1, 2)]
+
+
 def test_pipeline_lag_bound_holds_under_a_slow_generator(tmp_path):
     """A straggler generator (the last one) decodes slowly while the other runs ahead: the trainer waits
     for the straggler's groups of each batch (nothing is dropped) and the fast one stops k batches ahead."""
@@ -4155,6 +4228,23 @@ def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
     assert 0.6 < time.time() - t0 < 5 and store.get("status/0") == b"evaluated step 3"
     with pytest.raises(TimeoutError, match="rank 2 .generator. waited 0.2 s for weights"):  # the deadline is back
         pipeline.wait_until(generator, lambda: False, "weights")
+
+
+def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progress():
+    """The generators' held-out eval shares their time with training groups: a trainer's wait for rollouts runs
+    out only after --timeout without the eval's progress (its counter in the store), not while it goes on."""
+    store = torch.distributed.HashStore()
+    trainer = types.SimpleNamespace(store=store, rank=0, n_trainers=1, timeout=0.5, status="")
+    stop = time.time() + 1.5  # 3 deadlines
+    bumps = threading.Thread(target=lambda: [(store.add("eval_progress", 1), time.sleep(0.05))
+                                             for _ in range(32)])
+    bumps.start()
+    t0 = time.time()
+    pipeline.wait_until(trainer, lambda: time.time() > stop, "rollouts for step 1")
+    assert time.time() - t0 > 1.4
+    bumps.join()
+    with pytest.raises(TimeoutError, match=r"rank 0 \(trainer\) waited 0.5 s for rollouts"):  # no progress
+        pipeline.wait_until(trainer, lambda: False, "rollouts for step 1")
 
 
 def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):

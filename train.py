@@ -653,12 +653,13 @@ class Progress:
         self.steps.close()
 
 
-def evaluate(model, tokenizer, val_ids, val, args):
+def evaluate(model, tokenizer, val_ids, val, args, most=None):
     """Held-out mean@k of `model` here (pipeline.held_out_items: the same samples at every eval;
     generator ranks sample the same ones) -> summarize_eval's dict; None when a signal stopped
-    it."""
+    it. Its sampler's slots are the memory plan's (most: the plan's bound of a training run)."""
     items = pipeline.held_out_items(val_ids, args.eval_samples)
-    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)), cap=len(items))
+    steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
+                                  most=min(len(items), most or len(items)))
     done = pipeline.sample_all(Progress(steps, len(items), "held-out eval"), items,
                                stop=lambda: bool(pipeline.STOP))
     if done is None:
@@ -694,8 +695,13 @@ def eval_only(args):
     note_toy_model(args, args.val_data, "--val_data", "evaluates")
     model_dir = args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
+    val_ids = tokenize_prompts(tokenizer, val)
+    pipeline.print_memory_plan(model.config, args, None, next(model.parameters()).device,
+                               max(map(len, val_ids)),
+                               len(special_tokens(tokenizer)["interrupt_ids"]),
+                               evaluate=len(val) * args.eval_samples)
     t0 = time.time()
-    r = evaluate(model.eval(), tokenizer, tokenize_prompts(tokenizer, val), val, args)
+    r = evaluate(model.eval(), tokenizer, val_ids, val, args)
     per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items()
                          if k.startswith("pass_rate/"))
     held = args.val_data or f"{len(val)} held-out problems of " + \
@@ -1372,7 +1378,8 @@ def run_eval(rec, model, env, step, stamp):
     """Trainer 0 (one process: the trainer): the held-out pass rate of `model` at `step`, logged
     (log_eval)."""
     model.eval()
-    result = evaluate(model, env.tokenizer, env.val_ids, env.val, env.args)
+    result = evaluate(model, env.tokenizer, env.val_ids, env.val, env.args,
+                      pipeline.sampler_most(env.args, env.ctx))
     if result is not None:  # None: a signal stopped it: no eval line
         log_eval(rec, env, step, result, stamp)
 
@@ -1537,7 +1544,7 @@ def describe(env, trainer):
            f"{len(env.val)} held-out problems")
     if env.rank0:
         pipeline.print_memory_plan(env.model.config, args, env.ctx, device,
-                                   max(map(len, env.train_ids)),
+                                   max(map(len, env.train_ids + env.val_ids)),
                                    len(special_tokens(env.tokenizer)["interrupt_ids"]))
 
 # -----------------------------------------------------------------------------
