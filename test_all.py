@@ -4187,80 +4187,6 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
             assert worst < 1e-12, (agg, budget, worst)
 
 
-def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_zero_on_policy(toy_dir):
-    """--pos_trust: make_batch picks the valid samples of the all-right groups (not a mixed group's, not an
-    all-wrong one's, not a truncated one; none by default); train_batch's gradient equals a hand-written loss:
-    policy_loss over the kept rows plus, on each anchor token whose ratio fell below pos_trust and that older
-    weights sampled (lag > 0: at lag 0 a ratio off 1 is the sampler's numerics), -rho * logp / (kept groups x the
-    anchor group's tokens); with on-policy log-probs (every ratio 1) it is exactly the gradient without anchors,
-    their micro-batches skipping the backward (not under --fsdp: computed, the same)."""
-    def sample(i, n, finish="eos"):
-        return gen.Sample(i, list(range(12, 12 + n)), [-1.0] * n, [1] * n, [0] * n, finish)
-    groups = [{"prompt": p, "samples": [sample(i, 3 + i % 3) for i in range(4)], "correct": c,
-               "rewards": [float(x) for x in c]}
-              for p, c in (([3, 4, 5], [1, 0, 1, 0]), ([6, 7], [1, 1, 1, 1]), ([8, 9], [0, 0, 0, 0]),
-                           ([3, 6], [1, 1, 0, 1]), ([4, 7, 8], [1, 1, 1, 1]))]
-    groups[4]["samples"][0].finish = "truncated"  # out of the group: its other three are all right
-    assert train.make_batch(groups, train.get_args([])).anchors == []
-    assert train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]), stale=False).anchors == []  # on-policy
-    batch = train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]))
-    assert batch.rows == [0, 1, 2, 3, 12, 13, 14, 15] and batch.anchors == [4, 5, 6, 7, 17, 18, 19]
-    model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
-    logprobs = lambda ids, attn: gen.sequence_logprobs(model, ids, attn, True, 1.0)
-    rows = batch.rows + batch.anchors
-    ids, attn, mask, _, _ = train.collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
-                                          0, "cpu")
-    with torch.no_grad():
-        on_policy = logprobs(ids, attn)
-    shift = torch.where(torch.rand(on_policy.shape, generator=torch.Generator().manual_seed(0)) < 0.4, 0.5, -0.1)
-    for i, r in enumerate(rows):  # the sampler's log-probs: the model's, then, for anchors, shifted
-        start = len(batch.prompt_ids[r]) - 1
-        got = on_policy[i, start:start + len(batch.samples[r].tokens)]
-        batch.samples[r].logps = (got + (shift[i, start:start + len(got)] if r in batch.anchors else 0)).tolist()
-        batch.samples[r].versions = [2 * (j % 3 == 0) for j in range(len(got))]  # lag 2, 2, 0, 2, 2, 0, ...
-    args = train.get_args(["--pos_trust", "0.8", "--micro_tokens", "12"])
-    parts = train.Trainer.micro_batches(types.SimpleNamespace(args=args), batch)
-    assert sorted(i for p in parts for i in p) == list(range(len(rows)))
-    assert all(len({i >= len(batch.rows) for i in p}) == 1 for p in parts)  # a part holds one kind
-
-    def grads(fn):
-        model.zero_grad()
-        out = fn()
-        return [p.grad.clone() for p in model.parameters()], out
-    got, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu"))
-
-    def by_hand():
-        _, _, _, gen_logp, lag = train.collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
-                                               0, "cpu", 2)
-        logp = logprobs(ids, attn)
-        k = len(batch.rows)
-        kept = loss.policy_loss(logp[:k], gen_logp[:k], batch.adv, mask[:k], batch.group[batch.rows],
-                                neg_trust=args.neg_trust)
-        rho = (logp - gen_logp).exp().detach()
-        drifted = (mask > 0) & (rho < 0.8) & (lag > 0)
-        assert ((mask > 0) & (rho < 0.8) & (lag == 0))[k:].sum() > 0  # some drifted at lag 0: left alone
-        group_tokens = {g: sum(mask[i].sum() for i, r in enumerate(rows) if batch.group[r] == g) for g in (1, 4)}
-        anchors = sum(-(rho[i] * logp[i])[drifted[i]].sum() / (2 * group_tokens[int(batch.group[r])])
-                      for i, r in enumerate(rows) if i >= k)
-        (kept + anchors).backward()
-        return drifted[k:].sum() / mask[k:].sum()
-    want, share = grads(by_hand)
-    assert 0.2 < share < 0.6 and abs(stats["anchored"] - share) < 1e-12
-    assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-12
-    for r in rows:  # on-policy: every ratio is 1, the anchors add an exact zero
-        batch.samples[r].logps = on_policy[rows.index(r), len(batch.prompt_ids[r]) - 1:][
-            :len(batch.samples[r].tokens)].tolist()
-    backwards = []
-    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu",
-                                                     after=lambda: backwards.append(1)))
-    kept_parts = [p for p in parts if p[0] < len(batch.rows)]
-    off, _ = grads(lambda: train.train_batch(logprobs, batch, kept_parts, args, 2, 0, "cpu"))
-    assert stats["anchored"] == 0 and all(torch.equal(a, b) for a, b in zip(on, off))
-    assert len(backwards) == len(kept_parts) < len(parts)  # the idle anchors skipped their backward
-    full, _ = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu", skip_idle=False))
-    assert all(torch.equal(a, b) for a, b in zip(on, full))  # as under --fsdp: the same zero, computed
-
-
 def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_length():
     """The trainer's activations are sized by --micro_tokens: the same tiny model trains a group of 16 samples
     of 2k tokens and one of 16 x 256 with --micro_tokens 4096, and the most that one micro-batch's forward saves
@@ -4296,37 +4222,6 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
     assert len(train.micro_batches([2048] * 16, 4096)) == 8 and len(train.micro_batches([256] * 16, 4096)) == 1
     assert abs(peaks[2048] / peaks[256] - 1) < 0.1, peaks
     assert whole > 6 * peaks[2048], (whole, peaks)
-
-
-def test_train_stale_beta1_acts_only_where_samples_can_be_stale():
-    """--stale_beta1 (a departure, off by default): AdamW's beta1 where generator ranks run ahead of the trainers
-    (a torchrun run in --mode pipeline or ppo_offpolicy); one process, --mode sync and every run without the flag
-    keep torch's 0.9. A resumed run takes the flag given now, its moments kept. And the second of two steps with
-    gradients +1 then -1, by hand (bias-corrected Adam, no decay, lr constant): m = b1 (1 - b1) - (1 - b1),
-    v = (1 - b2) (b2 + 1): after the first step's -lr the weight moves by -lr m / (1 - b1^2) / sqrt(v / (1 - b2^2)),
-    +lr / 3 at b1 0.5 (+0.053 lr at 0.9)."""
-    ranks = types.SimpleNamespace()  # a torchrun rank's context (the trainer only keeps it here)
-    def betas(flags, ctx, state=None):
-        args = train.get_args(["--lr", "0.1", "--warmup", "1", "--weight_decay", "0", *flags])
-        trainer = train.Trainer(args, torch.nn.Linear(1, 1, bias=False), ctx, state or {})
-        return trainer, trainer.opt.param_groups[0]["betas"]
-    assert betas([], None)[1] == betas([], ranks)[1] == (0.9, 0.999)
-    assert betas(["--stale_beta1", "0.5"], None)[1] == (0.9, 0.999)  # one process: on-policy
-    assert betas(["--stale_beta1", "0.5", "--mode", "sync"], ranks)[1] == (0.9, 0.999)
-    for mode in ("pipeline", "ppo_offpolicy"):
-        assert betas(["--stale_beta1", "0.5", "--mode", mode], ranks)[1] == (0.5, 0.999)
-    trainer, _ = betas(["--stale_beta1", "0.5"], ranks)
-    w = trainer.model.weight
-    w0 = w.item()
-    for g in (1.0, -1.0):
-        w.grad = torch.tensor([[g]])
-        trainer.opt.step()
-    assert w.item() - w0 == pytest.approx(-0.1 - 0.1 * (0.5 * 0.5 - 0.5) / 0.75 /
-                                          math.sqrt(0.001 * (0.999 + 1) / (1 - 0.999 ** 2)), rel=1e-6)
-    saved = trainer.state_dict()  # resumed without the flag: torch's beta1 again, the moments kept
-    resumed, now = betas([], ranks, saved)
-    assert now == (0.9, 0.999)
-    assert torch.equal(resumed.opt.state[resumed.model.weight]["exp_avg"], trainer.opt.state[w]["exp_avg"])
 
 
 def test_train_bf16_steps_float32_master_weights_and_resumes_them_exactly(toy_dir, tmp_path):
