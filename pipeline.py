@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 
 from data import Curriculum, score_samples, special_tokens
-from generate import FINISH, Sample, sampler, sequence_logprobs
+from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
 from loss import length_penalty
 
@@ -882,7 +882,7 @@ def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
 
 
 class LogProbs(torch.nn.Module):
-    """The trainer's forward (decoder, then the float32 head in chunks: generate.sequence_logprobs)
+    """The trainer's forward (decoder, then the float32 head in chunks: generate.packed_logprobs)
     as one module, so that FSDP2's hooks around its forward gather the embedding, final norm and
     head (a call to model.model alone would find them sharded)."""
 
@@ -890,9 +890,9 @@ class LogProbs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, attention_mask, fp32_head, temperature, checkpoint_layers=None):
-        return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature,
-                                 checkpoint_layers=checkpoint_layers)
+    def forward(self, ids, lens, fp32_head, temperature, checkpoint_layers=None):
+        return packed_logprobs(self.model, ids, lens, fp32_head, temperature,
+                               checkpoint_layers=checkpoint_layers)
 
 
 def shard_trainer(model, trainers, device, dtype=torch.float32):

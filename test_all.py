@@ -2794,6 +2794,52 @@ def test_sequence_logprobs_of_a_right_padded_batch_equal_each_row_alone_with_and
     assert gen.checkpointing(28, "off") is False and gen.checkpointing(2, True) is True
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_packed_logprobs_equal_each_sample_alone_in_values_and_gradients(kind):
+    """Samples of mixed lengths packed into one row (attention within each sample, rotary positions from 0 per
+    sample): each sample's log-probs equal its own unpadded forward (the model's, full logits) to 1e-6 in float32,
+    and the gradients of a weighted sum equal the samples' own, with the layers checkpointed or not."""
+    model = tiny_model(kind).train()
+    g = torch.Generator().manual_seed(5)
+    lens = [9, 2, 17, 5, 30]
+    rows = [torch.randint(4, 40, (L,), generator=g) for L in lens]
+    weights = [torch.randn(L - 1, generator=g) for L in lens]
+    model.zero_grad()
+    alone = [model(r[None]).logits[0, :-1].log_softmax(-1).gather(-1, r[1:, None])[:, 0] for r in rows]
+    sum((lp * w).sum() for lp, w in zip(alone, weights)).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for ckpt in (False, True):
+        model.zero_grad()
+        lp = gen.packed_logprobs(model, torch.cat(rows), lens, chunk=7, checkpoint_layers=ckpt)
+        assert lp.shape == (5, 29)
+        for i, L in enumerate(lens):
+            assert torch.allclose(lp[i, :L - 1], alone[i], atol=1e-6) and not lp[i, L - 1:].any()
+        sum((lp[i, :L - 1] * weights[i]).sum() for i, L in enumerate(lens)).backward()
+        assert all(torch.allclose(p.grad, w, atol=1e-6, rtol=1e-5) for p, w in zip(model.parameters(), want))
+
+
+def test_varlen_attention_kernels_are_called_as_the_exact_path_computes(monkeypatch):
+    """torch's varlen_attn (CUDA only) as the installed torch names its keywords: both its signatures (torch 2.9:
+    is_causal, one k/v head per query head, default scale; later: window_size, enable_gqa, scale) give what the
+    exact per-sample path gives, here with a stand-in kernel that checks its arguments."""
+    g = torch.Generator().manual_seed(0)
+    lens = [3, 6, 1, 4]
+    q, k, v = (torch.randn(14, h, 8, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 9, 10, 14], dtype=torch.int32)
+    want = gen.varlen_attention(q, k, v, lens, cu, 0.3)
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        assert is_causal and k.size(1) == q.size(1) and max_q == max_k == 6 and torch.equal(cu_q, cu)
+        return gen.varlen_attention(q, k, v, lens, cu, q.size(-1) ** -0.5)
+
+    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size == (-1, 0) and enable_gqa and k.size(1) == 2
+        return gen.varlen_attention(q, k, v, lens, cu, scale)
+    for fake in (old, new):
+        monkeypatch.setattr(gen, "varlen_attn", fake)
+        assert torch.allclose(gen._torch_varlen(q, k, v, cu, 6, 0.3), want, atol=1e-6)
+
+
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
     """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
     151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
@@ -4045,15 +4091,16 @@ def test_a_step_is_the_same_whatever_splits_its_groups_one_process_data_parallel
 
 def _fsdp_checkpoint_rank(rank, world, port, out):
     """One of 2 FSDP2 trainers (pipeline.shard_trainer) of a tiny Qwen3 whose decoder layers are checkpointed (as
-    a 0.5B-8B model's are by default): the forward and backward of its own right-padded rows."""
+    a 0.5B-8B model's are by default): the forward and backward of its own rows, packed."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     gen.CHECKPOINT_ABOVE, calls, real = 0, [], gen.checkpoint
     gen.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
     model = tiny_model("qwen3").train()
     forward = pipeline.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
-    ids, attn, _ = right_padded(seed=rank)
-    (forward(ids, attn, True, 1.0) * attn[:, 1:]).sum().backward()
+    ids, attn, lens = right_padded(seed=rank)
+    packed = torch.cat([row[:L] for row, L in zip(ids, lens)])
+    (forward(packed, lens, True, 1.0) * attn[:, 1:]).sum().backward()
     grads = [p.grad.full_tensor() for p in model.parameters()]
     if rank == 0:
         torch.save((grads, calls), out)
@@ -4155,9 +4202,9 @@ def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypat
 
 
 def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
-    """Rows split into micro-batches of any token budget (down to one row each: every group split across
-    them) give the gradient of the unsplit batch's loss computed the independent way, policy_loss's own
-    aggregation over all rows at once, for every aggregation."""
+    """Rows packed into micro-batches of any token budget (down to one row each: every group split across
+    them) give the gradient of the unsplit batch's loss computed the independent way, the model's own forward
+    of the right-padded batch and policy_loss's own aggregation over all rows at once, for every aggregation."""
     model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
     prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []
     for i, p in enumerate(prompts):
@@ -4172,7 +4219,7 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     assert len(train.micro_batches(lengths, 1)) == 6 and len(train.micro_batches(lengths, 0)) == 1
     for agg in ("prompt", "sample", "token"):
         model.zero_grad()
-        logp = gen.sequence_logprobs(model, ids, attn, True, 1.0)
+        logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
         loss.policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg=agg,  # the default mask
                          neg_trust=train.get_args([]).neg_trust).backward()
         want = [p.grad.clone() for p in model.parameters()]
@@ -4181,8 +4228,8 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         args = train.get_args(["--agg", agg])
         for budget in (0, 1, 12, 20):
             model.zero_grad()
-            logprobs = lambda ids, attn: gen.sequence_logprobs(model, ids, attn, True, 1.0)
-            train.train_batch(logprobs, batch, train.micro_batches(lengths, budget), args, 0, 0, "cpu")
+            logprobs = lambda ids, lens: gen.packed_logprobs(model, ids, lens, True, 1.0)
+            train.train_batch(logprobs, batch, train.micro_batches(lengths, budget), args, 0, "cpu")
             worst = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
             assert worst < 1e-12, (agg, budget, worst)
 
@@ -4208,12 +4255,12 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
                             loss.agg_counts(group, mask))
         saved = []
 
-        def logprobs(ids, attn):
-            size, out = bench.saved_bytes(lambda: gen.sequence_logprobs(model, ids, attn), model)
+        def logprobs(ids, lens):
+            size, out = bench.saved_bytes(lambda: gen.packed_logprobs(model, ids, lens), model)
             saved.append(size)
             return out
         parts = train.micro_batches([length] * 16, args.micro_tokens)
-        train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu")
+        train.train_batch(logprobs, batch, parts, args, 0, "cpu")
         model.zero_grad()
         peaks[length] = max(saved)
         if length == 2048:

@@ -58,7 +58,7 @@ from transformers.utils import logging as hf_logging
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
-from generate import SUPPORTED, check_supported, sequence_logprobs
+from generate import SUPPORTED, check_supported, packed_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
 from runs import (check_shards, checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
@@ -256,9 +256,9 @@ def optimization_flags(g):
                    help="max gradient norm; 0 = off (not part of the recipe as the paper states "
                         "it; README: what the toy does without it)")
     g.add_argument("--micro_tokens", type=int, default=8192,
-                   help="tokens per forward/backward (rows x the longest, padding included; a row "
-                        "longer than that alone): the trainer's activations are sized by it, not "
-                        "by the group or the sample length; 0 = the whole batch at once")
+                   help="tokens per forward/backward, rows packed into one (a row longer than "
+                        "that alone): the trainer's activations are sized by it, not by the group "
+                        "or the sample length; 0 = the whole batch at once")
     g.add_argument("--ckpt_layers", default="auto", choices=["auto", "on", "off"],
                    help="recompute each decoder layer in the backward (activation checkpointing: "
                         "a layer keeps its input alone); auto = on above 4 layers")
@@ -697,37 +697,46 @@ def collate(prompt_ids, samples, pad_id, device, step=0):
     return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
 
 
+def pack(prompt_ids, samples, device):
+    """Prompt+completion rows concatenated into one row -> ids (sum of lengths,), the lengths."""
+    rows = [p + s.tokens for p, s in zip(prompt_ids, samples)]
+    return torch.tensor([t for r in rows for t in r], device=device), [len(r) for r in rows]
+
+
 def micro_batches(lengths, budget):
-    """Rows (their prompt+completion lengths) in micro-batches of at most `budget` tokens, rows x
-    the longest (padding included), longest rows first; a row longer than the budget goes alone; 0:
-    one micro-batch -> lists of row positions."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    parts = []
-    for i in order:  # descending: a part's first row is its longest
-        if parts and (not budget or (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget):
-            parts[-1].append(i)
-        else:
+    """Rows (their prompt+completion lengths) packed into micro-batches of at most `budget` tokens
+    (first fit, longest rows first; no padding); a row longer than the budget goes alone; 0: one
+    micro-batch -> lists of row positions."""
+    parts, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, r in enumerate(room) if not budget or lengths[i] <= r), None)
+        if j is None:
             parts.append([i])
+            room.append(budget - lengths[i])
+        else:
+            parts[j].append(i)
+            room[j] -= lengths[i]
     return parts
 
 
-def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lambda: None):
+def train_batch(logprobs, batch, parts, args, version, device, after=lambda: None):
     """Forward/backward of this trainer's rows (batch.rows), micro-batch by micro-batch (`parts`:
-    micro_batches, positions in batch.rows); every row's loss terms carry its weight in the whole
-    batch's loss (loss.row_weights, from the counts over every trainer), so the gradients add up to
-    the full-batch gradient whatever the split.
-    logprobs(ids, attention) -> (N, T-1): the trainer's forward; after(): called after each
-    backward. -> (loss, stats: generator/trainer mismatch, drift by lag, forgetting)."""
+    micro_batches, positions in batch.rows), each packed into one row; every row's loss terms carry
+    its weight in the whole batch's loss (loss.row_weights, from the counts over every trainer), so
+    the gradients add up to the full-batch gradient whatever the split.
+    logprobs(ids, lens) -> (N, T-1): the trainer's forward of a packed row, per sample right-padded
+    (generate.packed_logprobs); after(): called after each backward. -> (loss, stats:
+    generator/trainer mismatch, drift by lag, forgetting)."""
     rows = batch.rows
     adv = batch.adv.to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
     weights = row_weights(batch.group[rows], tokens, args.agg, batch.sums).to(device)
     loss_sum, stats, drift, lost = 0.0, [], [], []
     for part in parts:
-        ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[rows[i]] for i in part],
-                                                 [batch.samples[rows[i]] for i in part], pad_id,
-                                                 device, version)
-        logp = logprobs(ids, attn)
+        prompts = [batch.prompt_ids[rows[i]] for i in part]
+        samples = [batch.samples[rows[i]] for i in part]
+        _, _, mask, gen_logp, lag = collate(prompts, samples, 0, device, version)
+        logp = logprobs(*pack(prompts, samples, device))
         at = torch.tensor(part, device=device)
         loss = policy_loss(logp, gen_logp, adv[at], mask, batch.group[rows].to(device)[at],
                            kind=args.loss, agg=args.agg, eps_low=args.eps_low,
@@ -800,11 +809,11 @@ class Trainer:
         """The float32 copies AdamW steps under a half dtype (None: the model's own)."""
         return master_weights(self.model, state.get("master"))
 
-    def logprobs(self, ids, attention_mask):
-        """The loss's forward: the trained policy's log-probs of ids
-        (generate.sequence_logprobs)."""
-        return sequence_logprobs(self.model, ids, attention_mask, self.args.fp32_head,
-                                 self.args.temperature, checkpoint_layers=self.args.ckpt_layers)
+    def logprobs(self, ids, lens):
+        """The loss's forward: the trained policy's log-probs of a packed row
+        (generate.packed_logprobs)."""
+        return packed_logprobs(self.model, ids, lens, self.args.fp32_head, self.args.temperature,
+                               checkpoint_layers=self.args.ckpt_layers)
 
     def all_sum(self, sums):
         """Sum a dict of numbers over the trainer ranks."""
@@ -850,7 +859,7 @@ class Trainer:
         if not parts:
             return 0.0, {}
         device = next(self.model.parameters()).device
-        return train_batch(self.logprobs, batch, parts, self.args, self.version, pad_id, device,
+        return train_batch(self.logprobs, batch, parts, self.args, self.version, device,
                            after=self.accumulate)
 
     def micro_batches(self, batch):
@@ -946,8 +955,8 @@ class ShardedTrainer(Trainer):
                "state)", flush=True)
         return None
 
-    def logprobs(self, ids, attention_mask):
-        return self.forward(ids, attention_mask, self.args.fp32_head, self.args.temperature,
+    def logprobs(self, ids, lens):
+        return self.forward(ids, lens, self.args.fp32_head, self.args.temperature,
                             self.args.ckpt_layers)
 
     def backward(self, batch, pad_id):
@@ -956,8 +965,8 @@ class ShardedTrainer(Trainer):
         n_micro = len(self.micro_batches(batch))
         n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
         for _ in range(n_micro, n_all):
-            ids = torch.full((1, 2), pad_id, device=self.ctx.device)
-            (self.logprobs(ids, torch.ones_like(ids)).sum() * 0).backward()
+            ids = torch.full((2,), pad_id, device=self.ctx.device)
+            (self.logprobs(ids, [2]).sum() * 0).backward()
         return super().backward(batch, pad_id)
 
     def reduce_grads(self):
