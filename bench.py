@@ -106,7 +106,7 @@ from transformers.utils import logging as hf_logging
 from data import (prompt_ids, read_jsonl, score_samples, special_tokens, toy_model_dir,
                   toy_problems)
 from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
-                      sequence_logprobs)
+                      packed_logprobs, sequence_logprobs)
 from loss import forgetting, policy_loss
 import pipeline
 import study
@@ -161,7 +161,8 @@ def get_args(argv=None):
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5",
-                    help="comma-separated figures to run: 1 to 7, memory, stability, replay")
+                    help="comma-separated figures to run: 1 to 7, memory, efficiency, stability, "
+                         "replay")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
@@ -1229,6 +1230,72 @@ def write_model(args):
           f"{args.dtype}) with the toy tokenizer to {args.write_model}")
 
 
+def study_step_lengths(seed=0):
+    """A study step's rows (prompt + completion tokens): its prompts of toy-hard problems (2 to
+    study.MAX_OPS operations) x its samples at its flags, sampled by the embedded toy-hard model."""
+    path = toy_model_dir(preset="toy-hard")
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    args = train.get_args(["--model", path, "--seed", str(seed), *study.TASK])
+    problems = [p for p in toy_problems(10 * args.prompts, seed, "toy-hard")
+                if len(p["steps"]) <= study.MAX_OPS][:args.prompts]
+    ids = train.tokenize_prompts(tok, problems)
+    done = pipeline.sample_all(pipeline.make_sampler(model.eval(), tok, args, max(map(len, ids))),
+                               [(p, j * args.samples + k, (j, k)) for j, p in enumerate(ids)
+                                for k in range(args.samples)])
+    return [len(ids[j]) + len(s.tokens) for (j, _), s in done.items()]
+
+
+def budget_8k_lengths(seed=0, prompts=8, samples=16, think=7168, answer=1024):
+    """Rows of an 8k-budget step shaped like BENCHMARKS section 5's (8 prompts x 16 samples, 7,168
+    thinking + 1,024 answer tokens): prompts of 50-400 tokens; half the samples end at an eos
+    anywhere, half are interrupted in the last sixth of the thinking budget and answer in up to
+    the answer budget (a made-up mix, seeded)."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for _ in range(prompts):
+        p = int(rng.integers(50, 400))
+        for _ in range(samples):
+            c = (rng.integers(64, think + answer) if rng.random() < 0.5 else
+                 rng.integers(think * 5 // 6, think) + 12 + rng.integers(16, answer))
+            lengths.append(p + int(c))
+    return lengths
+
+
+def efficiency_trainer(micro_tokens=8192):
+    """trainer_token_efficiency: real tokens / tokens the trainer's decoder layers compute, counted
+    at the first layer's input over a step's micro-batches (train.micro_batches, train.pack,
+    packed_logprobs on a meta-device model: shapes, no arithmetic), for the study's step
+    and an 8k-budget one; *_padded: right-padded micro-batches (rows x the longest within
+    micro_tokens, longest first), as before packing."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config("Qwen2.5-0.5B",
+                                                              num_hidden_layers=1))
+    computed = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, a: computed.append(a[0].shape[0] * a[0].shape[1]))
+    out = {}
+    for name, lengths in (("study", study_step_lengths()), ("8k", budget_8k_lengths())):
+        computed.clear()
+        parts = train.micro_batches(lengths, micro_tokens)
+        with torch.no_grad():
+            for part in parts:
+                ids = torch.zeros(sum(lengths[i] for i in part), dtype=torch.long, device="meta")
+                packed_logprobs(model, ids, [lengths[i] for i in part])
+        rows, padded = sorted(lengths, reverse=True), 0
+        while rows:  # the padded rule: a micro-batch takes rows while rows x its longest fit
+            n = max(1, min(len(rows), micro_tokens // rows[0]))
+            padded, rows = padded + n * rows[0], rows[n:]
+        out[f"trainer_token_efficiency_{name}"] = sum(lengths) / sum(computed)
+        out[f"trainer_token_efficiency_{name}_padded"] = sum(lengths) / padded
+        print(f"efficiency | trainer, {name} step: {len(lengths)} rows, {sum(lengths):,} tokens in "
+              f"{len(parts)} micro-batches of --micro_tokens {micro_tokens}: the layers compute "
+              f"{sum(computed):,} tokens, efficiency {sum(lengths) / sum(computed):.3f} (right-padded "
+              f"{sum(lengths) / padded:.3f})", flush=True)
+    out["trainer_token_efficiency"] = min(out["trainer_token_efficiency_study"],
+                                          out["trainer_token_efficiency_8k"])
+    return out
+
+
 def main(args):
     hf_logging.disable_progress_bar()  # the figures' lines only (no "Loading weights" bars)
     if args.write_model:
@@ -1239,7 +1306,8 @@ def main(args):
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
-    models = bench_models(args) if figures - {"memory", "stability", "replay"} else []
+    models = (bench_models(args) if figures - {"memory", "stability", "replay", "efficiency"}
+              else [])
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
     if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
@@ -1261,6 +1329,8 @@ def main(args):
         results["fsdp"] = bench_fsdp(args)
     if "memory" in figures:
         results["memory_plan"] = bench_memory_plan(args)
+    if "efficiency" in figures:
+        results["efficiency"] = efficiency_trainer()
     if "stability" in figures:
         results["stability"] = bench_stability(args)
     if "replay" in figures:

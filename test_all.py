@@ -4234,6 +4234,23 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
             assert worst < 1e-12, (agg, budget, worst)
 
 
+def test_train_micro_batches_pack_rows_up_to_the_budget_and_a_longer_row_alone():
+    """train.micro_batches packs rows into micro-batches of at most the budget (first fit, longest first): each row
+    once, no micro-batch over the budget unless it is one row longer than it, and no two that would fit in one;
+    train.pack concatenates a micro-batch's rows with their lengths."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 60, (200,), generator=g).tolist() + [130, 75]
+    parts = train.micro_batches(lengths, 100)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    sizes = [sum(lengths[i] for i in p) for p in parts]
+    assert all(s <= 100 or len(p) == 1 for p, s in zip(parts, sizes)) and [130] in [[lengths[i] for i in p] for p in parts]
+    assert all(a + min(lengths[i] for i in q) > 100 for a, q in zip(sizes, parts[1:]))  # first fit: a later row did not fit
+    assert len(parts) <= sum(lengths) // 100 + 3
+    samples = [gen.Sample(0, [7, 8], [0.0] * 2, [1] * 2, [0] * 2, "eos"), gen.Sample(1, [9], [0.0], [1], [0], "eos")]
+    ids, lens = train.pack([[1, 2, 3], [4]], samples, "cpu")
+    assert ids.tolist() == [1, 2, 3, 7, 8, 4, 9] and lens == [5, 2]
+
+
 def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_length():
     """The trainer's activations are sized by --micro_tokens: the same tiny model trains a group of 16 samples
     of 2k tokens and one of 16 x 256 with --micro_tokens 4096, and the most that one micro-batch's forward saves
