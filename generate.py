@@ -806,8 +806,40 @@ def _layer(layer, x, cos, sin, pos, packed):
         config._attn_implementation = impl
 
 
-def _chunk_logprobs(norm, states, weight, targets, temperature):
-    logits = logits_of(norm(states), weight)  # (t, V) float32, one chunk at a time
+def tensor_core_head(device_type, dtype, fp32_head):
+    """Whether the float32 head runs as a bf16 GEMM with float32 accumulation and output
+    (_Bf16Head): on CUDA with bf16 weights, where torch's mm takes out_dtype; elsewhere the float32
+    GEMM (logits_of), the reference."""
+    return (fp32_head and device_type == "cuda" and dtype == torch.bfloat16
+            and hasattr(torch.ops.aten.mm, "dtype"))
+
+
+def _mm32(a, b):
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+class _Bf16Head(torch.autograd.Function):
+    """h (t, d) @ w16 (V, d).T -> float32 logits on tensor cores: bf16 inputs hold the same values
+    the float32 head upcasts, so only the accumulation order differs. The backward's GEMMs take the
+    logits' gradient rounded to bf16; the weight's gradient goes to w32 (the float32 cast the
+    chunks share), so the chunks sum it in float32 as before."""
+
+    @staticmethod
+    def forward(ctx, h, w16, w32):
+        ctx.save_for_backward(h, w16)
+        return _mm32(h, w16.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w16 = ctx.saved_tensors
+        g = g.to(h.dtype)
+        return _mm32(g, w16).to(h.dtype), None, _mm32(g.t(), h)
+
+
+def _chunk_logprobs(norm, states, weight, targets, temperature, w16=None):
+    h = norm(states)
+    logits = (_Bf16Head.apply(h, w16, weight) if w16 is not None and h.dtype == w16.dtype
+              else logits_of(h, weight))  # (t, V) float32, one chunk at a time
     if temperature not in (0, 1):
         logits = logits / temperature
     return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
@@ -824,10 +856,12 @@ def packed_logprobs(model, ids, lens, fp32_head=True, temperature=1.0, chunk=Non
     chunk's (chunk, V) logits exist at a time, so memory is O(chunk x V), not O(T x V)."""
     states = decoder_states(model, ids, lens, checkpoint_layers)[0, :-1]  # (T-1, d)
     weight = head_weight(model, fp32_head)  # with grad: the cast is part of the graph
+    w = model.lm_head.weight
+    w16 = w if tensor_core_head(w.device.type, w.dtype, fp32_head) else None
     targets = ids[1:]
     chunk = chunk or max(1, LOGITS_BYTES // (weight.size(0) * 4))
     flat = torch.cat([checkpoint(_chunk_logprobs, model.model.norm, states[a:a + chunk], weight,
-                                 targets[a:a + chunk], temperature, use_reentrant=False)
+                                 targets[a:a + chunk], temperature, w16, use_reentrant=False)
                       for a in range(0, len(states), chunk)]
                      + [states.new_zeros(1, dtype=torch.float32)])  # (T,)
     # a sample's last position predicts the next sample's first token: dropped

@@ -2840,6 +2840,28 @@ def test_varlen_attention_kernels_are_called_as_the_exact_path_computes(monkeypa
         assert torch.allclose(gen._torch_varlen(q, k, v, cu, 6, 0.3), want, atol=1e-6)
 
 
+def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_head(monkeypatch):
+    """The float32 head as a bf16 GEMM with float32 output only on CUDA with bf16 weights and --fp32_head; its
+    autograd (here with a float32 matmul standing in for CUDA's mm out_dtype) gives the float32 head's log-probs
+    to float32 rounding and its gradients to bf16 rounding of the logits' gradient."""
+    assert gen.tensor_core_head("cuda", torch.bfloat16, True) == hasattr(torch.ops.aten.mm, "dtype")
+    assert not any(gen.tensor_core_head(*a) for a in (("cpu", torch.bfloat16, True), ("cuda", torch.float32, True),
+                                                      ("cuda", torch.float16, True), ("cuda", torch.bfloat16, False)))
+    model = tiny_model("qwen3", dtype=torch.bfloat16).train()
+    ids, lens = torch.randint(4, 40, (40,), generator=torch.Generator().manual_seed(1)), [15, 25]
+    out = {}
+    for fast in (False, True):
+        monkeypatch.setattr(gen, "tensor_core_head", lambda *a: fast)
+        monkeypatch.setattr(gen, "_mm32", lambda a, b: a.float() @ b.float())
+        model.zero_grad()
+        lp = gen.packed_logprobs(model, ids, lens, chunk=9)
+        lp.sum().backward()
+        out[fast] = lp.detach(), [p.grad.float().clone() for p in model.parameters()]
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    for a, b in zip(out[True][1], out[False][1]):
+        assert (a - b).abs().max() <= 0.02 * b.abs().max() + 1e-6
+
+
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
     """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
     151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
