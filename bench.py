@@ -929,7 +929,7 @@ def bench_memory_plan(args):
     8 x 80 GB node (NODE_RUN) and of the README's two real-model commands (README_RUN,
     README_NODE_RUN), each shape's
     per-token figures checked against measurements on CPU (measured_figures) within 10%; the 7B
-    trainers also at 16,384 tokens per micro-batch."""
+    trainers also at 32,768 tokens per micro-batch."""
     out = {}
     for name in PLAN_SHAPES:
         figures = measured_figures(name)
@@ -940,14 +940,14 @@ def bench_memory_plan(args):
         out[name] = {"saved_bytes_per_token_layer": figures["saved_checkpointed_layer"][1],
                      "figures": figures, "worst_error": worst, "sequences": plan["sequences"],
                      "roles": plan["roles"]}
-    wide = print_plan("Qwen2.5-7B at 16384 tokens per micro-batch", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 16384}))
+    wide = print_plan("Qwen2.5-7B at 32768 tokens per micro-batch", shape_config("Qwen2.5-7B"),
+                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
     readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
                         "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
     node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
                       "FSDP2 trainers", shape_config("Qwen2.5-7B"),
                       pipeline.PlanRun(**README_NODE_RUN))
-    return out | {"Qwen2.5-7B micro_tokens 16384": wide["roles"], "readme": readme["roles"],
+    return out | {"Qwen2.5-7B micro_tokens 32768": wide["roles"], "readme": readme["roles"],
                   "readme_node": node["roles"]}
 
 

@@ -1477,28 +1477,37 @@ def plan_activations(s, size):
             "head": b * d + 8 + 2 * D * b + 8}
 
 
-def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True):
+def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0):
     """The bytes one trainer rank holds -> {part: bytes}. Replicated: the weights, a float32 master
     under a half dtype (AdamW steps it), AdamW's two float32 moments, the backward's gradients in
     the weights' dtype and their float32 accumulation. FSDP2: float32 shards (the master), their
     AdamW state and float32 gradients, 1/trainers each, and what is gathered in the weights' dtype:
     the root unit (embedding, final norm, head) for the whole step with its gradients, a layer and
-    the prefetched next. Per micro-batch of micro_tokens tokens: the saved activations, the layer
-    recomputed in the backward and its MLP's gradients (3 x (micro_tokens, I), an estimate), the
-    float32 head's copy of the head weight and its gradient, one chunk's logits, their softmax and
-    gradients (4 x generate.LOGITS_BYTES)."""
+    the prefetched next. "activations": the larger of the backward's peak and the optimizer step's.
+    The backward's, per micro-batch of micro_tokens tokens (or the longest row, a longer row going
+    alone): the saved activations, then the larger of the head's backward (the float32 copy of the
+    head weight and its gradient, one chunk's logits, their softmax and gradients: 4 x
+    generate.LOGITS_BYTES) and the layer recomputed in the backward with its MLP's gradients
+    (3 x (tokens, I), an estimate), which run one after the other; under FSDP2, two layers'
+    gradients in flight to the reduce-scatter (in the weights' dtype and float32). The step's:
+    AdamW's foreach temporaries (a float32 copy of exp_avg_sq), less what the backward held that is
+    freed by then (FSDP2's gathered weights and root gradients; a half dtype's gradients, moved
+    into the float32 ones). NCCL's own buffers are outside torch's allocator and not counted."""
     layer, embed, head, norm = plan_params(s)
     P, root, half, n = plan_param_count(s), embed + head + norm, size < 4, trainers
     act = plan_activations(s, size)
+    tokens = max(micro_tokens, longest)
     saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
-    step = ckpt * act["layer"] + 3 * size * s["I"]
-    head_fp32 = (fp32_head and half) * 2 * 4 * s["V"] * s["d"]
+    recomputed = tokens * (ckpt * act["layer"] + 3 * size * s["I"])
+    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * generate.LOGITS_BYTES
+    reduce_scatter = fsdp * 2 * (size + 4) * layer
+    backward = tokens * saved + max(recomputed, head_backward) + reduce_scatter
     return {"weights": (root + 2 * layer) * size if fsdp else P * size,
             "float32 master": 4 * P / n if fsdp else 4 * P * half,
             "AdamW state": 8 * P / (n if fsdp else 1),
             "gradients": 4 * P / n + root * size if fsdp else (size + 4 * half) * P,
-            "activations": (micro_tokens * (saved + step) + head_fp32
-                            + 4 * generate.LOGITS_BYTES)}
+            "activations": max(backward, 4 * P / (n if fsdp else 1)
+                               - ((2 * root + 2 * layer) * size if fsdp else half * size * P))}
 
 
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
@@ -1551,7 +1560,8 @@ def memory_plan(config, run):
     ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
     max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
                                              [0] * run.phrase_len)
-    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head)
+    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,
+                           longest=max_len)
     resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
     weights = plan_param_count(s) * size
     held = resident if run.generators == 0 else weights

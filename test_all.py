@@ -2918,13 +2918,15 @@ def test_bench_stability_row_tells_a_fall_from_a_slower_climb():
 
 def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     """The plan of bench.py --figures memory: Qwen2.5-7B at 16 x 16 x 8k on 8 x 80 GB (6 generators, 2 FSDP2
-    trainers) fits at 8,192 tokens per micro-batch and not at 16,384; the README's real-model commands fit
+    trainers) fits at 8,192 tokens per micro-batch and not at 32,768; below the longest row (8,724 tokens, which
+    goes alone) the trainer is planned for that row; the README's real-model commands fit
     (Qwen3-0.6B --recipe one_gpu on one GPU, Qwen2.5-7B's paper recipe on 8); a sampler that cannot hold one
     group does not fit."""
     plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
                                                                                            "micro_tokens": mt}))
-             for mt in (8192, 16384)}
-    assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[16384]["roles"]["trainer"]["fits"]
+             for mt in (1024, 8192, 32768)}
+    assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[32768]["roles"]["trainer"]["fits"]
+    assert plans[1024]["max_len"] == 8724 and plans[1024]["roles"]["trainer"] == plans[8192]["roles"]["trainer"]
     assert plans[8192]["sequences"] * 6 >= 256
     readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
     assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
