@@ -607,18 +607,22 @@ def broadcast_weights(ctx, model, bucket_mb, into=None):
     return nbytes
 
 
-def all_reduce_grads(ctx, params):
+GRAD_BUCKET_MB = 64  # all_reduce_grads: a bucket's float32 copy, not every gradient's at once
+
+
+def all_reduce_grads(ctx, params, bucket_mb=GRAD_BUCKET_MB):
     """Sum the trainers' gradients of `params` (each already scaled by its share of the global
-    batch), in float32: bf16 gradients are rounded once, after the sum, not at every step of the
-    reduction."""
+    batch), once per step, bucket by bucket, in float32: bf16 gradients are rounded once, after the
+    sum, not at every step of the reduction."""
     params = [p for p in params if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in params])
-    dist.all_reduce(flat, group=ctx.trainers)
-    offset = 0
     for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
-        offset += p.numel()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in weight_buckets(params, bucket_mb):
+        flat = torch.cat([p.grad.reshape(-1).float() for p in bucket])
+        dist.all_reduce(flat, group=ctx.trainers)
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(g.view_as(p))
 
 
 def all_reduce_stats(ctx, sums, maxes=None):

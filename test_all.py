@@ -4145,6 +4145,38 @@ def test_pipeline_fsdp2_trainers_with_checkpointed_layers_sum_the_unsharded_grad
     assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
 
 
+def _grads_of_rank(rank):
+    """A trainer's gradients for test_pipeline_all_reduce_grads: float32 and bf16 ones, one missing on rank 1."""
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(n, generator=g).to(dtype) for n, dtype in ((30, torch.float32), (7, torch.bfloat16),
+                                                                    (50, torch.bfloat16), (3, torch.float32))]
+    return [None if (rank, i) == (1, 2) else x for i, x in enumerate(grads)]
+
+
+def _all_reduce_rank(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    params = [torch.nn.Parameter(torch.zeros(len(x), dtype=x.dtype)) for x in _grads_of_rank(0)]
+    for p, x in zip(params, _grads_of_rank(rank)):
+        p.grad = x
+    pipeline.all_reduce_grads(types.SimpleNamespace(trainers=torch.distributed.group.WORLD), params,
+                              bucket_mb=100 / 2 ** 20)  # 100-byte buckets: several
+    if rank == 0:
+        torch.save([p.grad for p in params], out)
+    torch.distributed.destroy_process_group()
+
+
+def test_pipeline_all_reduce_grads_sums_in_float32_bucket_by_bucket(tmp_path):
+    """Replicated trainers sum their gradients once a step in buckets: on 2 gloo ranks each gradient is the two
+    ranks' sum taken in float32 and rounded once to its dtype (a missing one counts as zero)."""
+    torch.multiprocessing.start_processes(_all_reduce_rank, args=(2, bench.free_port(), str(tmp_path / "g.pt")),
+                                          nprocs=2, start_method="forkserver")
+    got = torch.load(tmp_path / "g.pt")
+    for i, (a, b) in enumerate(zip(_grads_of_rank(0), _grads_of_rank(1))):
+        want = (a.float() + (b.float() if b is not None else 0)).to(a.dtype)
+        assert got[i].dtype == a.dtype and torch.equal(got[i], want), i
+
+
 def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(tmp_path):
     """--fsdp --dtype bfloat16: FSDP2 keeps float32 shards (AdamW's master weights), computes with the
     weights gathered in bf16 and broadcasts bf16 to the generator. Against two bf16 replicas with float32
