@@ -922,6 +922,21 @@ def shard_trainer(model, trainers, device, dtype=torch.float32):
     return wrapped
 
 
+def fsdp_sync_once(n_params, device_bytes):
+    """--fsdp: whether a trainer sums its micro-batches' gradients unsharded (in float32, 4 bytes a
+    parameter) and reduce-scatters once a step (FSDP2's set_requires_gradient_sync), or
+    reduce-scatters after every micro-batch: once where those gradients take at most an eighth of
+    the device (a 0.5B-1.5B model on 80 GB; not a 7B: 30 GB, the memory sharding exists to save)."""
+    return 4 * n_params <= device_bytes / 8
+
+
+def device_bytes(device):
+    """The device's memory: a GPU's, or on CPU the machine's."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def sharded_state(model, opt):
     """--fsdp: this trainer's float32 shards and their AdamW state, as torch.distributed.checkpoint
     saves and loads them (each trainer its own part; nothing is gathered)."""
@@ -1481,13 +1496,15 @@ def plan_activations(s, size):
             "head": b * d + 8 + 2 * D * b + 8}
 
 
-def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0):
+def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0,
+                 sync_once=False):
     """The bytes one trainer rank holds -> {part: bytes}. Replicated: the weights, a float32 master
     under a half dtype (AdamW steps it), AdamW's two float32 moments, the backward's gradients in
     the weights' dtype and their float32 accumulation. FSDP2: float32 shards (the master), their
     AdamW state and float32 gradients, 1/trainers each, and what is gathered in the weights' dtype:
     the root unit (embedding, final norm, head) for the whole step with its gradients, a layer and
-    the prefetched next. "activations": the larger of the backward's peak and the optimizer step's.
+    the prefetched next, and under sync_once (fsdp_sync_once) the whole model's float32 gradients
+    summed unsharded over the micro-batches. "activations": the larger of the backward's peak and the optimizer step's.
     The backward's, per micro-batch of micro_tokens tokens (or the longest row, a longer row going
     alone): the saved activations, then the larger of the head's backward (the float32 copy of the
     head weight and its gradient, one chunk's logits, their softmax and gradients: 4 x
@@ -1509,7 +1526,8 @@ def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, lo
     return {"weights": (root + 2 * layer) * size if fsdp else P * size,
             "float32 master": 4 * P / n if fsdp else 4 * P * half,
             "AdamW state": 8 * P / (n if fsdp else 1),
-            "gradients": 4 * P / n + root * size if fsdp else (size + 4 * half) * P,
+            "gradients": (4 * P / n + root * size + sync_once * 4 * P if fsdp
+                          else (size + 4 * half) * P),
             "activations": max(backward, 4 * P / (n if fsdp else 1)
                                - ((2 * root + 2 * layer) * size if fsdp else half * size * P))}
 
@@ -1565,7 +1583,8 @@ def memory_plan(config, run):
     max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
                                              [0] * run.phrase_len)
     trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,
-                           longest=max_len)
+                           longest=max_len,
+                           sync_once=fsdp_sync_once(plan_param_count(s), run.device_bytes))
     resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
     weights = plan_param_count(s) * size
     held = resident if run.generators == 0 else weights

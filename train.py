@@ -950,6 +950,7 @@ class ShardedTrainer(Trainer):
         if dtype != torch.float32:
             model.float()
         self.forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device, dtype)
+        self.sync_once = pipeline.fsdp_sync_once(self.n_params, pipeline.device_bytes(ctx.device))
         local = sum(p.to_local().numel() for p in model.parameters())
         print0(f"FSDP2: trainer 0 holds {local} of {self.n_params} parameters (and their AdamW "
                "state)", flush=True)
@@ -963,11 +964,20 @@ class ShardedTrainer(Trainer):
         """Every micro-batch is a chain of collectives: a trainer with fewer micro-batches than
         another first runs passes that add nothing, until their counts match."""
         n_micro = len(self.micro_batches(batch))
-        n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
-        for _ in range(n_micro, n_all):
+        self.n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
+        self.done = 0
+        self.forward.set_requires_gradient_sync(not self.sync_once or self.n_all == 1)
+        for _ in range(n_micro, self.n_all):
             ids = torch.full((2,), pad_id, device=self.ctx.device)
             (self.logprobs(ids, [2]).sum() * 0).backward()
+            self.accumulate()
         return super().backward(batch, pad_id)
+
+    def accumulate(self):
+        """After each micro-batch's backward: the last of the step reduce-scatters (sync_once), or
+        every one does (a model whose unsharded gradients would not fit: pipeline.fsdp_sync_once)."""
+        self.done += 1
+        self.forward.set_requires_gradient_sync(not self.sync_once or self.done >= self.n_all - 1)
 
     def reduce_grads(self):
         pass  # FSDP2 reduce-scatters the gradients in the backward
