@@ -36,6 +36,8 @@ memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the
    after one step), within 10%. --json gives per shape saved_bytes_per_token_layer: the bytes per
    token per layer that sequence_logprobs saves with the defaults of the full model (its layers
    checkpointed), the layer being recomputed in the backward excluded.
+efficiency (not in the default set; ~40 s on CPU): trainer_token_efficiency, the real tokens over
+   the tokens the trainer's layers compute, on a study step's rows and an 8k-budget step's.
 stability (not in the default set: about 5 minutes a seed on 2 cores): the default torchrun run
    (1 generator + 1 trainer rank, PipelineRL-8) against its one-process counterpart, seed by seed,
    on the toy or on toy-hard at the study's settings, under one of three loads: pinned, the worst
@@ -76,6 +78,7 @@ may stay).
     python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
     python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
+    python bench.py --figures efficiency --json  # trainer_token_efficiency (packed rows)
     python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
     python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\

@@ -1480,7 +1480,7 @@ def plan_param_count(s):
 
 
 def plan_activations(s, size):
-    """Bytes per token that the trainer's forward (generate.sequence_logprobs) saves for the
+    """Bytes per token that the trainer's forward (generate.packed_logprobs) saves for the
     backward, `size` the weights' bytes per element (checked against saved-tensor hooks in the
     tests and bench.py) -> {"layer": a decoder layer run without checkpointing, or the one being
     recomputed in the backward: its two RMSNorms keep their float32 input, rsqrt and two outputs,
