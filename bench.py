@@ -36,6 +36,8 @@ memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the
    after one step), within 10%. --json gives per shape saved_bytes_per_token_layer: the bytes per
    token per layer that sequence_logprobs saves with the defaults of the full model (its layers
    checkpointed), the layer being recomputed in the backward excluded.
+efficiency (not in the default set; ~40 s on CPU): trainer_token_efficiency, the real tokens over
+   the tokens the trainer's layers compute, on a study step's rows and an 8k-budget step's.
 stability (not in the default set: about 5 minutes a seed on 2 cores): the default torchrun run
    (1 generator + 1 trainer rank, PipelineRL-8) against its one-process counterpart, seed by seed,
    on the toy or on toy-hard at the study's settings, under one of three loads: pinned, the worst
@@ -79,7 +81,7 @@ may stay).
     python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
     python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
     python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
-    python bench.py --figures efficiency --json   # a decode step's KV bytes read / its rows' own
+    python bench.py --figures efficiency --json   # trainer_token_efficiency, decode_kv_read_ratio
     python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
     python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
     python bench.py --figures plan_rss         # the printed memory plan against the peak RSS, CPU
@@ -113,7 +115,7 @@ from transformers.utils import logging as hf_logging
 from data import (prompt_ids, read_jsonl, score_samples, special_tokens, toy_model_dir,
                   toy_problems)
 from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
-                      sequence_logprobs)
+                      packed_logprobs, sequence_logprobs)
 from loss import forgetting, policy_loss
 import pipeline
 import study
@@ -1015,7 +1017,7 @@ def bench_memory_plan(args):
     8 x 80 GB node (NODE_RUN) and of the README's two real-model commands (README_RUN,
     README_NODE_RUN), each shape's
     per-token figures checked against measurements on CPU (measured_figures) within 10%; the 7B
-    trainers also at 16,384 tokens per micro-batch."""
+    trainers also at 32,768 tokens per micro-batch."""
     out = {}
     for name in PLAN_SHAPES:
         figures = measured_figures(name)
@@ -1026,14 +1028,14 @@ def bench_memory_plan(args):
         out[name] = {"saved_bytes_per_token_layer": figures["saved_checkpointed_layer"][1],
                      "figures": figures, "worst_error": worst, "sequences": plan["sequences"],
                      "roles": plan["roles"]}
-    wide = print_plan("Qwen2.5-7B at 16384 tokens per micro-batch", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 16384}))
+    wide = print_plan("Qwen2.5-7B at 32768 tokens per micro-batch", shape_config("Qwen2.5-7B"),
+                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
     readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
                         "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
     node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
                       "FSDP2 trainers", shape_config("Qwen2.5-7B"),
                       pipeline.PlanRun(**README_NODE_RUN))
-    return out | {"Qwen2.5-7B micro_tokens 16384": wide["roles"], "readme": readme["roles"],
+    return out | {"Qwen2.5-7B micro_tokens 32768": wide["roles"], "readme": readme["roles"],
                   "readme_node": node["roles"]}
 
 
@@ -1358,6 +1360,72 @@ def write_model(args):
           f"{args.dtype}) with the toy tokenizer to {args.write_model}")
 
 
+def study_step_lengths(seed=0):
+    """A study step's rows (prompt + completion tokens): its prompts of toy-hard problems (2 to
+    study.MAX_OPS operations) x its samples at its flags, sampled by the embedded toy-hard model."""
+    path = toy_model_dir(preset="toy-hard")
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    args = train.get_args(["--model", path, "--seed", str(seed), *study.TASK])
+    problems = [p for p in toy_problems(10 * args.prompts, seed, "toy-hard")
+                if len(p["steps"]) <= study.MAX_OPS][:args.prompts]
+    ids = train.tokenize_prompts(tok, problems)
+    done = pipeline.sample_all(pipeline.make_sampler(model.eval(), tok, args, max(map(len, ids))),
+                               [(p, j * args.samples + k, (j, k)) for j, p in enumerate(ids)
+                                for k in range(args.samples)])
+    return [len(ids[j]) + len(s.tokens) for (j, _), s in done.items()]
+
+
+def budget_8k_lengths(seed=0, prompts=8, samples=16, think=7168, answer=1024):
+    """Rows of an 8k-budget step shaped like BENCHMARKS section 5's (8 prompts x 16 samples, 7,168
+    thinking + 1,024 answer tokens): prompts of 50-400 tokens; half the samples end at an eos
+    anywhere, half are interrupted in the last sixth of the thinking budget and answer in up to
+    the answer budget (a made-up mix, seeded)."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for _ in range(prompts):
+        p = int(rng.integers(50, 400))
+        for _ in range(samples):
+            c = (rng.integers(64, think + answer) if rng.random() < 0.5 else
+                 rng.integers(think * 5 // 6, think) + 12 + rng.integers(16, answer))
+            lengths.append(p + int(c))
+    return lengths
+
+
+def efficiency_trainer(micro_tokens=8192):
+    """trainer_token_efficiency: real tokens / tokens the trainer's decoder layers compute, counted
+    at the first layer's input over a step's micro-batches (train.micro_batches, train.pack,
+    packed_logprobs on a meta-device model: shapes, no arithmetic), for the study's step
+    and an 8k-budget one; *_padded: right-padded micro-batches (rows x the longest within
+    micro_tokens, longest first), as before packing."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config("Qwen2.5-0.5B",
+                                                              num_hidden_layers=1))
+    computed = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, a: computed.append(a[0].shape[0] * a[0].shape[1]))
+    out = {}
+    for name, lengths in (("study", study_step_lengths()), ("8k", budget_8k_lengths())):
+        computed.clear()
+        parts = train.micro_batches(lengths, micro_tokens)
+        with torch.no_grad():
+            for part in parts:
+                ids = torch.zeros(sum(lengths[i] for i in part), dtype=torch.long, device="meta")
+                packed_logprobs(model, ids, [lengths[i] for i in part])
+        rows, padded = sorted(lengths, reverse=True), 0
+        while rows:  # the padded rule: a micro-batch takes rows while rows x its longest fit
+            n = max(1, min(len(rows), micro_tokens // rows[0]))
+            padded, rows = padded + n * rows[0], rows[n:]
+        out[f"trainer_token_efficiency_{name}"] = sum(lengths) / sum(computed)
+        out[f"trainer_token_efficiency_{name}_padded"] = sum(lengths) / padded
+        print(f"efficiency | trainer, {name} step: {len(lengths)} rows, {sum(lengths):,} tokens in "
+              f"{len(parts)} micro-batches of --micro_tokens {micro_tokens}: the layers compute "
+              f"{sum(computed):,} tokens, efficiency {sum(lengths) / sum(computed):.3f} (right-padded "
+              f"{sum(lengths) / padded:.3f})", flush=True)
+    out["trainer_token_efficiency"] = min(out["trainer_token_efficiency_study"],
+                                          out["trainer_token_efficiency_8k"])
+    return out
+
+
 def main(args):
     hf_logging.disable_progress_bar()  # the figures' lines only (no "Loading weights" bars)
     if args.write_model:
@@ -1393,6 +1461,8 @@ def main(args):
         results.setdefault("efficiency", {}).update(efficiency_sampler(args))
     if "memory" in figures:
         results["memory_plan"] = bench_memory_plan(args)
+    if "efficiency" in figures:
+        results.setdefault("efficiency", {}).update(efficiency_trainer())
     if "stability" in figures:
         results["stability"] = bench_stability(args)
     if "plan_rss" in figures:

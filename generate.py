@@ -48,11 +48,11 @@ model_type in SUPPORTED, full attention. Reading chosen: the log-probs are of so
 temperature), the distribution actually sampled; the trainer divides its logits by the same
 temperature. At temperature 0 (greedy) they are plain log_softmax(logits).
 
-The trainer's forward (sequence_logprobs) is the model's own decoder layers on a right-padded batch
-with no mask (SDPA's causal kernels, grouped K/V) and no KV cache, each layer checkpointed above
-CHECKPOINT_ABOVE layers (it keeps its input alone: 2 KB per token at Qwen3-0.6B's width, against
-72 KB), then the final norm, float32 head and log-softmax in chunks of at most LOGITS_BYTES of
-logits. flash-attn's varlen path (packed rows) is not used.
+The trainer's forward (packed_logprobs) is the model's own decoder layers on samples packed into one
+row, attention within each sample (a varlen flash kernel on CUDA, each sample's SDPA elsewhere), no
+KV cache, each layer checkpointed above CHECKPOINT_ABOVE layers (it keeps its input alone: 2 KB per
+token at Qwen3-0.6B's width, against 72 KB), then the final norm, float32 head and log-softmax in
+chunks of at most LOGITS_BYTES of logits.
 
     python generate.py                        # sample a few toy completions from the embedded model
     python generate.py --model runs/toy/ckpt-000150 --n 4 --seed 1    # from what you trained
@@ -906,11 +906,18 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
 # "auto": activation checkpointing of the decoder layers for models of more than this many layers
 # (the toy's 2-layer models run as before; a 0.5B-8B model has 24-36)
 CHECKPOINT_ABOVE = 4
-# attention implementations that are causal without a mask (SDPA's is_causal, flash-attn's causal)
-CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 # the float32 logits of one chunk of the trainer's head: 256 MiB (441 tokens at a 152k vocab; the
 # toy's whole batch)
 LOGITS_BYTES = 2 ** 28
+PACKED = "scalerl_packed"  # the training forward's attention in HF's AttentionInterface
+try:  # varlen kernels: flash-attn's, else torch's own (torch >= 2.9); CUDA in half precision only
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 
 def checkpointing(n_layers, checkpoint_layers=None):
@@ -923,66 +930,156 @@ def checkpointing(n_layers, checkpoint_layers=None):
     raise ValueError(f"checkpoint_layers must be auto, on or off, got {checkpoint_layers!r}")
 
 
-def decoder_states(model, ids, checkpoint_layers=None):
-    """The last decoder layer's output for a right-padded batch ids (N, T), before the final norm
-    -> (N, T, d), with grad.
+def varlen_attention(q, k, v, lens, cu, scale):
+    """Causal attention within each sample of a packed row: q (T, H, D), k, v (T, Hkv, D), the
+    samples' lengths `lens` and their int32 boundaries cu (N+1,) -> (T, H, D). On CUDA in half
+    precision a varlen flash kernel; elsewhere each sample's own SDPA: exact, the reference."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if flash_attn_varlen_func is not None:
+            return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                          softmax_scale=scale, causal=True)
+        if varlen_attn is not None:
+            return _torch_varlen(q, k, v, cu, max(lens), scale)
+    t = lambda x: x.transpose(0, 1)[None]  # (1, H, L, D)
+    out = [F.scaled_dot_product_attention(t(a), t(b), t(c), is_causal=True, scale=scale,
+                                          enable_gqa=True)[0].transpose(0, 1)
+           for a, b, c in zip(q.split(lens), k.split(lens), v.split(lens)) if len(a)]
+    return out[0] if len(out) == 1 else torch.cat(out)  # one sample: no copy
 
-    The decoder layers are the model's own, called without a mask and without a KV cache: a causal
-    model's position t reads positions 0..t only, and in a right-padded row those are all real
-    tokens, so the positions the loss reads need no mask (the padding's outputs are garbage that the
-    loss mask drops). SDPA then takes its causal (flash / memory-efficient) path with grouped K/V
-    heads, instead of an (N, 1, T, T) mask and K/V expanded to every head. With checkpointing,
-    each layer keeps only its input (N, T, d) for the backward and is run again there
-    (non-reentrant torch.utils.checkpoint: it composes with FSDP2's per-layer hooks)."""
+
+def _torch_varlen(q, k, v, cu, longest, scale):
+    """torch.nn.attention.varlen.varlen_attn, causal, across its versions' keywords."""
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    else:  # one k, v head per query head
+        k, v = (x.repeat_interleave(q.size(1) // x.size(1), 1) for x in (k, v))
+    if "scale" in params:
+        kw["scale"] = scale
+    else:  # its default scale is D^-0.5
+        q = q * (scale * q.size(-1) ** 0.5)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+
+def _packed_attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, packed=None,
+                      **_):
+    """HF's attention interface on a packed row: q (1, H, T, D), k, v (1, Hkv, T, D) ->
+    ((1, T, H, D), None)."""
+    t = lambda x: x[0].transpose(0, 1)
+    return varlen_attention(t(q), t(k), t(v), *packed, scaling)[None], None
+
+
+def decoder_states(model, ids, lens, checkpoint_layers=None):
+    """The last decoder layer's output for samples packed into one row, ids (T,), lens their
+    lengths (summing to T) -> (1, T, d), with grad.
+
+    The model's own decoder layers, their attention causal within each sample (_packed_attention,
+    varlen_attention) and the rotary positions restarting at 0 per sample: no padded token is
+    computed. With checkpointing each layer keeps only its input (1, T, d) for the backward and is
+    run again there (non-reentrant torch.utils.checkpoint: it composes with FSDP2's hooks)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED, _packed_attention)
     inner = model.model
-    if model.config._attn_implementation not in CAUSAL_WITHOUT_MASK:
-        raise ValueError(f"attention implementation {model.config._attn_implementation!r}: the "
-                         f"training forward needs one that is causal without a mask "
-                         f"({', '.join(CAUSAL_WITHOUT_MASK)})")
-    x = inner.embed_tokens(ids)  # (N, T, d)
-    pos = torch.arange(ids.size(1), device=ids.device)[None]  # (1, T)
+    x = inner.embed_tokens(ids)[None]  # (1, T, d)
+    n = torch.tensor(lens, device=ids.device)
+    cu = F.pad(n.cumsum(0), (1, 0)).to(torch.int32)  # (N+1,) the samples' boundaries
+    pos = (torch.arange(len(ids), device=ids.device)
+           - torch.repeat_interleave(cu[:-1].long(), n, output_size=len(ids)))[None]  # (1, T)
     rope = inner.rotary_emb(x, pos)  # cos, sin (1, T, D)
     recompute = checkpointing(len(inner.layers), checkpoint_layers)
     for layer in inner.layers:
-        x = (checkpoint(_layer, layer, x, *rope, pos, use_reentrant=False) if recompute
-             else _layer(layer, x, *rope, pos))
+        x = (checkpoint(_layer, layer, x, *rope, pos, (lens, cu), use_reentrant=False)
+             if recompute else _layer(layer, x, *rope, pos, (lens, cu)))
     return x
 
 
-def _layer(layer, x, cos, sin, pos):
-    """One decoder layer, its tensors as positional arguments: a checkpoint saves those where
-    saved-tensor hooks see them (bench.saved_bytes)."""
-    return layer(x, position_embeddings=(cos, sin), position_ids=pos)
+def _layer(layer, x, cos, sin, pos, packed):
+    """One decoder layer on a packed row, its tensors as positional arguments (a checkpoint saves
+    those where saved-tensor hooks see them: bench.saved_bytes). Its attention is _packed_attention
+    for this call, the recompute included."""
+    config = layer.self_attn.config
+    impl, config._attn_implementation = config._attn_implementation, PACKED
+    try:
+        return layer(x, position_embeddings=(cos, sin), position_ids=pos, packed=packed)
+    finally:
+        config._attn_implementation = impl
 
 
-def _chunk_logprobs(norm, states, weight, targets, temperature):
-    logits = logits_of(norm(states), weight)  # (N, t, V) float32, one chunk at a time
+def tensor_core_head(device_type, dtype, fp32_head):
+    """Whether the float32 head runs as a bf16 GEMM with float32 accumulation and output
+    (_Bf16Head): on CUDA with bf16 weights, where torch's mm takes out_dtype; elsewhere the float32
+    GEMM (logits_of), the reference."""
+    return (fp32_head and device_type == "cuda" and dtype == torch.bfloat16
+            and hasattr(torch.ops.aten.mm, "dtype"))
+
+
+def _mm32(a, b):
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+class _Bf16Head(torch.autograd.Function):
+    """h (t, d) @ w16 (V, d).T -> float32 logits on tensor cores: bf16 inputs hold the same values
+    the float32 head upcasts, so only the accumulation order differs. The backward's GEMMs take the
+    logits' gradient rounded to bf16; the weight's gradient goes to w32 (the float32 cast the
+    chunks share), so the chunks sum it in float32 as before."""
+
+    @staticmethod
+    def forward(ctx, h, w16, w32):
+        ctx.save_for_backward(h, w16)
+        return _mm32(h, w16.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w16 = ctx.saved_tensors
+        g = g.to(h.dtype)
+        return _mm32(g, w16).to(h.dtype), None, _mm32(g.t(), h)
+
+
+def _chunk_logprobs(norm, states, weight, targets, temperature, w16=None):
+    h = norm(states)
+    logits = (_Bf16Head.apply(h, w16, weight) if w16 is not None and h.dtype == w16.dtype
+              else logits_of(h, weight))  # (t, V) float32, one chunk at a time
     if temperature not in (0, 1):
         logits = logits / temperature
     return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
+def packed_logprobs(model, ids, lens, fp32_head=True, temperature=1.0, chunk=None,
+                    checkpoint_layers=None):
+    """log p(sample[t+1] | sample[:t+1]) of samples packed into one row, ids (T,), lens their
+    lengths -> (N, max(lens) - 1), each row zero past its sample, with grad (decoder_states).
+
+    The final norm, the float32 head and the log-softmax run in chunks of `chunk` positions
+    (default: as many as keep one chunk's float32 logits within LOGITS_BYTES) under activation
+    checkpointing: the backward keeps only the last layer's output (T, d) and the targets, and one
+    chunk's (chunk, V) logits exist at a time, so memory is O(chunk x V), not O(T x V)."""
+    states = decoder_states(model, ids, lens, checkpoint_layers)[0, :-1]  # (T-1, d)
+    weight = head_weight(model, fp32_head)  # with grad: the cast is part of the graph
+    w = model.lm_head.weight
+    w16 = w if tensor_core_head(w.device.type, w.dtype, fp32_head) else None
+    targets = ids[1:]
+    chunk = chunk or max(1, LOGITS_BYTES // (weight.size(0) * 4))
+    flat = torch.cat([checkpoint(_chunk_logprobs, model.model.norm, states[a:a + chunk], weight,
+                                 targets[a:a + chunk], temperature, w16, use_reentrant=False)
+                      for a in range(0, len(states), chunk)]
+                     + [states.new_zeros(1, dtype=torch.float32)])  # (T,)
+    # a sample's last position predicts the next sample's first token: dropped
+    return torch.nn.utils.rnn.pad_sequence([r[:-1] for r in flat.split(lens)], batch_first=True)
+
+
 def sequence_logprobs(model, ids, attention_mask=None, fp32_head=True, temperature=1.0,
                       chunk=None, checkpoint_layers=None):
     """log p(ids[:, t+1] | ids[:, :t+1]) for every t of a right-padded batch ids (N, T) -> (N, T-1),
-    with grad (decoder_states: no mask, no KV cache, checkpointed layers per checkpoint_layers).
-    attention_mask (N, T), optional: checked to be right padding, the one layout this is exact for.
-
-    The final norm, the float32 head and the log-softmax run in chunks of `chunk` positions
-    (default: as many as keep one chunk's float32 logits within LOGITS_BYTES, whatever N and the
-    vocab) under activation checkpointing: the backward keeps only the last layer's output
-    (N, T, d) and the targets, and the (N, chunk, V) logits of one chunk exist at a time, in the
-    forward and (recomputed) in the backward, so memory is O(N x chunk x V), not O(N x T x V)."""
+    zero on padding, with grad: its rows packed (packed_logprobs). attention_mask (N, T), optional:
+    checked to be right padding."""
     if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
         raise ValueError("sequence_logprobs needs right-padded rows (real tokens, then padding)")
-    states = decoder_states(model, ids, checkpoint_layers)[:, :-1]  # (N, T-1, d)
-    weight = head_weight(model, fp32_head)  # with grad: the cast is part of the graph
-    targets = ids[:, 1:]
-    chunk = chunk or max(1, LOGITS_BYTES // (ids.size(0) * weight.size(0) * 4))
-    parts = [checkpoint(_chunk_logprobs, model.model.norm, states[:, a:a + chunk], weight,
-                        targets[:, a:a + chunk], temperature, use_reentrant=False)
-             for a in range(0, states.size(1), chunk)]
-    return torch.cat(parts, 1)
+    N, T = ids.shape
+    lens = attention_mask.sum(1).tolist() if attention_mask is not None else [T] * N
+    lp = packed_logprobs(model, torch.cat([row[:L] for row, L in zip(ids, lens)]), lens,
+                         fp32_head, temperature, chunk, checkpoint_layers)
+    return F.pad(lp, (0, T - 1 - lp.size(1)))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 
 from data import Curriculum, score_samples, special_tokens
-from generate import FINISH, Sample, sampler, sequence_logprobs
+from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
 from loss import length_penalty
 
@@ -621,18 +621,22 @@ def broadcast_weights(ctx, model, bucket_mb, into=None):
     return nbytes
 
 
-def all_reduce_grads(ctx, params):
+GRAD_BUCKET_MB = 64  # all_reduce_grads: a bucket's float32 copy, not every gradient's at once
+
+
+def all_reduce_grads(ctx, params, bucket_mb=GRAD_BUCKET_MB):
     """Sum the trainers' gradients of `params` (each already scaled by its share of the global
-    batch), in float32: bf16 gradients are rounded once, after the sum, not at every step of the
-    reduction."""
+    batch), once per step, bucket by bucket, in float32: bf16 gradients are rounded once, after the
+    sum, not at every step of the reduction."""
     params = [p for p in params if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in params])
-    dist.all_reduce(flat, group=ctx.trainers)
-    offset = 0
     for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
-        offset += p.numel()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in weight_buckets(params, bucket_mb):
+        flat = torch.cat([p.grad.reshape(-1).float() for p in bucket])
+        dist.all_reduce(flat, group=ctx.trainers)
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(g.view_as(p))
 
 
 def all_reduce_stats(ctx, sums, maxes=None):
@@ -896,7 +900,7 @@ def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
 
 
 class LogProbs(torch.nn.Module):
-    """The trainer's forward (decoder, then the float32 head in chunks: generate.sequence_logprobs)
+    """The trainer's forward (decoder, then the float32 head in chunks: generate.packed_logprobs)
     as one module, so that FSDP2's hooks around its forward gather the embedding, final norm and
     head (a call to model.model alone would find them sharded)."""
 
@@ -904,9 +908,9 @@ class LogProbs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, attention_mask, fp32_head, temperature, checkpoint_layers=None):
-        return sequence_logprobs(self.model, ids, attention_mask, fp32_head, temperature,
-                                 checkpoint_layers=checkpoint_layers)
+    def forward(self, ids, lens, fp32_head, temperature, checkpoint_layers=None):
+        return packed_logprobs(self.model, ids, lens, fp32_head, temperature,
+                               checkpoint_layers=checkpoint_layers)
 
 
 def shard_trainer(model, trainers, device, dtype=torch.float32):
@@ -930,6 +934,21 @@ def shard_trainer(model, trainers, device, dtype=torch.float32):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return wrapped
+
+
+def fsdp_sync_once(n_params, device_bytes):
+    """--fsdp: whether a trainer sums its micro-batches' gradients unsharded (in float32, 4 bytes a
+    parameter) and reduce-scatters once a step (FSDP2's set_requires_gradient_sync), or
+    reduce-scatters after every micro-batch: once where those gradients take at most an eighth of
+    the device (a 0.5B-1.5B model on 80 GB; not a 7B: 30 GB, the memory sharding exists to save)."""
+    return 4 * n_params <= device_bytes / 8
+
+
+def device_bytes(device):
+    """The device's memory: a GPU's, or on CPU the machine's."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def sharded_state(model, opt):
@@ -1502,7 +1521,7 @@ def plan_param_count(s):
 
 
 def plan_activations(s, size):
-    """Bytes per token that the trainer's forward (generate.sequence_logprobs) saves for the
+    """Bytes per token that the trainer's forward (generate.packed_logprobs) saves for the
     backward, `size` the weights' bytes per element (checked against saved-tensor hooks in the
     tests and bench.py) -> {"layer": a decoder layer run without checkpointing, or the one being
     recomputed in the backward: its two RMSNorms keep their float32 input, rsqrt and two outputs,
@@ -1518,28 +1537,40 @@ def plan_activations(s, size):
             "head": b * d + 8 + 2 * D * b + 8}
 
 
-def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True):
+def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0,
+                 sync_once=False):
     """The bytes one trainer rank holds -> {part: bytes}. Replicated: the weights, a float32 master
     under a half dtype (AdamW steps it), AdamW's two float32 moments, the backward's gradients in
     the weights' dtype and their float32 accumulation. FSDP2: float32 shards (the master), their
     AdamW state and float32 gradients, 1/trainers each, and what is gathered in the weights' dtype:
     the root unit (embedding, final norm, head) for the whole step with its gradients, a layer and
-    the prefetched next. Per micro-batch of micro_tokens tokens: the saved activations, the layer
-    recomputed in the backward and its MLP's gradients (3 x (micro_tokens, I), an estimate), the
-    float32 head's copy of the head weight and its gradient, one chunk's logits, their softmax and
-    gradients (4 x generate.LOGITS_BYTES)."""
+    the prefetched next, and under sync_once (fsdp_sync_once) the whole model's float32 gradients
+    summed unsharded over the micro-batches. "activations": the larger of the backward's peak and the optimizer step's.
+    The backward's, per micro-batch of micro_tokens tokens (or the longest row, a longer row going
+    alone): the saved activations, then the larger of the head's backward (the float32 copy of the
+    head weight and its gradient, one chunk's logits, their softmax and gradients: 4 x
+    generate.LOGITS_BYTES) and the layer recomputed in the backward with its MLP's gradients
+    (3 x (tokens, I), an estimate), which run one after the other; under FSDP2, two layers'
+    gradients in flight to the reduce-scatter (in the weights' dtype and float32). The step's:
+    AdamW's foreach temporaries (a float32 copy of exp_avg_sq), less what the backward held that is
+    freed by then (FSDP2's gathered weights and root gradients; a half dtype's gradients, moved
+    into the float32 ones). NCCL's own buffers are outside torch's allocator and not counted."""
     layer, embed, head, norm = plan_params(s)
     P, root, half, n = plan_param_count(s), embed + head + norm, size < 4, trainers
     act = plan_activations(s, size)
+    tokens = max(micro_tokens, longest)
     saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
-    step = ckpt * act["layer"] + 3 * size * s["I"]
-    head_fp32 = (fp32_head and half) * 2 * 4 * s["V"] * s["d"]
+    recomputed = tokens * (ckpt * act["layer"] + 3 * size * s["I"])
+    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * generate.LOGITS_BYTES
+    reduce_scatter = fsdp * 2 * (size + 4) * layer
+    backward = tokens * saved + max(recomputed, head_backward) + reduce_scatter
     return {"weights": (root + 2 * layer) * size if fsdp else P * size,
             "float32 master": 4 * P / n if fsdp else 4 * P * half,
             "AdamW state": 8 * P / (n if fsdp else 1),
-            "gradients": 4 * P / n + root * size if fsdp else (size + 4 * half) * P,
-            "activations": (micro_tokens * (saved + step) + head_fp32
-                            + 4 * generate.LOGITS_BYTES)}
+            "gradients": (4 * P / n + root * size + sync_once * 4 * P if fsdp
+                          else (size + 4 * half) * P),
+            "activations": max(backward, 4 * P / (n if fsdp else 1)
+                               - ((2 * root + 2 * layer) * size if fsdp else half * size * P))}
 
 
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
@@ -1593,7 +1624,9 @@ def memory_plan(config, run):
     ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
     max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
                                              [0] * run.phrase_len)
-    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head)
+    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,
+                           longest=max_len,
+                           sync_once=fsdp_sync_once(plan_param_count(s), run.device_bytes))
     resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
     weights = plan_param_count(s) * size
     held = resident if run.generators == 0 and not run.evaluate else weights

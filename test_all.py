@@ -2906,6 +2906,74 @@ def test_sequence_logprobs_of_a_right_padded_batch_equal_each_row_alone_with_and
     assert gen.checkpointing(28, "off") is False and gen.checkpointing(2, True) is True
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_packed_logprobs_equal_each_sample_alone_in_values_and_gradients(kind):
+    """Samples of mixed lengths packed into one row (attention within each sample, rotary positions from 0 per
+    sample): each sample's log-probs equal its own unpadded forward (the model's, full logits) to 1e-6 in float32,
+    and the gradients of a weighted sum equal the samples' own, with the layers checkpointed or not."""
+    model = tiny_model(kind).train()
+    g = torch.Generator().manual_seed(5)
+    lens = [9, 2, 17, 5, 30]
+    rows = [torch.randint(4, 40, (L,), generator=g) for L in lens]
+    weights = [torch.randn(L - 1, generator=g) for L in lens]
+    model.zero_grad()
+    alone = [model(r[None]).logits[0, :-1].log_softmax(-1).gather(-1, r[1:, None])[:, 0] for r in rows]
+    sum((lp * w).sum() for lp, w in zip(alone, weights)).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for ckpt in (False, True):
+        model.zero_grad()
+        lp = gen.packed_logprobs(model, torch.cat(rows), lens, chunk=7, checkpoint_layers=ckpt)
+        assert lp.shape == (5, 29)
+        for i, L in enumerate(lens):
+            assert torch.allclose(lp[i, :L - 1], alone[i], atol=1e-6) and not lp[i, L - 1:].any()
+        sum((lp[i, :L - 1] * weights[i]).sum() for i, L in enumerate(lens)).backward()
+        assert all(torch.allclose(p.grad, w, atol=1e-6, rtol=1e-5) for p, w in zip(model.parameters(), want))
+
+
+def test_varlen_attention_kernels_are_called_as_the_exact_path_computes(monkeypatch):
+    """torch's varlen_attn (CUDA only) as the installed torch names its keywords: both its signatures (torch 2.9:
+    is_causal, one k/v head per query head, default scale; later: window_size, enable_gqa, scale) give what the
+    exact per-sample path gives, here with a stand-in kernel that checks its arguments."""
+    g = torch.Generator().manual_seed(0)
+    lens = [3, 6, 1, 4]
+    q, k, v = (torch.randn(14, h, 8, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 9, 10, 14], dtype=torch.int32)
+    want = gen.varlen_attention(q, k, v, lens, cu, 0.3)
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        assert is_causal and k.size(1) == q.size(1) and max_q == max_k == 6 and torch.equal(cu_q, cu)
+        return gen.varlen_attention(q, k, v, lens, cu, q.size(-1) ** -0.5)
+
+    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size == (-1, 0) and enable_gqa and k.size(1) == 2
+        return gen.varlen_attention(q, k, v, lens, cu, scale)
+    for fake in (old, new):
+        monkeypatch.setattr(gen, "varlen_attn", fake)
+        assert torch.allclose(gen._torch_varlen(q, k, v, cu, 6, 0.3), want, atol=1e-6)
+
+
+def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_head(monkeypatch):
+    """The float32 head as a bf16 GEMM with float32 output only on CUDA with bf16 weights and --fp32_head; its
+    autograd (here with a float32 matmul standing in for CUDA's mm out_dtype) gives the float32 head's log-probs
+    to float32 rounding and its gradients to bf16 rounding of the logits' gradient."""
+    assert gen.tensor_core_head("cuda", torch.bfloat16, True) == hasattr(torch.ops.aten.mm, "dtype")
+    assert not any(gen.tensor_core_head(*a) for a in (("cpu", torch.bfloat16, True), ("cuda", torch.float32, True),
+                                                      ("cuda", torch.float16, True), ("cuda", torch.bfloat16, False)))
+    model = tiny_model("qwen3", dtype=torch.bfloat16).train()
+    ids, lens = torch.randint(4, 40, (40,), generator=torch.Generator().manual_seed(1)), [15, 25]
+    out = {}
+    for fast in (False, True):
+        monkeypatch.setattr(gen, "tensor_core_head", lambda *a: fast)
+        monkeypatch.setattr(gen, "_mm32", lambda a, b: a.float() @ b.float())
+        model.zero_grad()
+        lp = gen.packed_logprobs(model, ids, lens, chunk=9)
+        lp.sum().backward()
+        out[fast] = lp.detach(), [p.grad.float().clone() for p in model.parameters()]
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    for a, b in zip(out[True][1], out[False][1]):
+        assert (a - b).abs().max() <= 0.02 * b.abs().max() + 1e-6
+
+
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
     """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
     151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
@@ -2962,13 +3030,15 @@ def test_bench_stability_row_tells_a_fall_from_a_slower_climb():
 
 def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     """The plan of bench.py --figures memory: Qwen2.5-7B at 16 x 16 x 8k on 8 x 80 GB (6 generators, 2 FSDP2
-    trainers) fits at 8,192 tokens per micro-batch and not at 16,384; the README's real-model commands fit
+    trainers) fits at 8,192 tokens per micro-batch and not at 32,768; below the longest row (8,724 tokens, which
+    goes alone) the trainer is planned for that row; the README's real-model commands fit
     (Qwen3-0.6B --recipe one_gpu on one GPU, Qwen2.5-7B's paper recipe on 8); a sampler that cannot hold one
     group does not fit."""
     plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
                                                                                            "micro_tokens": mt}))
-             for mt in (8192, 16384)}
-    assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[16384]["roles"]["trainer"]["fits"]
+             for mt in (1024, 8192, 32768)}
+    assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[32768]["roles"]["trainer"]["fits"]
+    assert plans[1024]["max_len"] == 8724 and plans[1024]["roles"]["trainer"] == plans[8192]["roles"]["trainer"]
     assert plans[8192]["sequences"] * 6 >= 256
     readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
     assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
@@ -4362,15 +4432,16 @@ def test_a_step_is_the_same_whatever_splits_its_groups_one_process_data_parallel
 
 def _fsdp_checkpoint_rank(rank, world, port, out):
     """One of 2 FSDP2 trainers (pipeline.shard_trainer) of a tiny Qwen3 whose decoder layers are checkpointed (as
-    a 0.5B-8B model's are by default): the forward and backward of its own right-padded rows."""
+    a 0.5B-8B model's are by default): the forward and backward of its own rows, packed."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     gen.CHECKPOINT_ABOVE, calls, real = 0, [], gen.checkpoint
     gen.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
     model = tiny_model("qwen3").train()
     forward = pipeline.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
-    ids, attn, _ = right_padded(seed=rank)
-    (forward(ids, attn, True, 1.0) * attn[:, 1:]).sum().backward()
+    ids, attn, lens = right_padded(seed=rank)
+    packed = torch.cat([row[:L] for row, L in zip(ids, lens)])
+    (forward(packed, lens, True, 1.0) * attn[:, 1:]).sum().backward()
     grads = [p.grad.full_tensor() for p in model.parameters()]
     if rank == 0:
         torch.save((grads, calls), out)
@@ -4389,6 +4460,38 @@ def test_pipeline_fsdp2_trainers_with_checkpointed_layers_sum_the_unsharded_grad
         ids, attn, _ = right_padded(seed=rank)
         (gen.sequence_logprobs(model, ids, attn, checkpoint_layers=False) * attn[:, 1:]).sum().backward()
     assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+
+
+def _grads_of_rank(rank):
+    """A trainer's gradients for test_pipeline_all_reduce_grads: float32 and bf16 ones, one missing on rank 1."""
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(n, generator=g).to(dtype) for n, dtype in ((30, torch.float32), (7, torch.bfloat16),
+                                                                    (50, torch.bfloat16), (3, torch.float32))]
+    return [None if (rank, i) == (1, 2) else x for i, x in enumerate(grads)]
+
+
+def _all_reduce_rank(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    params = [torch.nn.Parameter(torch.zeros(len(x), dtype=x.dtype)) for x in _grads_of_rank(0)]
+    for p, x in zip(params, _grads_of_rank(rank)):
+        p.grad = x
+    pipeline.all_reduce_grads(types.SimpleNamespace(trainers=torch.distributed.group.WORLD), params,
+                              bucket_mb=100 / 2 ** 20)  # 100-byte buckets: several
+    if rank == 0:
+        torch.save([p.grad for p in params], out)
+    torch.distributed.destroy_process_group()
+
+
+def test_pipeline_all_reduce_grads_sums_in_float32_bucket_by_bucket(tmp_path):
+    """Replicated trainers sum their gradients once a step in buckets: on 2 gloo ranks each gradient is the two
+    ranks' sum taken in float32 and rounded once to its dtype (a missing one counts as zero)."""
+    torch.multiprocessing.start_processes(_all_reduce_rank, args=(2, bench.free_port(), str(tmp_path / "g.pt")),
+                                          nprocs=2, start_method="forkserver")
+    got = torch.load(tmp_path / "g.pt")
+    for i, (a, b) in enumerate(zip(_grads_of_rank(0), _grads_of_rank(1))):
+        want = (a.float() + (b.float() if b is not None else 0)).to(a.dtype)
+        assert got[i].dtype == a.dtype and torch.equal(got[i], want), i
 
 
 def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(tmp_path):
@@ -4472,9 +4575,9 @@ def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypat
 
 
 def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
-    """Rows split into micro-batches of any token budget (down to one row each: every group split across
-    them) give the gradient of the unsplit batch's loss computed the independent way, policy_loss's own
-    aggregation over all rows at once, for every aggregation."""
+    """Rows packed into micro-batches of any token budget (down to one row each: every group split across
+    them) give the gradient of the unsplit batch's loss computed the independent way, the model's own forward
+    of the right-padded batch and policy_loss's own aggregation over all rows at once, for every aggregation."""
     model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
     prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []
     for i, p in enumerate(prompts):
@@ -4489,7 +4592,7 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     assert len(train.micro_batches(lengths, 1)) == 6 and len(train.micro_batches(lengths, 0)) == 1
     for agg in ("prompt", "sample", "token"):
         model.zero_grad()
-        logp = gen.sequence_logprobs(model, ids, attn, True, 1.0)
+        logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
         loss.policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg=agg,  # the default mask
                          neg_trust=train.get_args([]).neg_trust).backward()
         want = [p.grad.clone() for p in model.parameters()]
@@ -4498,84 +4601,27 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         args = train.get_args(["--agg", agg])
         for budget in (0, 1, 12, 20):
             model.zero_grad()
-            logprobs = lambda ids, attn: gen.sequence_logprobs(model, ids, attn, True, 1.0)
-            train.train_batch(logprobs, batch, train.micro_batches(lengths, budget), args, 0, 0, "cpu")
+            logprobs = lambda ids, lens: gen.packed_logprobs(model, ids, lens, True, 1.0)
+            train.train_batch(logprobs, batch, train.micro_batches(lengths, budget), args, 0, "cpu")
             worst = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
             assert worst < 1e-12, (agg, budget, worst)
 
 
-def test_train_pos_trust_trains_the_drifted_tokens_of_all_right_groups_and_adds_zero_on_policy(toy_dir):
-    """--pos_trust: make_batch picks the valid samples of the all-right groups (not a mixed group's, not an
-    all-wrong one's, not a truncated one; none by default); train_batch's gradient equals a hand-written loss:
-    policy_loss over the kept rows plus, on each anchor token whose ratio fell below pos_trust and that older
-    weights sampled (lag > 0: at lag 0 a ratio off 1 is the sampler's numerics), -rho * logp / (kept groups x the
-    anchor group's tokens); with on-policy log-probs (every ratio 1) it is exactly the gradient without anchors,
-    their micro-batches skipping the backward (not under --fsdp: computed, the same)."""
-    def sample(i, n, finish="eos"):
-        return gen.Sample(i, list(range(12, 12 + n)), [-1.0] * n, [1] * n, [0] * n, finish)
-    groups = [{"prompt": p, "samples": [sample(i, 3 + i % 3) for i in range(4)], "correct": c,
-               "rewards": [float(x) for x in c]}
-              for p, c in (([3, 4, 5], [1, 0, 1, 0]), ([6, 7], [1, 1, 1, 1]), ([8, 9], [0, 0, 0, 0]),
-                           ([3, 6], [1, 1, 0, 1]), ([4, 7, 8], [1, 1, 1, 1]))]
-    groups[4]["samples"][0].finish = "truncated"  # out of the group: its other three are all right
-    assert train.make_batch(groups, train.get_args([])).anchors == []
-    assert train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]), stale=False).anchors == []  # on-policy
-    batch = train.make_batch(groups, train.get_args(["--pos_trust", "0.8"]))
-    assert batch.rows == [0, 1, 2, 3, 12, 13, 14, 15] and batch.anchors == [4, 5, 6, 7, 17, 18, 19]
-    model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
-    logprobs = lambda ids, attn: gen.sequence_logprobs(model, ids, attn, True, 1.0)
-    rows = batch.rows + batch.anchors
-    ids, attn, mask, _, _ = train.collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
-                                          0, "cpu")
-    with torch.no_grad():
-        on_policy = logprobs(ids, attn)
-    shift = torch.where(torch.rand(on_policy.shape, generator=torch.Generator().manual_seed(0)) < 0.4, 0.5, -0.1)
-    for i, r in enumerate(rows):  # the sampler's log-probs: the model's, then, for anchors, shifted
-        start = len(batch.prompt_ids[r]) - 1
-        got = on_policy[i, start:start + len(batch.samples[r].tokens)]
-        batch.samples[r].logps = (got + (shift[i, start:start + len(got)] if r in batch.anchors else 0)).tolist()
-        batch.samples[r].versions = [2 * (j % 3 == 0) for j in range(len(got))]  # lag 2, 2, 0, 2, 2, 0, ...
-    args = train.get_args(["--pos_trust", "0.8", "--micro_tokens", "12"])
-    parts = train.Trainer.micro_batches(types.SimpleNamespace(args=args), batch)
-    assert sorted(i for p in parts for i in p) == list(range(len(rows)))
-    assert all(len({i >= len(batch.rows) for i in p}) == 1 for p in parts)  # a part holds one kind
-
-    def grads(fn):
-        model.zero_grad()
-        out = fn()
-        return [p.grad.clone() for p in model.parameters()], out
-    got, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu"))
-
-    def by_hand():
-        _, _, _, gen_logp, lag = train.collate([batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows],
-                                               0, "cpu", 2)
-        logp = logprobs(ids, attn)
-        k = len(batch.rows)
-        kept = loss.policy_loss(logp[:k], gen_logp[:k], batch.adv, mask[:k], batch.group[batch.rows],
-                                neg_trust=args.neg_trust)
-        rho = (logp - gen_logp).exp().detach()
-        drifted = (mask > 0) & (rho < 0.8) & (lag > 0)
-        assert ((mask > 0) & (rho < 0.8) & (lag == 0))[k:].sum() > 0  # some drifted at lag 0: left alone
-        group_tokens = {g: sum(mask[i].sum() for i, r in enumerate(rows) if batch.group[r] == g) for g in (1, 4)}
-        anchors = sum(-(rho[i] * logp[i])[drifted[i]].sum() / (2 * group_tokens[int(batch.group[r])])
-                      for i, r in enumerate(rows) if i >= k)
-        (kept + anchors).backward()
-        return drifted[k:].sum() / mask[k:].sum()
-    want, share = grads(by_hand)
-    assert 0.2 < share < 0.6 and abs(stats["anchored"] - share) < 1e-12
-    assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-12
-    for r in rows:  # on-policy: every ratio is 1, the anchors add an exact zero
-        batch.samples[r].logps = on_policy[rows.index(r), len(batch.prompt_ids[r]) - 1:][
-            :len(batch.samples[r].tokens)].tolist()
-    backwards = []
-    on, (_, stats) = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu",
-                                                     after=lambda: backwards.append(1)))
-    kept_parts = [p for p in parts if p[0] < len(batch.rows)]
-    off, _ = grads(lambda: train.train_batch(logprobs, batch, kept_parts, args, 2, 0, "cpu"))
-    assert stats["anchored"] == 0 and all(torch.equal(a, b) for a, b in zip(on, off))
-    assert len(backwards) == len(kept_parts) < len(parts)  # the idle anchors skipped their backward
-    full, _ = grads(lambda: train.train_batch(logprobs, batch, parts, args, 2, 0, "cpu", skip_idle=False))
-    assert all(torch.equal(a, b) for a, b in zip(on, full))  # as under --fsdp: the same zero, computed
+def test_train_micro_batches_pack_rows_up_to_the_budget_and_a_longer_row_alone():
+    """train.micro_batches packs rows into micro-batches of at most the budget (first fit, longest first): each row
+    once, no micro-batch over the budget unless it is one row longer than it, and no two that would fit in one;
+    train.pack concatenates a micro-batch's rows with their lengths."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 60, (200,), generator=g).tolist() + [130, 75]
+    parts = train.micro_batches(lengths, 100)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    sizes = [sum(lengths[i] for i in p) for p in parts]
+    assert all(s <= 100 or len(p) == 1 for p, s in zip(parts, sizes)) and [130] in [[lengths[i] for i in p] for p in parts]
+    assert all(a + min(lengths[i] for i in q) > 100 for a, q in zip(sizes, parts[1:]))  # first fit: a later row did not fit
+    assert len(parts) <= sum(lengths) // 100 + 3
+    samples = [gen.Sample(0, [7, 8], [0.0] * 2, [1] * 2, [0] * 2, "eos"), gen.Sample(1, [9], [0.0], [1], [0], "eos")]
+    ids, lens = train.pack([[1, 2, 3], [4]], samples, "cpu")
+    assert ids.tolist() == [1, 2, 3, 7, 8, 4, 9] and lens == [5, 2]
 
 
 def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_length():
@@ -4599,12 +4645,12 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
                             loss.agg_counts(group, mask))
         saved = []
 
-        def logprobs(ids, attn):
-            size, out = bench.saved_bytes(lambda: gen.sequence_logprobs(model, ids, attn), model)
+        def logprobs(ids, lens):
+            size, out = bench.saved_bytes(lambda: gen.packed_logprobs(model, ids, lens), model)
             saved.append(size)
             return out
         parts = train.micro_batches([length] * 16, args.micro_tokens)
-        train.train_batch(logprobs, batch, parts, args, 0, 0, "cpu")
+        train.train_batch(logprobs, batch, parts, args, 0, "cpu")
         model.zero_grad()
         peaks[length] = max(saved)
         if length == 2048:
@@ -4613,37 +4659,6 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
     assert len(train.micro_batches([2048] * 16, 4096)) == 8 and len(train.micro_batches([256] * 16, 4096)) == 1
     assert abs(peaks[2048] / peaks[256] - 1) < 0.1, peaks
     assert whole > 6 * peaks[2048], (whole, peaks)
-
-
-def test_train_stale_beta1_acts_only_where_samples_can_be_stale():
-    """--stale_beta1 (a departure, off by default): AdamW's beta1 where generator ranks run ahead of the trainers
-    (a torchrun run in --mode pipeline or ppo_offpolicy); one process, --mode sync and every run without the flag
-    keep torch's 0.9. A resumed run takes the flag given now, its moments kept. And the second of two steps with
-    gradients +1 then -1, by hand (bias-corrected Adam, no decay, lr constant): m = b1 (1 - b1) - (1 - b1),
-    v = (1 - b2) (b2 + 1): after the first step's -lr the weight moves by -lr m / (1 - b1^2) / sqrt(v / (1 - b2^2)),
-    +lr / 3 at b1 0.5 (+0.053 lr at 0.9)."""
-    ranks = types.SimpleNamespace()  # a torchrun rank's context (the trainer only keeps it here)
-    def betas(flags, ctx, state=None):
-        args = train.get_args(["--lr", "0.1", "--warmup", "1", "--weight_decay", "0", *flags])
-        trainer = train.Trainer(args, torch.nn.Linear(1, 1, bias=False), ctx, state or {})
-        return trainer, trainer.opt.param_groups[0]["betas"]
-    assert betas([], None)[1] == betas([], ranks)[1] == (0.9, 0.999)
-    assert betas(["--stale_beta1", "0.5"], None)[1] == (0.9, 0.999)  # one process: on-policy
-    assert betas(["--stale_beta1", "0.5", "--mode", "sync"], ranks)[1] == (0.9, 0.999)
-    for mode in ("pipeline", "ppo_offpolicy"):
-        assert betas(["--stale_beta1", "0.5", "--mode", mode], ranks)[1] == (0.5, 0.999)
-    trainer, _ = betas(["--stale_beta1", "0.5"], ranks)
-    w = trainer.model.weight
-    w0 = w.item()
-    for g in (1.0, -1.0):
-        w.grad = torch.tensor([[g]])
-        trainer.opt.step()
-    assert w.item() - w0 == pytest.approx(-0.1 - 0.1 * (0.5 * 0.5 - 0.5) / 0.75 /
-                                          math.sqrt(0.001 * (0.999 + 1) / (1 - 0.999 ** 2)), rel=1e-6)
-    saved = trainer.state_dict()  # resumed without the flag: torch's beta1 again, the moments kept
-    resumed, now = betas([], ranks, saved)
-    assert now == (0.9, 0.999)
-    assert torch.equal(resumed.opt.state[resumed.model.weight]["exp_avg"], trainer.opt.state[w]["exp_avg"])
 
 
 def test_train_bf16_steps_float32_master_weights_and_resumes_them_exactly(toy_dir, tmp_path):

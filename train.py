@@ -58,10 +58,9 @@ from transformers.utils import logging as hf_logging
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
-from generate import SUPPORTED, check_supported, config_problem, sequence_logprobs
+from generate import SUPPORTED, check_supported, config_problem, packed_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
-                  forgetting, group_index, group_sum, policy_loss, ratio_stats, row_weights,
-                  zero_variance_keep)
+                  forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   shard_reader, truncate_metrics, write_file)
@@ -238,13 +237,6 @@ def loss_flags(g):
                         "0 = off, the paper's CISPO. A toy setting: under PipelineRL-8 it keeps "
                         "the toy from drifting off tokens its stale samples share (BENCHMARKS.md "
                         "section 6)")
-    g.add_argument("--pos_trust", type=float, default=0,
-                   help="a departure, off by default: the all-right groups that zero-variance "
-                        "filtering drops train, as right answers (advantage +1), their tokens "
-                        "whose IS ratio has fallen below this: under PipelineRL-k a policy "
-                        "drifting off what its stale samples got right is pulled back before its "
-                        "errors reach the batches (train_batch). Screened at 0.8: the late dips "
-                        "at lag 8 not shown smaller (BENCHMARKS.md section 6); 0 = off")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -271,17 +263,13 @@ def optimization_flags(g):
                    help="AdamW weight decay (paper: 0.01)")
     g.add_argument("--adam_eps", type=float, default=1e-15,
                    help="a larger eps silently damps tiny gradients")
-    g.add_argument("--stale_beta1", type=float, default=None,
-                   help="a departure: AdamW's beta1 where trained samples can be stale (torchrun, "
-                        "--mode pipeline or ppo_offpolicy); default: 0.9 everywhere, as torch's "
-                        "AdamW and the paper (BENCHMARKS.md section 6)")
     g.add_argument("--grad_clip", type=float, default=None,
                    help="max gradient norm; 0 = off, the paper's (AdamW eps 1e-15 instead); the "
                         "toy's 1 is a toy setting (README, \"Recipes\")")
     g.add_argument("--micro_tokens", type=int, default=8192,
-                   help="tokens per forward/backward (rows x the longest, padding included; a row "
-                        "longer than that alone): the trainer's activations are sized by it, not "
-                        "by the group or the sample length; 0 = the whole batch at once")
+                   help="tokens per forward/backward, rows packed into one (a row longer than "
+                        "that alone): the trainer's activations are sized by it, not by the group "
+                        "or the sample length; 0 = the whole batch at once")
     g.add_argument("--ckpt_layers", default="auto", choices=["auto", "on", "off"],
                    help="recompute each decoder layer in the backward (activation checkpointing: "
                         "a layer keeps its input alone); auto = on above 4 layers")
@@ -403,8 +391,7 @@ FLAG_RANGES = {
                      "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
                      "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
                      "adam_eps", "eps_high"), POSITIVE),
-    "stale_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    **dict.fromkeys(("neg_trust", "pos_trust", "micro_tokens", "grad_clip", "save_every", "l_max",
+    **dict.fromkeys(("neg_trust", "micro_tokens", "grad_clip", "save_every", "l_max",
                      "l_cache", "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: --help
     "timeout": SECONDS, "heartbeat_timeout": SECONDS,
     "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
@@ -731,16 +718,13 @@ class Batch:
     adv: torch.Tensor  # (len(rows),)
     # over every trainer: prompt, sample and token counts of the rows (the loss's denominators)
     sums: dict
-    # --pos_trust: the valid samples of the all-right groups that the filter dropped
-    anchors: list = field(default_factory=list)
 
 
-def make_batch(groups, args, all_sum=None, stale=True):
+def make_batch(groups, args, all_sum=None):
     """Rewards (the verifier's, plus the length penalty of a correct answer under --length_control
     penalty), truncated samples out (paper A.15), zero-variance filtering, advantages (the batch
     std over every trainer's part of the batch; all_sum: sums a dict over the trainer ranks, None
-    when these groups are the whole batch). --pos_trust's anchors only where the samples can be
-    stale (`stale`: Trainer.stale): on-policy every ratio is 1, up to the sampler's mismatch."""
+    when these groups are the whole batch)."""
     samples = [s for g in groups for s in g["samples"]]
     correct = [c for g in groups for c in g["correct"]]
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
@@ -753,23 +737,11 @@ def make_batch(groups, args, all_sum=None, stale=True):
     valid = torch.ones(len(samples), dtype=torch.bool) if args.keep_truncated else ~truncated
     keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
     rows = keep.nonzero().squeeze(1).tolist()
-    # anchors only beside kept rows: a trainer that steps on nothing trains no anchor either
-    anchors = all_right(correct, group, valid & ~keep) if args.pos_trust and stale and rows else []
     adv = advantages(rewards[rows], group[rows], args.adv_norm, all_sum=all_sum)
     masks = [torch.tensor(samples[r].mask) for r in rows]
     sums = (all_sum or dict)(agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
     return Batch([g["prompt"] for g in groups for _ in g["samples"]], samples, correct, rewards,
-                 group, truncated, valid, rows, adv, sums, anchors)
-
-
-def all_right(correct, group, candidates):
-    """The positions of the candidates ((N,) bool) in a group with at least two candidates, all of
-    them correct."""
-    wrong = candidates & ~torch.tensor(correct, dtype=torch.bool)
-    idx, n_groups = group_index(group)
-    count = lambda x: group_sum(x.long(), idx, n_groups)  # (G,)
-    ok = (count(candidates) >= 2) & (count(wrong) == 0)
-    return (candidates & ok[idx]).nonzero().squeeze(1).tolist()
+                 group, truncated, valid, rows, adv, sums)
 
 
 def collate(prompt_ids, samples, pad_id, device, step=0):
@@ -792,55 +764,46 @@ def collate(prompt_ids, samples, pad_id, device, step=0):
     return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
 
 
+def pack(prompt_ids, samples, device):
+    """Prompt+completion rows concatenated into one row -> ids (sum of lengths,), the lengths."""
+    rows = [p + s.tokens for p, s in zip(prompt_ids, samples)]
+    return torch.tensor([t for r in rows for t in r], device=device), [len(r) for r in rows]
+
+
 def micro_batches(lengths, budget):
-    """Rows (their prompt+completion lengths) in micro-batches of at most `budget` tokens, rows x
-    the longest (padding included), longest rows first; a row longer than the budget goes alone; 0:
-    one micro-batch -> lists of row positions."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    parts = []
-    for i in order:  # descending: a part's first row is its longest
-        if parts and (not budget or (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget):
-            parts[-1].append(i)
-        else:
+    """Rows (their prompt+completion lengths) packed into micro-batches of at most `budget` tokens
+    (first fit, longest rows first; no padding); a row longer than the budget goes alone; 0: one
+    micro-batch -> lists of row positions."""
+    parts, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, r in enumerate(room) if not budget or lengths[i] <= r), None)
+        if j is None:
             parts.append([i])
+            room.append(budget - lengths[i])
+        else:
+            parts[j].append(i)
+            room[j] -= lengths[i]
     return parts
 
 
-def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lambda: None,
-                skip_idle=True):
-    """Forward/backward of this trainer's rows (batch.rows, then batch.anchors), micro-batch by
-    micro-batch (`parts`: Trainer.micro_batches, positions in that list); every row's loss terms
-    carry its weight in the whole batch's loss (loss.row_weights, from the counts over every
-    trainer), so the gradients add up to the full-batch gradient whatever the split.
-    --pos_trust: an anchor (a sample of an all-right group) trains as a right answer (advantage
-    +1) on its tokens whose ratio has fallen below pos_trust since the older weights that sampled
-    them (lag > 0), and nothing else; it weighs as a row of the kept groups' loss would, and never
-    counts in its denominators (on-policy every ratio is 1: make_batch picks none). An anchor
-    micro-batch with no such token skips its backward (skip_idle; not under --fsdp, where every
-    backward is a collective that all trainers run), so on most steps the anchors cost the trainer
-    a forward, not a forward and backward.
-    logprobs(ids, attention) -> (N, T-1): the trainer's forward; after(): called after each
-    backward. -> (loss, stats: generator/trainer mismatch, drift by lag, forgetting, the share of
-    anchor tokens trained)."""
-    rows, kept = batch.rows + batch.anchors, len(batch.rows)
-    adv = torch.cat([batch.adv, torch.ones(len(batch.anchors))]).to(device)
+def train_batch(logprobs, batch, parts, args, version, device, after=lambda: None):
+    """Forward/backward of this trainer's rows (batch.rows), micro-batch by micro-batch (`parts`:
+    micro_batches, positions in batch.rows), each packed into one row; every row's loss terms carry
+    its weight in the whole batch's loss (loss.row_weights, from the counts over every trainer), so
+    the gradients add up to the full-batch gradient whatever the split.
+    logprobs(ids, lens) -> (N, T-1): the trainer's forward of a packed row, per sample right-padded
+    (generate.packed_logprobs); after(): called after each backward. -> (loss, stats:
+    generator/trainer mismatch, drift by lag, forgetting)."""
+    rows = batch.rows
+    adv = batch.adv.to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
     weights = row_weights(batch.group[rows], tokens, args.agg, batch.sums).to(device)
-    loss_sum, stats, drift, lost, pulled = 0.0, [], [], [], [0, 0]
+    loss_sum, stats, drift, lost = 0.0, [], [], []
     for part in parts:
-        ids, attn, mask, gen_logp, lag = collate([batch.prompt_ids[rows[i]] for i in part],
-                                                 [batch.samples[rows[i]] for i in part], pad_id,
-                                                 device, version)
-        logp = logprobs(ids, attn)
-        anchor = part[0] >= kept  # a part holds rows of one kind (Trainer.micro_batches)
-        if anchor:
-            pulled[1] += int(mask.sum())
-            # drifted: sampled by older weights (lag 0: a ratio off 1 is the sampler's numerics)
-            mask = mask * (logp.detach() - gen_logp < math.log(args.pos_trust)) * (lag > 0)
-            drifted = int(mask.sum())
-            pulled[0] += drifted
-            if skip_idle and not drifted:
-                continue
+        prompts = [batch.prompt_ids[rows[i]] for i in part]
+        samples = [batch.samples[rows[i]] for i in part]
+        _, _, mask, gen_logp, lag = collate(prompts, samples, 0, device, version)
+        logp = logprobs(*pack(prompts, samples, device))
         at = torch.tensor(part, device=device)
         loss = policy_loss(logp, gen_logp, adv[at], mask, batch.group[rows].to(device)[at],
                            kind=args.loss, agg=args.agg, eps_low=args.eps_low,
@@ -849,16 +812,13 @@ def train_batch(logprobs, batch, parts, args, version, pad_id, device, after=lam
         loss.backward()
         after()
         loss_sum += loss.item()
-        if anchor:
-            continue
         stats.append(ratio_stats(logp.detach(), gen_logp, mask, args.loss, args.eps_high))
         drift.append(drift_by_lag(logp.detach(), gen_logp, mask, lag))
         lost.append(forgetting(logp.detach(), gen_logp, mask))
     mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
     lost_sum, sure = (sum(x) for x in zip(*lost))
     return loss_sum, {**mismatch, **lag_drift(drift),
-                      "forget": float(lost_sum / max(int(sure), 1)),
-                      **({"anchored": pulled[0] / max(pulled[1], 1)} if args.pos_trust else {})}
+                      "forget": float(lost_sum / max(int(sure), 1))}
 
 
 def lag_drift(parts):
@@ -899,23 +859,15 @@ class Trainer:
         self.args, self.model, self.ctx, self.ckpt = args, model, ctx, ckpt
         # sums over the trainer ranks, for the batch's statistics (None: one process holds it all)
         self.ranks_sum = None if ctx is None else self.all_sum
-        # the samples trained on can be older than the policy (generator ranks ahead of it)
-        self.stale = ctx is not None and args.mode != "sync"
         self.n_params = sum(p.numel() for p in model.parameters())
         self.master = self.optimized_weights(state)
         self.opt = torch.optim.AdamW(self.master or model.parameters(), lr=args.lr,
                                      eps=args.adam_eps, weight_decay=args.weight_decay,
-                                     betas=self.betas())
+                                     betas=(0.9, 0.999))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: self.warmup(s))
         self.version, self.bad_steps = state.get("step", 0), 0
         if state:
             self.load_state_dict(state)
-
-    def betas(self):
-        """AdamW's (beta1, beta2): torch's (0.9, 0.999), or --stale_beta1 for beta1 where the
-        samples trained on can be stale (generator ranks ahead of the trainers)."""
-        stale = self.stale and self.args.stale_beta1 is not None
-        return (self.args.stale_beta1 if stale else 0.9, 0.999)
 
     def warmup(self, s):
         return min(1.0, (s + 1) / self.args.warmup)
@@ -924,11 +876,11 @@ class Trainer:
         """The float32 copies AdamW steps under a half dtype (None: the model's own)."""
         return master_weights(self.model, state.get("master"))
 
-    def logprobs(self, ids, attention_mask):
-        """The loss's forward: the trained policy's log-probs of ids
-        (generate.sequence_logprobs)."""
-        return sequence_logprobs(self.model, ids, attention_mask, self.args.fp32_head,
-                                 self.args.temperature, checkpoint_layers=self.args.ckpt_layers)
+    def logprobs(self, ids, lens):
+        """The loss's forward: the trained policy's log-probs of a packed row
+        (generate.packed_logprobs)."""
+        return packed_logprobs(self.model, ids, lens, self.args.fp32_head, self.args.temperature,
+                               checkpoint_layers=self.args.ckpt_layers)
 
     def all_sum(self, sums):
         """Sum a dict of numbers over the trainer ranks."""
@@ -974,16 +926,13 @@ class Trainer:
         if not parts:
             return 0.0, {}
         device = next(self.model.parameters()).device
-        return train_batch(self.logprobs, batch, parts, self.args, self.version, pad_id, device,
-                           after=self.accumulate, skip_idle=not self.sharded)
+        return train_batch(self.logprobs, batch, parts, self.args, self.version, device,
+                           after=self.accumulate)
 
     def micro_batches(self, batch):
-        """The kept rows' micro-batches, then the anchors' (positions in rows + anchors): the kept
-        rows are split as without anchors, and their gradient summed in the same order."""
-        length = lambda r: len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
-        parts = micro_batches([length(r) for r in batch.rows], self.args.micro_tokens)
-        return parts + [[len(batch.rows) + i for i in part] for part in micro_batches(
-            [length(r) for r in batch.anchors], self.args.micro_tokens)]
+        """The kept rows' micro-batches (positions in batch.rows)."""
+        return micro_batches([len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
+                              for r in batch.rows], self.args.micro_tokens)
 
     def accumulate(self):
         """After each micro-batch's backward: under a half dtype its gradients are added to the
@@ -1042,7 +991,7 @@ class Trainer:
         for group in self.opt.param_groups:
             group.update(lr=self.args.lr * self.warmup(self.sched.last_epoch),
                          initial_lr=self.args.lr, eps=self.args.adam_eps,
-                         weight_decay=self.args.weight_decay, betas=self.betas())
+                         weight_decay=self.args.weight_decay, betas=(0.9, 0.999))
         self.sched.base_lrs = [self.args.lr] * len(self.opt.param_groups)
 
     def load_optimizer(self, saved):
@@ -1068,24 +1017,34 @@ class ShardedTrainer(Trainer):
         if dtype != torch.float32:
             model.float()
         self.forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device, dtype)
+        self.sync_once = pipeline.fsdp_sync_once(self.n_params, pipeline.device_bytes(ctx.device))
         local = sum(p.to_local().numel() for p in model.parameters())
         print0(f"FSDP2: trainer 0 holds {local} of {self.n_params} parameters (and their AdamW "
                "state)", flush=True)
         return None
 
-    def logprobs(self, ids, attention_mask):
-        return self.forward(ids, attention_mask, self.args.fp32_head, self.args.temperature,
+    def logprobs(self, ids, lens):
+        return self.forward(ids, lens, self.args.fp32_head, self.args.temperature,
                             self.args.ckpt_layers)
 
     def backward(self, batch, pad_id):
         """Every micro-batch is a chain of collectives: a trainer with fewer micro-batches than
         another first runs passes that add nothing, until their counts match."""
         n_micro = len(self.micro_batches(batch))
-        n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
-        for _ in range(n_micro, n_all):
-            ids = torch.full((1, 2), pad_id, device=self.ctx.device)
-            (self.logprobs(ids, torch.ones_like(ids)).sum() * 0).backward()
+        self.n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
+        self.done = 0
+        self.forward.set_requires_gradient_sync(not self.sync_once or self.n_all == 1)
+        for _ in range(n_micro, self.n_all):
+            ids = torch.full((2,), pad_id, device=self.ctx.device)
+            (self.logprobs(ids, [2]).sum() * 0).backward()
+            self.accumulate()
         return super().backward(batch, pad_id)
+
+    def accumulate(self):
+        """After each micro-batch's backward: the last of the step reduce-scatters (sync_once), or
+        every one does (a model whose unsharded gradients would not fit: pipeline.fsdp_sync_once)."""
+        self.done += 1
+        self.forward.set_requires_gradient_sync(not self.sync_once or self.done >= self.n_all - 1)
 
     def reduce_grads(self):
         pass  # FSDP2 reduce-scatters the gradients in the backward
@@ -1197,8 +1156,7 @@ def step_metrics(rec, trainer, batch, groups, rstats, train, loss_value, stats, 
         "sampled": sum(sum(s.mask) for s in samples),
         "lag": sum(lags), "lag_n": len(lags), "too_old": rstats["too_old"],
         "gen_tokens": rstats["gen_tokens"],
-        "train_tokens": sum(len(batch.prompt_ids[r]) + len(samples[r].tokens)
-                            for r in rows + batch.anchors),  # --pos_trust's anchors: trained too
+        "train_tokens": sum(len(batch.prompt_ids[r]) + len(samples[r].tokens) for r in rows),
         "loss": loss_value,
         **{f"{key}/{d}": sum(c if key == "correct" else 1 for g in groups
                              if train[g["index"]].get("domain", "math") == d
@@ -1582,7 +1540,7 @@ def main(args):
             print0(stopped, flush=True)
             break
         # ---- the batch, then one optimizer step, then the new weights to the generators
-        batch = make_batch(groups, args, trainer.ranks_sum, trainer.stale)
+        batch = make_batch(groups, args, trainer.ranks_sum)
         t_train = time.time()
         loss, stats = trainer.step(batch, env.tokenizer.pad_token_id or 0)
         t_train = time.time() - t_train
