@@ -22,10 +22,10 @@ from scipy.optimize import curve_fit
 from data import read_jsonl
 from runs import replace_file
 
-FIT_FROM = 0.1
+FIT_FROM = 0.1       # x the largest C
 MIN_POINTS = 4
 A_STEP = 0.005
-NOISE_A = 0.02
+NOISE_A = 0.02       # noise in A
 N_CMID = 100
 CMID_BEYOND = 10.0
 B_RANGE = (0.05, 20.0)
@@ -183,7 +183,7 @@ def fit_power_law(C, R, R0=None, fit_from=None):
 
 
 def linear_view(R, A, B, C_mid, R0):
-    """log F(R), equal to B log C on the curve; NaN outside (R0, A)."""
+    """log F(R): B log C on the curve, NaN outside (R0, A)."""
     R = np.asarray(R, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         return B * math.log(C_mid) - np.log((A - R0) / (R - R0) - 1.0)

@@ -64,7 +64,7 @@ def aggregate(obj, keep, group, agg):
 
 
 def cispo_objective(log_ratio, logp, adv, keep, eps_low, eps_high, neg_trust=None):
-    """CISPO: sg(clamp(rho, eps_low, eps_high)) A logp; neg_trust masks A < 0 where rho < neg_trust."""
+    """CISPO: sg(clamp(rho, eps_low, eps_high)) A logp; neg_trust masks rho < neg_trust, A < 0."""
     ratio = log_ratio.exp()
     weight = ratio.clamp(min=eps_low, max=eps_high).detach()  # (N, T) sg(min(rho, cap))
     obj = weight * adv * logp  # (N, T)
