@@ -67,16 +67,15 @@ import json
 import math
 import os
 import random
-import re
 import select
 import shutil
 import signal
 import stat
 import sys
-import threading
 import time
 import weakref
 
+from hub import hub_dataset_spec, load_records, one_line, resolve_model  # noqa: F401
 from sandbox import CODE_MAX_CASES, split_asserts
 from verify import last_boxed, never_matched, prompt_opens_think, reward, score_problems
 
@@ -95,7 +94,6 @@ INTERRUPT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a fina
 # the longest line read_jsonl reads (one record: a code problem's tests may be megabytes)
 MAX_LINE_BYTES = 16 << 20
 TEMPLATE_SECONDS = 10.0  # a chat template renders once; past this it is refused
-HUB_PROBE_SECONDS = 3.0  # a Hub that has not answered a HEAD request by then is taken as offline
 PROBLEM_MARK = "\ue000problem\ue000"  # where chat_frame's render puts the problem
 _FRAMES = weakref.WeakKeyDictionary()  # tokenizer -> {(template, instruction): (head, tail)}
 
@@ -275,185 +273,13 @@ def _notes(problem, rec, seen):
                 f"its first {CODE_MAX_CASES}, all that a sample is run on"]
     return []
 
-# -----------------------------------------------------------------------------
-# the Hugging Face Hub: --model Qwen/Qwen3-0.6B, --data openai/gsm8k:main, read through the standard
-# caches
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells repositories
-# a missing file's name, not a Hub id
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")
-# config, tokenizer, weights
-MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-
-
-def _one_line(err):
-    return " ".join(str(err).split())[:400]
-
-
-@functools.lru_cache(maxsize=None)
-def hub_unreachable(endpoint):
-    """Why the Hub at `endpoint` cannot be reached, or None when it answers at all (any HTTP
-    status): one HEAD request through huggingface_hub's own HTTP client (its proxies and
-    certificates), no retry, within HUB_PROBE_SECONDS, name resolution included (the request runs in
-    a thread of its own). Asked once per endpoint and process. Without it, an id that is not cached
-    waits on the libraries' retries (five, 1 to 8 s apart, 10 s each where packets are dropped)."""
-    from huggingface_hub.utils import get_session
-    answer = {}
-
-    def probe():
-        try:
-            get_session().head(endpoint, timeout=HUB_PROBE_SECONDS)
-            answer["why"] = None
-        except Exception as err:  # DNS, refused, timed out, TLS, a proxy that fails, ...
-            answer["why"] = f"{type(err).__name__}: {_one_line(err)}"
-            if "Timeout" in type(err).__name__:
-                answer["why"] = f"{endpoint} did not answer within {HUB_PROBE_SECONDS:g} s"
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(HUB_PROBE_SECONDS + 1)
-    return answer.get("why", f"{endpoint} did not answer within {HUB_PROBE_SECONDS:g} s")
-
-
-@contextlib.contextmanager
-def hub_offline(datasets):
-    """huggingface_hub and `datasets` in offline mode for the block, as HF_HUB_OFFLINE=1 would have
-    put them had it been set when they were imported (both read it into a module constant then): a
-    cached dataset loads from the cache, one that is not fails at once."""
-    from huggingface_hub import constants
-    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
-
-
-def hub_id(text):
-    """Whether a --model / --data value that is not an existing path names a Hub repository: shaped
-    owner/name, and neither a data file's name (x/train.jsonl) nor a path into a folder that exists
-    (fixtures/missing)."""
-    return (bool(HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
-            and not os.path.isdir(text.split("/")[0]))
-
-
-def resolve_model(name):
-    """--model NAME -> the local folder to load: NAME itself when it exists; else a Hugging Face Hub
-    id (owner/name, e.g. Qwen/Qwen3-0.6B) -> its snapshot folder in the Hugging Face cache:
-    huggingface_hub.snapshot_download of the config, tokenizer and *.safetensors files (MODEL_FILES;
-    not *.bin), downloaded once and then read from the cache; HF_HUB_OFFLINE, HF_HOME and
-    HF_HUB_CACHE are honoured. Otherwise: ValueError, one line that starts with NAME and says what
-    to do."""
-    if os.path.exists(name):
-        return name
-    if not hub_id(name):
-        raise ValueError(f"{name}: no such folder (and not a Hugging Face Hub id, owner/name)")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(
-        constants.ENDPOINT)
-    try:
-        return snapshot_download(name, allow_patterns=MODEL_FILES, local_files_only=bool(offline))
-    except GatedRepoError:
-        why = (f"it is gated on the Hub: accept its terms at https://huggingface.co/{name}, "
-               "then log in (hf auth login)")
-    except RepositoryNotFoundError:
-        why = ("there is no such model on the Hugging Face Hub "
-               "(or it is private: log in with hf auth login)")
-    except LocalEntryNotFoundError as err:  # offline or unreachable, and not in the cache
-        cause = err.__cause__ or err
-        reason = offline or f"{type(cause).__name__}: {_one_line(cause)}"
-        why = (f"not in the Hugging Face cache (HF_HUB_CACHE={constants.HF_HUB_CACHE}); "
-               f"the Hub could not be reached ({reason}): download it once with network access "
-               f"(hf download {name}) or give a local folder")
-    except Exception as err:  # a Hub error, a full disk, an incomplete cached snapshot, ...
-        why = f"the Hugging Face Hub download failed ({type(err).__name__}: {_one_line(err)})"
-    raise ValueError(f"{name}: not a local folder, and {why}")
-
-
-def hub_dataset_spec(text):
-    """'owner/name[:config[:split]]' -> (repo id, config or None, split or None); None when text is
-    not shaped so. The split may be a datasets slice (train[:1000])."""
-    repo, *rest = text.split(":", 2)
-    if not hub_id(repo):
-        return None
-    config, split = (rest + ["", ""])[:2]
-    return repo, config or None, split or None
-
-
-def load_hub_problems(spec, split="train"):
-    """A Hugging Face dataset 'owner/name[:config[:split]]' (the split defaults to `split`) ->
-    problems: loaded with datasets.load_dataset (load_hub_dataset), its records mapped as a jsonl
-    file's are (problems_of_records; a None field counts as absent). A bad record: ValueError
-    'owner/name:config:split row I: ...', I its index in the split."""
-    repo, config, named_split = hub_dataset_spec(spec)
-    split = named_split or split
-    label = f"{repo}:{config or ''}:{split}"
-    records = ((f"{label} row {i}", {k: v for k, v in rec.items() if v is not None})
-               for i, rec in enumerate(load_hub_dataset(repo, config, split)))
-    return problems_of_records(records, label)
-
-
-def load_hub_dataset(repo, config, split):
-    """datasets.load_dataset(repo, config, split=split): downloaded once, then read from
-    HF_DATASETS_CACHE; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are honoured, and a Hub that cannot be
-    reached (hub_unreachable) is taken as offline, so a dataset that is not cached fails within
-    seconds. A dataset that cannot be loaded: OSError, one line saying why and what to do
-    (hub_dataset_error)."""
-    try:
-        import datasets
-    except ImportError:
-        raise OSError("a Hugging Face dataset id needs the datasets package: pip install datasets "
-                      "(or give a jsonl file)") from None
-    offline = ("HF_HUB_OFFLINE is set" if datasets.config.HF_HUB_OFFLINE
-               else hub_unreachable(datasets.config.HF_ENDPOINT))
-    try:
-        with hub_offline(datasets) if offline else contextlib.nullcontext():
-            return datasets.load_dataset(repo, config, split=split)
-    except Exception as err:  # not cached offline, no such dataset, a config or split it lacks
-        raise OSError(hub_dataset_error(repo, config, split, offline, err)) from None
-
-
-# where datasets' errors list a dataset's configs: online (a missing or unknown config) and in
-# the cache (several cached, or not the one named)
-CONFIG_LISTS = re.compile(r"(?:available configs|Available configs in the cache|Available): "
-                          r"\[([^\]]*)\]|configurations in the cache: ([^\n]*)")
-
-
-def hub_dataset_error(repo, config, split, offline, err):
-    """The one line for a dataset that did not load: its configs when it has several and none (or
-    another) was named, the cache and what to do when it is not cached and the Hub is out of reach
-    (offline: why, or None), else datasets' own words."""
-    found = CONFIG_LISTS.search(str(err))
-    names = ",".join(g for g in found.groups() if g).split(",") if found else []
-    configs = sorted(c.strip(" '\"") for c in names if c.strip(" '\""))
-    if configs and config is None:
-        return (f"not a file, and the Hugging Face dataset {repo} has several configs "
-                f"({', '.join(configs)}): name one, {repo}:{configs[0]}")
-    if configs and config not in configs:
-        return (f"not a file, and the Hugging Face dataset {repo} has no config {config} (configs "
-                f"found: {', '.join(configs)}): name one, {repo}:{configs[0]}")
-    if isinstance(err, ConnectionError):
-        import datasets
-        named = "" if config else (f"; if it has several configs, name one: {repo}:CONFIG "
-                                   "(GSM8K's: openai/gsm8k:main)")
-        return (f"not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
-                f"{datasets.config.HF_DATASETS_CACHE}); the Hub could not be reached "
-                f"({offline or _one_line(err)}): run this once with network access (it is cached "
-                f"then) or give a jsonl file{named}")
-    return (f"not a file, and the Hugging Face dataset {repo} (config {config}, split {split}) "
-            f"could not be loaded ({type(err).__name__}: {_one_line(err)}); the syntax is "
-            "owner/name[:config[:split]]")
-
-
 def load_source_problems(source, split="train"):
     """--data / --val_data: a jsonl file (an existing path, or a name not shaped as a Hub id:
     FileNotFoundError) or a Hugging Face dataset 'owner/name[:config[:split]]' whose split defaults
     to `split` -> problems."""
     if os.path.exists(source) or hub_dataset_spec(source) is None:
         return load_problems(source)
-    return load_hub_problems(source, split)
+    return problems_of_records(*load_records(source, split))
 
 
 def format_prompt(tokenizer, problem, domain="math"):
@@ -500,7 +326,7 @@ def render_chat_template(tokenizer, content):
             said = ({"text": text} if isinstance(text, str) else
                     {"error": f"it renders a {type(text).__name__}, not text"})
         except BaseException as err:  # a PanicException too: reported, then the child exits
-            said = {"error": f"{type(err).__name__}: {_one_line(err)}"}
+            said = {"error": f"{type(err).__name__}: {one_line(err)}"}
         with contextlib.suppress(BaseException):
             with os.fdopen(write, "w") as f:
                 json.dump(said, f)
