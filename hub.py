@@ -1,10 +1,8 @@
 """
-hub.py: Hugging Face Hub ids for --model and --data, read through the standard caches.
+hub.py: Hugging Face Hub ids for --model and --data, through the standard caches.
 
-resolve_model("Qwen/Qwen3-0.6B") -> a local folder (snapshot_download); load_records(
-"openai/gsm8k:main:test") -> a dataset's rows (datasets.load_dataset), which data.py maps to
-problems. A Hub that does not answer within HUB_PROBE_SECONDS is taken as offline
-(hub_unreachable): cached ids load, others fail at once. Every failure is one line saying what to do.
+resolve_model gives a model's folder, load_records a dataset's rows. A Hub silent for
+HUB_PROBE_SECONDS counts as offline: cached ids load, others fail at once, in one line.
 """
 
 import contextlib
@@ -14,10 +12,10 @@ import re
 import threading
 
 HUB_PROBE_SECONDS = 3.0
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells repositories
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")  # a missing file, not an id
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")  # a file, not an id
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-# where datasets' errors list a dataset's configs, online and in the cache
+# where datasets' errors list the configs
 CONFIG_LISTS = re.compile(r"(?:available configs|Available configs in the cache|Available): "
                           r"\[([^\]]*)\]|configurations in the cache: ([^\n]*)")
 
@@ -28,7 +26,7 @@ def one_line(err):
 
 @functools.lru_cache(maxsize=None)
 def hub_unreachable(endpoint):
-    """Why `endpoint` cannot be reached, or None: one HEAD request, no retry, once per process."""
+    """Why `endpoint` cannot be reached, or None: one HEAD request per process."""
     from huggingface_hub.utils import get_session
     answer = {}
 
@@ -36,7 +34,7 @@ def hub_unreachable(endpoint):
         try:
             get_session().head(endpoint, timeout=HUB_PROBE_SECONDS)
             answer["why"] = None
-        except Exception as err:  # DNS, refused, timed out, TLS, a proxy that fails, ...
+        except Exception as err:  # DNS, refused, TLS, a proxy, ...
             answer["why"] = f"{type(err).__name__}: {one_line(err)}"
             if "Timeout" in type(err).__name__:
                 answer["why"] = f"{endpoint} did not answer within {HUB_PROBE_SECONDS:g} s"
@@ -50,7 +48,7 @@ def hub_unreachable(endpoint):
 
 @contextlib.contextmanager
 def hub_offline(datasets):
-    """Both libraries offline for the block (they read HF_HUB_OFFLINE only at import)."""
+    """Offline for the block (both libraries read HF_HUB_OFFLINE at import)."""
     from huggingface_hub import constants
     saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
@@ -61,13 +59,13 @@ def hub_offline(datasets):
 
 
 def hub_id(text):
-    """Whether a value that is not an existing path names a Hub repository (owner/name)."""
+    """Whether a value is shaped as a Hub repository, owner/name."""
     return (bool(HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
             and not os.path.isdir(text.split("/")[0]))
 
 
 def resolve_model(name):
-    """--model NAME -> the folder to load: NAME if it exists, else a Hub id's cached snapshot."""
+    """--model NAME -> a folder: NAME itself, or a Hub id's cached snapshot."""
     if os.path.exists(name):
         return name
     if not hub_id(name):
@@ -85,19 +83,19 @@ def resolve_model(name):
     except RepositoryNotFoundError:
         why = ("there is no such model on the Hugging Face Hub "
                "(or it is private: log in with hf auth login)")
-    except LocalEntryNotFoundError as err:  # offline or unreachable, and not in the cache
+    except LocalEntryNotFoundError as err:  # offline and not cached
         cause = err.__cause__ or err
         reason = offline or f"{type(cause).__name__}: {one_line(cause)}"
         why = (f"not in the Hugging Face cache (HF_HUB_CACHE={constants.HF_HUB_CACHE}); "
                f"the Hub could not be reached ({reason}): download it once with network access "
                f"(hf download {name}) or give a local folder")
-    except Exception as err:  # a Hub error, a full disk, an incomplete cached snapshot, ...
+    except Exception as err:  # a Hub error, a full disk, ...
         why = f"the Hugging Face Hub download failed ({type(err).__name__}: {one_line(err)})"
     raise ValueError(f"{name}: not a local folder, and {why}")
 
 
 def hub_dataset_spec(text):
-    """'owner/name[:config[:split]]' -> (repo, config, split), None where absent; None if not."""
+    """'owner/name[:config[:split]]' -> (repo, config, split), or None."""
     repo, *rest = text.split(":", 2)
     if not hub_id(repo):
         return None
@@ -106,7 +104,7 @@ def hub_dataset_spec(text):
 
 
 def load_records(spec, split="train"):
-    """A Hub dataset spec -> ((where, row) pairs without None fields, its label 'repo:config:split')."""
+    """A dataset spec -> ((where, row) pairs, its label)."""
     repo, config, named_split = hub_dataset_spec(spec)
     split = named_split or split
     label = f"{repo}:{config or ''}:{split}"
@@ -116,7 +114,7 @@ def load_records(spec, split="train"):
 
 
 def load_hub_dataset(repo, config, split):
-    """datasets.load_dataset, offline when the Hub is out of reach; OSError, one line, on failure."""
+    """datasets.load_dataset; OSError, one line, on failure."""
     try:
         import datasets
     except ImportError:
@@ -127,12 +125,12 @@ def load_hub_dataset(repo, config, split):
     try:
         with hub_offline(datasets) if offline else contextlib.nullcontext():
             return datasets.load_dataset(repo, config, split=split)
-    except Exception as err:  # not cached offline, no such dataset, a config or split it lacks
+    except Exception as err:  # not cached, no such dataset, config or split
         raise OSError(hub_dataset_error(repo, config, split, offline, err)) from None
 
 
 def hub_dataset_error(repo, config, split, offline, err):
-    """The one line for a dataset that did not load: the configs to name, the cache, or datasets'."""
+    """The one line for a dataset that did not load."""
     found = CONFIG_LISTS.search(str(err))
     names = ",".join(g for g in found.groups() if g).split(",") if found else []
     configs = sorted(c.strip(" '\"") for c in names if c.strip(" '\""))
