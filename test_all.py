@@ -1959,7 +1959,7 @@ def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retire
     assert all(len(set(stream[4 * b:4 * b + 4])) == 4 for b in range(12))
 
 # =============================================================================
-# data.py: problem files, prompts, the curriculum, the toy task and the embedded toy model
+# data.py and hub.py: problem files, Hub ids, prompts, the curriculum, the toy task and the embedded toy model
 
 
 def test_data_loads_the_published_layouts_of_gsm8k_and_math500():
