@@ -46,6 +46,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 import bench
 import data
 from data import INTERRUPT_PHRASE
+import hub
 import generate as gen
 import pipeline
 import runs
@@ -1958,7 +1959,7 @@ def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retire
     assert all(len(set(stream[4 * b:4 * b + 4])) == 4 for b in range(12))
 
 # =============================================================================
-# data.py: problem files, prompts, the curriculum, the toy task and the embedded toy model
+# data.py and hub.py: problem files, Hub ids, prompts, the curriculum, the toy task and the embedded toy model
 
 
 def test_data_loads_the_published_layouts_of_gsm8k_and_math500():
@@ -2070,7 +2071,7 @@ def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch
     args = train.get_args(["--eval_only", "--model", "org/toy", "--val_size", "8", "--eval_samples", "1"])
     assert (args.model, args.model_dir) == ("org/toy", str(snapshot))  # as typed (--resume compares it); what loads
     assert train.main(args)["n"] == 8 and "eval org/toy on 8 held-out problems" in capsys.readouterr().out
-    assert data.resolve_model(str(ROOT / "toy_model")) == str(ROOT / "toy_model")  # a local folder: as is
+    assert hub.resolve_model(str(ROOT / "toy_model")) == str(ROOT / "toy_model")  # a local folder: as is
     for argv, said in [(["--model", "org/none"], "train.py: error: --model org/none: not a local folder, and not in "
                          f"the Hugging Face cache (HF_HUB_CACHE={tmp_path / 'hub'}); the Hub could not be reached "
                          "(HF_HUB_OFFLINE is set): download it once with network access (hf download org/none) or "
@@ -2150,7 +2151,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
     hub_settings(monkeypatch, tmp_path / "hub", tmp_path / "datasets", offline=False)
     for module, key, value in [(huggingface_hub.constants, "ENDPOINT", endpoint),
                                (datasets.config, "HF_ENDPOINT", endpoint),
-                               (data, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
+                               (hub, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
         monkeypatch.setattr(module, key, value)
     snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
     hub_dataset_cache(tmp_path / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(4)]})
@@ -2161,7 +2162,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
         train.get_args(["--model", "org/none"])
     with pytest.raises(SystemExit) as exit_:
         train.load_source("--data", "org/none", 0)
-    assert time.monotonic() - start < 3 * data.HUB_PROBE_SECONDS  # one probe, then nothing waits
+    assert time.monotonic() - start < 3 * hub.HUB_PROBE_SECONDS  # one probe, then nothing waits
     unreached = f"the Hub could not be reached ({endpoint} did not answer within 1 s)"
     assert capsys.readouterr().err.strip().splitlines() == [
         f"train.py: error: --model org/none: not a local folder, and not in the Hugging Face cache (HF_HUB_CACHE="
@@ -2171,7 +2172,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
         f"error: --data org/none: not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
         f"{tmp_path / 'datasets'}); {unreached}: run this once with network access (it is cached then) or give a "
         "jsonl file; if it has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
-    assert data.resolve_model("org/toy") == str(snapshot)
+    assert hub.resolve_model("org/toy") == str(snapshot)
     assert [p["answer"] for p in train.load_source("--data", "org/gsm:main", 0)] == ["2", "3", "4", "5"]
     for spec, said in [("org/gsm", "has several configs (main, socratic): name one, org/gsm:main"),
                        ("org/gsm:other", "has no config other (configs found: main, socratic): name one, "
@@ -2188,9 +2189,9 @@ def test_hub_dataset_id_without_the_datasets_package_says_pip_install(monkeypatc
         train.load_source("--val_data", "HuggingFaceH4/MATH-500", 0)
     assert exit_.value.code == ("error: --val_data HuggingFaceH4/MATH-500: a Hugging Face dataset id needs the "
                                 "datasets package: pip install datasets (or give a jsonl file)")
-    assert data.hub_dataset_spec("openai/gsm8k:main:train[:100]") == ("openai/gsm8k", "main", "train[:100]")
-    assert data.hub_dataset_spec("HuggingFaceH4/MATH-500::test") == ("HuggingFaceH4/MATH-500", None, "test")
-    assert [data.hub_dataset_spec(s) for s in ("gsm8k.jsonl", "x/test.jsonl", "fixtures/none", "/abs/a")] == [None] * 4
+    assert hub.hub_dataset_spec("openai/gsm8k:main:train[:100]") == ("openai/gsm8k", "main", "train[:100]")
+    assert hub.hub_dataset_spec("HuggingFaceH4/MATH-500::test") == ("HuggingFaceH4/MATH-500", None, "test")
+    assert [hub.hub_dataset_spec(s) for s in ("gsm8k.jsonl", "x/test.jsonl", "fixtures/none", "/abs/a")] == [None] * 4
 
 
 def test_format_prompt_plain_and_chat_template(toy_dir):
