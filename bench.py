@@ -5,8 +5,8 @@ command and results.
 
 Figures (--figures; 1-5 by default): 1 sampler tokens/s against model.generate; 2 trainer tokens/s
 and the chunked log-probs' peak memory against full logits; 3 weight broadcast; 4 generator vs
-trainer log-prob agreement; 5 decode roofline (arithmetic); 6 training wall-clock per --mode; 7 FSDP2
-under a memory cap; memory (the memory plan against CPU measurements); efficiency; stability
+trainer log-prob agreement; 5 decode roofline (arithmetic); 6 training wall-clock per --mode; 7
+FSDP2 under a memory cap; memory (the memory plan against CPU measurements); efficiency; stability
 (PipelineRL-8 at its worst case, seed by seed); replay; plan_rss.
 
     python bench.py                            # CPU, about 70 s
