@@ -256,15 +256,15 @@ def logits_of(hidden, weight):
 # sampling
 
 
-GOLDEN = -7046029254386353131
+GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15, splitmix64's increment
 
 
 def _mix(x):
     """splitmix64's finalizer on int64 tensors."""
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * -4658895280553007687
+    x = x * -4658895280553007687  # 0xbf58476d1ce4e5b9
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * -7723592293110705685
+    x = x * -7723592293110705685  # 0x94d049bb133111eb
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
@@ -305,6 +305,7 @@ def sample(logits, temperature, u):
         u = (u * total)[:, None]
         b = torch.searchsorted(mass, u) - 1
         inside = blocks[torch.arange(B, device=z.device), b[:, 0]].double().cumsum(-1)
+        # clamped: the block's own sum may fall a bit short of its float64 mass
         j = torch.searchsorted(inside,
                                torch.minimum(u - mass.gather(1, b), inside[:, -1:]))
         tokens = (b * block + j)[:, 0]
