@@ -27,7 +27,7 @@ Figures, one printed line per measurement (--json adds one machine-readable dict
    first uncapped (peak memory of each), then with every process capped (RLIMIT_DATA) halfway
    between the two peaks;
 memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the 7B shape): the
-   memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B (their published
+   memory plan (plan.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B (their published
    config.json in fixtures/configs; nothing downloaded) on one 8 x 80 GB node at 16 prompts x 16
    samples x 8k tokens, and of the README's Qwen3-0.6B command on one GPU; each shape's per-token
    and per-parameter figures are checked against measurements on CPU (the bytes the trainer's
@@ -118,6 +118,8 @@ from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_t
                       packed_logprobs, sequence_logprobs)
 from loss import forgetting, policy_loss
 import pipeline
+from plan import (PlanRun, memory_plan, plan_activations, plan_lines, plan_param_count,
+                  plan_shape, plan_trainer)
 import study
 import train
 
@@ -852,7 +854,7 @@ def bench_fsdp(args):
 
 # -----------------------------------------------------------------------------
 # memory: what the trainer's forward saves for its backward, measured, and the memory plan of real
-# shapes (pipeline.memory_plan) checked against it
+# shapes (plan.memory_plan) checked against it
 
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "configs")
@@ -953,8 +955,8 @@ def measured_figures(name):
     and gradient bytes per parameter (one step on a 2-layer model with a 4,096-token vocab).
     -> {figure: (planned, measured)}."""
     full = shape_config(name)
-    s, model = pipeline.plan_shape(full), two_layer_model(name)
-    act = pipeline.plan_activations(s, 2)
+    s, model = plan_shape(full), two_layer_model(name)
+    act = plan_activations(s, 2)
     on, off = saved_by_part(model, checkpoint_layers=True), saved_by_part(model,
                                                                          checkpoint_layers=False)
     dec = Decoder(model, 2, 64, 8, eos_id=0, think_end=[1], interrupt_ids=[2], think_budget=4,
@@ -971,12 +973,12 @@ def measured_figures(name):
 
 def optimizer_figures(name):
     """Bytes per parameter of a replicated bf16 trainer (train.py's master weights: AdamW steps a
-    float32 copy), planned (pipeline.plan_trainer, one trainer) and measured after one step of a
+    float32 copy), planned (plan.plan_trainer, one trainer) and measured after one step of a
     2-layer model of the shape with a 4,096-token vocab."""
     model = two_layer_model(name, vocab_size=4096, bos_token_id=None, eos_token_id=None)
-    s = pipeline.plan_shape(model.config)
-    n = pipeline.plan_param_count(s)
-    plan = pipeline.plan_trainer(s, 2, 0, True, False, 1)
+    s = plan_shape(model.config)
+    n = plan_param_count(s)
+    plan = plan_trainer(s, 2, 0, True, False, 1)
     master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
     opt = torch.optim.AdamW(master)
     sequence_logprobs(model, random_ids(1, 16, 4096, 0, "cpu")).sum().backward()
@@ -1005,15 +1007,15 @@ def figures_line(name, figures):
 
 
 def print_plan(name, config, run):
-    """pipeline.memory_plan of one configuration, printed -> the plan."""
-    plan = pipeline.memory_plan(config, run)
+    """plan.memory_plan of one configuration, printed -> the plan."""
+    plan = memory_plan(config, run)
     print(f"memory | {name}")
-    print("\n".join(pipeline.plan_lines(plan, run, config.max_position_embeddings)), flush=True)
+    print("\n".join(plan_lines(plan, run, config.max_position_embeddings)), flush=True)
     return plan
 
 
 def bench_memory_plan(args):
-    """The memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B on one
+    """The memory plan (plan.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B on one
     8 x 80 GB node (NODE_RUN) and of the README's two real-model commands (README_RUN,
     README_NODE_RUN), each shape's
     per-token figures checked against measurements on CPU (measured_figures) within 10%; the 7B
@@ -1024,17 +1026,17 @@ def bench_memory_plan(args):
         line, worst = figures_line(name, figures)
         print(line, flush=True)
         plan = print_plan(f"{name}, 16 x 16 x 8k on 8 x 80 GB: 6 generators, 2 FSDP2 trainers",
-                          shape_config(name), pipeline.PlanRun(**NODE_RUN))
+                          shape_config(name), PlanRun(**NODE_RUN))
         out[name] = {"saved_bytes_per_token_layer": figures["saved_checkpointed_layer"][1],
                      "figures": figures, "worst_error": worst, "sequences": plan["sequences"],
                      "roles": plan["roles"]}
     wide = print_plan("Qwen2.5-7B at 32768 tokens per micro-batch", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
+                      PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
     readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
-                        "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
+                        "80 GB GPU", shape_config("Qwen3-0.6B"), PlanRun(**README_RUN))
     node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
                       "FSDP2 trainers", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**README_NODE_RUN))
+                      PlanRun(**README_NODE_RUN))
     return out | {"Qwen2.5-7B micro_tokens 32768": wide["roles"], "readme": readme["roles"],
                   "readme_node": node["roles"]}
 

@@ -84,7 +84,6 @@ import ipaddress
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -97,72 +96,15 @@ import torch
 import torch.distributed as dist
 
 from data import Curriculum, score_samples, special_tokens
+from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until, watch
 from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
 from loss import length_penalty
+from plan import in_flight, peak_gb
 
 # per packed row: generator rank, group index, prompt index, prompt length, completion length,
 # correct, reward, finish
 HEADER = 8
-
-
-_CURRENT = {}  # this process's ctx, for report_failure
-
-
-class Stopped(Exception):
-    """Raised inside a generator when the trainers have finished."""
-
-
-STOP = {}  # set by a SIGINT / SIGTERM: {"name": "SIGINT", "at": time.time()}
-
-
-def peak_gb(model, reset=True):
-    """The CUDA allocator's peak since the last reset, in GB: a role's peak memory (one process:
-    sampling, then the step, each counting all the process holds; a generator rank: its whole
-    run). None off CUDA."""
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated(device) / 1e9
-    if reset:
-        torch.cuda.reset_peak_memory_stats(device)
-    return peak
-
-
-def stop_on_signals():
-    """SIGINT (Ctrl-C) and SIGTERM ask for a clean stop: the last step to finish is saved and the
-    --resume command printed (train.py). One process drops a step still sampling and finishes one
-    already training; under torchrun the trainers finish the step under way. A generator that gets
-    one passes it on through the store. The handler only sets a flag (an exception raised at an
-    arbitrary point, inside the sampler's generator for one, can be swallowed). A repeat within 3 s
-    is the same request (under torchrun Ctrl-C reaches a rank twice: from the terminal and from
-    torchrun); a later one exits at once, without saving."""
-    def handler(signum, frame):
-        name, quiet = signal.Signals(signum).name, int(os.environ.get("RANK", "0")) != 0
-        if STOP and time.time() - STOP["at"] > 3:
-            os.write(2, f"\n{name} again: exiting now, without saving\n".encode())
-            os._exit(128 + signum)
-        if not STOP:
-            STOP.update(name=name, at=time.time())
-            if not quiet:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"\n{name}: stopping; the last step to finish will be saved ({name} "
-                            "again, 3 s from now or later: exit at once without saving)\n".encode())
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def stop_requested(ctx):
-    """Has a signal asked this run to stop: this process, or under torchrun any rank (through the
-    store)?"""
-    if ctx is None:
-        return bool(STOP)
-    if STOP and not STOP.get("told"):
-        ctx.store.set("interrupted", STOP["name"])
-        STOP["told"] = True
-    # another rank's: this one stops as if it got it too
-    elif not STOP and ctx.store.check(["interrupted"]):
-        STOP.update(name=ctx.store.get("interrupted").decode(), at=time.time(), told=True)
-    return bool(STOP)
 
 
 def default_gen_ranks(world):
@@ -253,10 +195,7 @@ def setup(args):
                   weights=dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
                   trainers=dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
                   rollouts=dist.new_group(backend="gloo", timeout=timeout) if cuda else None)
-    ctx.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, args.heartbeat_timeout),
-                                     daemon=True)
-    ctx.heartbeat.start()
-    _CURRENT["ctx"] = ctx
+    watch(ctx, args.heartbeat_timeout)
     return ctx
 
 
@@ -323,143 +262,6 @@ def device_plan(world, local_world, n_gpus, trainers, gens):
                     + (" (nccl cannot join two ranks on one GPU)"
                        if "gloo" in plan.values() else ""))
     return plan
-
-
-def role_of(ctx, r):
-    return f"rank {r} ({'trainer' if r < ctx.n_trainers else 'generator'})"
-
-
-def set_status(ctx, text):
-    ctx.status = text
-    ctx.store.set(f"status/{ctx.rank}", text)
-
-
-def get_int(ctx, key):
-    return int(ctx.store.add(key, 0))  # add 0: reads a counter, and a missing counter reads 0
-
-
-def _heartbeat(ctx, limit):
-    """Bump this rank's counter every second; exit the process if another rank's stops moving. Ends
-    when finish() sets ctx.stopping, or once any rank has finished (ranks then leave at their own
-    pace). A store whose host is stopped (rank 0 under the README's one-machine torchrun, which
-    hosts it) answers nothing, and its clients wait without end: measured, a SIGSTOPped trainer 0
-    froze the generator for as long as it stayed stopped, with no line. So the loop has a deadline
-    of its own, kept by _store_watchdog."""
-    store, me, world = ctx.store, ctx.rank, ctx.world
-    last = {r: (-1, time.time()) for r in range(world) if r != me}
-    beat = [time.time()]  # when the loop last began a round
-    threading.Thread(target=_store_watchdog, args=(ctx, limit, beat), daemon=True).start()
-    try:
-        while not ctx.stopping.is_set():
-            beat[0] = time.time()
-            store.add(f"heartbeat/{me}", 1)
-            if int(store.add("finished", 0)):
-                beat[0] = math.inf
-                return  # a clean shutdown is under way: ranks leave at their own pace
-            for r, (count, since) in last.items():
-                now = int(store.add(f"heartbeat/{r}", 0))
-                if now != count:
-                    last[r] = (now, time.time())
-                elif time.time() - since > limit:
-                    status = (store.get(f"status/{r}").decode() if store.check([f"status/{r}"])
-                              else "?")
-                    _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; "
-                         f"its last status: {status}); {role_of(ctx, me)} was {ctx.status}")
-            ctx.stopping.wait(1.0)
-    except Exception as err:  # the store is hosted by rank 0 or the launcher: one of them is gone
-        _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
-             f"{role_of(ctx, me)} was {ctx.status}")
-
-
-def _store_watchdog(ctx, limit, beat):
-    """Exit the process when the heartbeat loop has not begun a round for `limit` seconds: its
-    store calls hang, so the store's host (rank 0, or the launcher) is stopped or hung."""
-    while not ctx.stopping.wait(1.0):
-        if time.time() - beat[0] > limit:
-            _die(f"the rendezvous store did not answer for {limit:.0f} s: its host, "
-                 f"{role_of(ctx, 0)} or the launcher, is stopped or hung; "
-                 f"{role_of(ctx, ctx.rank)} was {ctx.status}")
-
-
-def report_failure(err):
-    """Called as a rank fails: name what it was doing and which ranks stopped answering (those whose
-    heartbeat does not move for 3 s), so a gloo 'connection reset' says who is gone."""
-    ctx = _CURRENT.get("ctx")
-    if ctx is None:
-        return
-    store, me = ctx.store, ctx.rank
-    try:
-        before = {r: int(store.add(f"heartbeat/{r}", 0)) for r in range(ctx.world) if r != me}
-        time.sleep(3.0)
-        gone = [f"{role_of(ctx, r)}, last status: "
-                f"{store.get(f'status/{r}').decode() if store.check([f'status/{r}']) else '?'}"
-                for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
-    except Exception:
-        gone = ["the rendezvous store (rank 0 or the launcher)"]
-    line = (f"{role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}; "
-            f"not responding: {'; '.join(gone) or 'none'}")
-    record_error(line)
-    print(f"ERROR: {line}", file=sys.stderr, flush=True)
-
-
-def record_error(line, later=False, shown=None):
-    """Under torchrun: the one line this rank fails with (a user error; why it stopped waiting for
-    another rank; what it was doing as it crashed) into its error file (TORCHELASTIC_ERROR_FILE,
-    which torchrun sets), in the form of torch's ErrorHandler, so that torchrun's failure report
-    shows it where it would say "To enable traceback see: ...". later: stamped 10 s later, so that
-    another rank's line is the report's root cause (its first failure); shown: what the report
-    prints instead of the line. -> whether the file was written (nothing outside torchrun)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return False
-    # the report shows py_callstack
-    info = {"py_callstack": line if shown is None else shown,
-            "timestamp": str(int(time.time()) + 10 * bool(later))}
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": info}}, f)
-        return True
-    except OSError:
-        return False
-
-
-def say_error(line):
-    """A user error's one line, which every rank meets: said once. Under torchrun rank 0's error
-    file holds it, shown by torchrun's failure report last, as its root cause, on a line of its
-    own; the other ranks' files point to it. Printed where no such file is written."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        record_error("the same error as rank 0 (the root cause, below)", later=True)
-    elif not record_error(line, shown="\n" + line):
-        print(line, file=sys.stderr, flush=True)
-
-
-def _die(message):
-    record_error(message)
-    print(f"ERROR: {message}; exiting", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-def wait_until(ctx, ready, what, status=None):
-    """Poll ready() until true; a deadline of --timeout seconds, then an error naming what was
-    awaited. The deadline does not run out while trainer 0 evaluates or waits for the generators'
-    eval, nor while the generators' held-out evals make progress (they share the generators' time
-    with training groups); a stuck eval still runs it out. status: this rank's status meanwhile
-    (default: waiting for `what`)."""
-    set_status(ctx, status or f"waiting for {what}")
-    t0, pause, evals = time.time(), 0.0005, get_int(ctx, "eval_progress")
-    while not ready():
-        if time.time() - t0 > ctx.timeout:
-            now = get_int(ctx, "eval_progress")  # the generators' held-out samples done
-            if now != evals or (ctx.store.check(["status/0"])
-                                and ctx.store.get("status/0").startswith(b"evaluating")):
-                t0, evals = time.time(), now
-                continue
-            raise TimeoutError(
-                f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
-    return time.time() - t0
 
 
 def on_trainer0(ctx, step, evaluate):
@@ -936,21 +738,6 @@ def shard_trainer(model, trainers, device, dtype=torch.float32):
     return wrapped
 
 
-def fsdp_sync_once(n_params, device_bytes):
-    """--fsdp: whether a trainer sums its micro-batches' gradients unsharded (in float32, 4 bytes a
-    parameter) and reduce-scatters once a step (FSDP2's set_requires_gradient_sync), or
-    reduce-scatters after every micro-batch: once where those gradients take at most an eighth of
-    the device (a 0.5B-1.5B model on 80 GB; not a 7B: 30 GB, the memory sharding exists to save)."""
-    return 4 * n_params <= device_bytes / 8
-
-
-def device_bytes(device):
-    """The device's memory: a GPU's, or on CPU the machine's."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def sharded_state(model, opt):
     """--fsdp: this trainer's float32 shards and their AdamW state, as torch.distributed.checkpoint
     saves and loads them (each trainer its own part; nothing is gathered)."""
@@ -1075,13 +862,6 @@ def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, versi
     mine, curriculum = curriculum_of(len(problems), g, n_gens, args, saved)
     return Generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, mine, curriculum,
                      send, version, version)
-
-
-def in_flight(args, n_gens, k):
-    """The most sequences a generator can have in flight: its share of k + 1 batches (at weights
-    v the lag rule, admit_ok, starts groups of batches up to v + k, and batches before v are
-    trained; one process, k = 0: one batch)."""
-    return math.ceil((k + 1) * args.prompts / n_gens) * args.samples
 
 
 def sampler_most(args, ctx):
@@ -1486,218 +1266,3 @@ def _save_curriculum(curriculum, path):
     """As JSON: plain data, which loading cannot turn into code (a pickle could)."""
     from runs import replace_file  # never through a link planted in --out
     replace_file(path, lambda f: json.dump(curriculum.state_dict(), f))
-
-# -----------------------------------------------------------------------------
-# memory plan: the bytes each role will hold, from the model's config and the run's sizes (rank 0
-# prints it at start-up; bench.py --figures memory prints it for real shapes on an 8-GPU node and
-# checks its per-token figures against measurements)
-
-
-def plan_shape(config):
-    """What a Llama / Qwen2 / Qwen3 / Mistral config's memory depends on: width d, layers L, heads
-    H, kv heads K, head dim D, MLP width I, vocab V, a tied head, Qwen3's q/k norms, the biases."""
-    get = lambda key: getattr(config, key, None)
-    d, H = config.hidden_size, config.num_attention_heads
-    return dict(d=d, L=config.num_hidden_layers, H=H, K=get("num_key_value_heads") or H,
-                D=generate.head_dim_of(config), I=config.intermediate_size, V=config.vocab_size,
-                tied=bool(get("tie_word_embeddings")), qk_norm=config.model_type == "qwen3",
-                qkv_bias=config.model_type == "qwen2" or bool(get("attention_bias")),
-                o_bias=bool(get("attention_bias")))
-
-
-def plan_params(s):
-    """Parameter counts -> (one decoder layer, the embedding, the untied LM head (0 when tied), the
-    final norm)."""
-    d, H, K, D = s["d"], s["H"], s["K"], s["D"]
-    attn = (d * D * (2 * H + 2 * K) + s["qkv_bias"] * D * (H + 2 * K) + s["o_bias"] * d
-            + s["qk_norm"] * 2 * D)
-    return attn + 3 * d * s["I"] + 2 * d, s["V"] * d, (not s["tied"]) * s["V"] * d, d
-
-
-def plan_param_count(s):
-    """Every parameter of the model."""
-    layer, embed, head, norm = plan_params(s)
-    return s["L"] * layer + embed + head + norm
-
-
-def plan_activations(s, size):
-    """Bytes per token that the trainer's forward (generate.packed_logprobs) saves for the
-    backward, `size` the weights' bytes per element (checked against saved-tensor hooks in the
-    tests and bench.py) -> {"layer": a decoder layer run without checkpointing, or the one being
-    recomputed in the backward: its two RMSNorms keep their float32 input, rsqrt and two outputs,
-    SDPA its q, k, v, output and float32 logsumexp (Qwen3's q/k norms add theirs), the MLP gate,
-    up, their SiLU and product; "checkpointed": a checkpointed layer keeps its input alone;
-    "head": the last layer's output (the head's chunks recompute the final norm), the token ids,
-    and per position (one row's worth: shared by the rows and the layers) the rotary tables and
-    the position ids}."""
-    d, H, K, D, b = s["d"], s["H"], s["K"], s["D"], size
-    norms = 2 * ((4 + 2 * b) * d + 4)
-    attn = b * D * (2 * H + 2 * K) + 4 * H + s["qk_norm"] * ((4 + b) * D + 4) * (H + K)
-    return {"layer": norms + attn + 4 * b * s["I"], "checkpointed": b * d,
-            "head": b * d + 8 + 2 * D * b + 8}
-
-
-def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0,
-                 sync_once=False):
-    """The bytes one trainer rank holds -> {part: bytes}. Replicated: the weights, a float32 master
-    under a half dtype (AdamW steps it), AdamW's two float32 moments, the backward's gradients in
-    the weights' dtype and their float32 accumulation. FSDP2: float32 shards (the master), their
-    AdamW state and float32 gradients, 1/trainers each, and what is gathered in the weights' dtype:
-    the root unit (embedding, final norm, head) for the whole step with its gradients, a layer and
-    the prefetched next, and under sync_once (fsdp_sync_once) the whole model's float32 gradients
-    summed unsharded over the micro-batches. "activations": the larger of the backward's peak and the optimizer step's.
-    The backward's, per micro-batch of micro_tokens tokens (or the longest row, a longer row going
-    alone): the saved activations, then the larger of the head's backward (the float32 copy of the
-    head weight and its gradient, one chunk's logits, their softmax and gradients: 4 x
-    generate.LOGITS_BYTES) and the layer recomputed in the backward with its MLP's gradients
-    (3 x (tokens, I), an estimate), which run one after the other; under FSDP2, two layers'
-    gradients in flight to the reduce-scatter (in the weights' dtype and float32). The step's:
-    AdamW's foreach temporaries (a float32 copy of exp_avg_sq), less what the backward held that is
-    freed by then (FSDP2's gathered weights and root gradients; a half dtype's gradients, moved
-    into the float32 ones). NCCL's own buffers are outside torch's allocator and not counted."""
-    layer, embed, head, norm = plan_params(s)
-    P, root, half, n = plan_param_count(s), embed + head + norm, size < 4, trainers
-    act = plan_activations(s, size)
-    tokens = max(micro_tokens, longest)
-    saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
-    recomputed = tokens * (ckpt * act["layer"] + 3 * size * s["I"])
-    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * generate.LOGITS_BYTES
-    reduce_scatter = fsdp * 2 * (size + 4) * layer
-    backward = tokens * saved + max(recomputed, head_backward) + reduce_scatter
-    return {"weights": (root + 2 * layer) * size if fsdp else P * size,
-            "float32 master": 4 * P / n if fsdp else 4 * P * half,
-            "AdamW state": 8 * P / (n if fsdp else 1),
-            "gradients": (4 * P / n + root * size + sync_once * 4 * P if fsdp
-                          else (size + 4 * half) * P),
-            "activations": max(backward, 4 * P / (n if fsdp else 1)
-                               - ((2 * root + 2 * layer) * size if fsdp else half * size * P))}
-
-
-def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
-                   prefill_tokens=generate.PREFILL_TOKENS):
-    """The sampler's bytes beyond the weights -> ({part: bytes}, sequences at the full budget,
-    bytes per sequence). room: what its Decoder may take (gen_memory x the memory free after the
-    weights: generate.slots_in), or None where memory does not size it (CPU: slots, or
-    generate.CPU_SLOTS). The workspace (an estimate): the decode step's float32 logits, their exp
-    and a copy per row, and one prefill forward's largest tensors (hidden states, q/k/v, attention
-    output, the MLP's three)."""
-    per_slot, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
-    seqs = (slots or generate.CPU_SLOTS if room is None else
-            generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)[0])
-    b = dtype.itemsize
-    prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
-    return ({"decoder fixed": fixed, "KV cache": seqs * per_slot,
-             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, per_slot)
-
-
-@dataclass
-class PlanRun:
-    """A run's sizes, as the memory plan reads them."""
-    prompts: int
-    samples: int
-    prompt_len: int  # the longest prompt, tokens
-    think_budget: int
-    answer_budget: int
-    phrase_len: int  # the interruption phrase, tokens
-    micro_tokens: int  # tokens per forward/backward
-    dtype: torch.dtype = torch.bfloat16
-    ckpt_layers: object = "auto"  # generate.checkpointing's
-    fsdp: bool = False
-    trainers: int = 1
-    generators: int = 0  # 0: one process, trainer and sampler in turn on one device
-    device_bytes: float = 80e9
-    gen_memory: float = 0.85
-    sized: bool = True  # the KV cache sized by memory (CUDA), else by slots
-    slots: int = None
-    lag: int = 8  # the lag bound k (--max_lag): what a generator can have in flight (in_flight)
-    fp32_head: bool = True
-    evaluate: int = 0  # --eval_only's held-out samples: no trainer, a sampler of at most these
-
-
-def memory_plan(config, run):
-    """The bytes each role holds (plan_trainer, plan_generator) and whether they fit the device ->
-    {"roles": {role: {"count", "parts", "total", "fits"}}, "shape", "ckpt", "max_len", "sequences",
-    "per_slot", "per_token"}. One process holds the trainer's weights, master and AdamW state
-    throughout, then in turn its gradients and activations or the sampler's cache: its total is
-    the larger phase. A sampler fits if it holds one group of samples at the full budget."""
-    s, size = plan_shape(config), run.dtype.itemsize
-    ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
-    max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
-                                             [0] * run.phrase_len)
-    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,
-                           longest=max_len,
-                           sync_once=fsdp_sync_once(plan_param_count(s), run.device_bytes))
-    resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
-    weights = plan_param_count(s) * size
-    held = resident if run.generators == 0 and not run.evaluate else weights
-    room = run.gen_memory * (run.device_bytes - held) if run.sized else None
-    most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
-    caps = [c for c in (run.slots, most if run.sized else None) if c]
-    gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room,
-                                         min(caps, default=None), run.fp32_head)
-    if run.evaluate:
-        roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
-    elif run.generators == 0:
-        roles = {"one process": (1, {**trainer, **gen},
-                                 max(sum(trainer.values()), resident + sum(gen.values())), seqs)}
-    else:
-        roles = {"trainer": (run.trainers, trainer, sum(trainer.values()), run.samples),
-                 "generator": (run.generators, {"weights": weights, **gen},
-                               weights + sum(gen.values()), seqs)}
-    return {"roles": {r: {"count": n, "parts": parts, "total": total,
-                          "fits": total <= run.device_bytes and holds >= run.samples}
-                      for r, (n, parts, total, holds) in roles.items()},
-            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "per_slot": per_slot,
-            "per_token": plan_activations(s, size)}
-
-
-def plan_lines(plan, run, context=None):
-    """The plan in a few printed lines (GB = 1e9 bytes)."""
-    s, act, gb = plan["shape"], plan["per_token"], lambda x: f"{x / 1e9:.1f}"
-    lines = [f"memory plan per rank (GB = 1e9 bytes) on a {gb(run.device_bytes)} GB device, "
-             f"{str(run.dtype).removeprefix('torch.')}:"]
-    for role, r in plan["roles"].items():
-        parts = " | ".join(f"{k} {gb(v)}" for k, v in r["parts"].items())
-        lines.append(f"  {role} (x{r['count']}): {parts} | total {gb(r['total'])}: "
-                     + ("fits" if r["fits"] else "DOES NOT FIT"))
-    per_layer = act["checkpointed"] if plan["ckpt"] else act["layer"]
-    if not run.evaluate:
-        lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves "
-                     f"{per_layer / 1e3:.1f} KB per token x {s['L']} "
-                     f"{'checkpointed ' * plan['ckpt']}layers + head {act['head'] / 1e3:.1f} KB"
-                     + (f"; the layer recomputed in the backward {act['layer'] / 1e3:.1f} KB per "
-                        "token" if plan["ckpt"] else ""))
-    where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
-             if run.generators else "")
-    lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
-                 f"once ({plan['per_slot'] / 1e6:,.1f} MB each){where}, for "
-                 + (f"{run.evaluate} held-out samples" if run.evaluate else
-                    f"a batch of {run.prompts * run.samples}")
-                 + (f"; the model's context {context}" if context else ""))
-    return lines
-
-
-def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len, evaluate=0):
-    """Rank 0 at start-up: the run's memory plan on this device (one device per rank; on CPU the
-    machine's memory), printed -> the plan. Micro-batches hold --micro_tokens tokens (0: a
-    trainer's whole share of the batch, at the full budget). evaluate: --eval_only's samples."""
-    trainers, cuda = ctx.n_trainers if ctx else 1, device.type == "cuda"
-    seq = prompt_len + args.think_budget + args.answer_budget + phrase_len
-    groups = -(-args.prompts // trainers)
-    total = (torch.cuda.get_device_properties(device).total_memory if cuda
-             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    run = PlanRun(prompts=args.prompts, samples=args.samples, prompt_len=prompt_len,
-                  think_budget=args.think_budget, answer_budget=args.answer_budget,
-                  phrase_len=phrase_len,
-                  micro_tokens=args.micro_tokens or groups * args.samples * seq,
-                  dtype=getattr(torch, args.dtype),
-                  ckpt_layers=args.ckpt_layers, fsdp=bool(ctx and args.fsdp),
-                  trainers=trainers, generators=ctx.n_gens if ctx else 0, device_bytes=total,
-                  gen_memory=args.gen_memory, sized=cuda, slots=args.slots,
-                  lag=ctx.k if ctx else 0, fp32_head=args.fp32_head, evaluate=evaluate)
-    if evaluate:
-        run.samples = args.eval_samples  # it fits if it holds one prompt's samples
-    plan = memory_plan(config, run)
-    print("\n".join(plan_lines(plan, run, getattr(config, "max_position_embeddings", None))),
-          flush=True)
-    return plan
