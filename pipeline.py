@@ -376,15 +376,15 @@ class LocalRollouts:
         groups = sorted(self.done, key=lambda g: g["gi"])
         self.done.clear()
         stats = {"too_old": 0, "wait_s": 0.0, "gen_s": sampled - t0,
-                 "verify_s": time.time() - sampled, "retired": len(gen.curriculum.retired),
-                 "epoch": gen.curriculum.epoch, "gen_peak_gb": peak_gb(gen.model),
+                 "verify_s": time.time() - sampled, "retired": len(gen.prompts.curriculum.retired),
+                 "epoch": gen.prompts.curriculum.epoch, "gen_peak_gb": peak_gb(gen.model),
                  "gen_tokens": sum(len(g["prompt"]) + len(s.tokens) for g in groups
                                    for s in g["samples"])}
         return groups, stats
 
     def publish(self, trainer, last, evaluate=False):
         """The weights are the trainer's own: nothing moves. -> (seconds, bytes)."""
-        self.gen.snapshots = {b: c for b, c in self.gen.snapshots.items() if b >= trainer.version}
+        self.gen.prompts.forget_before(trainer.version)
         return 0.0, 0
 
     def stop_requested(self):
@@ -407,7 +407,7 @@ class LocalRollouts:
         return 0.0
 
     def state_dict(self, version):
-        return {"curriculum": self.gen.snapshots.get(version, self.gen.curriculum).state_dict()}
+        return {"curriculum": self.gen.prompts.state_at(version).state_dict()}
 
     def close(self, version):
         pass
@@ -639,8 +639,7 @@ class Generator:
     prompt_ids: list
     index: int
     n_gens: int
-    mine: list
-    curriculum: Curriculum
+    prompts: object  # Prompts
     send: object
     start_version: int
     version: int
@@ -650,8 +649,6 @@ class Generator:
     admitted: int = 0
     exhausted: bool = False
     open: dict = field(default_factory=dict)
-    # batch b -> the curriculum a resume at b starts from
-    snapshots: dict = field(default_factory=dict)
     tokens: int = 0
     verifying: list = field(default_factory=list)
     verifier: object = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
@@ -680,9 +677,8 @@ class Generator:
 
 def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, version, send,
                   saved=None):
-    mine, curriculum = curriculum_of(len(problems), g, n_gens, args, saved)
-    return Generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, mine, curriculum,
-                     send, version, version)
+    return Generator(args, model, tokenizer, problems, prompt_ids, g, n_gens,
+                     Prompts(len(problems), g, n_gens, args, saved), send, version, version)
 
 
 def sampler_most(args, ctx):
@@ -700,7 +696,7 @@ def start_sampler(gen, version, k=0, say=None):
 
 def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, say=None,
                  most=None):
-    """generate.sampler with the run's flags; on CUDA its slots fit --gen_memory."""
+    """generate.sampler with the run's flags."""
     interrupt, _ = length_control(args)
     special = special_tokens(tokenizer, model)
     caps = [c for c in (args.slots, cap) if c]
@@ -740,15 +736,35 @@ def length_control(args):
     return False, lambda lengths: length_penalty(lengths, l_max, args.l_cache or l_max // 7)
 
 
-def curriculum_of(n_problems, g, n_gens, args, saved=None):
-    """Generator g's prompts (every n_gens-th) and the curriculum that runs No-Positive-Resampling
-    on them."""
-    mine = list(range(g, n_problems, n_gens))
-    curriculum = Curriculum(len(mine), args.seed + 1 + g)
-    if saved:
-        curriculum.load_state_dict(saved)
-    curriculum.npr = args.no_positive_resampling
-    return mine, curriculum
+class Prompts:
+    """No-Positive-Resampling over generator g's prompts (every n_gens-th): the curriculum, and per
+    batch in flight the state a resume there starts from."""
+
+    def __init__(self, n_problems, g, n_gens, args, saved=None):
+        self.mine, self.batch = list(range(g, n_problems, n_gens)), args.prompts
+        self.curriculum = Curriculum(len(self.mine), args.seed + 1 + g)
+        if saved:
+            self.curriculum.load_state_dict(saved)
+        self.curriculum.npr = args.no_positive_resampling
+        self.at = {}
+
+    def pick(self, gi):
+        """Group gi's slot in self.mine; StopIteration once every prompt is retired."""
+        if gi // self.batch not in self.at:
+            self.at[gi // self.batch] = copy.deepcopy(self.curriculum)
+        (c,) = self.curriculum.next_batch(1)
+        return c
+
+    def record(self, gi, c, pass_rate):
+        for curriculum in [self.curriculum] + [s for b, s in self.at.items()
+                                               if gi // self.batch < b]:
+            curriculum.record(c, pass_rate)
+
+    def state_at(self, step):
+        return self.at.get(step, self.curriculum)
+
+    def forget_before(self, version):
+        self.at = {b: c for b, c in self.at.items() if b >= version}
 
 
 def group_items(prompt, gi, G):
@@ -757,21 +773,18 @@ def group_items(prompt, gi, G):
 
 
 def admit(gen, gis):
-    """Start a group per index; before a batch's first, copy the curriculum a resume there starts
-    from."""
-    items, G, B = [], gen.args.samples, gen.args.prompts
+    """A group per global index -> sampler items."""
+    items, G = [], gen.args.samples
     for gi in gis:
-        if gi // B not in gen.snapshots:
-            gen.snapshots[gi // B] = copy.deepcopy(gen.curriculum)
         try:
-            (c,) = gen.curriculum.next_batch(1)
+            c = gen.prompts.pick(gi)
         except StopIteration as err:
             print(f"generator {gen.index}: {err}", flush=True)
             gen.exhausted = True
             break
         gen.admitted += 1
         gen.open[gi] = {"c": c, "samples": [None] * G}
-        items += group_items(gen.prompt_ids[gen.mine[c]], gi, G)
+        items += group_items(gen.prompt_ids[gen.prompts.mine[c]], gi, G)
     return items
 
 
@@ -795,7 +808,7 @@ def sampler_step(gen, items, version, evals=()):
 
 def verify_beside(gen, gi, c, samples):
     """Verify a group in the verifier's thread while decoding goes on."""
-    problems = [gen.problems[gen.mine[c]]] * len(samples)
+    problems = [gen.problems[gen.prompts.mine[c]]] * len(samples)
     future = gen.verifier.submit(score_samples, gen.tokenizer, samples, problems,
                                  unsafe_code=gen.args.unsafe_code_exec)
     gen.verifying.append((gi, c, samples, future))
@@ -806,10 +819,8 @@ def finish_groups(gen, wait=False):
     while gen.verifying and (wait or gen.verifying[0][3].done()):
         gi, c, samples, future = gen.verifying.pop(0)
         _, correct, rewards = future.result()
-        i, G = gen.mine[c], len(samples)
-        for curriculum in [gen.curriculum] + [s for b, s in gen.snapshots.items()
-                                              if gi // gen.args.prompts < b]:
-            curriculum.record(c, sum(correct) / G)
+        i = gen.prompts.mine[c]
+        gen.prompts.record(gi, c, sum(correct) / len(samples))
         gen.send({"gi": gi, "index": i, "prompt": gen.prompt_ids[i], "samples": samples,
                   "correct": correct, "rewards": rewards})
 
@@ -884,7 +895,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     except Stopped:
         pass
     last = int(ctx.store.get("last_step"))
-    _save_curriculum(gen.snapshots.get(last, gen.curriculum), curriculum_path)
+    _save_curriculum(gen.prompts.state_at(last), curriculum_path)
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
@@ -979,8 +990,8 @@ def take_weights(gen, version):
     gen.version = version
     if every and version // every > before // every:
         b = version // every * every  # versions may step over b
-        _save_curriculum(gen.snapshots.get(b, gen.curriculum), gen.curriculum_path)
-    gen.snapshots = {b: c for b, c in gen.snapshots.items() if b >= version}
+        _save_curriculum(gen.prompts.state_at(b), gen.curriculum_path)
+    gen.prompts.forget_before(version)
 
 
 def stage_weights(ctx, model, bucket_mb, staged=None):
@@ -996,7 +1007,7 @@ def publish_stats(ctx, gen, force=False):
         idle = gen.idle + (now - gen.idle_since if gen.idle_since else 0.0)
         ctx.store.set(f"genstats/{ctx.rank}", json.dumps({
             "wall": now - gen.t0, "idle": idle, "sync": gen.sync, "tokens": gen.tokens,
-            "retired": len(gen.curriculum.retired), "epoch": gen.curriculum.epoch,
+            "retired": len(gen.prompts.curriculum.retired), "epoch": gen.prompts.curriculum.epoch,
             "peak_gb": peak_gb(gen.model, reset=False)}))
 
 

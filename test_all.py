@@ -4913,7 +4913,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert "\\boxed{7}" in data.completion_text(tok, groups[0]["samples"][0])
     assert [c for g in groups for c in g["correct"]] == [False] * 8
     assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
-    curriculum = source.gen.curriculum
+    curriculum = source.gen.prompts.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
     result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
