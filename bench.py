@@ -43,6 +43,8 @@ from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_t
                       packed_logprobs, sequence_logprobs)
 from loss import forgetting, policy_loss
 import pipeline
+from plan import (PlanRun, memory_plan, plan_activations, plan_lines, plan_param_count,
+                  plan_shape, plan_trainer)
 import study
 import train
 
@@ -811,8 +813,8 @@ def two_layer_model(name, dtype=torch.bfloat16, **changes):
 def measured_figures(name):
     """-> {figure: (planned, measured)} of a shape."""
     full = shape_config(name)
-    s, model = pipeline.plan_shape(full), two_layer_model(name)
-    act = pipeline.plan_activations(s, 2)
+    s, model = plan_shape(full), two_layer_model(name)
+    act = plan_activations(s, 2)
     on, off = saved_by_part(model, checkpoint_layers=True), saved_by_part(model,
                                                                          checkpoint_layers=False)
     dec = Decoder(model, 2, 64, 8, eos_id=0, think_end=[1], interrupt_ids=[2], think_budget=4,
@@ -830,9 +832,9 @@ def measured_figures(name):
 def optimizer_figures(name):
     """Bytes per parameter of a replicated bf16 trainer, planned and measured after a step."""
     model = two_layer_model(name, vocab_size=4096, bos_token_id=None, eos_token_id=None)
-    s = pipeline.plan_shape(model.config)
-    n = pipeline.plan_param_count(s)
-    plan = pipeline.plan_trainer(s, 2, 0, True, False, 1)
+    s = plan_shape(model.config)
+    n = plan_param_count(s)
+    plan = plan_trainer(s, 2, 0, True, False, 1)
     master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
     opt = torch.optim.AdamW(master)
     sequence_logprobs(model, random_ids(1, 16, 4096, 0, "cpu")).sum().backward()
@@ -859,9 +861,9 @@ def figures_line(name, figures):
 
 
 def print_plan(name, config, run):
-    plan = pipeline.memory_plan(config, run)
+    plan = memory_plan(config, run)
     print(f"memory | {name}")
-    print("\n".join(pipeline.plan_lines(plan, run, config.max_position_embeddings)), flush=True)
+    print("\n".join(plan_lines(plan, run, config.max_position_embeddings)), flush=True)
     return plan
 
 
@@ -873,17 +875,17 @@ def bench_memory_plan(args):
         line, worst = figures_line(name, figures)
         print(line, flush=True)
         plan = print_plan(f"{name}, 16 x 16 x 8k on 8 x 80 GB: 6 generators, 2 FSDP2 trainers",
-                          shape_config(name), pipeline.PlanRun(**NODE_RUN))
+                          shape_config(name), PlanRun(**NODE_RUN))
         out[name] = {"saved_bytes_per_token_layer": figures["saved_checkpointed_layer"][1],
                      "figures": figures, "worst_error": worst, "sequences": plan["sequences"],
                      "roles": plan["roles"]}
     wide = print_plan("Qwen2.5-7B at 32768 tokens per micro-batch", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
+                      PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
     readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
-                        "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
+                        "80 GB GPU", shape_config("Qwen3-0.6B"), PlanRun(**README_RUN))
     node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
                       "FSDP2 trainers", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**README_NODE_RUN))
+                      PlanRun(**README_NODE_RUN))
     return out | {"Qwen2.5-7B micro_tokens 32768": wide["roles"], "readme": readme["roles"],
                   "readme_node": node["roles"]}
 

@@ -47,8 +47,11 @@ import bench
 import data
 from data import INTERRUPT_PHRASE
 import hub
+import faults
 import generate as gen
 import pipeline
+from plan import (PlanRun, in_flight, memory_plan, plan_activations, plan_param_count, plan_shape,
+                  plan_trainer)
 import runs
 import train
 import loss
@@ -2982,7 +2985,7 @@ def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shap
     checkpointing) and what the head keeps (no logits: ~2.6 KB per token, whatever the vocab)."""
     model = bench.two_layer_model("Qwen3-0.6B")
     part = bench.saved_by_part(model, lengths=(16, 32), checkpoint_layers=True)
-    plan = pipeline.plan_activations(pipeline.plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
+    plan = plan_activations(plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
     assert part["layer"] <= 4096 and part["layer"] == plan["checkpointed"] == 2048
     assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
 
@@ -2991,7 +2994,7 @@ def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shap
                                                   ("qwen2", torch.bfloat16, {}),
                                                   ("qwen3", torch.bfloat16, dict(tie_word_embeddings=True))])
 def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, dtype, changes):
-    """pipeline.memory_plan's figures against what a tiny model holds: the bytes its forward saves per token per
+    """memory_plan's figures against what a tiny model holds: the bytes its forward saves per token per
     layer, checkpointed and not, and outside the layers (saved-tensor hooks), its parameters, and an FSDP2
     trainer's shares."""
     torch.manual_seed(0)
@@ -3000,14 +3003,14 @@ def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, 
     cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**common)), "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
                 "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common))}[kind]
     model = cls(cfg).to(dtype).train()
-    s = pipeline.plan_shape(model.config)
-    plan = pipeline.plan_activations(s, dtype.itemsize)
+    s = plan_shape(model.config)
+    plan = plan_activations(s, dtype.itemsize)
     on, off = (bench.saved_by_part(model, checkpoint_layers=c) for c in (True, False))
     assert (on["layer"], off["layer"]) == (plan["checkpointed"], plan["layer"])
     assert on["rest"] == plan["head"] and 0 <= plan["head"] - off["rest"] <= 8  # unused there: the position ids
-    assert pipeline.plan_param_count(s) == sum(p.numel() for p in model.parameters())
-    one, two = (pipeline.plan_trainer(s, dtype.itemsize, 1000, True, fsdp, n) for fsdp, n in ((False, 1), (True, 2)))
-    assert two["AdamW state"] == one["AdamW state"] / 2 == 4 * pipeline.plan_param_count(s)
+    assert plan_param_count(s) == sum(p.numel() for p in model.parameters())
+    one, two = (plan_trainer(s, dtype.itemsize, 1000, True, fsdp, n) for fsdp, n in ((False, 1), (True, 2)))
+    assert two["AdamW state"] == one["AdamW state"] / 2 == 4 * plan_param_count(s)
 
 
 def test_bench_stability_row_tells_a_fall_from_a_slower_climb():
@@ -3035,18 +3038,18 @@ def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     goes alone) the trainer is planned for that row; the README's real-model commands fit
     (Qwen3-0.6B --recipe one_gpu on one GPU, Qwen2.5-7B's paper recipe on 8); a sampler that cannot hold one
     group does not fit."""
-    plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
+    plans = {mt: memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**{**bench.NODE_RUN,
                                                                                            "micro_tokens": mt}))
              for mt in (1024, 8192, 32768)}
     assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[32768]["roles"]["trainer"]["fits"]
     assert plans[1024]["max_len"] == 8724 and plans[1024]["roles"]["trainer"] == plans[8192]["roles"]["trainer"]
     assert plans[8192]["sequences"] * 6 >= 256
-    readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
+    readme = memory_plan(bench.shape_config("Qwen3-0.6B"), PlanRun(**bench.README_RUN))
     assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
-    node = pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**bench.README_NODE_RUN))
+    node = memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**bench.README_NODE_RUN))
     assert all(r["fits"] for r in node["roles"].values()) and node["sequences"] >= 16
-    small = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"),
-                                 pipeline.PlanRun(**{**bench.README_RUN, "device_bytes": 15e9}))
+    small = memory_plan(bench.shape_config("Qwen3-0.6B"),
+                        PlanRun(**{**bench.README_RUN, "device_bytes": 15e9}))
     assert small["sequences"] < 8 and not small["roles"]["one process"]["fits"]  # not one group of 8
 
 
@@ -3056,19 +3059,19 @@ def test_memory_plan_caps_the_kv_cache_at_what_a_generator_can_have_in_flight():
     would hold about 650); a generator of 6 under PipelineRL-8, its share of 9 batches of 16 x 16 (every 6th
     of 144 groups: 24 x 16 = 384, about 620 fit). Where memory holds fewer (Qwen2.5-7B), memory decides."""
     one = {**bench.recipe_run("paper"), "think_budget": 7168, "answer_budget": 1024, "prompts": 8, "samples": 16}
-    plan = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**one))
+    plan = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**one))
     assert plan["sequences"] == 8 * 16
     assert math.isclose(plan["roles"]["one process"]["parts"]["KV cache"], 128 * plan["per_slot"])
-    room = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**one, slots=10 ** 6))
+    room = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**one, slots=10 ** 6))
     assert room["sequences"] == 128  # --slots above the bound changes nothing
     node = dict(bench.NODE_RUN)
     assert (node["prompts"], node["samples"], node["generators"]) == (16, 16, 6)
-    small = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**node))
+    small = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**node))
     assert small["sequences"] == math.ceil(9 * 16 / 6) * 16 == 384
-    big = pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**node))
-    assert big["sequences"] < 384 and big["sequences"] == pipeline.memory_plan(
-        bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**node, lag=10 ** 3))["sequences"]
-    assert pipeline.in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
+    big = memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**node))
+    assert big["sequences"] < 384 and big["sequences"] == memory_plan(
+        bench.shape_config("Qwen2.5-7B"), PlanRun(**node, lag=10 ** 3))["sequences"]
+    assert in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
 
 
 def qwen2_folder(toy_dir, folder):
@@ -3111,8 +3114,8 @@ def test_memory_plan_is_the_slots_every_sampler_takes_on_cpu(toy_dir, tmp_path, 
     planned = [int(n) for n in re.findall(r"sampler: (\d+) sequences of up to 14\d\d\d tokens", out)]
     assert len(planned) == 2 and taken == [planned[0]] + [planned[1]] * 2 == [gen.CPU_SLOTS] * 3, (taken, out)
     config = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
-    plan = pipeline.memory_plan(config, pipeline.PlanRun(**bench.recipe_run("paper"), evaluate=16000))
-    weights = pipeline.plan_param_count(pipeline.plan_shape(config)) * 2
+    plan = memory_plan(config, PlanRun(**bench.recipe_run("paper"), evaluate=16000))
+    weights = plan_param_count(plan_shape(config)) * 2
     assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), config, torch.bfloat16,
                                              *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
 
@@ -4288,17 +4291,17 @@ def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
     store = torch.distributed.HashStore()
     trainer0, trainer1, generator = (types.SimpleNamespace(store=store, rank=r, n_trainers=2, timeout=0.2, status="")
                                      for r in range(3))
-    pipeline.set_status(trainer0, "training step 3")
+    faults.set_status(trainer0, "training step 3")
     with pytest.raises(TimeoutError, match=r"rank 2 \(generator\) waited 0.2 s for weights"):
-        pipeline.wait_until(generator, lambda: False, "weights")
-    pipeline.set_status(trainer0, "evaluating step 3")
+        faults.wait_until(generator, lambda: False, "weights")
+    faults.set_status(trainer0, "evaluating step 3")
     done = threading.Timer(0.7, pipeline.done_evaluating, (trainer0, 3))  # 3 deadlines later
     done.start()
     t0 = time.time()
     pipeline.wait_for_eval(trainer1, 3)
     assert 0.6 < time.time() - t0 < 5 and store.get("status/0") == b"evaluated step 3"
     with pytest.raises(TimeoutError, match="rank 2 .generator. waited 0.2 s for weights"):  # the deadline is back
-        pipeline.wait_until(generator, lambda: False, "weights")
+        faults.wait_until(generator, lambda: False, "weights")
 
 
 def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progress():
@@ -4311,11 +4314,11 @@ def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progres
                                              for _ in range(32)])
     bumps.start()
     t0 = time.time()
-    pipeline.wait_until(trainer, lambda: time.time() > stop, "rollouts for step 1")
+    faults.wait_until(trainer, lambda: time.time() > stop, "rollouts for step 1")
     assert time.time() - t0 > 1.4
     bumps.join()
     with pytest.raises(TimeoutError, match=r"rank 0 \(trainer\) waited 0.5 s for rollouts"):  # no progress
-        pipeline.wait_until(trainer, lambda: False, "rollouts for step 1")
+        faults.wait_until(trainer, lambda: False, "rollouts for step 1")
 
 
 def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
@@ -4911,7 +4914,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert "\\boxed{7}" in data.completion_text(tok, groups[0]["samples"][0])
     assert [c for g in groups for c in g["correct"]] == [False] * 8
     assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
-    curriculum = source.gen.curriculum
+    curriculum = source.gen.prompts.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
     result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
