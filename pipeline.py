@@ -658,6 +658,8 @@ class Generator:
     eval_version: int = None
     eval_items: list = field(default_factory=list)
     eval_want: int = 0
+    eval_t0: float = 0.0
+    eval_shown: float = 0.0
     eval_done: dict = field(default_factory=dict)
     evaluated: set = field(default_factory=set)
     report_eval: object = None
@@ -829,9 +831,20 @@ EVAL_SHARE = 0.5
 
 
 def start_eval(gen, version):
-    gen.eval_version, gen.eval_done = version, {}
+    gen.eval_version, gen.eval_done, gen.eval_t0 = version, {}, time.time()
+    gen.eval_shown = gen.eval_t0
     gen.eval_items = held_out_items(gen.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
     gen.eval_want = len(gen.eval_items)
+
+
+def eval_progress(gen, v, done, every=10.0):
+    """Every `every` s, the first generator says how far its share of a held-out eval is."""
+    now = time.time()
+    if gen.index == 0 and gen.eval_version is not None and now - gen.eval_shown >= every:
+        gen.eval_shown, spent = now, now - gen.eval_t0
+        eta = f"ETA {(gen.eval_want - done) * spent / done:.0f} s" if done else "none finished yet"
+        print(f"generator 0: held-out eval of step {v}: {done}/{gen.eval_want} samples in "
+              f"{spent:.0f} s, {eta}", flush=True)
 
 
 def eval_share(gen):
@@ -919,6 +932,7 @@ def generate_pipelined(ctx, gen):
             done = len(gen.eval_done)
             set_status(ctx, f"generating; evaluating step {v} ({done}/{gen.eval_want})"
                        if gen.eval_version is not None else "generating")
+            eval_progress(gen, v, done)
         return
     if gen.verifying:
         finish_groups(gen, wait=True)

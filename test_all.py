@@ -4304,6 +4304,25 @@ def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
         faults.wait_until(generator, lambda: False, "weights")
 
 
+def test_pipeline_a_generators_held_out_eval_says_its_count_and_eta(capsys, monkeypatch):
+    """Under torchrun the first generator prints its share of a long eval: done/total and an ETA
+    at the pace so far (here 30 of 120 in 12 s: 36 s left); other generators stay quiet."""
+    gen = types.SimpleNamespace(index=0, val_ids=[[1]] * 60, n_gens=1,
+                                args=types.SimpleNamespace(eval_samples=2))
+    monkeypatch.setattr(pipeline.time, "time", lambda: 1000.0)
+    pipeline.start_eval(gen, 4)
+    assert gen.eval_want == 120
+    pipeline.eval_progress(gen, 4, 10)  # under 10 s since the start: nothing yet
+    monkeypatch.setattr(pipeline.time, "time", lambda: 1012.0)
+    pipeline.eval_progress(types.SimpleNamespace(**{**vars(gen), "index": 1}), 4, 30)
+    assert capsys.readouterr().out == ""
+    pipeline.eval_progress(gen, 4, 30)
+    assert capsys.readouterr().out == ("generator 0: held-out eval of step 4: 30/120 samples in 12 s, "
+                                       "ETA 36 s\n")
+    pipeline.eval_progress(gen, 4, 31)  # at most one line every 10 s
+    assert capsys.readouterr().out == ""
+
+
 def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progress():
     """The generators' held-out eval shares their time with training groups: a trainer's wait for rollouts runs
     out only after --timeout without the eval's progress (its counter in the store), not while it goes on."""
