@@ -59,8 +59,8 @@ from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, rea
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
 from generate import SUPPORTED, check_supported, config_problem, packed_logprobs
-from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
-                  forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
+from loss import (AGGS, EPS_DEFAULTS, NORMS, OBJECTIVES, advantages, agg_counts, clip_eps,
+                  drift_by_lag, forgetting, ratio_stats, row_weights, zero_variance_keep)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   shard_reader, truncate_metrics, write_file)
@@ -786,39 +786,66 @@ def micro_batches(lengths, budget):
     return parts
 
 
-def train_batch(logprobs, batch, parts, args, version, device, after=lambda: None):
-    """Forward/backward of this trainer's rows (batch.rows), micro-batch by micro-batch (`parts`:
-    micro_batches, positions in batch.rows), each packed into one row; every row's loss terms carry
-    its weight in the whole batch's loss (loss.row_weights, from the counts over every trainer), so
-    the gradients add up to the full-batch gradient whatever the split.
-    logprobs(ids, lens) -> (N, T-1): the trainer's forward of a packed row, per sample right-padded
-    (generate.packed_logprobs); after(): called after each backward. -> (loss, stats:
-    generator/trainer mismatch, drift by lag, forgetting)."""
-    rows = batch.rows
+def train_step(trainer, batch, args):
+    """ScaleRL's step on this trainer's rows of a batch (make_batch: the zero-variance filter and
+    advantages): the loss over micro-batches, backward, gradients summed over the trainers, clip,
+    AdamW. -> (loss, stats)."""
+    lr = trainer.opt.param_groups[0]["lr"]  # the rate this step trains with
+    if not batch.sums["sample"]:  # no trainer kept a sample: nothing to step on
+        trainer.version += 1
+        return 0.0, {"grad_norm": 0.0, "skipped_bad": trainer.bad_steps > 0, "lr": lr}
+    model, rows = trainer.model.train(), batch.rows
+    pipeline.peak_gb(model)  # the peak from here is this step's
+    device = next(model.parameters()).device
     adv = batch.adv.to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
+    # each row's weight in the whole batch's loss: any split into micro-batches adds up to it
     weights = row_weights(batch.group[rows], tokens, args.agg, batch.sums).to(device)
-    loss_sum, stats, drift, lost = 0.0, [], [], []
-    for part in parts:
+    eps_low, eps_high = clip_eps(args.loss, args.eps_low, args.eps_high)
+    loss_sum, stats = 0.0, []
+    for part in trainer.micro_batches(batch):
         prompts = [batch.prompt_ids[rows[i]] for i in part]
         samples = [batch.samples[rows[i]] for i in part]
-        _, _, mask, gen_logp, lag = collate(prompts, samples, 0, device, version)
-        logp = logprobs(*pack(prompts, samples, device))
-        at = torch.tensor(part, device=device)
-        loss = policy_loss(logp, gen_logp, adv[at], mask, batch.group[rows].to(device)[at],
-                           kind=args.loss, agg=args.agg, eps_low=args.eps_low,
-                           eps_high=args.eps_high, weights=weights[at].to(logp.dtype),
-                           neg_trust=args.neg_trust or None)
+        _, _, mask, gen_logp, lag = collate(prompts, samples, 0, device, trainer.version)
+        logp = trainer.logprobs(*pack(prompts, samples, device))
+        keep, at = mask.bool(), torch.tensor(part, device=device)
+        log_ratio = torch.where(keep, logp - gen_logp, 0.0)
+        obj = OBJECTIVES[args.loss](log_ratio, logp, adv[at][:, None], keep, eps_low, eps_high,
+                                    args.neg_trust or None)  # CISPO by default
+        loss = -(torch.where(keep, obj, 0.0).sum(1) * weights[at].to(logp.dtype)).sum()
         loss.backward()
-        after()
+        trainer.accumulate()
         loss_sum += loss.item()
-        stats.append(ratio_stats(logp.detach(), gen_logp, mask, args.loss, args.eps_high))
-        drift.append(drift_by_lag(logp.detach(), gen_logp, mask, lag))
-        lost.append(forgetting(logp.detach(), gen_logp, mask))
+        stats.append(micro_stats(logp.detach(), gen_logp, mask, lag, args))
+    trainer.reduce_grads()
+    norm = trainer.clip_grads()
+    if math.isfinite(norm) and math.isfinite(loss_sum):  # every trainer sees the same sums
+        trainer.opt.step()
+        trainer.sched.step()
+        trainer.bad_steps = 0
+        trainer.copy_master()
+    else:
+        trainer.skip_step(loss_sum, norm)
+    trainer.zero_grad()
+    trainer.version += 1
+    peak = pipeline.peak_gb(model)
+    return loss_sum, {**(step_stats(stats) if stats else {}), "grad_norm": norm,
+                      "skipped_bad": trainer.bad_steps > 0, "lr": lr,
+                      **({"train_peak_gb": peak} if peak else {})}
+
+
+def micro_stats(logp, gen_logp, mask, lag, args):
+    """A micro-batch's diagnostics: generator/trainer mismatch, drift by lag, forgetting."""
+    return (ratio_stats(logp, gen_logp, mask, args.loss, args.eps_high),
+            drift_by_lag(logp, gen_logp, mask, lag), forgetting(logp, gen_logp, mask))
+
+
+def step_stats(parts):
+    """micro_stats of each micro-batch -> the step's mismatch, drift and forget."""
+    stats, drift, lost = zip(*parts)
     mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
     lost_sum, sure = (sum(x) for x in zip(*lost))
-    return loss_sum, {**mismatch, **lag_drift(drift),
-                      "forget": float(lost_sum / max(int(sure), 1))}
+    return {**mismatch, **lag_drift(drift), "forget": float(lost_sum / max(int(sure), 1))}
 
 
 def lag_drift(parts):
@@ -841,7 +868,7 @@ def master_weights(model, saved=None):
     weights directly rounds away every update under half a unit in their last place: at lr 5e-7 a
     weight of 0.02 (bf16 spacing 1.2e-4) would never move."""
     params = list(model.parameters())
-    if params[0].dtype == torch.float32:
+    if params[0].dtype not in (torch.bfloat16, torch.float16):
         return None
     return [torch.nn.Parameter(s.to(p.device) if s is not None else p.detach().float())
             for p, s in zip(params, saved or [None] * len(params))]
@@ -855,8 +882,8 @@ class Trainer:
     weights. Each trainer computes the gradient of its share of the batch; they are summed
     (all_reduce_grads), so a step equals the single-trainer full-batch step."""
     sharded = False  # every trainer takes part in each broadcast, eval and checkpoint
-    def __init__(self, args, model, ctx, state, ckpt=None):
-        self.args, self.model, self.ctx, self.ckpt = args, model, ctx, ckpt
+    def __init__(self, args, model, ctx, state, ckpt=None, pad_id=0):
+        self.args, self.model, self.ctx, self.ckpt, self.pad_id = args, model, ctx, ckpt, pad_id
         # sums over the trainer ranks, for the batch's statistics (None: one process holds it all)
         self.ranks_sum = None if ctx is None else self.all_sum
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -890,44 +917,15 @@ class Trainer:
         """Is `flag` true on any trainer?"""
         return self.all_sum({"flag": bool(flag)})["flag"] > 0
 
-    def step(self, batch, pad_id):
-        """Loss, backward over micro-batches, the gradients summed over the trainers, clip, AdamW
-        step; a non-finite loss or gradient skips the step (--max_bad_steps in a row stop the
-        run). -> (loss, stats: mismatch, drift, the gradient norm, the learning rate used)."""
-        lr = self.opt.param_groups[0]["lr"]  # the rate this step trains with
-        if not batch.sums["sample"]:  # no trainer kept a sample: nothing to step on
-            self.version += 1
-            return 0.0, {"grad_norm": 0.0, "skipped_bad": self.bad_steps > 0, "lr": lr}
-        self.model.train()
-        pipeline.peak_gb(self.model)  # the peak from here is this step's
-        loss, stats = self.backward(batch, pad_id)
-        self.reduce_grads()
+    def clip_grads(self):
+        """Clip the summed gradients (--grad_clip) -> their norm before clipping."""
         stepped = self.master or list(self.model.parameters())
         norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
-        norm = pipeline.whole(norm).item()
-        if math.isfinite(norm) and math.isfinite(loss):  # every trainer sees the same sums
-            self.opt.step()
-            self.sched.step()
-            self.bad_steps = 0
-            self.copy_master()
-        else:
-            self.skip_step(loss, norm)
+        return pipeline.whole(norm).item()
+
+    def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        self.version += 1
-        peak = pipeline.peak_gb(self.model)
-        return loss, {**stats, "grad_norm": norm, "skipped_bad": self.bad_steps > 0, "lr": lr,
-                      **({"train_peak_gb": peak} if peak else {})}
-
-    def backward(self, batch, pad_id):
-        """This trainer's rows in micro-batches of --micro_tokens, forward and backward -> (loss,
-        stats)."""
-        parts = self.micro_batches(batch)
-        if not parts:
-            return 0.0, {}
-        device = next(self.model.parameters()).device
-        return train_batch(self.logprobs, batch, parts, self.args, self.version, device,
-                           after=self.accumulate)
 
     def micro_batches(self, batch):
         """The kept rows' micro-batches (positions in batch.rows)."""
@@ -1027,18 +1025,18 @@ class ShardedTrainer(Trainer):
         return self.forward(ids, lens, self.args.fp32_head, self.args.temperature,
                             self.args.ckpt_layers)
 
-    def backward(self, batch, pad_id):
+    def micro_batches(self, batch):
         """Every micro-batch is a chain of collectives: a trainer with fewer micro-batches than
         another first runs passes that add nothing, until their counts match."""
-        n_micro = len(self.micro_batches(batch))
-        self.n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": n_micro})[1]["n"])
+        parts = super().micro_batches(batch)
+        self.n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": len(parts)})[1]["n"])
         self.done = 0
         self.forward.set_requires_gradient_sync(not self.sync_once or self.n_all == 1)
-        for _ in range(n_micro, self.n_all):
-            ids = torch.full((2,), pad_id, device=self.ctx.device)
+        for _ in range(len(parts), self.n_all):
+            ids = torch.full((2,), self.pad_id, device=self.ctx.device)
             (self.logprobs(ids, [2]).sum() * 0).backward()
             self.accumulate()
-        return super().backward(batch, pad_id)
+        return parts
 
     def accumulate(self):
         """After each micro-batch's backward: the last of the step reduce-scatters (sync_once), or
@@ -1470,7 +1468,7 @@ def make_trainer(env):
     """Replicated (one process, or data-parallel trainer ranks), or sharded with --fsdp."""
     sharded = env.args.fsdp and env.ctx is not None
     return (ShardedTrainer if sharded else Trainer)(env.args, env.model, env.ctx, env.state,
-                                                    env.ckpt)
+                                                    env.ckpt, env.tokenizer.pad_token_id or 0)
 
 
 def recipe_values(args, n_val):
@@ -1542,7 +1540,7 @@ def main(args):
         # ---- the batch, then one optimizer step, then the new weights to the generators
         batch = make_batch(groups, args, trainer.ranks_sum)
         t_train = time.time()
-        loss, stats = trainer.step(batch, env.tokenizer.pad_token_id or 0)
+        loss, stats = train_step(trainer, batch, args)
         t_train = time.time() - t_train
         eval_now = trainer.version % args.eval_every == 0 or trainer.version == args.steps
         sync_s, sync_bytes = source.publish(trainer, trainer.version == args.steps, eval_now)
