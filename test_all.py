@@ -44,6 +44,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import bench
+import checks
 import data
 from data import INTERRUPT_PHRASE
 import generate as gen
@@ -3168,7 +3169,7 @@ def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(t
         shutil.copytree(toy_dir, folder)
         (folder / "config.json").write_text(json.dumps(config))
         errors = []
-        train.check_model_dir(str(folder), errors.append)
+        checks.check_model_dir(str(folder), errors.append)
         assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {field}"), errors
     with pytest.raises(SystemExit, match=r"^error: --model .*: config\.json: rope_parameters\.rope_theta is 0"):
         train.load_model(str(tmp_path / "model0"), train.get_args([]), torch.device("cpu"))
@@ -5094,7 +5095,7 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     (bad_arch / "model.safetensors").write_bytes(b"")
     errors = []
     for path in (empty, bad_arch):
-        train.check_model_dir(str(path), errors.append)
+        checks.check_model_dir(str(path), errors.append)
     assert "no weights" in errors[0] and "'gpt2' is not supported" in errors[-1]
     short = tmp_path / "short"  # a 112-token context (Qwen2.5-Math's is 4096)
     short.mkdir()
@@ -5106,8 +5107,8 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         "train.py: error: --think_budget 100 + --answer_budget 13 = 113 tokens: more than the model's context "
         "(max_position_embeddings 112); lower the budgets (--help lists the flags)"]
     args = train.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
-    assert train.context_error(args, 112) is None
-    assert train.context_error(args, 112, 30, 8) == (
+    assert checks.context_error(args, 112) is None
+    assert checks.context_error(args, 112, 30, 8) == (
         "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
         "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets")
     locked = tmp_path / "locked"

@@ -37,13 +37,10 @@ checkpointing are not counted) and as estimated FLOPs: 2 N per generated or prom
 """
 
 import argparse
-import difflib
 import glob
-import itertools
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -55,10 +52,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from checks import check_args, check_model_dir, context_error, did_you_mean
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
-                  resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
+                  special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
-from generate import SUPPORTED, check_supported, config_problem, packed_logprobs
+from generate import check_supported, packed_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, OBJECTIVES, advantages, agg_counts, clip_eps,
                   drift_by_lag, forgetting, ratio_stats, row_weights, zero_variance_keep)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
@@ -105,12 +103,7 @@ class FlagParser(argparse.ArgumentParser):
 
     def error(self, message):
         flags = [o for a in self._actions for o in a.option_strings]
-        typed = (re.findall(r"(--[\w-]+)", message)
-                 if message.startswith("unrecognized arguments") else [])
-        hints = [f"{t}: did you mean {close}?" for t in typed
-                 if (close := closest_flag(t, flags))]
-        line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
-                "(--help lists the flags)")
+        line = f"{self.prog}: error: {message}{did_you_mean(message, flags)} (--help lists the flags)"
         pipeline.say_error(line)  # under torchrun: once, in its report
         self.exit(2)
 
@@ -125,27 +118,6 @@ class RecipeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         show = lambda v: "auto" if v is None else f"{v:g}" if isinstance(v, float) else v
         values = ", ".join(f"{name} {show(r[action.dest])}" for name, r in RECIPES.items())
         return f"{action.help} (recipe: {values})"
-
-
-def closest_flag(typed, flags):
-    """The flag a mistyped one most likely meant, or None. Words first (split at - and _): the flags
-    that share the most leading words with it, then whose next word begins the other's in 3 letters
-    or more (--temp, --temperature), the closest of them by difflib; with nothing shared, difflib's
-    closest above its usual 0.6 cutoff. Spelling alone picks a flag that looks alike over the one
-    meant: --lr_rate is nearer --l_cache than --lr letter by letter."""
-    def words(flag):
-        return re.split(r"[-_]+", flag.lstrip("-"))
-
-    def kinship(flag):  # (equal leading words, whether the next two begin one another)
-        pairs = list(zip(words(typed), words(flag)))
-        n = len(list(itertools.takewhile(lambda ab: ab[0] == ab[1], pairs)))
-        a, b = sorted(pairs[n], key=len) if n < len(pairs) else ("", "")
-        return n, len(a) >= 3 and b.startswith(a)  # 3 letters at least: "l" begins too much
-
-    best = max(map(kinship, flags), default=(0, False))
-    pool = [f for f in flags if kinship(f) == best] if any(best) else flags
-    close = difflib.get_close_matches(typed, pool, 1, cutoff=0.0 if any(best) else 0.6)
-    return close[0] if close else None
 
 
 def model_flags(g):
@@ -379,104 +351,6 @@ def apply_recipe(args):
     for name, value in RECIPES[args.recipe].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-
-
-# what each numeric flag may be, besides finite: nan, inf or a negative value would fail late or
-# train silently wrong (a negative --temperature sampled the argmax and trained to 0.000)
-MAX_SECONDS = 1e7  # --timeout, --heartbeat_timeout: past this, waits overflow their clocks
-POSITIVE, AT_LEAST_0 = (lambda v: v > 0, "positive"), (lambda v: v >= 0, ">= 0")
-SECONDS = (lambda v: 0 < v <= MAX_SECONDS, f"in (0, {MAX_SECONDS:g}] seconds")
-FLAG_RANGES = {
-    **dict.fromkeys(("prompts", "samples", "think_budget", "answer_budget", "steps", "eval_every",
-                     "eval_samples", "slots", "max_lag", "bucket_mb", "warmup", "max_empty_steps",
-                     "max_bad_steps", "log_every", "keep", "val_size", "temperature", "lr",
-                     "adam_eps", "eps_high"), POSITIVE),
-    **dict.fromkeys(("neg_trust", "micro_tokens", "grad_clip", "save_every", "l_max",
-                     "l_cache", "gen_ranks", "weight_decay", "eps_low"), AT_LEAST_0),  # 0: --help
-    "timeout": SECONDS, "heartbeat_timeout": SECONDS,
-    "seed": (lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)"),
-    # the fraction of the device memory the sampler's KV cache takes
-    "gen_memory": (lambda v: 0 < v <= 1, "a fraction of the device memory, in (0, 1]"),
-}
-
-
-def check_args(args, error):
-    """Flag values that would fail late (after the model loads) or silently train wrong:
-    error(message), one line, before anything is made in --out."""
-    for name, (ok, what) in FLAG_RANGES.items():
-        value = getattr(args, name)
-        if value is not None and (not ok(value) or abs(value) == math.inf):
-            error(f"--{name} must be {what} and finite, got {value}")
-    check_clip_bounds(args, error)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        error(f"--device {args.device}: " +
-              ("this PyTorch build has no CUDA (a CPU wheel); install the CUDA build"
-               if torch.version.cuda is None else "no CUDA device is visible"))
-    if args.resume and args.overwrite:
-        error("--resume continues the run in --out and --overwrite deletes it: give one of them")
-    if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        with open(os.path.join(args.model_dir, "config.json")) as f:
-            context = json.load(f).get("max_position_embeddings")
-        if (why := context_error(args, context)):
-            error(why)
-
-
-def context_error(args, context, prompt_len=0, phrase_len=0):
-    """The budgets against the model's context (max_position_embeddings; Qwen2.5-Math has 4096):
-    the longest prompt, the thinking budget, the interruption phrase and the answer budget must
-    fit in it -> a one-line error naming the flags, or None. At argument parsing the prompts are
-    not tokenized yet (0); start() checks again once they are."""
-    need = prompt_len + args.think_budget + args.answer_budget + phrase_len
-    if context is None or need <= context:
-        return None
-    prompt = f"the longest prompt ({prompt_len} tokens) + " if prompt_len else ""
-    phrase = f" + the interruption phrase ({phrase_len})" if phrase_len else ""
-    return (f"{prompt}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
-            f"{phrase} = {need} tokens: more than the model's context (max_position_embeddings "
-            f"{context}); lower the budgets")
-
-
-def check_clip_bounds(args, error):
-    """--eps_low / --eps_high as the loss reads them (loss.py): CISPO's are absolute bounds on the
-    ratio (low below high), the clipped losses' 1 - eps_low may not be negative."""
-    low, high = clip_eps(args.loss, args.eps_low, args.eps_high)
-    if args.loss == "cispo" and low is not None and low >= high:
-        error(f"--eps_low {low} must be below --eps_high {high} (CISPO: bounds on the ratio)")
-    if args.loss != "cispo" and low > 1:
-        error(f"--eps_low {low}: {args.loss} clips the ratio at 1 - eps_low, which must be >= 0")
-
-
-def check_model_dir(path, error):
-    """--model: a local folder, or a Hugging Face Hub id resolved to its folder in the Hugging Face
-    cache (downloaded there once: data.resolve_model) -> the folder to load ("" without --model),
-    checked to be one the sampler can run. At argument parsing: before any process group waits on
-    another."""
-    if not path:
-        return ""
-    try:
-        folder = resolve_model(path)
-    except ValueError as err:
-        error(f"--model {err}")
-        return ""
-    name = path if folder == path else f"{path} ({folder})"
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        error(f"--model {name}: no config.json there (a Hugging Face model folder is expected)")
-        return folder
-    if not (glob.glob(os.path.join(folder, "*.safetensors")) +
-            glob.glob(os.path.join(folder, "*.bin"))):
-        error(f"--model {name}: no weights (*.safetensors or *.bin) in the folder")
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        config = {"model_type": f"unreadable ({type(err).__name__}: {err})"}
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in SUPPORTED:
-        error(f"--model {name}: model_type {model_type!r} is not supported by the sampler "
-              f"({', '.join(SUPPORTED)})")
-    elif problem := config_problem(config):
-        error(f"--model {name}: config.json: {problem}")
-    return folder
 
 
 # -----------------------------------------------------------------------------
