@@ -4981,10 +4981,9 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
                                         (152, 0.93, 0.05)]] == [""] * 4  # falling, then a rise of 0.047
     out = ev(160, 0.784, 0.1485).splitlines()
     assert out[0].startswith("warning: step 160: the held-out pass rate fell from 0.930 to 0.784")
-    assert out[0].endswith("stale samples' (one process did not dip so, BENCHMARKS.md section 6): a lower --max_lag, "
-                           "or --mode sync")  # PipelineRL-k's dips: staleness, not the lr
+    assert out[0].endswith("the stale samples': a lower --max_lag, or --mode sync" + train.SEE)  # staleness, not the lr
     assert out[1].startswith("warning: step 160: 14.8% of the held-out samples were interrupted (5.0% at the eval "
-                             "before)") and out[1].endswith("(BENCHMARKS.md section 6): --mode sync")
+                             "before)") and out[1].endswith(": --mode sync" + train.SEE)
     assert ev(170, 0.605, 0.326) == ""  # once
     lines = [{"kind": "config"}] + [{"kind": "eval", "step": s, "compute_s": s, "pass_rate": 0.9, "intr": i}
                                     for s, i in [(0, 0.1), (10, 0.004), (20, 0.3)]]
@@ -5011,7 +5010,7 @@ def test_train_held_out_truncation_warning_names_the_flags_of_its_mode(capsys):
     for on_policy in (warned(1), warned(2, "--mode", "sync")):
         assert "writes past its budgets. Raise --answer_budget or lower --lr, or train on truncated" in on_policy
         assert "--max_lag" not in on_policy and "older" not in on_policy
-    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync")
+    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync" + train.SEE)
 
 
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
@@ -5042,7 +5041,7 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
               "1", "--max_empty_steps", "1", "--keep_truncated")
     out = capsys.readouterr().out
     assert out.count("warning:") == 3 and "--keep_truncated keeps them in the loss, as wrong answers" in out
-    assert "Raise --answer_budget or --think_budget\n" in out and "stopping at step 1" in out
+    assert "Raise --answer_budget or --think_budget" + train.SEE + "\n" in out and "stopping at step 1" in out
     assert "train on truncated samples" not in out and "train on them" not in out
 
 

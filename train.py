@@ -133,15 +133,13 @@ def rollout_flags(g):
     g.add_argument("--gen_memory", type=float, default=0.85,
                    help="CUDA: the fraction of the device memory left after the weights that the "
                         "sampler's KV cache may take (vLLM's gpu_memory_utilization); the "
-                        "sequences that fit at the full budget are printed. Ranks sharing one "
-                        "GPU: lower it (two ranks of the toy on one H100 ran at 0.3)")
+                        "sequences that fit at the full budget are printed; ranks sharing one "
+                        "GPU: lower it")
     g.add_argument("--think_budget", type=int, default=None,
                    help="thinking tokens")
     g.add_argument("--answer_budget", type=int, default=None,
-                   help="answer tokens after </think>. The toy's answer is "
-                        "11 tokens; 64 leaves room for a whole rethought chain plus the answer, so "
-                        "a policy that changes format is scored (-1) rather than truncated (out of "
-                        "the loss, no gradient)")
+                   help="answer tokens after </think>; room for a rethought chain keeps a "
+                        "format change scored (-1) rather than truncated (no gradient)")
     g.add_argument("--length_control", default="interrupt", choices=LENGTH_CONTROLS,
                    help="interrupt = forced interruption (ScaleRL); penalty = a length penalty")
     g.add_argument("--l_max", type=int, default=0,
@@ -164,9 +162,7 @@ def loss_flags(g):
     g.add_argument("--neg_trust", type=float, default=None,
                    help="cispo: a token of a negative-advantage sample whose IS ratio has fallen "
                         "below this gives no gradient (CISPO's token mask M, as PPO clips A < 0); "
-                        "0 = off, the paper's CISPO. A toy setting: under PipelineRL-8 it keeps "
-                        "the toy from drifting off tokens its stale samples share (BENCHMARKS.md "
-                        "section 6)")
+                        "0 = off, the paper's CISPO; the toy's 0.5: BENCHMARKS.md section 6")
     g.add_argument("--fp32_head", action=argparse.BooleanOptionalAction, default=True,
                    help="float32 LM head")
     g.add_argument("--zero_var_filter", action=argparse.BooleanOptionalAction, default=True,
@@ -183,9 +179,7 @@ def loss_flags(g):
 def optimization_flags(g):
     g.add_argument("--steps", type=int, default=None, help="optimizer steps")
     g.add_argument("--lr", type=float, default=None,
-                   help="learning rate. The toy's 2e-4 holds under "
-                        "PipelineRL-8 with every token 8 versions old; 3e-4 collapsed there "
-                        "(BENCHMARKS.md section 6)")
+                   help="learning rate (the toy's: BENCHMARKS.md section 6)")
     g.add_argument("--warmup", type=int, default=None,
                    help="linear warm-up steps")
     g.add_argument("--weight_decay", type=float, default=0.01,
@@ -603,7 +597,7 @@ def train_step(trainer, batch, args):
         trainer.accumulate()
         loss_sum += loss.item()
         stats.append(micro_stats(logp.detach(), gen_logp, mask, lag, args))
-    trainer.reduce_grads()
+    trainer.reduce_grads()  # summed over the trainers
     norm = trainer.clip_grads()
     if math.isfinite(norm) and math.isfinite(loss_sum):  # every trainer sees the same sums
         trainer.opt.step()
@@ -981,6 +975,7 @@ FORGET_ALARM, FORGET_WINDOW = 0.01, 5
 HELD_OUT_TRUNC_ALARM = 0.05
 HELD_OUT_DROP_ALARM = 0.1
 HELD_OUT_INTR_RISE = 0.05
+SEE = " (see docs/reference.md, alarms)"
 
 
 def warn_once(rec, key, step, text):
@@ -996,34 +991,27 @@ def alarms(rec, m):
     args, step = rec.args, m["step"]
     if m["trunc"] > 0.10:
         warn_once(rec, "trunc", step, f"{m['trunc']:.0%} of the batch was truncated (no eos "
-                  "within the budgets); the paper's runs became unstable above 10-15%. " +
-                  ("--keep_truncated keeps them in the loss, as wrong answers"
-                   if args.keep_truncated else "Truncated samples leave the loss, so a format "
-                   "that runs out of budget gets no gradient") + ": watch trunc and forget")
+                  "within the budgets): " + ("--keep_truncated keeps them in the loss, as wrong "
+                  "answers" if args.keep_truncated else "they get no gradient") +
+                  "; watch trunc and forget" + SEE)
     if m["kept_prompts"] and m.get("forget") is not None:
         rec.forgets = (rec.forgets + [m["forget"]])[-FORGET_WINDOW:]
     forget = sum(rec.forgets) / FORGET_WINDOW  # a window not full counts its gaps as 0
     if forget > FORGET_ALARM:
         warn_once(rec, "forget", step, f"forget {forget:.3f} (mean of the last {FORGET_WINDOW} "
-                  "steps): the trained policy has lost "
-                  f"log-prob on tokens its sampler was sure of, {m['lag_max']:.0f} versions ago. "
-                  "Such tokens (the answer format after </think>) are shared by right and wrong "
-                  "samples, so the loss holds them nowhere; the policy drifts there unseen until "
-                  "its own samples, k steps later, show it: a collapse may follow within ~k steps. "
-                  f"Train nearer on-policy: a lower --max_lag, or --mode sync; or mask more stale "
-                  f"negatives: --neg_trust above {rec.args.neg_trust:g} (the toy's 0.5: "
-                  "BENCHMARKS.md section 6)")
+                  "steps): the policy lost log-prob on tokens its sampler was sure of "
+                  f"{m['lag_max']:.0f} versions ago, a collapse may follow: a lower --max_lag, "
+                  f"--mode sync, or --neg_trust above {rec.args.neg_trust:g}" + SEE)
     rec.empty_steps = rec.empty_steps + 1 if m["kept_prompts"] == 0 else 0
     if rec.empty_steps and m["pass_rate"] < 1.0:  # every sample right: solved, not an alarm
         warn_once(rec, "empty", step, f"no prompt kept (trunc {m['trunc']:.2f}, pass@1 "
-                  f"{m['pass_rate']:.2f}): nothing to train on, the optimizer step is skipped; the "
-                  f"run stops after {args.max_empty_steps} such steps in a row")
+                  f"{m['pass_rate']:.2f}): no optimizer step; the run stops after "
+                  f"{args.max_empty_steps} such steps in a row" + SEE)
     if rec.empty_steps < args.max_empty_steps:
         return None
     if m["trunc"] >= 0.5:
-        cause = ("the samples run out of budget (the policy writes past --answer_budget / "
-                 "--think_budget), and truncated samples carry no gradient that could pull it "
-                 "back. Raise --answer_budget, " + ("" if args.keep_truncated else
+        cause = ("the samples run out of budget and truncated samples get no gradient. "
+                 "Raise --answer_budget, " + ("" if args.keep_truncated else
                                                   "or train on them with --keep_truncated, ") +
                  "or lower --lr / --max_lag")
     elif m["pass_rate"] >= 0.5:
@@ -1048,21 +1036,17 @@ def eval_alarms(rec, step, result):
         keep = ("" if rec.args.keep_truncated else
                 ", or train on truncated samples with --keep_truncated")
         warn_once(rec, "held-out trunc", step, f"{result['trunc']:.1%} of the held-out samples ran "
-                  f"out of budget: {who}{keep}")
+                  f"out of budget: {who}{keep}{SEE}")
     if len(rec.evals) > 1 and rec.evals[-2][1] - rec.evals[-1][1] > HELD_OUT_DROP_ALARM:
         warn_once(rec, "held-out drop", step, f"the held-out pass rate fell from "
-                  f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval. Look at "
-                  "forget, trunc and the held-out truncation and interruption. " + (
-                      "Under PipelineRL-k such dips are the stale samples' (one process did not "
-                      "dip so, BENCHMARKS.md section 6): a lower --max_lag, or --mode sync"
-                      if older else "On-policy: a lower --lr"))
+                  f"{rec.evals[-2][1]:.3f} to {rec.evals[-1][1]:.3f} since the last eval: " + (
+                      "under PipelineRL-k, the stale samples': a lower --max_lag, or --mode sync"
+                      if older else "on-policy: a lower --lr") + SEE)
     if len(rec.eval_intr) > 1 and rec.eval_intr[-1] - rec.eval_intr[-2] > HELD_OUT_INTR_RISE:
         warn_once(rec, "held-out intr", step, f"{rec.eval_intr[-1]:.1%} of the held-out samples "
-                  f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy now "
-                  "thinks past --think_budget. A prompt whose samples are all interrupted and "
-                  "wrong is dropped as zero-variance, so nothing trains it back; under "
-                  "PipelineRL-k its batches show it up to k steps later. On-policy runs did not "
-                  "fall so on toy-hard (BENCHMARKS.md section 6): --mode sync")
+                  f"were interrupted ({rec.eval_intr[-2]:.1%} at the eval before): the policy "
+                  "thinks past --think_budget, and all-wrong groups give no gradient back: "
+                  "--mode sync" + SEE)
 
 
 def run_eval(rec, model, env, step, stamp):
