@@ -1,8 +1,8 @@
 """
 checks.py: what guards train.py's flags before anything is loaded or written: each numeric flag's
-range, the clipping bounds, the model folder, the budgets against the model's context, and the
-"did you mean" of a mistyped flag. train.get_args calls check_model_dir and check_args; each
-failure is one line through the parser's error.
+range, the clipping bounds, the model folder, the budgets against the model's context, the code
+sandbox, and the "did you mean" of a mistyped flag. train.get_args calls check_model_dir and
+check_args; each failure is one line.
 """
 import difflib
 import glob
@@ -11,12 +11,14 @@ import json
 import math
 import os
 import re
+import sys
 
 import torch
 
 from data import resolve_model
 from generate import SUPPORTED, config_problem
 from loss import clip_eps
+from sandbox import bwrap_ready, not_ready_reason
 
 # what each numeric flag may be, besides finite (a negative --temperature once trained to 0.000)
 MAX_SECONDS = 1e7  # past this, waits overflow their clocks
@@ -106,6 +108,17 @@ def check_model_dir(path, error):
     elif problem := config_problem(config):
         error(f"--model {name}: config.json: {problem}")
     return folder
+
+
+def check_code_rewards(args, problems):
+    """Code problems need the bwrap sandbox, or --unsafe_code_exec."""
+    if not any(p.get("domain") == "code" for p in problems):
+        return
+    if not args.unsafe_code_exec and not bwrap_ready():
+        sys.exit(f"error: {not_ready_reason()}")
+    print("code rewards: " +
+          ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its reward"
+           if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
 
 
 def did_you_mean(message, flags):

@@ -1602,7 +1602,7 @@ def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch
     add = fenced("def add(a, b):\n    return a + b")
     assert score_code(add, ["assert add(1, 2) == 3"]) is False  # never raises; the run refuses earlier
     assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
-    monkeypatch.setattr(train, "bwrap_ready", lambda: False)
+    monkeypatch.setattr(checks, "bwrap_ready", lambda: False)
     code = str(FIXTURES / "code_toy.jsonl")
     with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
         run_train(toy_dir, tmp_path / "a", "--data", code, "--val_size", "4")
@@ -1764,7 +1764,7 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
         assert score_code(add, ["assert add(1, 2) == 3"]) is False
         assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
         with pytest.raises(SystemExit, match="^error: code rewards need libseccomp.*--unsafe_code_exec"):
-            train.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
+            checks.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
     finally:
         monkeypatch.undo()
         for cache in caches:

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from checks import check_args, check_model_dir, context_error, did_you_mean
+from checks import check_args, check_code_rewards, check_model_dir, context_error, did_you_mean
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   special_tokens, split_problems, toy_model_dir, toy_task)
 import pipeline
@@ -36,7 +36,6 @@ from loss import (AGGS, EPS_DEFAULTS, NORMS, OBJECTIVES, advantages, agg_counts,
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   shard_reader, truncate_metrics, write_file)
-from sandbox import bwrap_ready, not_ready_reason
 
 # -----------------------------------------------------------------------------
 # flags: ScaleRL's choices by default
@@ -326,17 +325,6 @@ def load_source(flag, path, seed):
         sys.exit(f"error: {flag} {path}: {err.strerror or err}")
     except ValueError as err:
         sys.exit(f"error: {flag}: {err}")
-
-
-def check_code_rewards(args, problems):
-    """Code problems need the bwrap sandbox, or --unsafe_code_exec."""
-    if not any(p.get("domain") == "code" for p in problems):
-        return
-    if not args.unsafe_code_exec and not bwrap_ready():
-        sys.exit(f"error: {not_ready_reason()}")
-    print("code rewards: " +
-          ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its reward"
-           if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
 
 
 def note_toy_model(args, paths, flag, verb):
