@@ -44,6 +44,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import bench
+import checks
 import data
 from data import INTERRUPT_PHRASE
 import hub
@@ -1605,7 +1606,7 @@ def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch
     add = fenced("def add(a, b):\n    return a + b")
     assert score_code(add, ["assert add(1, 2) == 3"]) is False  # never raises; the run refuses earlier
     assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
-    monkeypatch.setattr(train, "bwrap_ready", lambda: False)
+    monkeypatch.setattr(checks, "bwrap_ready", lambda: False)
     code = str(FIXTURES / "code_toy.jsonl")
     with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
         run_train(toy_dir, tmp_path / "a", "--data", code, "--val_size", "4")
@@ -1767,7 +1768,7 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
         assert score_code(add, ["assert add(1, 2) == 3"]) is False
         assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
         with pytest.raises(SystemExit, match="^error: code rewards need libseccomp.*--unsafe_code_exec"):
-            train.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
+            checks.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
     finally:
         monkeypatch.undo()
         for cache in caches:
@@ -3172,7 +3173,7 @@ def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(t
         shutil.copytree(toy_dir, folder)
         (folder / "config.json").write_text(json.dumps(config))
         errors = []
-        train.check_model_dir(str(folder), errors.append)
+        checks.check_model_dir(str(folder), errors.append)
         assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {field}"), errors
     with pytest.raises(SystemExit, match=r"^error: --model .*: config\.json: rope_parameters\.rope_theta is 0"):
         train.load_model(str(tmp_path / "model0"), train.get_args([]), torch.device("cpu"))
@@ -4597,6 +4598,16 @@ def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypat
     assert "no live fit (cannot fit)" in capsys.readouterr().out
 
 
+def step_gradients(model, batch, args, logprobs):
+    """train.train_step on a Trainer of `model` whose AdamW step does nothing -> the gradients it would step on
+    (summed over the micro-batches of --micro_tokens)."""
+    trainer, grads = train.Trainer(args, model, None, {}), []
+    trainer.logprobs, trainer.opt.step, trainer.sched.step = logprobs, lambda: None, lambda: None
+    trainer.reduce_grads = lambda: grads.extend(p.grad.clone() for p in model.parameters())
+    train.train_step(trainer, batch, args)
+    return grads
+
+
 def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     """Rows packed into micro-batches of any token budget (down to one row each: every group split across
     them) give the gradient of the unsplit batch's loss computed the independent way, the model's own forward
@@ -4624,9 +4635,10 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         args = train.get_args(["--agg", agg])
         for budget in (0, 1, 12, 20):
             model.zero_grad()
+            args.micro_tokens = budget
             logprobs = lambda ids, lens: gen.packed_logprobs(model, ids, lens, True, 1.0)
-            train.train_batch(logprobs, batch, train.micro_batches(lengths, budget), args, 0, "cpu")
-            worst = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
+            grads = step_gradients(model, batch, args, logprobs)
+            worst = max((g - w).abs().max().item() for g, w in zip(grads, want))
             assert worst < 1e-12, (agg, budget, worst)
 
 
@@ -4672,9 +4684,7 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
             size, out = bench.saved_bytes(lambda: gen.packed_logprobs(model, ids, lens), model)
             saved.append(size)
             return out
-        parts = train.micro_batches([length] * 16, args.micro_tokens)
-        train.train_batch(logprobs, batch, parts, args, 0, "cpu")
-        model.zero_grad()
+        step_gradients(model, batch, args, logprobs)
         peaks[length] = max(saved)
         if length == 2048:
             ids, attn, *_ = train.collate(prompts, samples, 0, "cpu")
@@ -4994,10 +5004,9 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
                                         (152, 0.93, 0.05)]] == [""] * 4  # falling, then a rise of 0.047
     out = ev(160, 0.784, 0.1485).splitlines()
     assert out[0].startswith("warning: step 160: the held-out pass rate fell from 0.930 to 0.784")
-    assert out[0].endswith("stale samples' (one process did not dip so, BENCHMARKS.md section 6): a lower --max_lag, "
-                           "or --mode sync")  # PipelineRL-k's dips: staleness, not the lr
+    assert out[0].endswith("the stale samples': a lower --max_lag, or --mode sync" + train.SEE)  # staleness, not the lr
     assert out[1].startswith("warning: step 160: 14.8% of the held-out samples were interrupted (5.0% at the eval "
-                             "before)") and out[1].endswith("(BENCHMARKS.md section 6): --mode sync")
+                             "before)") and out[1].endswith(": --mode sync" + train.SEE)
     assert ev(170, 0.605, 0.326) == ""  # once
     lines = [{"kind": "config"}] + [{"kind": "eval", "step": s, "compute_s": s, "pass_rate": 0.9, "intr": i}
                                     for s, i in [(0, 0.1), (10, 0.004), (20, 0.3)]]
@@ -5024,7 +5033,7 @@ def test_train_held_out_truncation_warning_names_the_flags_of_its_mode(capsys):
     for on_policy in (warned(1), warned(2, "--mode", "sync")):
         assert "writes past its budgets. Raise --answer_budget or lower --lr, or train on truncated" in on_policy
         assert "--max_lag" not in on_policy and "older" not in on_policy
-    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync")
+    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync" + train.SEE)
 
 
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
@@ -5055,7 +5064,7 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
               "1", "--max_empty_steps", "1", "--keep_truncated")
     out = capsys.readouterr().out
     assert out.count("warning:") == 3 and "--keep_truncated keeps them in the loss, as wrong answers" in out
-    assert "Raise --answer_budget or --think_budget\n" in out and "stopping at step 1" in out
+    assert "Raise --answer_budget or --think_budget" + train.SEE + "\n" in out and "stopping at step 1" in out
     assert "train on truncated samples" not in out and "train on them" not in out
 
 
@@ -5108,7 +5117,7 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     (bad_arch / "model.safetensors").write_bytes(b"")
     errors = []
     for path in (empty, bad_arch):
-        train.check_model_dir(str(path), errors.append)
+        checks.check_model_dir(str(path), errors.append)
     assert "no weights" in errors[0] and "'gpt2' is not supported" in errors[-1]
     short = tmp_path / "short"  # a 112-token context (Qwen2.5-Math's is 4096)
     short.mkdir()
@@ -5120,8 +5129,8 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         "train.py: error: --think_budget 100 + --answer_budget 13 = 113 tokens: more than the model's context "
         "(max_position_embeddings 112); lower the budgets (--help lists the flags)"]
     args = train.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
-    assert train.context_error(args, 112) is None
-    assert train.context_error(args, 112, 30, 8) == (
+    assert checks.context_error(args, 112) is None
+    assert checks.context_error(args, 112, 30, 8) == (
         "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
         "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets")
     locked = tmp_path / "locked"
