@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from hub import resolve_model
 from generate import SUPPORTED, config_problem
+from hub import resolve_model
 from loss import clip_eps
 from sandbox import bwrap_ready, not_ready_reason
 
