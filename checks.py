@@ -15,7 +15,6 @@ import sys
 
 import torch
 
-from generate import SUPPORTED, config_problem
 from hub import resolve_model
 from loss import clip_eps
 from sandbox import bwrap_ready, not_ready_reason
@@ -77,6 +76,39 @@ def check_clip_bounds(args, error):
         error(f"--eps_low {low} must be below --eps_high {high} (CISPO: bounds on the ratio)")
     if args.loss != "cispo" and low > 1:
         error(f"--eps_low {low}: {args.loss} clips the ratio at 1 - eps_low, which must be >= 0")
+
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+        "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "partial_rotary_factor")
+
+
+def config_problem(cfg):
+    """What in a config.json dict the sampler cannot run -> 'FIELD is ...', or None."""
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    for k in SIZES:
+        if cfg.get(k) is not None and not (whole(cfg[k]) and cfg[k] >= 1):
+            return f"{k} is {cfg[k]!r}, not a whole number >= 1"
+    heads = cfg.get("num_attention_heads") or 1
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+    nested = [(f"{d}.", cfg[d]) for d in ("rope_parameters", "rope_scaling")
+              if isinstance(cfg.get(d), dict)]
+    for prefix, d in [("", cfg)] + nested:
+        for k in ROPE:
+            v = d.get(k)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and 0 < v < float("inf")):
+                return f"{prefix}{k} is {v!r}, not a finite number > 0"
+    for k in ("bos_token_id", "eos_token_id"):
+        ids = cfg.get(k) if isinstance(cfg.get(k), list) else [cfg.get(k)]
+        vocab = cfg.get("vocab_size") or float("inf")
+        if any(i is not None and not (whole(i) and 0 <= i < vocab) for i in ids):
+            return f"{k} is {cfg.get(k)!r}, not an id below vocab_size {vocab}"
+    return None
 
 
 def check_model_dir(path, error):
