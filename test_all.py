@@ -51,6 +51,7 @@ import hub
 import faults
 import generate as gen
 import pipeline
+import plots
 from plan import (PlanRun, in_flight, memory_plan, plan_activations, plan_param_count, plan_shape,
                   plan_trainer)
 import runs
@@ -3397,7 +3398,7 @@ def test_fit_curves_png_and_its_series(tmp_path, capsys):
     assert c["reward"][0].tolist() == c["intr"][0].tolist() == [s for s in every if s != 6]
     assert c["pass_rate"][1].tolist() == [0.025 * s + 0.25 for s in every]
     assert c["eval_pass_rate"][0].tolist() == [0, 10, 20] and c["eval_pass_rate"][1].tolist() == [0.3, 0.5, 0.62]
-    assert np.allclose(fit.moving_average([1.0, 2, 3, 10], 1), [1.5, 2, 5, 6.5])
+    assert np.allclose(plots.moving_average([1.0, 2, 3, 10], 1), [1.5, 2, 5, 6.5])
     with pytest.raises(ValueError, match="need at least 4"):    # 3 evals are too few to fit: the curves still come
         fit.main([str(tmp_path / "run")])
     png = tmp_path / "run" / "curves.png"
