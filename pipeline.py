@@ -975,9 +975,9 @@ def poll(ctx, gen, apply=True):
     if time.time() - gen.last_poll < 0.01:
         return gen.version
     gen.last_poll = time.time()
+    stop_requested(ctx)  # first: a stop after a signal exits with the signal's status
     if ctx.store.get("stop") == b"1":
         raise Stopped
-    stop_requested(ctx)
     version = int(ctx.store.get("version"))
     if apply and version > max(gen.version, gen.staged_version):
         t0 = time.time()
