@@ -13,8 +13,9 @@ it adds over `model.generate`:
   padded tokens), so the batch stays full. `sampler` is the sampler as a Python generator that the
   caller drives, sending new prompts and taking finished samples (pipeline.py's generator ranks
   stream through it); `generate` runs one list of prompts;
-- a KV cache sized by memory (fit_slots): on CUDA, as many slots as a fraction of the memory left
-  after the weights holds at the full budget (vLLM's gpu_memory_utilization), --slots a cap;
+- a KV cache taken in blocks of BLOCK tokens as rows grow (vLLM's paged cache), sized by memory on
+  CUDA (fit_slots: rows at their mean length); a prompt waits for its blocks, and when the pool runs
+  out the newest rows restart from their prompts (the same noise key: the same sample);
 - a decode step with static shapes (class Decoder): every slot's bookkeeping (position, budgets,
   interruption point, forced phrase, eos and </think> detection, finish reason) lives in device
   tensors, so a step needs no per-slot Python and no host sync; on CUDA each step size is captured
@@ -86,6 +87,7 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 FINISH = ("eos", "interrupted", "truncated")  # a slot's finish code c > 0 means FINISH[c - 1]
 CPU_SLOTS = 128  # the sampler's rows off CUDA, where memory does not size them (fit_slots)
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward (one prompt at least)
+BLOCK = 256  # KV-cache tokens per block (flash-attn's paged-KV page size)
 
 
 @dataclass
@@ -159,12 +161,12 @@ def head_dim_of(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def new_cache(model, slots, max_len):
-    """One (k, v) pair per layer, each (slots, max_len, n_kv_heads, head_dim): a row's keys are
-    contiguous (flash-attn's and varlen attention's layout), written in place by index_copy_."""
+def new_cache(model, blocks, block=BLOCK):
+    """One (k, v) pair per layer, each a pool (blocks, block, n_kv_heads, head_dim) (flash-attn's
+    paged layout): token t of a row lives at table[row, t // block] * block + t % block."""
     cfg = model.config
     p = next(model.parameters())
-    shape = (slots, max_len, cfg.num_key_value_heads, head_dim_of(cfg))
+    shape = (blocks, block, cfg.num_key_value_heads, head_dim_of(cfg))
     return [(torch.zeros(shape, dtype=p.dtype, device=p.device),
              torch.zeros(shape, dtype=p.dtype, device=p.device))
             for _ in range(cfg.num_hidden_layers)]
@@ -228,7 +230,7 @@ def _rope(x, cos, sin_signed):
 
 def _keys(attn, x, cos, sin, cache, at, qkv, keys_only=False):
     """Project x (R, T, d) with the fused weights qkv, rotary-embed, and write the keys and values
-    in place at flat cache positions `at` (R * T,) (row * max_len + position) -> q, k, v
+    in place at flat cache positions `at` (R * T,) (forward) -> q, k, v
     (R, T, heads, D); q None with keys_only (a prefill's last layer)."""
     w, b, norm = qkv
     D, Hkv = attn.head_dim, cache[0].size(2)
@@ -261,34 +263,40 @@ def _attention(attn, x, cos, sin, cache, at, qkv, how):
 
 
 def _decode(q, k_cache, v_cache, scale, how):
-    """Decode attention of q (R, 1, H, D) over cache rows 0..R-1 -> (R, H, D). how: ("flash",
-    lens) or ("varlen", lens, 0..R): a kernel that reads each row's own lens (R,) keys;
-    ("masked", mask (R, 1, 1, S)): every row over the first S keys, later ones masked; ("groups",
-    [(rows, S, mask)]): each group of rows over its own S keys, the exact reference off CUDA."""
+    """Decode attention of q (R, 1, H, D) over rows 0..R-1 of the block pools k_cache, v_cache ->
+    (R, H, D). how: ("flash", lens, table) or ("varlen", lens, table, 0..R): a kernel that reads
+    each row's own lens (R,) keys through its block table (R, W); ("masked", mask (R, 1, 1, S),
+    at (R, S)): every row over its first S keys (flat positions at), later ones masked;
+    ("groups", [(rows, at, mask)]): each group of rows over its own keys, the reference off CUDA."""
     R, _, H, D = q.shape
-    Hkv, max_len = k_cache.shape[2], k_cache.shape[1]
+    Hkv = k_cache.shape[2]
     if how[0] == "flash":
-        return flash_attn_with_kvcache(q.contiguous(), k_cache[:R], v_cache[:R],
-                                       cache_seqlens=how[1], softmax_scale=scale)[:, 0]
-    if how[0] == "varlen":  # row r's keys start at r * max_len of the flat cache
-        return varlen_attn(q[:, 0].contiguous(), k_cache[:R].view(-1, Hkv, D),
-                           v_cache[:R].view(-1, Hkv, D), how[2], how[2] * max_len, 1, max_len,
-                           scale=scale, enable_gqa=True, seqused_k=how[1])
+        return flash_attn_with_kvcache(q.contiguous(), k_cache, v_cache, cache_seqlens=how[1],
+                                       block_table=how[2], softmax_scale=scale)[:, 0]
+    if how[0] == "varlen":
+        return varlen_attn(q[:, 0].contiguous(), k_cache, v_cache, how[3], None, 1,
+                           how[2].size(1) * k_cache.size(1), scale=scale, enable_gqa=True,
+                           seqused_k=how[1], block_table=how[2])
+    k_cache, v_cache = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # token positions
 
     def sdpa(q, k, v, mask):  # the query heads of one kv head are its rows: no repeat
         out = F.scaled_dot_product_attention(q.reshape(-1, Hkv, H // Hkv, D), k.transpose(1, 2),
                                              v.transpose(1, 2), attn_mask=mask, scale=scale)
         return out.reshape(-1, H, D)
     if how[0] == "masked":
-        S = how[1].size(-1)
-        return sdpa(q, k_cache[:R, :S], v_cache[:R, :S], how[1])
+        return sdpa(q, k_cache[how[2]], v_cache[how[2]], how[1])
     out = q.new_empty(R, H, D)
-    for rows, S, mask in how[1]:
-        if isinstance(rows, slice):  # a run of rows: a view, no copy
-            out[rows] = sdpa(q[rows], k_cache[rows, :S], v_cache[rows, :S], mask)
+    for rows, at, mask in how[1]:
+        if isinstance(rows, slice):
+            out[rows] = sdpa(q[rows], k_cache[at], v_cache[at], mask)
         else:
-            out.index_copy_(0, rows, sdpa(q[rows], k_cache[rows, :S], v_cache[rows, :S], mask))
+            out.index_copy_(0, rows, sdpa(q[rows], k_cache[at], v_cache[at], mask))
     return out
+
+
+def flat_positions(table, pos, block):
+    """The flat pool positions of tokens pos (R, T) of rows whose block tables are table (R, W)."""
+    return table.gather(1, pos // block).long() * block + pos % block
 
 
 def _mlp(mlp, x):
@@ -296,20 +304,20 @@ def _mlp(mlp, x):
 
 
 @torch.no_grad()
-def forward(model, ids, pos, cache, rope, qkv, rows=None, how=None):
+def forward(model, ids, pos, cache, rope, qkv, table, rows=None, how=None):
     """Run new tokens ids (R, T) at positions pos (R, T). rows None: a decode step of cache rows
     0..R-1 (T = 1), attention per `how` (_decode) -> hidden (R, T, d). rows (R,): a prefill of those
     rows, pos 0..T-1, which only fills the cache (of the last layer it computes just the keys and
-    values) -> None. rope: rope_tables(model, cache length); qkv: fused_qkv(model). The model's
+    values) -> None. rope: rope_tables(model, cache length); qkv: fused_qkv(model); table: the
+    rows' block tables (slots, W) (new_cache). The model's
     own weights and modules; the norms and the rotary embedding in fewer ops (_norm, _rope), the
     same arithmetic."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]  # (R, T, 1, D): over heads
-    max_len = cache[0][0].size(1)
     if rows is None:
         rows = torch.arange(ids.size(0), device=x.device)
-    at = (rows[:, None] * max_len + pos).view(-1)  # flat cache positions of the new tokens
+    at = flat_positions(table[rows], pos, cache[0][0].size(1)).view(-1)  # of the new tokens
     last = inner.layers[-1]
     for layer, layer_cache, w in zip(inner.layers, cache, qkv):
         h = _norm(layer.input_layernorm, x)
@@ -471,16 +479,17 @@ def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
     if key not in _KERNELS:
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(3 + (n > 1), n, h, head_dim, generator=g, device=device, dtype=dtype)
-                   for n, h in ((1, 4), (256, 2), (256, 2)))  # the cache has a 4th row
-        pos = torch.tensor([0, 99, 255], device=device)
-        ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos, dtype)).float()
+                   for n, h in ((1, 4), (BLOCK, 2), (BLOCK, 2)))  # a pool of 4 blocks
+        pos = torch.tensor([0, 99, BLOCK - 1], device=device)
+        table = torch.tensor([[2], [3], [1]], dtype=torch.int32, device=device)
+        ref = _decode(q, k, v, 0.125, _how(("masked", BLOCK), pos, dtype, table, BLOCK)).float()
         ok = {"flash": flash_attn_with_kvcache is not None,
               "varlen": (varlen_attn is not None
-                         and "seqused_k" in inspect.signature(varlen_attn).parameters)}
+                         and "block_table" in inspect.signature(varlen_attn).parameters)}
         _KERNELS[key] = "masked"
         for kernel in [name for name in ("flash", "varlen") if ok[name]]:
             try:
-                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype)).float()
+                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype, table, BLOCK)).float()
             except Exception:  # a build without kernels for this GPU or dtype
                 continue
             if torch.allclose(out, ref, atol=2e-2):
@@ -489,25 +498,28 @@ def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
     return _KERNELS[key]
 
 
-def _how(plan, pos, dtype):
-    """The attention argument of a decode step (_decode) from its plan and the rows' positions; a
-    mask is additive, in the attention's dtype (one mask for every layer)."""
+def _how(plan, pos, dtype, table, block):
+    """The attention argument of a decode step (_decode) from its plan, the rows' positions and
+    block tables; a mask is additive, in the attention's dtype (one mask for every layer)."""
     if plan[0] == "flash":
-        return "flash", (pos + 1).int()
+        return "flash", (pos + 1).int(), table
     if plan[0] == "varlen":
         cu = torch.arange(pos.size(0) + 1, dtype=torch.int32, device=pos.device)
-        return "varlen", (pos + 1).int(), cu
+        return "varlen", (pos + 1).int(), table, cu
+
+    def keys(t, S):  # (n, S): the flat positions of the first S keys of rows with tables t
+        return flat_positions(t, torch.arange(S, device=pos.device).expand(t.size(0), S), block)
 
     def mask(p, S):  # (n, 1, 1, S): 0 for each row's keys so far, -inf after (key 0 always kept)
         return torch.zeros(p.size(0), 1, 1, S, dtype=dtype, device=pos.device).masked_fill_(
             torch.arange(S, device=pos.device) > p[:, None, None, None], float("-inf"))
     if plan[0] == "masked":
-        return "masked", mask(pos, plan[1])
+        return "masked", mask(pos, plan[1]), keys(table, plan[1])
     groups = []
     for rows, S in plan[1]:
         if not isinstance(rows, slice):
             rows = torch.tensor(rows, device=pos.device)
-        groups.append((rows, S, mask(pos[rows], S)))
+        groups.append((rows, keys(table[rows], S), mask(pos[rows], S)))
     return "groups", groups
 
 
@@ -547,7 +559,7 @@ class Decoder:
 
     def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids,
                  think_budget, answer_budget, interrupt, temperature, fp32_head, seed,
-                 version, graphs, prefill_tokens=PREFILL_TOKENS):
+                 version, graphs, prefill_tokens=PREFILL_TOKENS, blocks=None, block=BLOCK):
         dev = next(model.parameters()).device
         self.model, self.max_len, self.device = model, max_len, dev
         self.think_budget, self.answer_budget = think_budget, answer_budget
@@ -557,7 +569,17 @@ class Decoder:
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)  # (E,)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long,
                                    device=dev)  # (P,); unused without interrupt
-        self.cache = new_cache(model, slots, max_len)
+        width, self.block = -(-max_len // block), block
+        blocks = min(blocks or 1 + slots * width, 1 + slots * width)  # at most: all at max_len
+        if blocks < 1 + width:
+            raise ValueError(f"a KV pool of {blocks} blocks of {block} tokens cannot hold one row "
+                             f"of {max_len} tokens and the scratch block")
+        self.cache = new_cache(model, blocks, block)
+        # each slot's blocks (reserve, release); 0, the scratch block, where it holds none: rows
+        # that are not live write there
+        self.table = torch.zeros(slots, width, dtype=torch.int32, device=dev)
+        self.tables, self.held = np.zeros((slots, width), np.int32), np.zeros(slots, int)
+        self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
         self.qkv = fused_qkv(model)
         self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config))
         self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a
@@ -590,9 +612,34 @@ class Decoder:
         if self.weight is not self.model.lm_head.weight:
             self.weight.copy_(self.model.lm_head.weight)
 
+    def reserve(self, slot, length):
+        """Blocks for the slot's first `length` tokens, taken from the pool -> False (none taken)
+        where too few are free."""
+        need = -(-length // self.block) - self.held[slot]
+        if need > len(self.free):
+            return False
+        for i in range(self.held[slot], self.held[slot] + max(need, 0)):
+            self.tables[slot, i], self.stale = self.free.pop(), True
+        self.held[slot] += max(need, 0)
+        return True
+
+    def release(self, slots):
+        """Stop the rows in `slots` (finished or preempted) and return their blocks to the pool."""
+        for s in slots:
+            self.free += self.tables[s, :self.held[s]].tolist()
+            self.tables[s], self.held[s], self.stale = 0, 0, True
+        self.live[torch.tensor(slots, device=self.device)] = False
+
+    def _tables(self):
+        """The host's block tables copied to the device, where they changed."""
+        if self.stale:
+            self.table.copy_(torch.from_numpy(self.tables))
+            self.stale = False
+
     def prefill(self, slots, prompts):
         """Fill the cache rows `slots` with their prompts but the last token (which the next decode
         step feeds), in forwards of at most prefill_tokens padded tokens (prefill_groups)."""
+        self._tables()
         for a, b, width in prefill_groups([len(p) for p in prompts], self.prefill_tokens,
                                           self.max_len):
             if width:
@@ -600,7 +647,8 @@ class Decoder:
                                    device=self.device)  # (b - a, width)
                 forward(self.model, ids,
                         torch.arange(width, device=self.device).expand(b - a, width), self.cache,
-                        self.rope, self.qkv, rows=torch.tensor(slots[a:b], device=self.device))
+                        self.rope, self.qkv, self.table,
+                        rows=torch.tensor(slots[a:b], device=self.device))
 
     def admit(self, slots, prompts, keys):
         """Start samples in free slots: their prompts prefilled, their state set."""
@@ -631,6 +679,7 @@ class Decoder:
         """One decode step of rows 0..R-1, row r of at most lengths[r] keys (host numbers: an upper
         bound): a graph replay on CUDA, else eager."""
         plan = self.plan(R, lengths)
+        self._tables()
         if self.graphs is None:
             return self._step(R, plan, self.live[:R])
         graph = self.graphs.get((R, plan))
@@ -650,8 +699,9 @@ class Decoder:
         """The static decode step; live (R,) picks the rows whose state it advances. Without
         interruption the phrase and the thinking state play no part, and their ops are left out."""
         n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
+        how = _how(plan, pos, self.cache[0][0].dtype, self.table[:R], self.block)
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
-                         self.qkv, how=_how(plan, pos, self.cache[0][0].dtype))[:, 0]  # (R, d)
+                         self.qkv, self.table, how=how)[:, 0]  # (R, d)
         tok, logp = sample(logits_of(hidden, self.weight), self.temperature,
                            self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
@@ -693,7 +743,7 @@ class Decoder:
 
     def collect(self, R):
         """The rows among 0..R-1 that finished: {slot: Sample}, read with one host sync (plus one
-        per copy when some did); their slots are then free."""
+        per copy when some did); their slots and blocks are then free."""
         finish = self.finish[:R].tolist()
         done = [s for s in range(R) if finish[s]]
         if not done:
@@ -705,6 +755,7 @@ class Decoder:
                                          for x in (self.tokens, self.logps, self.mask,
                                                    self.versions))
         self.finish[rows] = 0
+        self.release(done)
         return {s: Sample(None, tokens[i][:m], logps[i][:m], [int(b) for b in mask[i][:m]],
                           versions[i][:m], FINISH[finish[s] - 1])
                 for i, (s, m) in enumerate(zip(done, lens))}
@@ -727,19 +778,19 @@ def kv_bytes_per_token(config, dtype):
             * dtype.itemsize)
 
 
-def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3):
-    """What a Decoder allocates -> (bytes per slot: its KV cache at max_len tokens and its
-    bookkeeping, six int64 and four bool scalars plus max_new + 1 columns of token, log-prob, mask,
-    version and noise; bytes whatever the slots: the rotary tables, the float32 head copy, the
-    fused q/k/v weights, the n_ids ids of </think>, the phrase and eos, the version)."""
+def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3, block=BLOCK):
+    """What a Decoder allocates -> (bytes per slot: six int64 and four bool scalars, its block
+    table, max_new + 1 columns of token, log-prob, mask, version and noise; bytes per block of the
+    KV pool; bytes whatever the slots: the rotary tables, the float32 head copy, the fused q/k/v
+    weights, the n_ids ids of </think>, the phrase and eos, the version)."""
     size = dtype.itemsize
-    per_slot = (kv_bytes_per_token(config, dtype) * max_len + 6 * 8 + 4
+    per_slot = (6 * 8 + 4 + 4 * -(-max_len // block)
                 + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))  # log-probs: >= float32
     copy = fp32_head and size < 4  # head_weight's float32 copy of a half-precision head
     fixed = (2 * max_len * head_dim_of(config) * size
              + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1)
              + qkv_bytes(config, dtype))
-    return per_slot, fixed
+    return per_slot, kv_bytes_per_token(config, dtype) * block, fixed
 
 
 def qkv_bytes(config, dtype):
@@ -759,40 +810,54 @@ def free_device_bytes(device):
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None):
-    """How many slots a Decoder can have in `room` bytes (decoder_bytes), at most cap -> (slots,
-    bytes per slot, the slots that would fit without the cap)."""
-    per_slot, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head)
-    fit = max(0, int((room - fixed) // per_slot))
-    return min(fit, cap or fit), per_slot, fit
+def mean_length(max_len, max_new):
+    """A row's mean length in flight, what the pool is sized by: its prompt and half its budget."""
+    return max_len - max_new // 2
+
+
+def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None, block=BLOCK):
+    """A Decoder in `room` bytes (decoder_bytes) -> (slots: the rows that fit at mean_length, at
+    most cap; blocks: the pool in the rest, at most every slot at max_len, the scratch block
+    included; the rows that would fit without the cap). (0, 0, _) where one row at max_len does
+    not fit."""
+    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
+                                               block=block)
+    width, mean = -(-max_len // block), -(-mean_length(max_len, max_new) // block)
+    fit = max(0, int((room - fixed - per_block) // (per_slot + mean * per_block)))
+    slots = min(fit, cap or fit)
+    blocks = min(1 + slots * width, int((room - fixed - slots * per_slot) // per_block))
+    return (slots, blocks, fit) if blocks >= 1 + width else (0, 0, fit)
 
 
 def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True, most=None):
-    """How many sequences the sampler decodes at once -> (slots, a line saying why, or None).
+    """How many sequences the sampler decodes at once and its KV pool -> (slots, blocks or None:
+    every slot at max_len, a line saying why or None).
 
     On CUDA the KV cache is sized by memory, not by a slot count (vLLM's gpu_memory_utilization,
-    read here of the memory left after the weights): as many slots as gen_memory x the device
-    memory free now holds at the full budget (slots_in), at most cap, and at most `most`: the
-    sequences its caller can ever have in flight (a toy model would otherwise take 0.85 of the
-    device for slots it never fills). The rest is headroom for the decode step's logits, the
-    prefill forward and the CUDA graphs. Elsewhere: cap, or CPU_SLOTS."""
+    read here of the memory left after the weights): gen_memory x the device memory free now
+    (slots_in: rows at their mean length, a pool of blocks), at most cap and `most` rows (the
+    sequences its caller can ever have in flight). The rest is headroom for the decode step's
+    logits, the prefill forward and the CUDA graphs. Elsewhere: cap, or CPU_SLOTS."""
     p = next(model.parameters())
     if p.device.type != "cuda":
-        return cap or CPU_SLOTS, None
+        return cap or CPU_SLOTS, None, None
     free = free_device_bytes(p.device)
     caps = [c for c in (cap, most) if c]
-    slots, per_slot, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
-                                    fp32_head, min(caps) if caps else None)
+    slots, blocks, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
+                                  fp32_head, min(caps) if caps else None)
+    per_block = kv_bytes_per_token(model.config, p.dtype) * BLOCK
     if not slots:
-        raise ValueError(f"one sequence of {max_len} tokens needs {per_slot / 1e9:.2f} GB of KV "
-                         f"cache; {gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
+        raise ValueError(f"one sequence of {max_len} tokens needs "
+                         f"{-(-max_len // BLOCK) * per_block / 1e9:.2f} GB of KV cache; "
+                         f"{gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
                          "--gen_memory, lower the budgets, or use a device with more memory)")
     bound = (f", --slots {cap}" if cap and cap == slots else
              f", at most {most} in flight" if most and most == slots else "")
-    return slots, (f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache "
-                   f"{slots * per_slot / 1e9:.1f} GB ({per_slot / 1e6:.1f} MB each; "
-                   f"--gen_memory {gen_memory} of the {free / 1e9:.1f} GB free after the weights "
-                   f"fits {fit}{bound})")
+    return slots, blocks, (
+        f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache {blocks} blocks "
+        f"of {BLOCK} tokens, {blocks * per_block / 1e9:.1f} GB (--gen_memory {gen_memory} of the "
+        f"{free / 1e9:.1f} GB free after the weights fits {fit} rows of "
+        f"{mean_length(max_len, max_new)} tokens, the mean{bound})")
 
 # -----------------------------------------------------------------------------
 # the continuous-batching loop
@@ -801,7 +866,7 @@ def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
-            graphs=None, sync_every=None, prefill_tokens=PREFILL_TOKENS):
+            graphs=None, sync_every=None, prefill_tokens=PREFILL_TOKENS, blocks=None, block=BLOCK):
     """The continuous-batching sampler as a Python generator, driven by the caller:
 
         steps = sampler(model, ...)
@@ -818,8 +883,10 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
     a sample is simply cut at think_budget + answer_budget tokens. eos_id (the id, or a list of the
     ids, that end a sample), think_end (the token ids of "</think>") and interrupt_ids (the
     interruption phrase's): data.special_tokens(tokenizer, model) gives all three. max_prompt_len
-    sizes the cache (cache_length); a longer prompt is an error. slots: fit_slots sizes them by
-    memory. graphs: capture decode steps as CUDA graphs (default: on CUDA).
+    sizes the cache (cache_length); a longer prompt is an error. slots, blocks: fit_slots sizes
+    them by memory (default blocks: every slot at max_len). A prompt is admitted when blocks for it
+    are free; when the pool runs out, the newest rows are queued again from their prompts (same
+    key, same sample). graphs: capture decode steps as CUDA graphs (default: on CUDA).
     """
     check_supported(model)
     if interrupt and not interrupt_ids:
@@ -833,10 +900,11 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                   interrupt_ids=interrupt_ids, think_budget=think_budget,
                   answer_budget=answer_budget, interrupt=interrupt, temperature=temperature,
                   fp32_head=fp32_head, seed=seed, version=version, graphs=graphs,
-                  prefill_tokens=prefill_tokens)
+                  prefill_tokens=prefill_tokens, blocks=blocks, block=block)
     row_sizes = bucket_sizes(slots, 8)  # a step decodes rows 0..R-1, R one of these
     pending = deque()  # (prompt ids, key, tag) waiting for a slot
-    owner = [None] * slots  # per slot: (key, tag) of the sample in it, or None when free
+    owner = [None] * slots  # per slot: (prompt, key, tag) of the sample in it, or None when free
+    order = []  # the busy slots, oldest first
     bound = np.full(slots, -1)  # per slot: an upper bound of its cache position (-1: free)
     finished = []
     while True:
@@ -850,12 +918,22 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         if new_version != version:  # in-flight update: weights changed, the cache stays
             version = new_version
             dec.new_weights(version)
-        free = [s for s in range(slots) if owner[s] is None][:len(pending)]
-        if free:
-            items = [pending.popleft() for _ in free]
-            dec.admit(free, [p for p, _, _ in items], [key for _, key, _ in items])
-            for s, (p, key, tag) in zip(free, items):
-                owner[s], bound[s] = (key, tag), len(p) - 1
+        preempted = False  # every row's blocks for this round, oldest first; where they run out,
+        for s in list(order):  # the newest row gives its blocks back and waits for them again
+            while owner[s] and not dec.reserve(s, min(bound[s] + sync_every, max_len)):
+                last = order.pop()
+                dec.release([last])
+                pending.appendleft(owner[last])
+                owner[last], bound[last], preempted = None, -1, True
+        free, items = [s for s in range(slots) if owner[s] is None], []
+        while (pending and len(items) < len(free) and not preempted and dec.reserve(
+                free[len(items)], min(len(pending[0][0]) - 1 + sync_every, max_len))):
+            items.append(pending.popleft())
+        if items:
+            dec.admit(free[:len(items)], [p for p, _, _ in items], [key for _, key, _ in items])
+            for s, item in zip(free, items):
+                owner[s], bound[s] = item, len(item[0]) - 1
+                order.append(s)
         busy = [s for s in range(slots) if owner[s] is not None]
         if not busy:
             continue
@@ -864,7 +942,8 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             dec.step(R, bound[:R] + 1)
             bound[busy] = np.minimum(bound[busy] + 1, max_len - 1)
         for s, sample in dec.collect(R).items():
-            (sample.key, tag), owner[s], bound[s] = owner[s], None, -1
+            (_, sample.key, tag), owner[s], bound[s] = owner[s], None, -1
+            order.remove(s)
             finished.append((tag, sample))
 
 
@@ -880,11 +959,11 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
     results = [None] * len(prompts)
     max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
     if gen_memory:
-        slots, _ = fit_slots(model, *cache_length(max_prompt_len, settings["think_budget"],
-                                                  settings["answer_budget"],
-                                                  settings["interrupt_ids"],
-                                                  settings.get("interrupt", True)),
-                             gen_memory, slots, settings.get("fp32_head", True))
+        lengths = cache_length(max_prompt_len, settings["think_budget"],
+                               settings["answer_budget"], settings["interrupt_ids"],
+                               settings.get("interrupt", True))
+        slots, settings["blocks"], _ = fit_slots(model, *lengths, gen_memory, slots,
+                                                 settings.get("fp32_head", True))
     steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
                     version=version, **settings)
     next(steps)

@@ -1111,7 +1111,7 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
     interrupt, _ = length_control(args)
     special = special_tokens(tokenizer, model)
     caps = [c for c in (args.slots, cap) if c]
-    slots, why = generate.fit_slots(
+    slots, blocks, why = generate.fit_slots(
         model, *generate.cache_length(max_prompt_len, args.think_budget, args.answer_budget,
                                       special["interrupt_ids"], interrupt),
         args.gen_memory, min(caps) if caps else None, args.fp32_head, most)
@@ -1119,7 +1119,7 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
         say(why)
     return sampler(model, **special, think_budget=args.think_budget,
                    answer_budget=args.answer_budget, max_prompt_len=max_prompt_len,
-                   interrupt=interrupt, slots=slots, temperature=args.temperature,
+                   interrupt=interrupt, slots=slots, blocks=blocks, temperature=args.temperature,
                    fp32_head=args.fp32_head, seed=args.seed, version=version)
 
 
@@ -1575,19 +1575,21 @@ def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, lo
 
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
                    prefill_tokens=generate.PREFILL_TOKENS):
-    """The sampler's bytes beyond the weights -> ({part: bytes}, sequences at the full budget,
-    bytes per sequence). room: what its Decoder may take (gen_memory x the memory free after the
-    weights: generate.slots_in), or None where memory does not size it (CPU: slots, or
-    generate.CPU_SLOTS). The workspace (an estimate): the decode step's float32 logits, their exp
-    and a copy per row, and one prefill forward's largest tensors (hidden states, q/k/v, attention
-    output, the MLP's three)."""
-    per_slot, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
-    seqs = (slots or generate.CPU_SLOTS if room is None else
-            generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)[0])
+    """The sampler's bytes beyond the weights -> ({part: bytes}, sequences in flight, blocks in its
+    KV pool, bytes per block). room: what its Decoder may take (gen_memory x the memory free after
+    the weights: generate.slots_in), or None where memory does not size it (CPU: slots, or
+    generate.CPU_SLOTS, each at max_len). The workspace (an estimate): the decode step's float32
+    logits, their exp and a copy per row, and one prefill forward's largest tensors (hidden
+    states, q/k/v, attention output, the MLP's three)."""
+    per_slot, per_block, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    seqs = slots or generate.CPU_SLOTS
+    blocks = 1 + seqs * -(-max_len // generate.BLOCK)
+    if room is not None:
+        seqs, blocks, _ = generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)
     b = dtype.itemsize
     prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
-    return ({"decoder fixed": fixed, "KV cache": seqs * per_slot,
-             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, per_slot)
+    return ({"decoder": fixed + seqs * per_slot, "KV cache": blocks * per_block,
+             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, per_block)
 
 
 @dataclass
@@ -1617,9 +1619,10 @@ class PlanRun:
 def memory_plan(config, run):
     """The bytes each role holds (plan_trainer, plan_generator) and whether they fit the device ->
     {"roles": {role: {"count", "parts", "total", "fits"}}, "shape", "ckpt", "max_len", "sequences",
-    "per_slot", "per_token"}. One process holds the trainer's weights, master and AdamW state
-    throughout, then in turn its gradients and activations or the sampler's cache: its total is
-    the larger phase. A sampler fits if it holds one group of samples at the full budget."""
+    "blocks", "per_block", "mean_len", "per_token"}. One process holds the trainer's weights,
+    master and AdamW state throughout, then in turn its gradients and activations or the
+    sampler's cache: its total is the larger phase. A sampler fits if it holds one group of
+    samples at the mean length (generate.slots_in)."""
     s, size = plan_shape(config), run.dtype.itemsize
     ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
     max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
@@ -1633,7 +1636,7 @@ def memory_plan(config, run):
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
     most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
     caps = [c for c in (run.slots, most if run.sized else None) if c]
-    gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room,
+    gen, seqs, blocks, per_block = plan_generator(config, s, run.dtype, max_len, max_new, room,
                                          min(caps, default=None), run.fp32_head)
     if run.evaluate:
         roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
@@ -1647,7 +1650,8 @@ def memory_plan(config, run):
     return {"roles": {r: {"count": n, "parts": parts, "total": total,
                           "fits": total <= run.device_bytes and holds >= run.samples}
                       for r, (n, parts, total, holds) in roles.items()},
-            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "per_slot": per_slot,
+            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "blocks": blocks,
+            "per_block": per_block, "mean_len": generate.mean_length(max_len, max_new),
             "per_token": plan_activations(s, size)}
 
 
@@ -1670,7 +1674,8 @@ def plan_lines(plan, run, context=None):
     where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
              if run.generators else "")
     lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
-                 f"once ({plan['per_slot'] / 1e6:,.1f} MB each){where}, for "
+                 f"once ({plan['mean_len']} at the mean), KV cache {plan['blocks']} blocks of "
+                 f"{generate.BLOCK} tokens ({plan['per_block'] / 1e6:,.1f} MB each){where}, for "
                  + (f"{run.evaluate} held-out samples" if run.evaluate else
                     f"a batch of {run.prompts * run.samples}")
                  + (f"; the model's context {context}" if context else ""))
