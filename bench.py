@@ -729,6 +729,9 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
                       interrupt_ids=[], think_budget=max_len, answer_budget=0, interrupt=False,
                       temperature=1.0, fp32_head=False, seed=0, version=0, graphs=False)
         dec.pos.copy_(lens - 1)  # the cache's contents play no part in what is read
+        for r, n in enumerate(lens.tolist()):  # each row its own blocks, as in a real step
+            dec.reserve(r, n)
+        dec._tables()
         return dec
 
     model = qwen2_model(tiny, device, dtype)

@@ -1105,7 +1105,7 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
                  most=None):
     """generate.sampler with the run's settings: the one place train.py's flags reach the
     sampler (training rollouts and held-out evals alike). Its slots: on CUDA as many sequences as
-    --gen_memory of the free memory holds at the full budget (generate.fit_slots: say(line) says
+    --gen_memory of the free memory holds at their mean length (generate.fit_slots: say(line) says
     how many), at most --slots, cap and most (the sequences it can have in flight); elsewhere
     --slots (128 by default), at most cap."""
     interrupt, _ = length_control(args)

@@ -202,7 +202,7 @@ def rollout_flags(g):
     g.add_argument("--gen_memory", type=float, default=0.85,
                    help="CUDA: the fraction of the device memory left after the weights that the "
                         "sampler's KV cache may take (vLLM's gpu_memory_utilization); the "
-                        "sequences that fit at the full budget are printed. Ranks sharing one "
+                        "sequences that fit at their mean length are printed. Ranks sharing one "
                         "GPU: lower it (two ranks of the toy on one H100 ran at 0.3)")
     g.add_argument("--think_budget", type=int, default=None,
                    help="thinking tokens")
