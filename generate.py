@@ -467,32 +467,33 @@ def row_groups(lengths, cap, slack=1.2):
 _KERNELS = {}  # (device, dtype, head dim) -> decode_kernel's choice
 
 
-def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
+def decode_kernel(device, dtype=torch.bfloat16, head_dim=64, block=BLOCK):
     """The decode attention: on CUDA flash-attn's flash_attn_with_kvcache where importable, else
-    torch's varlen_attn where it takes seqused_k (each checked once against SDPA here, at this
-    dtype and head size), else "masked" (every row over the longest row's length bucket: a CUDA
-    graph needs static shapes). Off CUDA "groups": rows grouped by length, each over its own
-    keys."""
+    torch's varlen_attn where it takes a block table (each checked once against SDPA here, at this
+    dtype, head size and block size), else "masked" (every row over the longest row's length
+    bucket: a CUDA graph needs static shapes). Off CUDA "groups": rows grouped by length, each over
+    its own keys."""
     if device.type != "cuda":
         return "groups"
-    key = (str(device), dtype, head_dim)
+    key = (str(device), dtype, head_dim, block)
     if key not in _KERNELS:
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(3 + (n > 1), n, h, head_dim, generator=g, device=device, dtype=dtype)
-                   for n, h in ((1, 4), (BLOCK, 2), (BLOCK, 2)))  # a pool of 4 blocks
-        pos = torch.tensor([0, 99, BLOCK - 1], device=device)
-        table = torch.tensor([[2], [3], [1]], dtype=torch.int32, device=device)
-        ref = _decode(q, k, v, 0.125, _how(("masked", BLOCK), pos, dtype, table, BLOCK)).float()
+        q, k, v = (torch.randn(3 + 2 * (n > 1), n, h, head_dim, generator=g, device=device,
+                               dtype=dtype)
+                   for n, h in ((1, 4), (block, 2), (block, 2)))  # a pool of 5 blocks
+        pos = torch.tensor([0, block + block // 2, 2 * block - 1], device=device)
+        table = torch.tensor([[2, 4], [3, 1], [4, 2]], dtype=torch.int32, device=device)
+        ref = _decode(q, k, v, 0.125, _how(("masked", 2 * block), pos, dtype, table, block))
         ok = {"flash": flash_attn_with_kvcache is not None,
               "varlen": (varlen_attn is not None
                          and "block_table" in inspect.signature(varlen_attn).parameters)}
         _KERNELS[key] = "masked"
         for kernel in [name for name in ("flash", "varlen") if ok[name]]:
             try:
-                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype, table, BLOCK)).float()
-            except Exception:  # a build without kernels for this GPU or dtype
+                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype, table, block))
+            except Exception:  # a build without kernels for this GPU, dtype or block size
                 continue
-            if torch.allclose(out, ref, atol=2e-2):
+            if torch.allclose(out.float(), ref.float(), atol=2e-2):
                 _KERNELS[key] = kernel
                 break
     return _KERNELS[key]
@@ -581,7 +582,7 @@ class Decoder:
         self.tables, self.held = np.zeros((slots, width), np.int32), np.zeros(slots, int)
         self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
         self.qkv = fused_qkv(model)
-        self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config))
+        self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config), block)
         self.weight = head_weight(model, fp32_head).detach()  # the parameter itself, or a
                                                               # float32 copy of it
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)

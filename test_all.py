@@ -2801,7 +2801,8 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
     k[where], v[where] = k_rows.reshape(-1, B, Hkv, D), v_rows.reshape(-1, B, Hkv, D)
     pos = torch.tensor([0, 599, 17, 130, 64, 299, 3, 450, 200])
     ref = torch.stack([torch.stack([((q[r, 0, h] @ k_rows[r, :p + 1, h // 2].T) * 0.3).softmax(-1)
-                                    @ v_rows[r, :p + 1, h // 2] for h in range(H)]) for r, p in enumerate(pos.tolist())])
+                                    @ v_rows[r, :p + 1, h // 2] for h in range(H)])
+                       for r, p in enumerate(pos.tolist())])
     lengths = (pos + 1).tolist()
     plan = gen.row_groups(lengths, max_len)
     members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S in plan]
@@ -2877,15 +2878,17 @@ def test_generate_one_bucket_attention_gives_the_same_samples_as_grouped(monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
+@pytest.mark.parametrize("block, blocks", [(gen.BLOCK, 3), (8, 8)])
+def test_generate_cuda_graph_replay_equals_eager_steps(dtype, block, blocks):
     """The captured decode step replays exactly what the eager step computes (same buckets, same kernels):
-    continuous batching, interruptions, eos, and new weights copied in mid-sample (the graph reads them)."""
+    continuous batching, interruptions, eos, and new weights copied in mid-sample (the graph reads them); a KV
+    pool of 2 blocks for 4 slots (rows wait for blocks), or of 7 blocks of 8 tokens (rows are preempted)."""
     prompts = tiny_prompts(9, seed=2)
     runs = []
     for graphs in (True, False):
         model, other = tiny_model("qwen2", dtype).cuda(), tiny_model("qwen2", dtype, seed=1).cuda()
         steps = gen.sampler(model, max_prompt_len=max(map(len, prompts)), slots=4, graphs=graphs, sync_every=3,
-                            temperature=1.0, seed=7, **dict(GEN, eos_id=3))
+                            temperature=1.0, seed=7, block=block, blocks=blocks, **dict(GEN, eos_id=3))
         next(steps)
         new, got = [(p, k, k) for k, p in enumerate(prompts)], {}
         for n in range(200):
