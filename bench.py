@@ -1,94 +1,19 @@
 """
-bench.py: throughput, memory and numerics figures of the generator and the trainer (the paper, arXiv
-2510.13786: section 3.1's generator/trainer split; section 3.2's FP32 LM head).
+bench.py: speed, memory and numerics figures of the generator and the trainer, one printed line
+per measurement (--json adds a dict as the last line). BENCHMARKS.md has each figure's reading,
+command and results.
 
-Figures, one printed line per measurement (--json adds one machine-readable dict as the last line):
-1. sampler: tokens/s of generate.generate (continuous batching, slots = batch) against transformers'
-   model.generate on the same model, batch, prompt and output lengths, sampling settings and dtype;
-   measured side by side, alternating, best of --repeats runs of each; then the toy task's own
-   completions (lengths vary, each ends at eos): --task_prompts prompts through our --batch slots
-   (continuous batching) against model.generate in fixed batches of --batch;
-2. trainer: tokens/s of sequence_logprobs + policy_loss forward+backward on random token
-   batches; and the peak memory of the chunked log-probs against the naive path (full (N, T, V)
-   float32 logits, log_softmax, gather), each in a fresh process, at a large vocab; plus the
-   paper-scale arithmetic;
-3. broadcast: time and MB/s of one flat float32 buffer the size of a model's weights, rank 0 ->
-   rank 1 (two spawned processes; gloo on CPU, nccl on CUDA with 2 GPUs);
-4. agreement: generator log-probs (recorded while sampling) against the trainer's recompute
-   (sequence_logprobs), mean and max |diff| over sampled tokens, fp32_head on and off, float32
-   and bf16;
-5. roofline (arithmetic, not measured): decode tokens/s bound of the 0.5B-class config in bf16
-   on H100;
-6. pipeline (not in the default set: about 6 minutes on 2 cores): train.py on the embedded default
-   in one process, then 1 generator + 1 trainer rank in --mode sync, ppo_offpolicy and pipeline:
-   training wall-clock to a held-out pass rate, generator and trainer busy fractions;
-7. FSDP2 under a memory cap (not in the default set: about 2 minutes on 2 cores): a random-weight
-   Qwen2 model trained by one unsharded trainer and by 2 FSDP2 trainers (pipeline.shard_trainer),
-   first uncapped (peak memory of each), then with every process capped (RLIMIT_DATA) halfway
-   between the two peaks;
-memory (not in the default set: a few minutes on 2 cores, ~6 GB of memory at the 7B shape): the
-   memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B (their published
-   config.json in fixtures/configs; nothing downloaded) on one 8 x 80 GB node at 16 prompts x 16
-   samples x 8k tokens, and of the README's Qwen3-0.6B command on one GPU; each shape's per-token
-   and per-parameter figures are checked against measurements on CPU (the bytes the trainer's
-   forward saves for its backward, counted with saved-tensor hooks on a 2-layer bf16 model of the
-   shape; a Decoder's KV cache; a replicated trainer's weights, master, AdamW state and gradients
-   after one step), within 10%. --json gives per shape saved_bytes_per_token_layer: the bytes per
-   token per layer that sequence_logprobs saves with the defaults of the full model (its layers
-   checkpointed), the layer being recomputed in the backward excluded.
-efficiency (not in the default set; ~40 s on CPU): trainer_token_efficiency, the real tokens over
-   the tokens the trainer's layers compute, on a study step's rows and an 8k-budget step's.
-stability (not in the default set: about 5 minutes a seed on 2 cores): the default torchrun run
-   (1 generator + 1 trainer rank, PipelineRL-8) against its one-process counterpart, seed by seed,
-   on the toy or on toy-hard at the study's settings, under one of three loads: pinned, the worst
-   case, where every trained token is k versions old (the trainer on core 0 beside two CPU-bound
-   processes and taking its batch one sample at a time, the generator alone on core 1: the trainer
-   is the slower role, so the generator always runs k batches ahead); idle; or two CPU-bound
-   processes beside the run. Per seed: the final held-out pass rate of both, the lowest held-out
-   after step 30, the lag the run saw, its largest truncation and forget, the steps its warnings
-   fired at, the largest fall of its held-out pass rate below its best so far (it fell: more than
-   train.HELD_OUT_DROP_ALARM, 0.1), and whether it held (final >= the one-process final - 0.03,
-   nothing under 0.6 after step 30).
-replay (not in the default set; --replay_run: a toy run with a checkpoint every 2 steps): what
-   moved a PipelineRL-8 run that collapsed, step by step from its checkpoints. Per checkpoint s: the
-   log-odds of the answer's first token after </think> (" The") on fixed contexts (the first
-   checkpoint's greedy thoughts of 200 held-out prompts, cut after </think>); of the samples the
-   weights of s draw now (those a trainer takes k = 8 steps later), the shares truncated and writing
-   anything but " The" after </think>; forget of a batch the weights of s - 8 drew, under the
-   weights of s (what the trainer sees). And the first-order effect on that log-odds of one
-   AdamW-preconditioned step (the checkpoint's own second moments) of the loss of such a stale batch
-   against an on-policy one (drawn by s itself), split into its terms: positive and negative
-   advantages, the answer's tokens and the thinking's, with the IS weight and with rho = 1.
-plan_rss (not in the default set: about 80 s): the memory plan train.py prints against the peak
-   RSS of its process on CPU, --eval_only and a training run's first 40 s, a small random Qwen2
-   under the paper's recipe (BENCHMARKS.md section 10).
+Figures (--figures; 1-5 by default): 1 sampler tokens/s against model.generate; 2 trainer tokens/s
+and the chunked log-probs' peak memory against full logits; 3 weight broadcast; 4 generator vs
+trainer log-prob agreement; 5 decode roofline (arithmetic); 6 training wall-clock per --mode; 7
+FSDP2 under a memory cap; memory (the memory plan against CPU measurements); efficiency; stability
+(PipelineRL-8 at its worst case, seed by seed); replay; plan_rss.
 
-Readings chosen: equal lengths are forced on both samplers (model.generate: min_new_tokens =
-max_new_tokens; ours: an eos id that never occurs and no interruption), so tokens/s counts
-batch x new tokens over the whole call, prefill included (in the task figure: the tokens up to and
-including each sample's eos, padding not counted, on both sides). Our sampler runs with
-fp32_head=False in figure 1, like model.generate (head in the model dtype, softmax in float32). CPU
-peak memory is the process's peak RSS (VmHWM, reset after set-up) minus its RSS before the step;
-CUDA's is max_memory_allocated minus memory_allocated before the step. The CPU worker sets glibc's
-mmap threshold to 64 KB first, so that freed tensors leave the RSS (otherwise blocks under 32 MB
-may stay).
-
-    python bench.py                            # CPU: about 70 s on 2 idle cores
-    python bench.py --json                     # the same, plus a JSON dict as the last line
+    python bench.py                            # CPU, about 70 s
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16
-                                               # one GPU
-    python bench.py --figures 3 --device cuda  # nccl broadcast (needs 2 GPUs)
-    python bench.py --figures 6                # sync vs PPO-off-policy-8 vs PipelineRL-8, 2 ranks
-    python bench.py --figures 7                # FSDP2: a model that only trains sharded under a cap
-    python bench.py --figures memory --json    # the memory plan of real shapes on an 8-GPU node
-    python bench.py --figures efficiency --json   # trainer_token_efficiency, decode_kv_read_ratio
-    python bench.py --figures stability        # PipelineRL-8 at its worst case, 5 seeds (~25 min)
-    python bench.py --figures replay --replay_run DIR   # what moved a collapsing run (section 6)
-    python bench.py --figures plan_rss         # the printed memory plan against the peak RSS, CPU
-    python bench.py --device cuda --dtype bfloat16 --size 0.5b --figures 1 --fp32_head \\
-        --new_tokens 256 --batch 256
-    python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16
-                                               # a model folder for train.py --model
+    python bench.py --figures memory --json
+    python bench.py --figures stability
+    python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16  # for --model
 """
 
 import argparse
@@ -118,13 +43,14 @@ from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_t
                       packed_logprobs, sequence_logprobs)
 from loss import forgetting, policy_loss
 import pipeline
+from plan import (PlanRun, memory_plan, plan_activations, plan_lines, plan_param_count,
+                  plan_shape, plan_trainer)
 import study
 import train
 
 # -----------------------------------------------------------------------------
-# flags: defaults are the CPU run (under 5 minutes on 2 cores)
+# flags
 
-# the figures' sizes: (flag, default, help)
 SIZE_FLAGS = [
     ("repeats", 3, "timed runs of each side; the best is reported"),
     ("batch", 64, "figure 1: prompts sampled at once (= slots)"),
@@ -174,7 +100,7 @@ def get_args(argv=None):
                          "stability, replay, plan_rss")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
-    for flag, default, help_ in SIZE_FLAGS:  # the type is the default's
+    for flag, default, help_ in SIZE_FLAGS:
         ap.add_argument(f"--{flag}", type=type(default), default=default, help=help_)
     ap.add_argument("--fp32_head", action="store_true",
                     help="figure 1: our sampler computes the LM head in float32 (train.py's "
@@ -188,7 +114,7 @@ def get_args(argv=None):
     return ap.parse_args(argv)
 
 # -----------------------------------------------------------------------------
-# models: the embedded toy, and random-weight Qwen2 configs (no download)
+# models (random weights, no download)
 
 
 SIZES = {
@@ -197,7 +123,7 @@ SIZES = {
                   tie_word_embeddings=False),
     "medium": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                    num_key_value_heads=4, intermediate_size=4096, vocab_size=32000,
-                   tie_word_embeddings=False),  # decoder layers dominate
+                   tie_word_embeddings=False),
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
                  tie_word_embeddings=True),  # Qwen2-0.5B's shape
@@ -212,7 +138,6 @@ def qwen2_model(config, device, dtype, seed=0):
 
 
 def bench_models(args):
-    """[(name, model)]: the toy and the --size Qwen2 config, both checked by the sampler."""
     device, dtype = args.device, DTYPES[args.dtype]
     toy = (AutoModelForCausalLM.from_pretrained(toy_model_dir())
            .to(device=device, dtype=dtype).eval())
@@ -233,16 +158,14 @@ def sync(device):
 
 def random_ids(n, length, vocab, seed, device):
     g = torch.Generator().manual_seed(seed)
-    # (n, length); 0 is often eos/pad
+    # 0 is often eos/pad
     return torch.randint(1, vocab, (n, length), generator=g).to(device)
 
 # -----------------------------------------------------------------------------
-# figure 1: our sampler against transformers' model.generate
+# figure 1: sampler
 
 
 def time_ours(model, prompts, new_tokens, fp32_head=False):
-    """Seconds for generate.generate to sample exactly new_tokens per prompt, all prompts in one
-    batch."""
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, prompts, eos_id=-1, think_end=[-2], interrupt_ids=[],
@@ -254,8 +177,6 @@ def time_ours(model, prompts, new_tokens, fp32_head=False):
 
 
 def time_hf(model, ids, new_tokens):
-    """Seconds for model.generate on the same batch: plain sampling, no top-k / top-p, forced
-    length."""
     sync(model.device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
@@ -267,13 +188,13 @@ def time_hf(model, ids, new_tokens):
 
 
 def bench_sampler(name, model, args):
-    ids = random_ids(args.batch, args.prompt_len, model.config.vocab_size, 0, args.device)  # (B, P)
+    ids = random_ids(args.batch, args.prompt_len, model.config.vocab_size, 0, args.device)
     prompts = ids.tolist()
-    # warm-up both paths (first-call costs, CUDA graphs)
+    # warm-up (CUDA graphs)
     time_ours(model, prompts, args.new_tokens, args.fp32_head)
     time_hf(model, ids[:2], 2)
     ours, hf = [], []
-    for _ in range(args.repeats):  # alternate, so both see the same machine load
+    for _ in range(args.repeats):  # alternate: the same load for both
         ours.append(time_ours(model, prompts, args.new_tokens, args.fp32_head))
         hf.append(time_hf(model, ids, args.new_tokens))
     tokens = args.batch * args.new_tokens
@@ -282,7 +203,6 @@ def bench_sampler(name, model, args):
          "ours_tok_s": tokens / min(ours), "hf_tok_s": tokens / min(hf), "ours_s": ours, "hf_s": hf}
     r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
     roof = ""
-    # the bound if every step read all weights and the mean KV cache at copy speed
     if args.device == "cuda":
         context = args.prompt_len + args.new_tokens // 2
         r["roofline_tok_s"] = decode_roofline(model.config.to_dict(), args.batch, context,
@@ -298,7 +218,6 @@ def bench_sampler(name, model, args):
 
 
 def copy_bandwidth(gb=1.0):
-    """Measured device-to-device copy bandwidth, bytes/s (bytes read + written), best of 5."""
     x = torch.empty(int(gb * 2 ** 30), dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     best = float("inf")
@@ -311,14 +230,10 @@ def copy_bandwidth(gb=1.0):
     return 2 * x.numel() / best
 
 def task_prompts(tokenizer, n):
-    """n toy-task prompts as token ids (data.toy_problems, formatted as in training)."""
     return [prompt_ids(tokenizer, p["prompt"]) for p in toy_problems(n, 0)]
 
 
 def time_ours_task(model, prompts, eos_id, max_new, slots):
-    """(seconds, tokens): every prompt through generate.generate's `slots` rows, each sample ending
-    at eos or max_new tokens; a finished row is refilled with the next prompt (continuous
-    batching)."""
     sync(model.device)
     t0 = time.perf_counter()
     out = generate(model, prompts, eos_id=eos_id, think_end=[-2], interrupt_ids=[],
@@ -329,9 +244,8 @@ def time_ours_task(model, prompts, eos_id, max_new, slots):
 
 
 def time_hf_task(model, prompts, eos_id, max_new, batch):
-    """(seconds, tokens): the same prompts through model.generate, `batch` at a time (left-padded,
-    as model.generate needs); tokens counted up to and including each row's first eos, as ours."""
-    batches = []  # padding is done before the clock starts (ours gets token ids too)
+    """-> (seconds, tokens up to each row's eos, as ours)."""
+    batches = []  # pad before the clock
     for a in range(0, len(prompts), batch):
         part = prompts[a:a + batch]
         width = max(map(len, part))
@@ -352,14 +266,13 @@ def time_hf_task(model, prompts, eos_id, max_new, batch):
 
 
 def bench_sampler_task(model, args):
-    """Figure 1b: the toy task's own completions, whose lengths vary: our continuous batching
-    against model.generate's fixed batches (each runs until its longest row ends)."""
+    """Figure 1b: toy completions, whose lengths vary."""
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
     prompts, eos_id = task_prompts(tokenizer, args.task_prompts), tokenizer.eos_token_id
-    time_ours_task(model, prompts[:2], eos_id, 2, 2)  # warm-up both paths
+    time_ours_task(model, prompts[:2], eos_id, 2, 2)
     time_hf_task(model, prompts[:2], eos_id, 2, 2)
     ours, hf = [], []
-    for _ in range(args.repeats):  # alternate, so both see the same machine load
+    for _ in range(args.repeats):
         ours.append(time_ours_task(model, prompts, eos_id, args.task_new_tokens, args.batch))
         hf.append(time_hf_task(model, prompts, eos_id, args.task_new_tokens, args.batch))
     r = {"model": "toy", "prompts": len(prompts), "batch": args.batch,
@@ -375,20 +288,16 @@ def bench_sampler_task(model, args):
     return r
 
 # -----------------------------------------------------------------------------
-# figure 2: the trainer's loss forward+backward, chunked against naive log-probs
+# figure 2: trainer
 
 
 def naive_logprobs(model, ids, attention_mask):
-    """The textbook path: every position's logits at once, (N, T, V) float32, then log_softmax and
-    gather."""
-    # (N, T-1, V)
+    """Every position's float32 logits at once, then log_softmax."""
     logits = model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, T-1)
+    return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
 def loss_step(model, ids, path, chunk):
-    """One on-policy CISPO forward+backward on ids (N, T) -> the trainer log-probs (N, T-1),
-    detached."""
     attn = torch.ones_like(ids)
     if path == "naive":
         logp = naive_logprobs(model, ids, attn)
@@ -399,10 +308,9 @@ def loss_step(model, ids, path, chunk):
 
 
 def cispo_backward(logp):
-    """The on-policy CISPO loss of log-probs (N, T-1) with random advantages, two samples per
-    prompt; backward."""
+    """On-policy CISPO with random advantages, backward."""
     N = logp.size(0)
-    adv = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(logp.device)  # (N,)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(logp.device)
     group = torch.arange(N, device=logp.device) // 2
     loss = policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), group)
     loss.backward()
@@ -410,11 +318,10 @@ def cispo_backward(logp):
 
 
 def bench_trainer_speed(name, model, args):
-    # (N, T)
     ids = random_ids(args.train_seqs, args.train_len, model.config.vocab_size, 2, args.device)
     model.train()
     times = []
-    for _ in range(args.repeats + 1):  # the first run warms up
+    for _ in range(args.repeats + 1):
         sync(args.device)
         t0 = time.perf_counter()
         loss_step(model, ids, "chunked", args.chunk)
@@ -430,22 +337,21 @@ def bench_trainer_speed(name, model, args):
 
 
 def memory_now(device):
-    """Bytes in use now, and a reset of the peak counter: CUDA allocator, or process RSS (Linux)."""
+    """Bytes in use now; the peak counter reset."""
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
-    # glibc: from now on blocks >= 64 KB are mmapped and unmapped on free, so RSS follows the live
-    # tensors
+    # glibc: mmap blocks >= 64 KB, so RSS follows live tensors
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     except (OSError, AttributeError):
-        pass  # not glibc: freed blocks may stay in the heap and count as used
+        pass  # not glibc
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            f.write("5")  # resets VmHWM
     except OSError:
-        pass  # not allowed here: the peak then also counts the set-up
+        pass  # the peak then counts the set-up too
     return _proc_status("VmRSS")
 
 
@@ -462,12 +368,11 @@ def _proc_status(field):
 
 
 def memory_worker(path, vocab, seqs, length, chunk, device, dtype):
-    """Run in a fresh process: one loss forward+backward -> peak extra bytes, seconds, log-probs, a
-    grad."""
+    """One loss forward+backward, in a fresh process."""
     config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True)
     model = qwen2_model(config, device, dtype).train()
-    ids = random_ids(seqs, length, vocab, 3, device)  # (N, T)
+    ids = random_ids(seqs, length, vocab, 3, device)
     before = memory_now(device)
     t0 = time.perf_counter()
     logp = loss_step(model, ids, path, chunk)
@@ -479,7 +384,6 @@ def memory_worker(path, vocab, seqs, length, chunk, device, dtype):
 
 
 def in_fresh_process(fn, *args):
-    """fn(*args) in a new spawned interpreter: its memory peak is its own."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
 
@@ -507,8 +411,6 @@ def bench_trainer_memory(args):
 
 
 def paper_scale_logits(vocab=151936, seqs=768, length=4096, chunk=128):
-    """Arithmetic: the float32 logits of a paper-size batch (768 x 4k tokens) at once, against one
-    chunk."""
     r = {"vocab": vocab, "seqs": seqs, "len": length, "chunk": chunk,
          "naive_gb": seqs * length * vocab * 4 / 1e9, "naive_per_seq_gb": length * vocab * 4 / 1e9,
          "chunk_per_seq_gb": chunk * vocab * 4 / 1e9}
@@ -519,7 +421,7 @@ def paper_scale_logits(vocab=151936, seqs=768, length=4096, chunk=128):
     return r
 
 # -----------------------------------------------------------------------------
-# figure 3: weight broadcast between two processes
+# figure 3: broadcast
 
 
 def free_port():
@@ -529,14 +431,12 @@ def free_port():
 
 
 def broadcast_worker(rank, port, sizes, repeats, backend, queue):
-    """Rank 0 broadcasts a flat float32 buffer of each size; every repeat's time is the slower
-    rank's."""
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
     for name, numel in sizes:
         buf = torch.ones(numel, dtype=torch.float32, device=device)
-        dist.broadcast(buf, 0)  # warm-up: connection set-up
+        dist.broadcast(buf, 0)
         times = []
         for _ in range(repeats):
             dist.barrier()
@@ -575,22 +475,19 @@ def bench_broadcast(args, models):
     return out
 
 # -----------------------------------------------------------------------------
-# figure 4: generator against trainer log-probs of the same sampled tokens
+# figure 4: log-prob agreement
 
 
 @torch.no_grad()
 def logprob_agreement(model, seqs, prompt_len, new_tokens, fp32_head):
-    """Sample with generate(), recompute with sequence_logprobs -> (mean |diff|, max |diff|) over
-    sampled tokens."""
-    ids = random_ids(seqs, prompt_len, model.config.vocab_size, 4, model.device)  # (N, P)
+    """-> (mean, max) |generator - trainer log-prob|."""
+    ids = random_ids(seqs, prompt_len, model.config.vocab_size, 4, model.device)
     out = generate(model, ids.tolist(), eos_id=-1, think_end=[-2], interrupt_ids=[],
                    think_budget=new_tokens, answer_budget=0, interrupt=False, slots=seqs,
                    temperature=1.0, fp32_head=fp32_head)
-    # (N, P + C)
     full = torch.cat([ids, torch.tensor([s.tokens for s in out], device=ids.device)], 1)
     trainer = sequence_logprobs(model, full, torch.ones_like(full),
-                                fp32_head=fp32_head)[:, prompt_len - 1:]  # (N, C)
-    # (N, C): every token sampled (mask 1)
+                                fp32_head=fp32_head)[:, prompt_len - 1:]
     gen_logp = torch.tensor([s.logps for s in out], device=ids.device)
     diff = (trainer.float() - gen_logp).abs()
     return diff.mean().item(), diff.max().item()
@@ -611,7 +508,7 @@ def bench_agreement(name, model, args):
     return out
 
 # -----------------------------------------------------------------------------
-# pipeline busy fractions (filled in with pipeline.py)
+# figure 6: pipeline
 
 
 PIPELINE_RUNS = (("one process", 1, []), ("sync", 2, ["--mode", "sync"]),
@@ -620,10 +517,7 @@ PIPELINE_RUNS = (("one process", 1, []), ("sync", 2, ["--mode", "sync"]),
 
 
 def bench_pipeline(args):
-    """train.py on the embedded default, one process and then 2 ranks (1 generator + 1 trainer) in
-    each mode: training wall-clock (evals excluded) until the held-out pass rate first reaches
-    --target, and the generator's and trainer's busy fractions (step-time weighted means over the
-    run)."""
+    """train.py in each mode: wall-clock to --target, busy fractions."""
     import tempfile
     rows, root = [], os.path.dirname(os.path.abspath(__file__))
     for name, world, flags in PIPELINE_RUNS:
@@ -662,21 +556,19 @@ def bench_pipeline(args):
     return rows
 
 # -----------------------------------------------------------------------------
-# figure 5: roofline arithmetic of decoding (not measured)
+# figure 5: roofline
 
 
 def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_head=True,
                     bytes_per_weight=2, quiet=True):
-    """Upper bound on decode tokens/s when every step reads all weights and the whole KV cache from
-    HBM."""
+    """Decode tokens/s if each step reads all weights and KV from HBM."""
     c = config
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     embed = c["vocab_size"] * c["hidden_size"]
     per_layer = (c["hidden_size"] * head_dim
                  * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
                  + 3 * c["hidden_size"] * c["intermediate_size"])
-    body = c["num_hidden_layers"] * per_layer  # norms and biases ignored
-    # the LM head is read every step; the embedding is a gather
+    body = c["num_hidden_layers"] * per_layer
     head_bytes = embed * (4 if fp32_head else bytes_per_weight)
     weight_bytes = body * bytes_per_weight + head_bytes
     kv_bytes = (batch * context * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim
@@ -693,20 +585,18 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
     return r
 
 # -----------------------------------------------------------------------------
-# figure efficiency, the sampler's part: KV bytes a decode step reads, kernels it launches
+# figure efficiency
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the ATen ops dispatched under it but views (each a kernel or more on a GPU)."""
     n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view  # a view launches nothing
+        self.n += not func.is_view
         return func(*args, **(kwargs or {}))
 
 
 def ops_per_step(dec, rows, lens):
-    """ATen ops of one eager decode step of rows 0..rows-1 at lengths lens (2 layers here)."""
     plan = dec.plan(rows, lens.tolist())
     with OpCounter() as count:
         dec._step(rows, plan, dec.off[:rows])
@@ -714,11 +604,8 @@ def ops_per_step(dec, rows, lens):
 
 
 def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
-    """One decode step of `rows` rows at mixed lengths (uniform over 64..max_len: rows in flight at
-    a random step of continuous batching) -> {decode_kv_read_ratio: KV bytes its attention reads /
-    bytes of the rows' own keys (`_masked`: every row over the longest row's bucket, the step
-    before), decode_ops_per_step: ATen ops of one step of a 2-layer model}; on CUDA also
-    decode_kernels_per_step (profiler, eager steps of the --size model)."""
+    """KV bytes a decode step at mixed lengths reads over the rows' own keys (also with the masked
+    kernel), and its ops."""
     device, dtype = args.device, DTYPES[args.dtype]
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
@@ -728,7 +615,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
         dec = Decoder(model, rows, max_len, steps + 1, eos_id=-1, think_end=[-2],
                       interrupt_ids=[], think_budget=max_len, answer_budget=0, interrupt=False,
                       temperature=1.0, fp32_head=False, seed=0, version=0, graphs=False)
-        dec.pos.copy_(lens - 1)  # the cache's contents play no part in what is read
+        dec.pos.copy_(lens - 1)  # what is read depends on lengths alone
         for r, n in enumerate(lens.tolist()):  # each row its own blocks, as in a real step
             dec.reserve(r, n)
         dec._tables()
@@ -738,14 +625,14 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     dec, read, sdpa = decoder(model), [0], torch.nn.functional.scaled_dot_product_attention
     per_token = kv_bytes_per_token(model.config, dtype) // model.config.num_hidden_layers
 
-    def counted(q, k, v, **kw):  # the decode step's keys and values, as SDPA is handed them
+    def counted(q, k, v, **kw):
         read[0] += k.numel() * k.element_size() + v.numel() * v.element_size()
         return sdpa(q, k, v, **kw)
     out = {}
     for kernel in (dec.kernel, "masked"):
         dec.kernel, read[0] = kernel, 0
         plan = dec.plan(rows, lens.tolist())
-        if kernel in ("flash", "varlen"):  # no SDPA call: each row's keys, in tiles of 128
+        if kernel in ("flash", "varlen"):  # tiles of 128 keys
             read[0] = int(((lens + 127) // 128 * 128).sum()) * per_token * 2
         else:
             torch.nn.functional.scaled_dot_product_attention = counted
@@ -759,7 +646,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
         out.setdefault("decode_kernel", kernel)
     dec.kernel = out["decode_kernel"]
     out["decode_ops_per_step"] = ops_per_step(dec, rows, lens)
-    if device == "cuda":  # kernels a step launches, eager (a graph replays the same ones)
+    if device == "cuda":
         dec = decoder(qwen2_model(SIZES[args.size], device, dtype))
         plan = dec.plan(rows, lens.tolist())
         dec._step(rows, plan, dec.off[:rows])
@@ -775,14 +662,11 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     return out
 
 # -----------------------------------------------------------------------------
-# figure 7: FSDP2 trainers under a memory cap
+# figure 7: FSDP2 under a memory cap
 
 
 def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
-    """One trainer rank: a random-weight Qwen2 model, AdamW, --fsdp_steps CISPO steps on random
-    tokens. world 1: unsharded; world > 1: FSDP2 over the ranks (pipeline.shard_trainer, as train.py
-    --fsdp). cap_bytes: RLIMIT_DATA = the process's data size before the model is built + cap_bytes
-    (0: no cap)."""
+    """One trainer rank, unsharded or FSDP2, under RLIMIT_DATA (cap_bytes)."""
     import resource
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     if world > 1:
@@ -811,7 +695,7 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
             opt.step()
             opt.zero_grad(set_to_none=True)
         result["ok"] = True
-    except RuntimeError as err:  # the allocator's "can't allocate memory" under the cap
+    except RuntimeError as err:
         result["ok"], result["error"] = False, str(err).splitlines()[0][:160]
     result["peak_bytes"] = memory_peak("cpu") - rss0
     queue.put(result)
@@ -829,9 +713,7 @@ def run_fsdp(world, config, cap_bytes, args):
 
 
 def bench_fsdp(args):
-    """Uncapped, the peak memory of one unsharded trainer and of each of 2 FSDP2 trainers; then both
-    again with every process capped halfway between the two peaks: the unsharded trainer cannot
-    allocate, the sharded ones train."""
+    """Peaks of one unsharded and two FSDP2 trainers; then capped halfway."""
     config = SIZES[args.fsdp_size]
     free = {}
     for world in (1, 2):
@@ -854,44 +736,35 @@ def bench_fsdp(args):
     return out
 
 # -----------------------------------------------------------------------------
-# memory: what the trainer's forward saves for its backward, measured, and the memory plan of real
-# shapes (pipeline.memory_plan) checked against it
+# figure memory
 
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "configs")
 PLAN_SHAPES = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Qwen3-0.6B")
-# one 8 x 80 GB node (taken as 80e9 bytes each), 6 generators and 2 FSDP2 trainers, 16 prompts x 16
-# samples, prompts of up to 512 tokens, 7,168 thinking + 1,024 answer tokens (8k), bf16
+# one 8 x 80 GB node, 16 x 16 x 8k
 NODE_RUN = dict(prompts=16, samples=16, prompt_len=512, think_budget=7168, answer_budget=1024,
                 phrase_len=20, micro_tokens=8192, fsdp=True, trainers=2, generators=6)
 
 
 def recipe_run(recipe, **sizes):
-    """A run's sizes for the memory plan as train.RECIPES[recipe] sets them (prompts of up to 512
-    tokens, a 20-token interruption phrase, 8,192 tokens per micro-batch)."""
     r = train.RECIPES[recipe]
     return dict(prompts=r["prompts"], samples=r["samples"], prompt_len=512,
                 think_budget=r["think_budget"], answer_budget=r["answer_budget"], phrase_len=20,
                 micro_tokens=8192, **sizes)
 
 
-# the README's real-model commands: Qwen3-0.6B with --recipe one_gpu, one process on one 80 GB GPU;
-# Qwen2.5-7B with the paper's recipe on one 8 x 80 GB node (2 FSDP2 trainers, 6 generators)
+# the README's real-model commands
 README_RUN = recipe_run("one_gpu")
 README_NODE_RUN = recipe_run("paper", fsdp=True, trainers=2, generators=6)
 
 
 def shape_config(name, **changes):
-    """A published model's config (fixtures/configs/NAME.json, its config.json), with changes."""
     with open(os.path.join(CONFIGS, f"{name}.json")) as f:
         return AutoConfig.for_model(**{**json.load(f), **changes})
 
 
 def saved_bytes(fn, model):
-    """fn() under torch.autograd.graph.saved_tensors_hooks -> (bytes of the distinct storages its
-    forward saves for the backward, fn's result). Views of one storage count once, the model's
-    parameters not at all. A checkpointed region's own tensors are not seen (the checkpoint's
-    hooks take them and recompute them in the backward); what it keeps to recompute from is."""
+    """fn() -> (bytes saved for the backward, parameters excluded; its result)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
@@ -906,9 +779,6 @@ def saved_bytes(fn, model):
 
 
 def saved_bytes_per_token(model, lengths=(32, 64), **kw):
-    """Bytes per token that the trainer's forward (generate.sequence_logprobs, kw its keywords)
-    saves for one row: the difference between two lengths, so that what does not grow with the
-    tokens (the float32 head's copy of the head weight) drops out."""
     device, vocab = model.device, model.config.vocab_size
     sizes = [saved_bytes(lambda: sequence_logprobs(model, random_ids(1, n, vocab, n, device),
                                                    **kw), model)[0] for n in lengths]
@@ -916,10 +786,7 @@ def saved_bytes_per_token(model, lengths=(32, 64), **kw):
 
 
 def saved_by_part(model, **kw):
-    """What the trainer's forward saves per token -> {"layer": per decoder layer, "rest": outside
-    the layers (embedding, head, rotary tables)}: the difference between the model and the model
-    with its first layer alone. The hooks see the forward only, so a checkpointed layer counts
-    what it keeps, not its recompute in the backward."""
+    """Saved bytes per token -> {layer, rest}."""
     inner, whole = model.model, saved_bytes_per_token(model, **kw)
     layers = inner.layers
     inner.layers = layers[:1]
@@ -932,12 +799,10 @@ def saved_by_part(model, **kw):
 
 
 def two_layer_model(name, dtype=torch.bfloat16, **changes):
-    """A model of a published shape, 2 decoder layers (its width, heads, MLP), its weights zero: the
-    figures count bytes, not values, and a random init (twice: torch's, then transformers') took
-    4.7 CPU-s of a 0.6B shape's 155M-entry embedding."""
+    """A published shape, 2 layers, zero weights (random init is slow)."""
     try:
         from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4
+    except ImportError:
         from transformers.modeling_utils import no_init_weights
     config = shape_config(name, num_hidden_layers=2, **changes)
     with no_init_weights():
@@ -949,15 +814,10 @@ def two_layer_model(name, dtype=torch.bfloat16, **changes):
 
 
 def measured_figures(name):
-    """The plan's per-token and per-parameter figures of a shape, planned and measured on CPU: the
-    bytes saved per token per layer, checkpointed (the default above generate.CHECKPOINT_ABOVE
-    layers) and not (the layer being recomputed), and outside the layers (a 2-layer bf16 model of
-    the shape); KV-cache bytes per token (a Decoder's cache); weights, float32 master, AdamW state
-    and gradient bytes per parameter (one step on a 2-layer model with a 4,096-token vocab).
-    -> {figure: (planned, measured)}."""
+    """-> {figure: (planned, measured)} of a shape."""
     full = shape_config(name)
-    s, model = pipeline.plan_shape(full), two_layer_model(name)
-    act = pipeline.plan_activations(s, 2)
+    s, model = plan_shape(full), two_layer_model(name)
+    act = plan_activations(s, 2)
     on, off = saved_by_part(model, checkpoint_layers=True), saved_by_part(model,
                                                                          checkpoint_layers=False)
     dec = Decoder(model, 2, 64, 8, eos_id=0, think_end=[1], interrupt_ids=[2], think_budget=4,
@@ -974,13 +834,11 @@ def measured_figures(name):
 
 
 def optimizer_figures(name):
-    """Bytes per parameter of a replicated bf16 trainer (train.py's master weights: AdamW steps a
-    float32 copy), planned (pipeline.plan_trainer, one trainer) and measured after one step of a
-    2-layer model of the shape with a 4,096-token vocab."""
+    """Bytes per parameter of a replicated bf16 trainer, planned and measured after a step."""
     model = two_layer_model(name, vocab_size=4096, bos_token_id=None, eos_token_id=None)
-    s = pipeline.plan_shape(model.config)
-    n = pipeline.plan_param_count(s)
-    plan = pipeline.plan_trainer(s, 2, 0, True, False, 1)
+    s = plan_shape(model.config)
+    n = plan_param_count(s)
+    plan = plan_trainer(s, 2, 0, True, False, 1)
     master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
     opt = torch.optim.AdamW(master)
     sequence_logprobs(model, random_ids(1, 16, 4096, 0, "cpu")).sum().backward()
@@ -996,8 +854,6 @@ def optimizer_figures(name):
 
 
 def figures_line(name, figures):
-    """One printed line: each planned figure against its measurement, and the worst relative
-    error -> (line, worst)."""
     worst = max(abs(m / p - 1) for p, m in figures.values())
     per_token = " | ".join(f"{k} {p:,.0f} / {m:,.0f}" for k, (p, m) in figures.items()
                            if "parameter" not in k)
@@ -1009,50 +865,44 @@ def figures_line(name, figures):
 
 
 def print_plan(name, config, run):
-    """pipeline.memory_plan of one configuration, printed -> the plan."""
-    plan = pipeline.memory_plan(config, run)
+    plan = memory_plan(config, run)
     print(f"memory | {name}")
-    print("\n".join(pipeline.plan_lines(plan, run, config.max_position_embeddings)), flush=True)
+    print("\n".join(plan_lines(plan, run, config.max_position_embeddings)), flush=True)
     return plan
 
 
 def bench_memory_plan(args):
-    """The memory plan (pipeline.memory_plan) of Qwen2.5-0.5B, 1.5B, 7B and Qwen3-0.6B on one
-    8 x 80 GB node (NODE_RUN) and of the README's two real-model commands (README_RUN,
-    README_NODE_RUN), each shape's
-    per-token figures checked against measurements on CPU (measured_figures) within 10%; the 7B
-    trainers also at 32,768 tokens per micro-batch."""
+    """Memory plans of real shapes, checked against measurements."""
     out = {}
     for name in PLAN_SHAPES:
         figures = measured_figures(name)
         line, worst = figures_line(name, figures)
         print(line, flush=True)
         plan = print_plan(f"{name}, 16 x 16 x 8k on 8 x 80 GB: 6 generators, 2 FSDP2 trainers",
-                          shape_config(name), pipeline.PlanRun(**NODE_RUN))
+                          shape_config(name), PlanRun(**NODE_RUN))
         out[name] = {"saved_bytes_per_token_layer": figures["saved_checkpointed_layer"][1],
                      "figures": figures, "worst_error": worst, "sequences": plan["sequences"],
                      "roles": plan["roles"]}
     wide = print_plan("Qwen2.5-7B at 32768 tokens per micro-batch", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
+                      PlanRun(**{**NODE_RUN, "micro_tokens": 32768}))
     readme = print_plan("the README's Qwen3-0.6B command (--recipe one_gpu), one process on one "
-                        "80 GB GPU", shape_config("Qwen3-0.6B"), pipeline.PlanRun(**README_RUN))
+                        "80 GB GPU", shape_config("Qwen3-0.6B"), PlanRun(**README_RUN))
     node = print_plan("the README's 8-GPU command: Qwen2.5-7B, the paper's recipe, 6 generators, 2 "
                       "FSDP2 trainers", shape_config("Qwen2.5-7B"),
-                      pipeline.PlanRun(**README_NODE_RUN))
+                      PlanRun(**README_NODE_RUN))
     return out | {"Qwen2.5-7B micro_tokens 32768": wide["roles"], "readme": readme["roles"],
                   "readme_node": node["roles"]}
 
 
 # -----------------------------------------------------------------------------
+# figure plan_rss
 
 
-# a real model's shape in small on CPU (the paper's recipe: a 14k-token cache per sequence)
 RSS_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=32000, tie_word_embeddings=True)
 
 
 def peak_rss(cmd, seconds):
-    """Run cmd for `seconds` (then stop it) -> (its peak RSS in bytes, VmHWM, its output)."""
     proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     peak, t0 = 0, time.time()
@@ -1065,9 +915,7 @@ def peak_rss(cmd, seconds):
 
 
 def bench_plan_rss(args, seconds=40):
-    """The printed memory plan against the peak RSS of the run on CPU: a random Qwen2 of RSS_SHAPE
-    with the toy tokenizer under the paper's recipe, --eval_only (20 prompts x 16) and a training
-    run's first 40 s (its step-0 eval), each in a fresh process."""
+    """The printed memory plan against the run's peak RSS on CPU."""
     import tempfile
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -1089,25 +937,21 @@ def bench_plan_rss(args, seconds=40):
 
 
 # -----------------------------------------------------------------------------
-# figure "stability": PipelineRL-8 at its worst case, seed by seed
+# figure stability
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HOG = [sys.executable, "-c", "while True: pass"]  # a CPU-bound process
+HOG = [sys.executable, "-c", "while True: pass"]
 
 
-# the toy-hard preset: the task of the fifth study design, on which section 6's toy-hard rows were
-# measured (chains of 2 to 4 operations, a 32-token thinking budget, 200 steps), kept as it was
-# when the study moved to 2 to 6 operations, so that those rows can be run again
+# toy-hard: the fifth study design's task
 HARD_OPS, HARD_STEPS = 4, 200
 HARD_FLAGS = ["--think_budget", "32", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
               "--save_every", "0"]
 
 
 def stability_flags(args, folder):
-    """train.py's flags for the preset: the default run's (toy), the study's runs' (study: its
-    problems, steps and study.TASK), or toy-hard at the fifth study design's settings (HARD_*);
-    the loss at train.py's defaults in all three."""
+    """train.py's flags of the preset: toy, study or toy-hard."""
     if args.stability_preset == "toy":
         return []
     if args.stability_preset == "study":
@@ -1118,8 +962,7 @@ def stability_flags(args, folder):
 
 
 def stability_run(cmd, out, hogs=()):
-    """Run one train.py command (output to out.log) with `hogs` running beside it -> its metrics
-    records and the steps its warnings fired at."""
+    """-> (metrics records, steps warned at)."""
     beside = [subprocess.Popen(h, stdout=subprocess.DEVNULL) for h in hogs]
     try:
         with open(out + ".log", "w") as log:
@@ -1136,9 +979,7 @@ def stability_run(cmd, out, hogs=()):
 
 
 def stability_seed(args, seed, folder, flags):
-    """One seed: its one-process run (in the preset's folder, shared by the loads; reused when
-    finished: it is deterministic) and its torchrun run under --stability_load -> the row of the
-    table."""
+    """One-process (reused) and torchrun runs of a seed -> its row."""
     one = os.path.join(folder.replace(f"-{args.stability_load}", "-one", 1), f"one-s{seed}")
     common = ["--seed", str(seed), "--overwrite", *flags, *args.stability_flags.split()]
     if not os.path.exists(os.path.join(one, "metrics.jsonl")) or not any(
@@ -1161,19 +1002,13 @@ def stability_seed(args, seed, folder, flags):
 
 
 def train_steps(out):
-    """The --steps of the run in `out` (its config line)."""
     return next(r["steps"] for _, r in read_jsonl(os.path.join(out, "metrics.jsonl"))
                 if r.get("kind") == "config")
 
 
 def stability_row(seed, one, ranks, warned):
-    """A seed's row: finals, the lowest held-out after step 30, the largest fall of the held-out
-    pass rate below its best so far, the lag the run saw (mean over the steps that trained, and
-    the share of them at the largest lag), its largest truncation and forget, the warnings' steps;
-    whether it fell (more than train.HELD_OUT_DROP_ALARM below its best: a collapse, or the start
-    of one) and whether it held by the criterion fixed before the runs (its final at least the
-    one-process final - 0.03, and no eval after step 30 under 0.6): a run that learns more
-    slowly than its counterpart without falling does not hold."""
+    """A seed's row. Fell: more than train.HELD_OUT_DROP_ALARM below its best. Held: final >= one-
+    process final - 0.03, nothing under 0.6 after step 30."""
     evals = lambda rs: [r for r in rs if r["kind"] == "eval"]
     steps = [r for r in ranks if r["kind"] == "train" and r["kept_prompts"]]
     after = [r["pass_rate"] for r in evals(ranks) if r["step"] > 30]
@@ -1193,7 +1028,7 @@ def stability_row(seed, one, ranks, warned):
 
 
 def bench_stability(args):
-    """PipelineRL-8 against its one-process counterpart, seed by seed (module docstring)."""
+    """PipelineRL-8 against one process, seed by seed."""
     folder = os.path.join(args.stability_dir, f"{args.stability_preset}-{args.stability_load}"
                           + "".join(args.stability_flags.split()).replace("--", "-"))
     os.makedirs(folder, exist_ok=True)
@@ -1215,11 +1050,11 @@ def bench_stability(args):
 
 
 # -----------------------------------------------------------------------------
-# figure "replay": what moved a collapsing run, from its checkpoints
+# figure replay
 
 
 def replay_load(run, step, args):
-    """A checkpoint of the run -> (model, its AdamW second moments, bias-corrected, and lr)."""
+    """-> (model, bias-corrected AdamW second moments, lr, eps)."""
     path = os.path.join(run, f"ckpt-{step:06d}")
     _, model = train.load_model(path, args, torch.device("cpu"))
     opt = torch.load(os.path.join(path, "state.pt"), weights_only=True)["optimizer"]
@@ -1230,19 +1065,17 @@ def replay_load(run, step, args):
 
 
 def answer_start(tokens, think_end):
-    """The position just after the first </think> in tokens, or None."""
     E = len(think_end)
     return next((i + E for i in range(len(tokens) - E + 1) if tokens[i:i + E] == think_end), None)
 
 
 def replay_probe(model, contexts, the, grad=False):
-    """Mean log-odds of `the` after each context (log p - log(1 - p): it does not saturate near
-    p = 1), and its gradient when grad."""
+    """Mean log-odds of `the` after each context."""
     ids, attn, *_ = train.collate([c[:-1] for c in contexts],
                                   [Sample(0, [c[-1], the], [0.0] * 2, [1] * 2, [0] * 2, "eos")
                                    for c in contexts], 0, "cpu")
     with torch.set_grad_enabled(grad):
-        lp = sequence_logprobs(model, ids, attn)  # (N, T-1)
+        lp = sequence_logprobs(model, ids, attn)
         at = torch.tensor([len(c) - 1 for c in contexts])
         val = lp[torch.arange(len(contexts)), at]
         odds = (val - torch.log1p(-val.exp().clamp(max=1 - 1e-7))).mean()
@@ -1254,7 +1087,6 @@ def replay_probe(model, contexts, the, grad=False):
 
 
 def replay_batch(model, version, seed, env):
-    """16 training prompts x 8 samples drawn by `model` (weights `version`) -> train.Batch."""
     tok, args, problems, ids = env
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(problems), 16, replace=False).tolist()
@@ -1272,8 +1104,7 @@ def replay_batch(model, version, seed, env):
 
 
 def replay_terms(model, batch, step, think_end):
-    """Gradients of a batch's loss through chosen tokens only (the loss and its weights are the
-    whole batch's) -> {term: gradients}, and the batch's forget under `model`."""
+    """Gradients through each term's tokens; the forget."""
     rows = batch.rows
     prompts, samples = [batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows]
     ids, attn, mask, gen_logp, _ = train.collate(prompts, samples, 0, "cpu", step)
@@ -1298,7 +1129,7 @@ def replay_terms(model, batch, step, think_end):
 
 
 def bench_replay(args):
-    """What moved a collapsing run (module docstring, figure replay)."""
+    """What moved a collapsing run, from its checkpoints."""
     targs = train.get_args(["--out", os.path.join(args.replay_run, "replay")])
     problems, val = train.load_data(targs)
     steps = [int(x) for x in args.replay_steps.split(",")]
@@ -1307,7 +1138,7 @@ def bench_replay(args):
     think_end = special_tokens(tok)["think_end"]
     val_ids, ids = train.tokenize_prompts(tok, val), train.tokenize_prompts(tok, problems)
     gargs = train.get_args([])
-    gargs.temperature = 0.0  # greedy: the sampler takes it; train.py's flags do not (they sample)
+    gargs.temperature = 0.0  # greedy
     greedy = pipeline.make_sampler(first, tok, gargs, max(map(len, val_ids)))
     greedy = pipeline.sample_all(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
     contexts, nexts = [], []
@@ -1324,8 +1155,7 @@ def bench_replay(args):
 
 
 def replay_step(run, step, env, contexts, the, think_end):
-    """One checkpoint's row of the replay: the probe, the fresh samples, and (when the checkpoint
-    8 steps before exists) the terms' first-order effects, stale against on-policy."""
+    """One checkpoint's row: probe, fresh samples, stale vs on-policy effects."""
     tok, targs, problems, ids = env
     model, v, lr, eps = replay_load(run, step, targs)
     odds, probe_grad = replay_probe(model, contexts, the, grad=True)
@@ -1352,8 +1182,7 @@ def replay_step(run, step, env, contexts, the, think_end):
 
 
 def write_model(args):
-    """A random-weight Qwen2 model folder with the embedded toy tokenizer: train.py --model can load
-    it."""
+    """A random-weight Qwen2 folder with the toy tokenizer, for train.py --model."""
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
     model = qwen2_model(dict(SIZES[args.size], bos_token_id=tokenizer.bos_token_id,
                              eos_token_id=tokenizer.eos_token_id,
@@ -1365,8 +1194,6 @@ def write_model(args):
 
 
 def study_step_lengths(seed=0):
-    """A study step's rows (prompt + completion tokens): its prompts of toy-hard problems (2 to
-    study.MAX_OPS operations) x its samples at its flags, sampled by the embedded toy-hard model."""
     path = toy_model_dir(preset="toy-hard")
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     args = train.get_args(["--model", path, "--seed", str(seed), *study.TASK])
@@ -1380,10 +1207,7 @@ def study_step_lengths(seed=0):
 
 
 def budget_8k_lengths(seed=0, prompts=8, samples=16, think=7168, answer=1024):
-    """Rows of an 8k-budget step shaped like BENCHMARKS section 5's (8 prompts x 16 samples, 7,168
-    thinking + 1,024 answer tokens): prompts of 50-400 tokens; half the samples end at an eos
-    anywhere, half are interrupted in the last sixth of the thinking budget and answer in up to
-    the answer budget (a made-up mix, seeded)."""
+    """A made-up, seeded mix."""
     rng = np.random.default_rng(seed)
     lengths = []
     for _ in range(prompts):
@@ -1396,11 +1220,8 @@ def budget_8k_lengths(seed=0, prompts=8, samples=16, think=7168, answer=1024):
 
 
 def efficiency_trainer(micro_tokens=8192):
-    """trainer_token_efficiency: real tokens / tokens the trainer's decoder layers compute, counted
-    at the first layer's input over a step's micro-batches (train.micro_batches, train.pack,
-    packed_logprobs on a meta-device model: shapes, no arithmetic), for the study's step
-    and an 8k-budget one; *_padded: right-padded micro-batches (rows x the longest within
-    micro_tokens, longest first), as before packing."""
+    """Real tokens / tokens the layers compute, packed (meta device, shapes only) and right-padded.
+    """
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape_config("Qwen2.5-0.5B",
                                                               num_hidden_layers=1))
@@ -1416,7 +1237,7 @@ def efficiency_trainer(micro_tokens=8192):
                 ids = torch.zeros(sum(lengths[i] for i in part), dtype=torch.long, device="meta")
                 packed_logprobs(model, ids, [lengths[i] for i in part])
         rows, padded = sorted(lengths, reverse=True), 0
-        while rows:  # the padded rule: a micro-batch takes rows while rows x its longest fit
+        while rows:
             n = max(1, min(len(rows), micro_tokens // rows[0]))
             padded, rows = padded + n * rows[0], rows[n:]
         out[f"trainer_token_efficiency_{name}"] = sum(lengths) / sum(computed)
@@ -1431,7 +1252,7 @@ def efficiency_trainer(micro_tokens=8192):
 
 
 def main(args):
-    hf_logging.disable_progress_bar()  # the figures' lines only (no "Loading weights" bars)
+    hf_logging.disable_progress_bar()  # no progress bars
     if args.write_model:
         return write_model(args)
     t_start = time.perf_counter()

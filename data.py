@@ -1,62 +1,13 @@
 """
-data.py: problems in, prompts out, and the curriculum that picks them (arXiv 2510.13786: the
-reward and data of section 2, the curriculum of section 3.2).
+data.py: problems in, prompts out, and the curriculum that picks them (paper sections 2, 3.2).
 
-- read_jsonl(path): the (line number, JSON object) pairs of a jsonl file; a regular file only (a
-  FIFO or a device is refused at once, not read), lines up to 16 MiB; every error names FILE:LINE,
-  JSON nested too deeply and integers of more digits than Python converts included
-  (load_problems and fit.py's load_run read with it).
-- load_problems(path): jsonl in the layouts users have -> [{"prompt": str, "answer": str,
-  "domain": "math"}, ...]
-    problem + answer   (Polaris, DeepScaleR, MATH-500)
-    question + answer  (GSM8K: the answer is what follows the last "####")
-    problem + solution (MATH: the answer is the solution's last \\boxed{})
-    prompt + answer
-    prompt + tests     (code: {"inputs": [...], "outputs": [...]} stdin/stdout pairs as in
-                        TACO/APPS/DeepCoder, or asserts as in MBPP) -> {"prompt", "tests",
-                        "domain": "code"}, scored by sandbox.score_code; fixtures/code_toy.jsonl
-                        has 20 tiny ones; a sample runs a problem's first 32 stdin cases
-                        (sandbox.CODE_MAX_CASES), so only those are kept. An explicit "domain"
-                        ("math" or "code") is honoured.
-  One line on stderr each counts the duplicate prompts skipped, the gold answers no response can
-  match (verify.never_matched: kept, they score -1) and the code problems cut to 32 cases.
-- problems_of_records: the mapping itself, for jsonl lines and Hugging Face dataset rows alike.
-- The Hugging Face Hub, through its standard caches (nothing here works around them):
-  resolve_model("Qwen/Qwen3-0.6B") -> a local folder (huggingface_hub.snapshot_download; a local
-  folder is returned as is); load_source_problems("openai/gsm8k:main:test") -> problems
-  (datasets.load_dataset, syntax owner/name[:config[:split]]; an existing path is a jsonl file).
-  Failures: one line saying what to do (a dataset's configs where it has several). A Hub that does
-  not answer within 3 s is taken as offline (hub_unreachable): cached ids load, others fail then.
-- format_prompt(tokenizer, problem): the tokenizer's chat template when it has one (rendered once,
-  under a time limit: a template is the model folder's code), a plain template otherwise; both ask
-  for reasoning inside <think></think> and the final answer in \\boxed{}.
-  prompt_ids(tokenizer, problem): its token ids, with one BOS (a template writes its own);
-  prompts_ids: many at once.
-- special_tokens(tokenizer, model): the sampler's token ids (every eos id, "</think>",
-  INTERRUPT_PHRASE) as keyword arguments of generate.sampler / generate.generate;
-  completion_text(tokenizer, sample): a sample's text without its final eos.
-- split_problems: the seeded held-out validation split.
-- Curriculum: epochs over the training prompts, the per-prompt pass-rate history and
-  No-Positive-Resampling (a prompt whose pass rate reaches 0.9 is never sampled again).
-- The embedded default: a synthetic multi-step arithmetic task with graded difficulty (1 to 4
-  operations) and a tiny base model for it: a 0.34M-parameter Llama decoder with a byte-level BPE
-  tokenizer trained on the task, in which each number is one token. It is cold-started by a short
-  supervised warm-up on traces in the exact `<think>...</think> The answer is \\boxed{..}.` format.
-  In the warm-up traces an arithmetic step slips 3% of the time and the boxed answer is wrong 70% of
-  the time (a near miss or an intermediate number), so the base model knows the arithmetic (its
-  greedy answer is right ~60% of the time) but samples a right final answer only ~28% of the time:
-  RL has room to climb. One trace in five re-checks its work, which makes it long enough to be
-  interrupted: RL also learns to stop rambling. It ships in toy_model/ (1.4 MB: its warm-up needs
-  about 3 minutes on 2 cores, too long to run on first use) and `python data.py --build` remakes it
-  from fixed seeds. It is an ordinary Hugging Face folder loaded with from_pretrained: no toy-only
-  code path. A second preset, toy-hard (`--data toy-hard`, PRESETS), is the miniature study's task:
-  longer chains over a larger table, with its own base model in toy_model_hard/ built the same way.
+Start at load_source_problems (jsonl or a Hub dataset -> math or code problems), then
+format_prompt, score_samples and Curriculum (No-Positive-Resampling). The toy task's base model,
+a 0.34M-parameter Llama, ships in toy_model/.
 
-    python data.py                       # print the toy model's folder and a few toy problems
-    python data.py --build               # remake the shipped toy model (about 3 minutes on 2 cores)
-    python data.py --build toy-hard      # remake toy-hard's base model (about 6 minutes)
-    python data.py fixtures/gsm8k_test_sample.jsonl  # load a file, print counts and one example
-    python data.py openai/gsm8k:main:test  # a Hugging Face dataset (pip install datasets; cached)
+    python data.py                     # the toy model's folder and a few toy problems
+    python data.py --build [toy-hard]  # remake a shipped base model from fixed seeds
+    python data.py FILE_OR_HUB_ID      # load problems, print the count and the first
 """
 
 import contextlib
@@ -67,45 +18,38 @@ import json
 import math
 import os
 import random
-import re
 import select
 import shutil
 import signal
 import stat
 import sys
-import threading
 import time
 import weakref
 
+from hub import hub_dataset_spec, load_records, one_line, resolve_model  # noqa: F401
 from sandbox import CODE_MAX_CASES, split_asserts
 from verify import last_boxed, never_matched, prompt_opens_think, reward, score_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# shipped in the repo (1.4 MB); `python data.py --build` remakes it
 TOY_DIR = os.path.join(HERE, "toy_model")
-# `--build toy-hard` remakes that one
 TOY_DIRS = {"toy": TOY_DIR, "toy-hard": os.path.join(HERE, "toy_model_hard")}
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
 CODE_INSTRUCTION = ("Think inside <think> </think>, then answer with a Python program in a "
                     "```python block.")
-# forced in by the sampler at a sample's interruption point (generate.py; the paper's interruptions,
-# section 3.2); it ends the thought
+# forced in at an interruption (paper 3.2)
 INTERRUPT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a final answer now. "
                     "</think>")
-# the longest line read_jsonl reads (one record: a code problem's tests may be megabytes)
-MAX_LINE_BYTES = 16 << 20
-TEMPLATE_SECONDS = 10.0  # a chat template renders once; past this it is refused
-HUB_PROBE_SECONDS = 3.0  # a Hub that has not answered a HEAD request by then is taken as offline
-PROBLEM_MARK = "\ue000problem\ue000"  # where chat_frame's render puts the problem
-_FRAMES = weakref.WeakKeyDictionary()  # tokenizer -> {(template, instruction): (head, tail)}
+MAX_LINE_BYTES = 16 << 20  # code tests may be megabytes
+TEMPLATE_SECONDS = 10.0
+PROBLEM_MARK = "\ue000problem\ue000"
+_FRAMES = weakref.WeakKeyDictionary()
 
 # -----------------------------------------------------------------------------
-# loading real data
+# loading problems
 
 
 def _answer_of(rec, where):
-    """The gold answer of one record, as a non-empty string; `where` is 'file:line' for error
-    messages."""
+    """A record's gold answer (GSM8K: after '####')."""
     if "answer" in rec and rec["answer"] is not None:
         ans = rec["answer"]
         if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
@@ -115,9 +59,9 @@ def _answer_of(rec, where):
             raise ValueError(f"{where}: field 'answer' must be a finite number, got {ans}")
         try:
             ans = str(ans)
-        except ValueError as err:  # an int past Python's limit on digits converted to text
+        except ValueError as err:  # past Python's digit limit
             raise ValueError(f"{where}: field 'answer': {err}") from None
-        gsm8k = "question" in rec and "####" in ans  # GSM8K: worked solution, then '#### 72'
+        gsm8k = "question" in rec and "####" in ans
         if gsm8k:
             ans = ans.rsplit("####", 1)[1]
         if not ans.strip():
@@ -133,9 +77,6 @@ def _answer_of(rec, where):
 
 
 def _tests_of(rec, where):
-    """The tests of a code record, checked: {"inputs": [str], "outputs": [str]} (its first
-    CODE_MAX_CASES cases: a sample runs no more) or asserts (a list of strings or one string), the
-    layouts sandbox.score_code runs."""
     tests = rec["tests"]
     if isinstance(tests, dict):
         inputs, outputs = tests.get("inputs"), tests.get("outputs")
@@ -150,7 +91,6 @@ def _tests_of(rec, where):
         raise ValueError(f"{where}: field 'tests' must be {{'inputs', 'outputs'}}, a list of "
                          "assert strings or one string of asserts")
     try:
-        # the parent evaluates every assert; they must call the solution
         split_asserts("\n".join(asserts))
     except (SyntaxError, ValueError) as err:
         raise ValueError(f"{where}: field 'tests': {err}") from None
@@ -161,7 +101,6 @@ def _tests_of(rec, where):
 
 
 def _problem_of(rec, where, key):
-    """One loaded problem: a math problem (gold answer) or a code problem (tests)."""
     domain = rec.get("domain", "code" if "tests" in rec else "math")
     if domain not in ("math", "code"):
         raise ValueError(f"{where}: field 'domain' must be 'math' or 'code', got {domain!r}")
@@ -173,8 +112,7 @@ def _problem_of(rec, where, key):
 
 
 def open_regular(path):
-    """path opened for reading (binary) when it is a regular file; else OSError saying what it is:
-    a FIFO would wait for a writer forever, a device (/dev/zero) would be read without end."""
+    """path opened if a regular file (a FIFO never ends)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open returns at once
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -186,10 +124,7 @@ def open_regular(path):
 
 
 def read_jsonl(path):
-    """The JSON objects of a jsonl file, one (line number, dict) pair at a time, blank lines
-    skipped. Only a regular file is read (open_regular), a line at most MAX_LINE_BYTES long. A line
-    that is too long, not UTF-8, not JSON (nested too deeply for the parser, a number with more
-    digits than Python converts) or not an object: ValueError 'FILE:LINE: what is wrong'."""
+    """(line number, object) pairs; ValueError 'FILE:LINE: why'."""
     with open_regular(path) as f:
         lineno = 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
@@ -200,8 +135,6 @@ def read_jsonl(path):
 
 
 def _json_line(raw, where):
-    """One line of a jsonl file -> its JSON object, or None for a blank line; ValueError 'WHERE:
-    what is wrong'."""
     if len(raw) > MAX_LINE_BYTES:
         raise ValueError(f"{where}: a line over {MAX_LINE_BYTES >> 20} MiB (one record a line)")
     try:
@@ -211,14 +144,14 @@ def _json_line(raw, where):
                          f"at column {e.start + 1})") from None
     if not line.strip():
         return None
-    try:  # without its newline: an error at the line's end is then on it, not at column 1 after
+    try:  # an error at the end stays on its line
         rec = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at column "
                          f"{e.colno})") from None
     except RecursionError:
         raise ValueError(f"{where}: invalid JSON (nested too deeply)") from None
-    except ValueError as e:  # an integer of more digits than Python converts
+    except ValueError as e:  # past Python's digit limit
         raise ValueError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
@@ -226,20 +159,13 @@ def _json_line(raw, where):
 
 
 def load_problems(path):
-    """Read a jsonl file of problems -> list of {"prompt": str, "answer": str, "domain": "math"} or
-    {"prompt": str, "tests": ..., "domain": "code"}. Blank lines are skipped; a prompt seen before
-    in the file is skipped too (counted, one summary line on stderr). Anything else wrong:
-    ValueError naming file:line and the field."""
+    """A jsonl file -> problems."""
     return problems_of_records(((f"{path}:{lineno}", rec) for lineno, rec in read_jsonl(path)),
                                path)
 
 
 def problems_of_records(records, source):
-    """(where, record dict) pairs, from a jsonl file or a Hugging Face dataset, -> problems in the
-    layouts of the docstring (load_problems). A prompt seen before is skipped; a gold answer the
-    verifier can never match (verify.never_matched) and tests cut to CODE_MAX_CASES cases are kept;
-    each of the three is counted in one summary line on stderr. A bad record: ValueError 'WHERE:
-    what is wrong'; no record at all: ValueError naming `source`."""
+    """(where, record) pairs -> problems, duplicates skipped."""
     problems, seen, notes = [], set(), {}
     for where, rec in records:
         key = next((k for k in ("prompt", "problem", "question") if k in rec), None)
@@ -262,8 +188,6 @@ def problems_of_records(records, source):
 
 
 def _notes(problem, rec, seen):
-    """The summary lines of problems_of_records that one problem counts in, as templates of their
-    count {n}."""
     if problem["prompt"] in seen:
         return ["skipped {n} duplicate prompt(s); each is kept where it first occurs"]
     if problem["domain"] == "math":
@@ -275,191 +199,15 @@ def _notes(problem, rec, seen):
                 f"its first {CODE_MAX_CASES}, all that a sample is run on"]
     return []
 
-# -----------------------------------------------------------------------------
-# the Hugging Face Hub: --model Qwen/Qwen3-0.6B, --data openai/gsm8k:main, read through the standard
-# caches
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells repositories
-# a missing file's name, not a Hub id
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")
-# config, tokenizer, weights
-MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-
-
-def _one_line(err):
-    return " ".join(str(err).split())[:400]
-
-
-@functools.lru_cache(maxsize=None)
-def hub_unreachable(endpoint):
-    """Why the Hub at `endpoint` cannot be reached, or None when it answers at all (any HTTP
-    status): one HEAD request through huggingface_hub's own HTTP client (its proxies and
-    certificates), no retry, within HUB_PROBE_SECONDS, name resolution included (the request runs in
-    a thread of its own). Asked once per endpoint and process. Without it, an id that is not cached
-    waits on the libraries' retries (five, 1 to 8 s apart, 10 s each where packets are dropped)."""
-    from huggingface_hub.utils import get_session
-    answer = {}
-
-    def probe():
-        try:
-            get_session().head(endpoint, timeout=HUB_PROBE_SECONDS)
-            answer["why"] = None
-        except Exception as err:  # DNS, refused, timed out, TLS, a proxy that fails, ...
-            answer["why"] = f"{type(err).__name__}: {_one_line(err)}"
-            if "Timeout" in type(err).__name__:
-                answer["why"] = f"{endpoint} did not answer within {HUB_PROBE_SECONDS:g} s"
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(HUB_PROBE_SECONDS + 1)
-    return answer.get("why", f"{endpoint} did not answer within {HUB_PROBE_SECONDS:g} s")
-
-
-@contextlib.contextmanager
-def hub_offline(datasets):
-    """huggingface_hub and `datasets` in offline mode for the block, as HF_HUB_OFFLINE=1 would have
-    put them had it been set when they were imported (both read it into a module constant then): a
-    cached dataset loads from the cache, one that is not fails at once."""
-    from huggingface_hub import constants
-    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
-
-
-def hub_id(text):
-    """Whether a --model / --data value that is not an existing path names a Hub repository: shaped
-    owner/name, and neither a data file's name (x/train.jsonl) nor a path into a folder that exists
-    (fixtures/missing)."""
-    return (bool(HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
-            and not os.path.isdir(text.split("/")[0]))
-
-
-def resolve_model(name):
-    """--model NAME -> the local folder to load: NAME itself when it exists; else a Hugging Face Hub
-    id (owner/name, e.g. Qwen/Qwen3-0.6B) -> its snapshot folder in the Hugging Face cache:
-    huggingface_hub.snapshot_download of the config, tokenizer and *.safetensors files (MODEL_FILES;
-    not *.bin), downloaded once and then read from the cache; HF_HUB_OFFLINE, HF_HOME and
-    HF_HUB_CACHE are honoured. Otherwise: ValueError, one line that starts with NAME and says what
-    to do."""
-    if os.path.exists(name):
-        return name
-    if not hub_id(name):
-        raise ValueError(f"{name}: no such folder (and not a Hugging Face Hub id, owner/name)")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(
-        constants.ENDPOINT)
-    try:
-        return snapshot_download(name, allow_patterns=MODEL_FILES, local_files_only=bool(offline))
-    except GatedRepoError:
-        why = (f"it is gated on the Hub: accept its terms at https://huggingface.co/{name}, "
-               "then log in (hf auth login)")
-    except RepositoryNotFoundError:
-        why = ("there is no such model on the Hugging Face Hub "
-               "(or it is private: log in with hf auth login)")
-    except LocalEntryNotFoundError as err:  # offline or unreachable, and not in the cache
-        cause = err.__cause__ or err
-        reason = offline or f"{type(cause).__name__}: {_one_line(cause)}"
-        why = (f"not in the Hugging Face cache (HF_HUB_CACHE={constants.HF_HUB_CACHE}); "
-               f"the Hub could not be reached ({reason}): download it once with network access "
-               f"(hf download {name}) or give a local folder")
-    except Exception as err:  # a Hub error, a full disk, an incomplete cached snapshot, ...
-        why = f"the Hugging Face Hub download failed ({type(err).__name__}: {_one_line(err)})"
-    raise ValueError(f"{name}: not a local folder, and {why}")
-
-
-def hub_dataset_spec(text):
-    """'owner/name[:config[:split]]' -> (repo id, config or None, split or None); None when text is
-    not shaped so. The split may be a datasets slice (train[:1000])."""
-    repo, *rest = text.split(":", 2)
-    if not hub_id(repo):
-        return None
-    config, split = (rest + ["", ""])[:2]
-    return repo, config or None, split or None
-
-
-def load_hub_problems(spec, split="train"):
-    """A Hugging Face dataset 'owner/name[:config[:split]]' (the split defaults to `split`) ->
-    problems: loaded with datasets.load_dataset (load_hub_dataset), its records mapped as a jsonl
-    file's are (problems_of_records; a None field counts as absent). A bad record: ValueError
-    'owner/name:config:split row I: ...', I its index in the split."""
-    repo, config, named_split = hub_dataset_spec(spec)
-    split = named_split or split
-    label = f"{repo}:{config or ''}:{split}"
-    records = ((f"{label} row {i}", {k: v for k, v in rec.items() if v is not None})
-               for i, rec in enumerate(load_hub_dataset(repo, config, split)))
-    return problems_of_records(records, label)
-
-
-def load_hub_dataset(repo, config, split):
-    """datasets.load_dataset(repo, config, split=split): downloaded once, then read from
-    HF_DATASETS_CACHE; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are honoured, and a Hub that cannot be
-    reached (hub_unreachable) is taken as offline, so a dataset that is not cached fails within
-    seconds. A dataset that cannot be loaded: OSError, one line saying why and what to do
-    (hub_dataset_error)."""
-    try:
-        import datasets
-    except ImportError:
-        raise OSError("a Hugging Face dataset id needs the datasets package: pip install datasets "
-                      "(or give a jsonl file)") from None
-    offline = ("HF_HUB_OFFLINE is set" if datasets.config.HF_HUB_OFFLINE
-               else hub_unreachable(datasets.config.HF_ENDPOINT))
-    try:
-        with hub_offline(datasets) if offline else contextlib.nullcontext():
-            return datasets.load_dataset(repo, config, split=split)
-    except Exception as err:  # not cached offline, no such dataset, a config or split it lacks
-        raise OSError(hub_dataset_error(repo, config, split, offline, err)) from None
-
-
-# where datasets' errors list a dataset's configs: online (a missing or unknown config) and in
-# the cache (several cached, or not the one named)
-CONFIG_LISTS = re.compile(r"(?:available configs|Available configs in the cache|Available): "
-                          r"\[([^\]]*)\]|configurations in the cache: ([^\n]*)")
-
-
-def hub_dataset_error(repo, config, split, offline, err):
-    """The one line for a dataset that did not load: its configs when it has several and none (or
-    another) was named, the cache and what to do when it is not cached and the Hub is out of reach
-    (offline: why, or None), else datasets' own words."""
-    found = CONFIG_LISTS.search(str(err))
-    names = ",".join(g for g in found.groups() if g).split(",") if found else []
-    configs = sorted(c.strip(" '\"") for c in names if c.strip(" '\""))
-    if configs and config is None:
-        return (f"not a file, and the Hugging Face dataset {repo} has several configs "
-                f"({', '.join(configs)}): name one, {repo}:{configs[0]}")
-    if configs and config not in configs:
-        return (f"not a file, and the Hugging Face dataset {repo} has no config {config} (configs "
-                f"found: {', '.join(configs)}): name one, {repo}:{configs[0]}")
-    if isinstance(err, ConnectionError):
-        import datasets
-        named = "" if config else (f"; if it has several configs, name one: {repo}:CONFIG "
-                                   "(GSM8K's: openai/gsm8k:main)")
-        return (f"not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
-                f"{datasets.config.HF_DATASETS_CACHE}); the Hub could not be reached "
-                f"({offline or _one_line(err)}): run this once with network access (it is cached "
-                f"then) or give a jsonl file{named}")
-    return (f"not a file, and the Hugging Face dataset {repo} (config {config}, split {split}) "
-            f"could not be loaded ({type(err).__name__}: {_one_line(err)}); the syntax is "
-            "owner/name[:config[:split]]")
-
-
 def load_source_problems(source, split="train"):
-    """--data / --val_data: a jsonl file (an existing path, or a name not shaped as a Hub id:
-    FileNotFoundError) or a Hugging Face dataset 'owner/name[:config[:split]]' whose split defaults
-    to `split` -> problems."""
+    """--data: a jsonl path or 'owner/name[:config[:split]]'."""
     if os.path.exists(source) or hub_dataset_spec(source) is None:
         return load_problems(source)
-    return load_hub_problems(source, split)
+    return problems_of_records(*load_records(source, split))
 
 
 def format_prompt(tokenizer, problem, domain="math"):
-    """The text the generator continues: the tokenizer's chat template when it has one (rendered
-    once per instruction: chat_frame), else a plain template. ValueError (one line) for a chat
-    template that fails, takes too long or does not hold the message once."""
+    """The prompt: the chat template if any, else plain."""
     instruction = CODE_INSTRUCTION if domain == "code" else INSTRUCTION
     if getattr(tokenizer, "chat_template", None):
         head, tail = chat_frame(tokenizer, instruction)
@@ -468,11 +216,7 @@ def format_prompt(tokenizer, problem, domain="math"):
 
 
 def chat_frame(tokenizer, instruction):
-    """The chat template's text before and after the problem in a user message that asks
-    `instruction`, rendered once (per tokenizer, template and instruction) with a marker where the
-    problem goes: a template is code from the model folder, and rendering it for every prompt would
-    run that code, and any loop in it, thousands of times. ValueError when the message does not
-    appear in the prompt exactly once (a template that rewrites it)."""
+    """The chat template's text around the problem, rendered once."""
     frames = _FRAMES.setdefault(tokenizer, {})
     key = (tokenizer.chat_template, instruction)
     if key not in frames:
@@ -485,22 +229,19 @@ def chat_frame(tokenizer, instruction):
 
 
 def render_chat_template(tokenizer, content):
-    """tokenizer.apply_chat_template of one user message, in a forked child killed at
-    TEMPLATE_SECONDS: a template is code from the model folder, and neither a loop nor one long C
-    call (10 ** (10 ** 8)) in it can hold this process -> the prompt text; ValueError, one line,
-    when it fails or takes too long."""
+    """A template is code: it runs in a child killed at the limit."""
     seconds = TEMPLATE_SECONDS
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: render, send the result as JSON, exit without any clean-up
+    if pid == 0:  # the child: exit without clean-up
         try:
             os.close(read)
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
             said = ({"text": text} if isinstance(text, str) else
                     {"error": f"it renders a {type(text).__name__}, not text"})
-        except BaseException as err:  # a PanicException too: reported, then the child exits
-            said = {"error": f"{type(err).__name__}: {_one_line(err)}"}
+        except BaseException as err:  # a PanicException too
+            said = {"error": f"{type(err).__name__}: {one_line(err)}"}
         with contextlib.suppress(BaseException):
             with os.fdopen(write, "w") as f:
                 json.dump(said, f)
@@ -530,16 +271,11 @@ def render_chat_template(tokenizer, content):
 
 
 def prompt_ids(tokenizer, problem, domain="math"):
-    """A problem's prompt (format_prompt) as token ids, with one BOS: a chat template writes the
-    model's own special tokens (Llama-3's begins with its BOS), so its text is tokenized without
-    adding them again, as apply_chat_template(tokenize=True) does; a plain prompt gets the
-    tokenizer's."""
+    """A prompt's token ids, with one BOS."""
     return prompts_ids(tokenizer, [problem], [domain])[0]
 
 
 def prompts_ids(tokenizer, problems, domains):
-    """[prompt_ids(tokenizer, p, d) for p, d in zip(problems, domains)], tokenized in one batch
-    (a fast tokenizer's batch call: the toy's 2,204 prompts in 0.08 s, not 0.17-0.19 one by one)."""
     if not problems:
         return []
     templated = bool(getattr(tokenizer, "chat_template", None))
@@ -548,27 +284,21 @@ def prompts_ids(tokenizer, problems, domains):
 
 
 def eos_ids(tokenizer, model=None):
-    """Every id that ends a sample: the tokenizer's eos, then the model's generation_config ones
-    (Qwen2.5/3 instruct and Llama-3 list several: <|im_end|> and <|endoftext|>, <|eot_id|> and
-    <|end_of_text|>)."""
+    """Every id that ends a sample."""
     listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     listed = listed if isinstance(listed, (list, tuple)) else [listed]
     return list(dict.fromkeys(i for i in [tokenizer.eos_token_id, *listed] if i is not None))
 
 
 def special_tokens(tokenizer, model=None):
-    """The sampler's special token ids, ready as keyword arguments of generate.sampler /
-    generate.generate: eos_id (a list: eos_ids), think_end (the ids of "</think>") and
-    interrupt_ids (the ids of INTERRUPT_PHRASE)."""
+    """The sampler's token ids, as keyword arguments."""
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     return dict(eos_id=eos_ids(tokenizer, model), think_end=ids("</think>"),
                 interrupt_ids=ids(INTERRUPT_PHRASE))
 
 
 def completion_text(tokenizer, sample):
-    """The text of a sampled completion (a generate.Sample), without its final eos: the tokenizer's,
-    or the special token that ended a sample which was not truncated (one of eos_ids: the sampler
-    ends a sample on nothing else)."""
+    """A sample's text without its final eos."""
     last = sample.tokens[-1] if sample.tokens else None
     added = tokenizer.added_tokens_decoder.get(last)
     ended = last == tokenizer.eos_token_id or (sample.finish != "truncated" and added is not None
@@ -577,18 +307,11 @@ def completion_text(tokenizer, sample):
 
 
 def score_samples(tokenizer, samples, problems, unsafe_code=False):
-    """-> (texts, correct, rewards): a sample is correct only if it finished and verify.py accepts
-    its answer; its reward is verify.reward's (a float: +1 / -1 for correct / not). A truncated
-    sample (no eos within the budget) never gave its answer, so it is not correct, whatever its
-    text holds: for the reward, No-Positive-Resampling's pass rates, pass@1 and held-out evals
-    alike (the paper's evals count a sample that never answers as wrong). Truncated samples are not
-    even scored. Where the chat template ends the prompt with an opened <think> (DeepSeek-R1), an
-    answer counts only after </think>."""
+    """-> (texts, correct, rewards); a truncated sample is never correct."""
     texts = [completion_text(tokenizer, s) for s in samples]
     done = [i for i, s in enumerate(samples) if s.finish != "truncated"]
     correct = [False] * len(samples)
     keys = {(p["prompt"], p.get("domain")) for p in problems}
-    # the prompts as sampled
     opens = {key: prompt_opens_think(format_prompt(tokenizer, *key)) for key in keys}
     think_open = [opens[problems[i]["prompt"], problems[i].get("domain")] for i in done]
     for i, v in zip(done, score_problems([texts[i] for i in done], [problems[i] for i in done],
@@ -600,7 +323,7 @@ def score_samples(tokenizer, samples, problems, unsafe_code=False):
 
 
 def split_problems(problems, val_size, seed=0):
-    """Seeded held-out split -> (train, val); the same seed always holds out the same problems."""
+    """Seeded held-out split -> (train, val)."""
     if not 0 < val_size < len(problems):
         raise ValueError(f"val_size must be between 1 and {len(problems) - 1}, got {val_size}")
     order = list(range(len(problems)))
@@ -614,22 +337,15 @@ def split_problems(problems, val_size, seed=0):
 
 
 class Curriculum:
-    """Serves prompt indices epoch by epoch in a seeded order and keeps each prompt's pass-rate
-    history.
+    """Prompt indices epoch by epoch, in a seeded order.
 
-    No-Positive-Resampling (paper section 3.2, the data curriculum): once a prompt's measured pass
-    rate is >= threshold it is retired and never sampled again: each epoch's order leaves out the
-    prompts retired so far, and a prompt retired after its epoch's order was drawn is skipped when
-    its turn comes.
-    A batch that crosses an epoch boundary holds each prompt at most once (when at least k prompts
-    are unretired): the new epoch's prompts already in the batch move to the end of its order, so
-    every epoch still serves each unretired prompt once.
+    No-Positive-Resampling (paper 3.2): a prompt whose pass rate reaches `threshold` is retired.
     """
 
     def __init__(self, n, seed=0, npr=True, threshold=0.9):
         self.n, self.seed, self.npr, self.threshold = n, seed, npr, threshold
         self.epoch, self.pos = 0, 0
-        self.history = {}  # prompt index -> list of pass rates, one per time it was sampled
+        self.history = {}
         self.retired = set()
         self.order = self._shuffled()
 
@@ -639,7 +355,6 @@ class Curriculum:
         return order
 
     def _next_epoch(self, batch):
-        """Start the next epoch; the prompts already in `batch` go to the end of its order."""
         self.epoch, self.pos = self.epoch + 1, 0
         order = self._shuffled()
         self.order = [i for i in order if i not in batch] + [i for i in order if i in batch]
@@ -648,8 +363,7 @@ class Curriculum:
                                 f"{self.threshold}): nothing left to train on")
 
     def next_batch(self, k):
-        """The next k prompt indices; crosses epoch boundaries. Raises StopIteration when all are
-        retired."""
+        """The next k distinct prompt indices; StopIteration once all retire."""
         batch = []
         while len(batch) < k:
             if self.pos >= len(self.order):
@@ -681,27 +395,21 @@ class Curriculum:
         self.retired = set(state["retired"])
 
 # -----------------------------------------------------------------------------
-# the embedded default: a synthetic arithmetic task
+# the embedded toy task
 
 
-# the embedded tasks: operations per problem, start number, operand range, largest total
+# chain length, start, operand, largest total
 PRESETS = {
-    # the default demo: learned in 2 minutes
     "toy": dict(ops=(1, 4), start=(1, 12), operand=(1, 3), top=20),
-    # longer chains over a larger addition table, so that the tiny model's ceiling sits below 1 (6
-    # operations take about 38 thinking tokens). The miniature study trains on all its chains
-    # (study.MAX_OPS), where ScaleRL ends near 0.8.
-    # A first try, (2-8 operations of 1-9, totals to 50), left the base model at 0.04 and RL flat
-    # for 60 steps.
+    # the study's task: a ceiling below 1
     "toy-hard": dict(ops=(2, 6), start=(1, 20), operand=(1, 5), top=30),
 }
 
 
 def toy_problem(rng, preset="toy"):
-    """One problem of a preset: a start number and a chain of + / - operations, totals kept in
-    0..top (toy: start 1-12, 1-4 operations of 1-3, totals in 0..20)."""
+    """A start number and a chain of + / - operations."""
     cfg = PRESETS[preset]
-    n_ops = rng.randint(*cfg["ops"])  # graded difficulty: more operations, more steps to get right
+    n_ops = rng.randint(*cfg["ops"])
     total = rng.randint(*cfg["start"])
     text, steps = str(total), []
     for _ in range(n_ops):
@@ -721,9 +429,7 @@ def toy_problems(n, seed, preset="toy"):
 
 @functools.lru_cache(maxsize=4)
 def toy_task(seed, preset="toy"):
-    """A preset's task as train.py's --data takes it: the distinct problems among 4000 generated
-    ones (about 2200 for the toy). Made once per process and seed (~0.1-0.3 s of CPU each time):
-    callers copy them before changing any."""
+    """A preset's distinct problems, cached: copy before changing."""
     seen = {}
     for p in toy_problems(4000, seed + 12345, preset):
         seen.setdefault(p["prompt"], dict(p, domain="math"))
@@ -731,28 +437,26 @@ def toy_task(seed, preset="toy"):
 
 
 def toy_trace(problem, rng):
-    """A warm-up completion: correct-looking reasoning with some wrong steps and often a wrong
-    answer."""
+    """A warm-up completion, its answer often wrong."""
     shown, total = [], None
     for a, op, d, _ in problem["steps"]:
         a = a if total is None else total
         total = a + d if op == "+" else a - d
-        if rng.random() < 0.03:  # a slip in the arithmetic, carried forward
+        if rng.random() < 0.03:  # a slip, carried forward
             total += rng.choice([-2, -1, 1, 2])
         shown.append(f"{a}{op}{d}={total}")
     think = ",".join(shown) + "."
-    if rng.random() < 0.2:  # sometimes it checks its work, which makes the trace much longer
+    if rng.random() < 0.2:  # long traces, to interrupt
         think += " Check:" + ",".join(shown) + "."
     answer = total
-    if rng.random() < 0.7:  # the boxed answer is often wrong: an intermediate result or a near miss
+    if rng.random() < 0.7:  # room for RL to climb
         answer = rng.choice([problem["steps"][0][0], total + 1, total - 1,
                              total + rng.choice([-10, 10])])
     return f"<think>{think}</think> The answer is \\boxed{{{answer}}}."
 
 
 def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy"):
-    """Train a preset's tokenizer and cold-start its 0.34M-parameter Llama base model; save in HF
-    layout."""
+    """Train a preset's tokenizer and base model; save in HF layout."""
     out_dir = out_dir or TOY_DIRS[preset]
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -763,8 +467,7 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
     rng = random.Random(seed)
     problems = toy_problems(20000, seed + 1, preset)
     texts = [format_prompt(None, p["prompt"]) + toy_trace(p, rng) for p in problems]
-    # byte-level BPE trained on the task's own text; numbers are words of their own, so each
-    # number that occurs becomes a single token and arithmetic is a lookup, not digit-by-digit
+    # byte-level BPE: each number one token
     tok = Tokenizer(models.BPE())
     words = pre_tokenizers.Split(Regex(r" ?\d+| ?[A-Za-z]+|\s+|[^\sA-Za-z\d]"), behavior="isolated")
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -777,23 +480,22 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
     tok.train_from_iterator(texts + [INTERRUPT_PHRASE] * 50, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                         pad_token="<|endoftext|>")
-    # a Llama config: transformers loads its tokenizer from tokenizer.json as is (a Qwen2 folder
-    # would get Qwen2Tokenizer, which replaces the pre-tokenizer with Qwen2's digit-by-digit one)
+    # Llama: Qwen2's tokenizer class would split digits
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.eos_token_id,
-                         scalerl_task=preset)  # train.py gives its runs the toy recipe
+                         scalerl_task=preset)  # train.py's toy recipe
     model = LlamaForCausalLM(config)
     _warm_up(model, tokenizer, problems, texts, sft_steps, log)
     model.save_pretrained(out_dir + ".tmp")
     tokenizer.save_pretrained(out_dir + ".tmp")
     for name in ("config.json", "generation_config.json"):
         normalize_json(os.path.join(out_dir + ".tmp", name))
-    if os.path.exists(out_dir):  # a rebuild: the old folder goes only once the new one is complete
+    if os.path.exists(out_dir):  # never a half-built folder
         os.replace(out_dir, out_dir + ".old")
-    os.replace(out_dir + ".tmp", out_dir)  # a half-built folder is never picked up
+    os.replace(out_dir + ".tmp", out_dir)
     shutil.rmtree(out_dir + ".old", ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"built toy base model ({n_params / 1e6:.2f}M params, vocab {len(tokenizer)}) "
@@ -802,8 +504,7 @@ def build_toy_model(out_dir=None, seed=0, sft_steps=3200, log=print, preset="toy
 
 
 def normalize_json(path):
-    """A built folder's config file with sorted keys and no transformers_version: a rebuild with
-    the same content leaves the tracked files unchanged, whatever the library's version."""
+    """A rebuild leaves git clean."""
     with open(path) as f:
         config = json.load(f)
     config.pop("transformers_version", None)
@@ -812,13 +513,13 @@ def normalize_json(path):
 
 
 def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
-    """Supervised cold start: next-token loss on the completion part of each trace."""
+    """Supervised cold start."""
     import torch
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
     draws = [torch.randint(len(texts), (batch,), generator=g).tolist() for _ in range(steps)]
-    drawn = sorted(set(itertools.chain(*draws)))  # only the drawn texts, in two batch calls
+    drawn = sorted(set(itertools.chain(*draws)))
     enc = dict(zip(drawn, (ids + [tokenizer.eos_token_id]
                            for ids in tokenizer([texts[i] for i in drawn])["input_ids"])))
     prompts = [format_prompt(None, problems[i]["prompt"]) for i in drawn]
@@ -832,12 +533,11 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
         for r, i in enumerate(idx):
             ids[r, :len(enc[i])] = torch.tensor(enc[i])
             labels[r, n_prompt[i]:len(enc[i])] = ids[r, n_prompt[i]:len(enc[i])]
-        # right padding: causal attention never sees it
         logits = model(input_ids=ids).logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for group in opt.param_groups:  # 30 warm-up steps, then linear decay to 10%
+        for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 30) * (1 - 0.9 * step / steps)
         opt.step()
         if step % 400 == 0 or step == steps - 1:
@@ -846,8 +546,7 @@ def _warm_up(model, tokenizer, problems, texts, steps, log, batch=16, lr=5e-3):
 
 
 def toy_model_dir(log=print, preset="toy"):
-    """A preset's base model folder: the shipped one, or (if it was deleted) one built on first
-    use."""
+    """A preset's base model: shipped, or built on first use."""
     if os.path.exists(os.path.join(TOY_DIRS[preset], "config.json")):
         return TOY_DIRS[preset]
     cache = os.path.join(HERE, ".cache", os.path.basename(TOY_DIRS[preset]))

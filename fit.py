@@ -1,75 +1,13 @@
 """
-Fit the ScaleRL compute-performance curve to a run's eval pass rates, extrapolate it, and
-compare runs. Implements the paper's compute-performance curve (arXiv 2510.13786, Eq. 1, section 2):
+Fit ScaleRL's compute-performance curve (arXiv 2510.13786, Eq. 1) to a run's eval pass rates:
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B)     A ceiling, B efficiency, C_mid half-gain
 
-    fit_sigmoid(C, R)                  grid over (A, C_mid), best B per pair, lowest SSE wins
-    fit_power_law(C, R)                R = A - D / C**B, for comparison
-    linear_view(R, A, B, C_mid, R0)    log F(R) = B log C: a straight line of slope B
-    bootstrap_A(C, R)                  spread of A by resampling the fit's residuals
-    compare(fit_a, fit_b, data_a, data_b)   the +-0.02 rule on A, then compare B
-    load_run(run_dir)                  (C, R, meta) from the eval lines of run_dir/metrics.jsonl
-    predict_final(C, R, C_end)         live prediction for train.py (None while too few or flat)
-    train_curves(run_dir)              per-step series (reward, trunc, kept, drift, ..) of
-                                       metrics.jsonl
-    plot_curves(run_dir)               run_dir/curves.png: those series against the step
+Start at fit_sigmoid (the paper's grid, section 2, polished by curve_fit); compare: the +-0.02 rule.
 
-Usage (CPU only, seconds):
     python fit.py runs/cpu          # table, runs/cpu/fit_device_s.png, its _linear.png, curves.png
     python fit.py runs/a runs/b --fit_until 600 --extrapolate_to 5000 --png out/ab.png
     python fit.py runs/gpu --compute flops --fit_from 1e15 --metric pass_rate/math
-Test: python -m pytest -q test_all.py -k fit
-
-Procedure and the readings chosen:
-- R0 is the measured pass rate at C = 0 (the step-0 eval) unless given. Points at C = 0 and
-  with C < fit_from (the early transient) are dropped; at least 4 must remain. fit_from defaults
-  to 10% of the largest C fitted, as the paper fits (its fits begin after ~1.5k of 16k GPU-hours);
-  fit_from=0 keeps every point. C must be
-  finite and strictly increase, in any unit (device-seconds, GPU-hours, FLOPs): the grids adapt.
-- A grid: steps of 0.005 (the paper's) from max(R) - 0.02 to 1.0 and above R0 (the curve is
-  taken to rise). The paper's 0.450-0.800 suited its runs; starting 0.02 (the noise level)
-  under the best measured point lets a noisy plateau settle below its highest point.
-- C_mid grid: 100 log-spaced values from the smallest fitted C to 10x the largest, so a run
-  that has not reached its midpoint yet can still be fitted.
-- B per (A, C_mid) pair: the paper calls curve_fit per pair. Here the same least-squares
-  problem in B alone is solved for all pairs at once by a vectorized golden-section search
-  on log B in [0.05, 20] (~0.1-0.2 s for 50 points, where 10^4 curve_fit calls take seconds).
-  Departure: the lowest-SSE pair is then polished by curve_fit on (A, B, log C_mid), A kept in
-  [R0, 1] and B in [0.05, 20], so A and C_mid are not stuck on the grid (on noiseless data the
-  grid alone missed A by a step, from C_mid's ~6% spacing). If curve_fit fails to converge
-  (e.g. a flat, noisy run) the grid point is kept. bootstrap_A resamples residuals.
-- Power law: R = A - D / C**B (the large-C limit of the sigmoid; it ignores R0). Grid over A
-  from above max(R) (the form stays under A) to 1.0, best B in [1e-3, 20] per A by the same
-  search, D in closed form. On sigmoid data its best A lands far above the sigmoid's (often
-  on the 1.0 cap), it fits far worse, and fitted after the early transient it over-predicts
-  later pass rates (test_fit_power_law_overpredicts_sigmoid_data).
-- Comparison: |A_a - A_b| < 0.02 is noise (three seeds differed by <= 0.015); then both runs
-  are refitted with the shared A = (A_a + A_b) / 2 and the larger B is the more efficient
-  recipe. Otherwise the higher A wins. The CLI compares every pair of runs it is given and, for
-  several runs, applies the paper's section 4 rule to all of them at once (shared_A_refit: A
-  averaged over every run, each refitted with it, B compared).
-- A flat series is refused by the command line (flat_series): points that never rise NOISE_A
-  above R0 leave A, B and C_mid undetermined (an all-zero pass_rate/code series fitted A 0.005,
-  B 20.00, the grid's edge). train.py's live fit (predict_final) predicts nothing from one.
-- Uneven step times: compute_s is wall-clock, so where the machine's speed changed during a run (a
-  loaded machine for part of it, a resume on a busier one) the device-seconds bend against the work
-  done, and a device-second fit bends with them. The bend is measured as the largest over the
-  smallest device-seconds per FLOP (compute_s / flops, each accumulated to its eval) over the points
-  fitted (unit_warp); above WARP_MAX = 1.5 the CLI warns and suggests --compute flops. Measured on
-  80-step toy runs of one seed (their FLOP fits all B 2.87): undisturbed 1.16-1.30 (device-second B
-  3.06-3.25), resumed once 1.52 (B 3.50), two CPU-bound processes beside it for 25 s early 1.96
-  (B 6.40), for its first 27 steps 2.60 (B 8.22). The per-step spread does not separate them (the
-  coefficient of variation of a step's seconds per FLOP: 0.27-0.88 in the first three, 0.80 and
-  1.33 in the bent two): a burst of load late in a run moves little of the curve.
-- Extrapolation check (the paper's test of predictability): fit on the first half of a run's
-  compute, predict the pass rate at its last point, report the error (extrapolation_check).
-- Figures: named by unit (fit_device_s.png, fit_flops.png, and the metric when it is not
-  pass_rate), so one run's fits in two units do not overwrite each other. C = 0 cannot sit on a
-  log axis, so the R0 point is not drawn; hollow points are the ones the fit did not use (before
-  --fit_from or after --fit_until). Every run also gets its training curves, RUN/curves.png, drawn
-  before the fit so that a run too short to fit still gets them: per-step series as faint points
-  under a short centered moving average, values that are missing or not finite numbers skipped.
 """
 import argparse
 import itertools
@@ -84,32 +22,30 @@ from scipy.optimize import curve_fit
 from data import read_jsonl
 from runs import replace_file
 
-FIT_FROM = 0.1  # default fit start: this fraction of the largest compute fitted
-MIN_POINTS = 4       # fitted points needed (3 parameters + 1)
-A_STEP = 0.005       # A grid step (the paper's)
-NOISE_A = 0.02       # differences in A below this are noise
-N_CMID = 100         # C_mid grid size (the paper's)
-CMID_BEYOND = 10.0   # the C_mid grid ends at this many times the largest fitted C
-B_RANGE = (0.05, 20.0)  # B searched in this range (the paper's fits: 1.1-2.4)
-GOLDEN_ITERS = 25    # golden-section steps on log B: the bracket shrinks by 0.618**25 ~ 6e-6
-WARP_MAX = 1.5       # device-seconds per FLOP may vary this much over the fitted points (docstring)
+FIT_FROM = 0.1       # x the largest C
+MIN_POINTS = 4
+A_STEP = 0.005
+NOISE_A = 0.02       # noise in A
+N_CMID = 100
+CMID_BEYOND = 10.0
+B_RANGE = (0.05, 20.0)
+GOLDEN_ITERS = 25
+WARP_MAX = 1.5       # device-seconds per FLOP
 
 
 def sigmoid(C, A, B, C_mid, R0):
-    """Pass rate at compute C (any shape; C = 0 gives R0)."""
+    """Pass rate at compute C (C = 0 gives R0)."""
     C = np.asarray(C, dtype=float)
     with np.errstate(divide="ignore", over="ignore"):
         return R0 + (A - R0) / (1.0 + (C_mid / C) ** B)
 
 
 def power_law(C, A, B, D):
-    """R = A - D / C**B (C > 0)."""
     return A - D * np.asarray(C, dtype=float) ** -B
 
 
 def check_points(C, R, lines=None):
-    """Validate (C, R) as float arrays (N,): same length, finite, C >= 0 strictly increasing.
-    lines: each point's line in its file, for the errors to name (default: they name its index)."""
+    """(C, R) as float arrays, checked."""
     C, R = np.asarray(C, dtype=float).ravel(), np.asarray(R, dtype=float).ravel()
     if C.shape != R.shape:
         raise ValueError(f"C and R differ in length: {len(C)} vs {len(R)}")
@@ -128,12 +64,12 @@ def check_points(C, R, lines=None):
 
 
 def fit_start(C, fit_from=None):
-    """The compute a fit starts at: fit_from, or by default FIT_FROM (10%) of the largest C."""
+    """fit_from, or FIT_FROM of the largest C."""
     return FIT_FROM * float(np.max(C, initial=0.0)) if fit_from is None else fit_from
 
 
 def fit_points(C, R, R0=None, fit_from=None):
-    """The points a fit uses: C > 0 and C >= fit_start(C, fit_from) -> (C (n,), R (n,), R0)."""
+    """The points a fit uses -> (C, R, R0)."""
     C, R = check_points(C, R)
     if R0 is None:
         if not len(C) or C[0] != 0:
@@ -148,15 +84,13 @@ def fit_points(C, R, R0=None, fit_from=None):
 
 
 def golden_min(f, lo, hi, shape):
-    """Minimize f elementwise over x in [lo, hi] by golden-section search, for an array of
-    independent problems of the given shape at once (f maps x (shape) -> values (shape)).
-    -> x (shape), f(x) (shape)."""
+    """Elementwise golden-section minimum of f over [lo, hi]."""
     g = (math.sqrt(5) - 1) / 2
     lo, hi = np.full(shape, float(lo)), np.full(shape, float(hi))
     x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
     f1, f2 = f(x1), f(x2)
     for _ in range(GOLDEN_ITERS):
-        left = f1 < f2                                          # the minimum lies in [lo, x2]
+        left = f1 < f2
         hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
         x_new = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
         f_new = f(x_new)
@@ -166,13 +100,12 @@ def golden_min(f, lo, hi, shape):
 
 
 def best_B(C, R, R0, A, C_mid):
-    """For every pair of A (a,) x C_mid (m,), the B in B_RANGE with the lowest SSE on the
-    points C, R (n,). -> B (a, m), sse (a, m)."""
+    """The lowest-SSE B for every (A, C_mid) pair -> B, sse."""
     L = np.log(C_mid)[:, None] - np.log(C)                      # (m, n) log(C_mid / C)
     gain = (A - R0)[:, None, None]                              # (a, 1, 1)
 
     def sse(log_b):                                             # (a, m) -> (a, m)
-        with np.errstate(over="ignore"):                        # u = inf gives the value R0
+        with np.errstate(over="ignore"):
             u = np.exp(np.exp(log_b)[..., None] * L)            # (a, m, n) (C_mid / C)**B
         return ((R - R0 - gain / (1.0 + u)) ** 2).sum(-1)
 
@@ -181,14 +114,12 @@ def best_B(C, R, R0, A, C_mid):
 
 
 def polish(C, R, R0, A, B, C_mid, fix_A):
-    """curve_fit of (A, B, log C_mid), or of (B, log C_mid) with A fixed, from a grid point.
-    Keeps the grid point if curve_fit does not converge. -> A, B, C_mid."""
-    def model(c, *p):                                           # p = ([A,] B, log C_mid)
+    """curve_fit from a grid point, kept where it fails."""
+    def model(c, *p):
         return sigmoid(c, A if fix_A else p[0], p[-2], math.exp(p[-1]), R0)
 
-    k = int(fix_A)                                              # drop A from the parameters
+    k = int(fix_A)
     lo, hi = [R0, B_RANGE[0], -np.inf][k:], [1.0, B_RANGE[1], np.inf][k:]
-    # grid ends may sit a rounding error outside
     p0 = np.clip([A, B, math.log(C_mid)][k:], lo, hi)
     try:
         p, _ = curve_fit(model, C, R, p0=p0, bounds=(lo, hi))
@@ -198,10 +129,7 @@ def polish(C, R, R0, A, B, C_mid, fix_A):
 
 
 def flat_series(C, R, R0=None, fit_from=None):
-    """Why the points a fit would use (fit_points) are flat, or None: they never rise NOISE_A above
-    R0, which leaves A, B and C_mid undetermined (the grid's edge wins: an all-zero series fitted
-    A 0.005, B 20.00). fit_sigmoid fits them all the same (study.py reads its tiny runs so); the
-    command line refuses them and train.py's live fit predicts nothing from them."""
+    """Why the fitted points are flat (never NOISE_A above R0), or None."""
     C, R, R0 = fit_points(C, R, R0, fit_from)
     if R.max() - R0 >= NOISE_A:
         return None
@@ -211,9 +139,7 @@ def flat_series(C, R, R0=None, fit_from=None):
 
 
 def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
-    """Grid over (A, C_mid) with the best B for each pair, then the lowest-SSE pair polished by
-    curve_fit (the paper's fitting procedure, section 2). A given: A stays fixed (used by compare).
-    -> dict(A, B, C_mid, R0, sse)."""
+    """The paper's fit; A given: held fixed."""
     C, R, R0 = fit_points(C, R, R0, fit_from)
     if A is None:
         lo = max(np.floor((R.max() - NOISE_A) / A_STEP) * A_STEP, R0 + A_STEP)
@@ -233,14 +159,13 @@ def fit_sigmoid(C, R, R0=None, fit_from=None, A=None):
 
 
 def power_D(C, R, A, B):
-    """Least-squares D of R = A - D * C**-B for each A (a,), B (a,) on the points (n,) -> (a,)."""
+    """Least-squares D for each (A, B)."""
     X = C ** -B[:, None]                                        # (a, n)
     return ((A[:, None] - R) * X).sum(1) / (X ** 2).sum(1)
 
 
 def fit_power_law(C, R, R0=None, fit_from=None):
-    """R = A - D / C**B on the same points as fit_sigmoid: grid over A (above max R, up to 1),
-    best B for each (D in closed form), lowest SSE wins. -> dict(A, B, D, R0, sse)."""
+    """R = A - D / C**B on fit_sigmoid's points, for comparison."""
     C, R, R0 = fit_points(C, R, R0, fit_from)
     A = np.arange(np.floor(R.max() / A_STEP + 1) * A_STEP, 1.0 + 1e-9, A_STEP)
     A = A if len(A) else np.array([R.max() + A_STEP])          # (a,)
@@ -258,16 +183,14 @@ def fit_power_law(C, R, R0=None, fit_from=None):
 
 
 def linear_view(R, A, B, C_mid, R0):
-    """log F(R) with F(R) = C_mid**B / ((A - R0)/(R - R0) - 1); equals B log C on the curve.
-    NaN where R is outside (R0, A)."""
+    """log F(R): B log C on the curve, NaN outside (R0, A)."""
     R = np.asarray(R, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         return B * math.log(C_mid) - np.log((A - R0) / (R - R0) - 1.0)
 
 
 def bootstrap_A(C, R, R0=None, fit_from=None, n=50, seed=0):
-    """Spread of A: refit n times (~0.2 s each) on the fitted curve + residuals resampled with
-    replacement. -> dict(mean, std, lo, hi) with lo..hi the 95% interval."""
+    """Spread of A over refits with resampled residuals."""
     fit = fit_sigmoid(C, R, R0, fit_from)
     C, R, R0 = fit_points(C, R, fit["R0"], fit_from)
     pred = sigmoid(C, fit["A"], fit["B"], fit["C_mid"], R0)    # (n_points,)
@@ -279,8 +202,7 @@ def bootstrap_A(C, R, R0=None, fit_from=None, n=50, seed=0):
 
 
 def compare(fit_a, fit_b, data_a, data_b, fit_from=None, tol=NOISE_A):
-    """The +-0.02 rule; data_x = the (C, R) run x was fitted on.
-    -> dict(branch="noise" | "different", better="a" | "b", verdict, dA, ...)."""
+    """The +-0.02 rule on A, then B."""
     dA = fit_b["A"] - fit_a["A"]
     if abs(dA) >= tol:
         better = "b" if dA > 0 else "a"
@@ -297,16 +219,13 @@ def compare(fit_a, fit_b, data_a, data_b, fit_from=None, tol=NOISE_A):
 
 
 def shared_A_refit(runs, fit_from=None):
-    """The paper's section 4 rule over several runs: A = the mean of their fitted A, every run
-    refitted with that A fixed -> (A, [refit per run]); compare the B (and C_mid) of the refits."""
+    """Section 4: every run refitted with their mean A."""
     A = float(np.mean([r["fit"]["A"] for r in runs]))
     return A, [fit_sigmoid(*r["data"], R0=r["fit"]["R0"], fit_from=fit_from, A=A) for r in runs]
 
 
 def extrapolation_check(C, R, R0=None, fit_from=None):
-    """Fit on the points with C <= C_last / 2, predict R at the last point
-    -> dict(C_half, n, predicted, measured, error), or None when the first half has too few points
-    to fit."""
+    """Fit the first half of the compute, predict the last point."""
     C, R = check_points(C, R)
     half = C <= C[-1] / 2
     try:
@@ -319,8 +238,7 @@ def extrapolation_check(C, R, R0=None, fit_from=None):
 
 
 def predict_final(C, R, C_end, R0=None):
-    """Live prediction: fit what there is, predict R at C_end. None while the fit would have fewer
-    than 4 points (C > 0 and past the default start, fit_start) or they are flat (flat_series)."""
+    """train.py's live prediction at C_end, or None."""
     C, R = check_points(C, R)
     if ((C > 0) & (C >= fit_start(C))).sum() < MIN_POINTS or flat_series(C, R, R0):
         return None
@@ -330,8 +248,7 @@ def predict_final(C, R, C_end, R0=None):
 
 
 def eval_point(rec, compute, metric, where):
-    """(C, R) of one eval line, checked: both fields there, finite numbers (not booleans), R in
-    [0, 1]. `where` is 'file:line' for the errors."""
+    """(C, R) of one eval line, checked."""
     missing = [k for k in (compute, metric) if k not in rec]
     if missing:
         raise ValueError(f"{where}: eval line: missing field '{missing[0]}' (it has {sorted(rec)})")
@@ -343,17 +260,17 @@ def eval_point(rec, compute, metric, where):
 
 
 def finite(v):
-    """v is a number a float holds, finite (not a boolean, not an integer past 1e308)."""
+    """v is a finite number (not a boolean)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
         return math.isfinite(v)
-    except OverflowError:  # an integer too large for a float
+    except OverflowError:
         return False
 
 
 def checked_number(rec, key, where):
-    """rec[key] as a float, or ValueError 'WHERE: ...' when it is not a finite number."""
+    """rec[key] as a float, or ValueError 'WHERE: ...'."""
     v = rec[key]
     if not finite(v):
         text = repr(v) if len(repr(v)) < 40 else f"{repr(v)[:20]}... ({len(repr(v))} characters)"
@@ -362,7 +279,6 @@ def checked_number(rec, key, where):
 
 
 def metrics_file(run_dir):
-    """run_dir/metrics.jsonl, or FileNotFoundError saying what run_dir should be."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory of train.py?)")
@@ -370,8 +286,7 @@ def metrics_file(run_dir):
 
 
 def load_run(run_dir, compute="compute_s", metric="pass_rate"):
-    """Eval lines of run_dir/metrics.jsonl -> C (N,), R (N,), meta (run, path, config, ..). A bad
-    value (eval_point, check_points): ValueError naming the file and the line."""
+    """Eval lines of run_dir/metrics.jsonl -> C, R, meta."""
     path = metrics_file(run_dir)
     C, R, lines, config = [], [], [], {}
     for lineno, rec in read_jsonl(path):
@@ -392,12 +307,10 @@ def load_run(run_dir, compute="compute_s", metric="pass_rate"):
 
 # ----------------------------------------------------------------------------- training curves
 
-# train-line fields drawn as they are
 TRAIN_SERIES = ("reward", "pass_rate", "trunc", "intr", "drift")
-# hard-truncation rate where the paper's instability band starts (train.py warns there)
 TRUNC_BAND = 0.10
-SMOOTH_MAX = 10      # the moving average spans at most 2 * SMOOTH_MAX + 1 steps
-PANELS = (           # curves.png, top to bottom: (y label, ((series, legend), ..))
+SMOOTH_MAX = 10
+PANELS = (
     ("reward, pass@1", (("reward", "reward (batch)"), ("pass_rate", "pass@1 (batch)"))),
     ("fraction of samples", (("trunc", "hard-truncated (trunc)"), ("intr", "interrupted (intr)"))),
     ("kept prompts", (("kept", "kept_prompts / prompts"),)),
@@ -407,18 +320,13 @@ PANELS = (           # curves.png, top to bottom: (y label, ((series, legend), .
 
 
 def number(rec, key):
-    """rec[key] as a float, or None where it is missing or not a finite number
-    (a boolean is not one)."""
+    """rec[key] as a float, or None."""
     v = rec.get(key)
     return float(v) if finite(v) else None
 
 
 def train_curves(run_dir):
-    """The series of run_dir/metrics.jsonl that curves.png draws ->
-    {name: (steps (n,), values (n,))}: TRAIN_SERIES of the train lines, "kept" = kept_prompts /
-    prompts of the train lines (where prompts > 0) and "eval_pass_rate" = pass_rate of the eval
-    lines, in file order. A value missing or not a finite number, or on a line without a step, is
-    skipped (that series gets no point there)."""
+    """The series curves.png draws -> {name: (steps, values)}."""
     points = {k: [] for k in (*TRAIN_SERIES, "kept", "eval_pass_rate")}
     for _, rec in read_jsonl(metrics_file(run_dir)):
         step, kind = number(rec, "step"), rec.get("kind")
@@ -437,8 +345,7 @@ def train_curves(run_dir):
 
 
 def moving_average(y, half):
-    """Centered moving average of y (n,) over 2 * half + 1 points, the window cut at the ends
-    -> (n,)."""
+    """Centered moving average over 2 * half + 1 points."""
     y = np.asarray(y, dtype=float)
     c = np.concatenate([[0.0], np.cumsum(y)])
     i = np.arange(len(y))
@@ -447,7 +354,7 @@ def moving_average(y, half):
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
+    """matplotlib.pyplot without a display."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -455,14 +362,10 @@ def pyplot():
 
 
 def plot_curves(run_dir):
-    """run_dir/curves.png: the PANELS against the step, sharing it. Per-step series: faint points
-    under a moving average over up to 2 * SMOOTH_MAX + 1 steps (1/10 of the longest per-step series;
-    under 20 points they are drawn as they are); eval points joined as they are; a dashed line at
-    the TRUNC_BAND truncation rate. -> the path."""
+    """run_dir/curves.png: PANELS against the step -> the path."""
     curves, png = train_curves(run_dir), os.path.join(run_dir, "curves.png")
     plt = pyplot()
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(6.5, 8.5), sharex=True)
-    # one window for every panel
     half = min(SMOOTH_MAX, max(len(curves[k][0]) for k in TRAIN_SERIES) // 20)
     for ax, (ylabel, series) in zip(axes, PANELS):
         for k, (key, label) in enumerate(series):
@@ -470,7 +373,6 @@ def plot_curves(run_dir):
             if key == "eval_pass_rate":
                 ax.plot(x, y, "o-", ms=3, color=col, label=label)
                 continue
-            # too few points to smooth: draw them as they are
             if not half:
                 ax.plot(x, y, ".-", ms=5, lw=1.2, color=col, label=label)
                 continue
@@ -492,7 +394,6 @@ def plot_curves(run_dir):
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.get_major_locator().set_params(integer=True)
     steps = np.concatenate([x for x, _ in curves.values()])
-    # one step: show it with its neighbours
     if len(steps) and steps.min() == steps.max():
         axes[-1].set_xlim(steps[0] - 1, steps[0] + 1)
     fig.suptitle(f"{os.path.basename(os.path.normpath(run_dir))}: training curves", fontsize=10)
@@ -505,9 +406,7 @@ def plot_curves(run_dir):
 # ----------------------------------------------------------------------------- command line
 
 def fit_run(run_dir, args):
-    """Load one run and fit it as the flags say -> dict(meta, C, R, used, data, fit, power, warp);
-    data = the (C, R) before --fit_until, used = mask of the points the fit used, warp = the
-    device-second fit's unit_warp (None in FLOPs)."""
+    """Load and fit one run as the flags say."""
     C, R, meta = load_run(run_dir, args.compute, args.metric)
     head = C <= (np.inf if args.fit_until is None else args.fit_until)
     try:
@@ -525,12 +424,10 @@ def fit_run(run_dir, args):
 
 
 def unit_warp(run_dir, metric, C, used):
-    """How far the run's device-seconds C (N,) bend against its FLOPs over the points used (N,
-    mask): the largest over the smallest compute_s / flops among them (1.0: every FLOP took the
-    same time; the module docstring has the rule). None for a run whose eval lines have no flops."""
+    """Max over min device-seconds per FLOP over the points used, or None."""
     try:
         F = load_run(run_dir, "flops", metric)[0]
-    except ValueError:  # an older metrics.jsonl: nothing to compare with
+    except ValueError:
         return None
     ratio = C[used] / F[used]
     return float(ratio.max() / ratio.min())
@@ -542,7 +439,7 @@ UNITS = {"compute_s": "device-seconds: training wall-clock x processes, evals ex
 
 
 def print_table(runs, args):
-    """One row per run, like the paper's Table 1, plus the check at the last measured point."""
+    """One row per run, like the paper's Table 1."""
     cols = f"{'run':<16} {'A':>6} {'B':>5} {'C_mid':>9} {'R0':>6} {'fit range':>19} "
     cols += f"{'last C':>9} {'R meas':>7} {'R pred':>7} {'R power':>7}"
     if args.extrapolate_to:
@@ -564,15 +461,13 @@ def print_table(runs, args):
 
 
 def plot(runs, png, png_linear, extrapolate_to=None):
-    """Two figures. png: pass rate vs compute (log x), points (hollow = not fitted), the fit,
-    its dashed extrapolation and a +-0.02 band around A. png_linear: F(R) vs C on log-log
-    axes, where the fit is the line F = C**B."""
+    """The fit figure (png) and its linear view (png_linear)."""
     plt = pyplot()
     (fig, ax), (fig_lin, ax_lin) = plt.subplots(figsize=(6, 4)), plt.subplots(figsize=(6, 4))
     for k, run in enumerate(runs):
         f, C, R, used, col = run["fit"], run["C"], run["R"], run["used"], color(plt, k, len(runs))
         rest, params = (C > 0) & ~used, (f["A"], f["B"], f["C_mid"], f["R0"])
-        F = np.exp(linear_view(R, *params))                     # (N,), NaN: R outside (R0, A)
+        F = np.exp(linear_view(R, *params))
         name = f"{run['run']}: B={f['B']:.2f}"
         curve = f"{name} A={f['A']:.3f} C_mid={f['C_mid']:.3g}"
         for a, y, label in ((ax, R, curve), (ax_lin, F, name)):
@@ -595,13 +490,10 @@ def plot(runs, png, png_linear, extrapolate_to=None):
 
 
 def color(plt, k, n):
-    """Run k's color of n: matplotlib's 10-color cycle, or 20 distinct colors for more runs."""
     return f"C{k}" if n <= 10 else plt.get_cmap("tab20")(k % 20)
 
 
 def save_figure(fig, ax, path, n):
-    """Save with the legend inside the axes for up to 4 entries, else beside them (n: entries;
-    no legend when nothing is labeled)."""
     if ax.get_legend_handles_labels()[0]:
         beside = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if n > 4 else {}
         ax.legend(fontsize=7, **beside)
@@ -609,15 +501,13 @@ def save_figure(fig, ax, path, n):
 
 
 def savefig(fig, path, **kw):
-    """fig.savefig, never through a link planted at path (runs.replace_file)."""
+    """fig.savefig through runs.replace_file."""
     kind = os.path.splitext(path)[1][1:].lower() or "png"
     replace_file(path, lambda f: fig.savefig(f, format=kind, dpi=90, **kw), "wb")
 
 
 def figure_name(compute, metric):
-    """The default fit figure's file name, by unit and metric, so that fits of one run in
-    device-seconds and in FLOPs (or of pass_rate and pass_rate/code) do not overwrite each other:
-    fit_device_s.png, fit_flops.png, fit_flops_pass_rate_code.png."""
+    """The fit figure's name, by unit and metric."""
     unit = {"compute_s": "device_s", "flops": "flops"}[compute]
     tail = "" if metric == "pass_rate" else "_" + re.sub(r"[^\w.-]+", "_", metric)
     return f"fit_{unit}{tail}.png"
@@ -643,7 +533,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.run_dirs:
         p.error("give run directories (each holding a metrics.jsonl)")
-    # first: a run too short to fit still gets them
+    # before the fit
     curves = [plot_curves(d) for d in args.run_dirs]
     try:
         runs = [fit_run(d, args) for d in args.run_dirs]
@@ -654,10 +544,9 @@ def main(argv=None):
     for run in runs:
         if run["warp"] and run["warp"] > WARP_MAX:
             print(f"warning: {run['run']}: its device-seconds per FLOP vary {run['warp']:.2f}x "
-                  f"over the points fitted (over {WARP_MAX}x: the machine's speed changed during "
-                  "the run, as a loaded machine or a resume elsewhere does), and a fit in "
-                  "device-seconds bends with them (its B most); fit the FLOPs instead: "
-                  "--compute flops")
+                  f"over the points fitted (over {WARP_MAX}x: the machine's speed changed), so "
+                  "a device-second fit bends; fit --compute flops instead (docs/reference.md, "
+                  "'The log, the alarms and the fits')")
         x = extrapolation_check(*run["data"], fit_from=args.fit_from)
         print(f"{run['run']}: extrapolation check: "
               + (f"fitted on C <= {x['C_half']:.3g} ({x['n']} points), "
@@ -682,5 +571,5 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, OSError) as err:
-        # a run that cannot be read or fitted: one line, not a traceback
+        # one line, not a traceback
         sys.exit(f"error: {err}")

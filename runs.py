@@ -1,24 +1,9 @@
 """
-runs.py: what keeps a run folder (--out) safe and resumable: train.py's training is in train.py,
-this file is everything it does to the folder. The paper's runs are long (its ScaleRL run: 100,000
-GPU-hours), so a run must survive being stopped and resumed, and never touch what is not its own.
+runs.py: the run folder (--out): its checks and lock, atomic checkpoints, resume, metrics.
 
-- The folder: --out may not be the source tree, a model folder, or hold the --model that --overwrite
-  would clear (check_out_dir); a folder is a run of train.py when it holds RUN_MARK (or, written
-  before that existed, a metrics.jsonl that opens with train.py's config line); --overwrite deletes,
-  and checkpoint pruning prunes, only the names a run writes (RUN_NAME: metrics.jsonl, ckpt-STEP,
-  curriculum-rankN.json (.pt before), and tb/ or wandb/ when RUN_MARK says a run used them); run,
-  study and fit files are written through open_run_file / replace_file / checkpoint_tmp only, which
-  never follow a link (one planted there is an error or is replaced, never written through);
-  rank 0 holds --out/.lock for the whole run.
-- Checkpoints: written under a temporary name and renamed into place; --resume takes the newest one
-  whose state, config and weight headers load (a broken newer one is skipped and named), refuses
-  another data set, split or model, and drops the metrics lines written after it. Nothing is
-  unpickled: state.pt loads as tensors and plain data only (load_state), the generators'
-  curricula are JSON, --fsdp's shard metadata is read once, naming only SHARD_METADATA
-  (shard_reader); a file of another kind stops --resume with one line.
-- Metrics: metrics.jsonl, one JSON object a line, and the optional --wandb / --tensorboard trackers.
-- The exact command that resumes this run (printed when a signal stops it).
+Start at prepare_out_dir, then save_checkpoint and resume_point. A run writes only its own names
+(RUN_NAME), never through a link (open_run_file), and unpickles nothing but plain data
+(load_state, check_shards).
 
   python -m pytest -q test_all.py -k "run_folder or resume or symlink or source_tree or checkpoints"
 """
@@ -37,19 +22,16 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# written into --out by rank 0: this folder is a run of train.py, and which trackers wrote there
+# rank 0 marks --out as a run, with its trackers
 RUN_MARK = ".train-run.json"
-# the names it writes
+# the names a run writes
 RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.(json|pt)(\.tmp)?")
-# the repository's own folders
 SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")
-_LOCK = []  # the open lock file of this process's run
+_LOCK = []
 
 
 def run_names(out):
-    """The entries of --out that a run of train.py wrote: its metrics, checkpoints and curriculum
-    files, and tb/ or wandb/ when the folder's RUN_MARK says a run there used
-    --tensorboard / --wandb. Nothing else."""
+    """The entries of --out a run wrote."""
     mark = read_mark(out)
     trackers = [name for name in ("tb", "wandb") if mark.get(name)]
     return sorted(n for n in os.listdir(out) if RUN_NAME.fullmatch(n) or n in trackers)
@@ -68,8 +50,7 @@ def read_mark(out):
 
 
 def legacy_run(out):
-    """A run folder written before RUN_MARK existed: its metrics.jsonl opens with train.py's
-    config line."""
+    """Written before RUN_MARK existed."""
     try:
         with open(os.path.join(out, "metrics.jsonl")) as f:
             first = json.loads(f.readline())
@@ -79,9 +60,7 @@ def legacy_run(out):
 
 
 def check_out_dir(args):
-    """--out may not be the source tree or a folder of it (the repo root, toy_model/,
-    fixtures/, ...), a model folder, or hold the --model that --overwrite would delete -> an error
-    message, or None."""
+    """Why --out is unsafe, or None."""
     out, here = os.path.realpath(args.out), os.path.realpath(HERE)
     inside = os.path.relpath(out, here).split(os.sep)[0]
     if os.path.commonpath([out, here]) == out or inside in SOURCE_DIRS:
@@ -101,10 +80,7 @@ def check_out_dir(args):
 
 
 def prepare_out_dir(args, need_mb=100):
-    """Before any compute: --out must be a safe place (check_out_dir), writable with free space, and
-    a folder that already holds a run is refused unless --resume continues it or --overwrite clears
-    it (rank 0 clears, and only the names a run of train.py writes: run_names). Rank 0 holds
-    --out/.lock for the whole run, so a second run cannot write the same folder at once."""
+    """Refuse an unsafe, full or taken --out; rank 0 locks it."""
     out = args.out
     problem = check_out_dir(args)
     if problem:
@@ -142,12 +118,11 @@ def prepare_out_dir(args, need_mb=100):
 
 
 def open_run_file(path, mode, new=False):
-    """Open a file of a run, study or fit folder for writing ("w", "a", "wb") without following a
-    symlink planted there (new: it must not exist yet)."""
+    """Open for writing, never through a symlink."""
     flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
              | (os.O_APPEND if "a" in mode else os.O_TRUNC) | (os.O_EXCL if new else 0))
     try:
-        return open(path, mode, opener=lambda p, _: os.open(p, flags, 0o644))  # .name: the path
+        return open(path, mode, opener=lambda p, _: os.open(p, flags, 0o644))
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.EEXIST):
             sys.exit(f"error: {path} is a symlink{' or was made again' if new else ''}: a run "
@@ -156,9 +131,7 @@ def open_run_file(path, mode, new=False):
 
 
 def replace_file(path, write, mode="w"):
-    """Write path whole or not at all: write(f) fills PATH.tmp, created new (whatever was there,
-    a planted link included, is removed, never followed), which then replaces path (a link at
-    path is replaced, its target untouched)."""
+    """Write path whole or not at all, via PATH.tmp."""
     tmp = path + ".tmp"
     remove(tmp)
     with open_run_file(tmp, mode, new=True) as f:
@@ -167,7 +140,7 @@ def replace_file(path, write, mode="w"):
 
 
 def remove(path):
-    """Delete a file, folder or link (the link, never what it points to)."""
+    """Delete a file, folder or link (never its target)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
@@ -180,8 +153,7 @@ def write_file(path, text):
 
 
 def lock_run(out):
-    """Hold an exclusive lock on out/.lock until this process ends (or starts another run)."""
-    release_lock()  # a run of this process that ended without releasing it (tests call main again)
+    release_lock()  # tests call main again
     path = os.path.join(out, ".lock")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -204,21 +176,19 @@ def lock_run(out):
 
 
 def disk_error(path, err, out):
-    """A write that failed (disk full, ...): one line naming the path and the last good
-    checkpoint."""
+    """A failed write: one line naming the last good checkpoint."""
     ckpt = (checkpoints(out) or [None])[-1]
     return SystemExit(f"error: writing {path} failed: {err.strerror or err}; "
                       f"the last good checkpoint is {ckpt or 'none (no checkpoint yet)'}")
 
 
 def checkpoint_tmp(out, step, fresh=True):
-    """The folder ckpt-STEP is written into before it is renamed into place (fresh: made anew,
-    whatever was there removed; a link there is removed, never written through)."""
+    """Where ckpt-STEP is written (fresh: made anew)."""
     tmp = os.path.join(out, f"ckpt-{step:06d}.tmp")
     if fresh:
         remove(tmp)
         try:
-            os.mkdir(tmp)  # fails on anything made there since: never a link
+            os.mkdir(tmp)  # fails if made since: never a link
         except FileExistsError:
             sys.exit(f"error: {tmp} was made again while the run writes it: a run writes its own "
                      "files only, never through a link")
@@ -226,14 +196,11 @@ def checkpoint_tmp(out, step, fresh=True):
 
 
 def save_checkpoint(out, step, model, tokenizer, state, keep, fresh=True):
-    """Write ckpt-STEP atomically (a temp folder renamed into place) and keep the newest `keep` of
-    this run: older steps are pruned by step number, never the one just written. A failed write
-    (disk full) leaves the earlier checkpoints as they were and exits with one line. fresh=False:
-    the temp folder already holds what other ranks wrote into it (sharded state), and is kept."""
+    """Write ckpt-STEP atomically; keep the newest `keep`."""
     import torch
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = checkpoint_tmp(out, step, fresh)
-    if os.path.islink(tmp) or not os.path.isdir(tmp):  # the folder rank 0 made (--fsdp's shards)
+    if os.path.islink(tmp) or not os.path.isdir(tmp):  # rank 0 made it (--fsdp)
         sys.exit(f"error: {tmp} is not the folder this run made (a symlink?): a run writes its "
                  "own files only, never through a link")
     try:
@@ -257,8 +224,7 @@ def step_of(ckpt):
 
 
 def checkpoints(out):
-    """The checkpoint folders a run wrote in out (ckpt- and a step number of 6 or more digits: never
-    a user's ckpt-best-4 or ckpt-v2), oldest step first."""
+    """A run's ckpt-NNNNNN folders, oldest first."""
     names = ([n for n in os.listdir(out) if re.fullmatch(r"ckpt-\d{6,}", n)]
              if os.path.isdir(out) else [])
     return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))),
@@ -266,8 +232,7 @@ def checkpoints(out):
 
 
 def intact_checkpoint(out, quiet=False):
-    """The newest checkpoint whose state and weight headers load -> (path, state), or (None, {}). A
-    newer broken one (a crash mid-copy, a bad disk) is skipped and named."""
+    """The newest checkpoint that loads -> (path, state)."""
     from safetensors import safe_open
     for path in reversed(checkpoints(out)):
         try:
@@ -284,7 +249,7 @@ def intact_checkpoint(out, quiet=False):
                     os.path.join(path, state["shards"], ".metadata")):
                 raise FileNotFoundError(f"no {state['shards']}/.metadata")
             return path, state
-        except Exception as err:  # any failure to read it means it cannot be resumed from
+        except Exception as err:
             if not quiet:
                 print(f"--resume: skipping {path}, it does not load ({type(err).__name__}: {err})",
                       flush=True)
@@ -292,10 +257,7 @@ def intact_checkpoint(out, quiet=False):
 
 
 def load_state(path):
-    """A checkpoint's state.pt as tensors and plain data only (torch.load weights_only=True): to
-    unpickle anything else would run code named in the file. One that holds other objects (written
-    by an older train.py, or not by train.py) stops the run with one line: it is not broken, and
-    falling back to an older checkpoint would silently lose steps."""
+    """state.pt as plain data only: unpickling anything else runs code."""
     import torch
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     if unsafe:
@@ -306,9 +268,7 @@ def load_state(path):
     return torch.load(path, weights_only=True)
 
 
-# all that a sharded checkpoint's .metadata (torch.distributed.checkpoint's pickle of its Metadata)
-# names, as torch 2.13 writes it: its record types, torch.Size, a layout, a path and dtypes (added
-# in check_shards); exact pairs, so no dotted name reaches past them
+# what torch 2.13's .metadata names: exact pairs
 SHARD_METADATA = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                   ("pathlib", "PosixPath"),
                   ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
@@ -319,9 +279,7 @@ SHARD_METADATA = {("torch", "Size"), ("torch.serialization", "_get_layout"),
 
 
 def check_shards(folder):
-    """--resume --fsdp: a checkpoint's shards/.metadata, read once and unpickled naming nothing
-    but SHARD_METADATA and torch's dtypes -> its Metadata; anything else (it could run code), or
-    data files outside the folder, stops the run with one line."""
+    """--fsdp's .metadata, naming only SHARD_METADATA and dtypes."""
     import torch
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     allowed = SHARD_METADATA | {("torch", n) for n, v in vars(torch).items()
@@ -352,15 +310,13 @@ def check_shards(folder):
 
 
 def shard_reader(folder):
-    """dcp.load's storage_reader for --resume --fsdp: its metadata is the one check_shards read
-    and checked (the file is read once, so one swapped after the check is never loaded), and it
-    never falls back to another metadata file (__RANK.metadata)."""
+    """dcp.load's reader of what check_shards read, with no fallback file."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     metadata = check_shards(folder)
 
     class Reader(FileSystemReader):
-        def read_metadata(self):  # no rank argument: dcp.load has no fallback to try
+        def read_metadata(self):  # no rank: no fallback file
             metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -369,16 +325,13 @@ def shard_reader(folder):
 
 
 def safe_load_planner():
-    """torch.distributed.checkpoint's loader, but a value that is not a tensor (an optimizer's
-    hyper-parameters) must load as plain data (torch.load weights_only=True) before it is read the
-    way the library reads it (which would run code named in the file). Made here, not at import:
-    only --fsdp loads the library (~1 CPU-s)."""
+    """dcp's planner; non-tensor values load as plain data first."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
-            torch.load(value, weights_only=True)  # raises on anything but tensors and plain data
+            torch.load(value, weights_only=True)  # raises unless plain data
             value.seek(0)
             super().load_bytes(read_item, value)
 
@@ -386,8 +339,7 @@ def safe_load_planner():
 
 
 def resume_point(args, quiet):
-    """--resume: the newest intact checkpoint -> (its folder, its state), checked against the flags;
-    else (None, {})."""
+    """--resume: the newest intact checkpoint, checked against the flags."""
     if not args.resume:
         return None, {}
     ckpt, state = intact_checkpoint(args.out, quiet)
@@ -404,9 +356,7 @@ def resume_point(args, quiet):
 
 
 def check_resume(saved, args):
-    """--resume with other flags than the run was started with: a different data set, held-out split
-    (its size or the seed) or model is refused (it would be another run), other recipe flags are
-    logged and the new values apply from here."""
+    """Another data set, split or model is refused; other changes logged."""
     now = vars(args)
     identity = [k for k in ("data", "val_data", "val_size", "seed", "model")
                 if saved.get(k, now[k]) != now[k]]
@@ -422,8 +372,7 @@ def check_resume(saved, args):
 
 
 def truncate_metrics(path, step):
-    """On resume: drop metrics lines written after the checkpoint, so no step appears twice, and a
-    half-written last line (a crash or a full disk mid-write), saying so. -> the records kept."""
+    """Drop metrics lines after the checkpoint, and a half-written last one."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -442,15 +391,13 @@ def truncate_metrics(path, step):
         if problem:
             sys.exit(f"error: {path}:{i + 1}: {problem} (a line edited by hand?); "
                      "fix or delete it, then --resume")
-    # the config line has no step; a "stopped" line ends a run that is now going on
+    # "stopped" ended a run now going on
     records = [r for r in records if r.get("step", -1) <= step and r["kind"] != "stopped"]
     write_file(path, "".join(json.dumps(r) + "\n" for r in records))
     return records
 
 
 def metrics_problem(r):
-    """What is wrong with one metrics.jsonl record for a resume (None if nothing): a JSON object
-    with a known kind, a whole step, and for an eval the numbers the live fit reads."""
     if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval", "stopped"):
         return ("not a metrics record (a JSON object whose kind is config, train, eval or "
                 "stopped)")
@@ -463,8 +410,7 @@ def metrics_problem(r):
 
 
 def metrics_log(args, rank0):
-    """-> log(m): rank 0 appends m to --out/metrics.jsonl (and sends it to
-    --wandb / --tensorboard)."""
+    """-> log(m): rank 0 appends to metrics.jsonl and trackers."""
     if not rank0:
         return lambda m: None
     path, track = os.path.join(args.out, "metrics.jsonl"), tracker(args)
@@ -480,8 +426,7 @@ def metrics_log(args, rank0):
 
 
 def resume_command():
-    """This process's own command line with --resume (and without --overwrite): what continues the
-    run."""
+    """The command line that resumes this run."""
     flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
     world, local = (int(os.environ.get("WORLD_SIZE", "1")),
                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -492,9 +437,7 @@ def resume_command():
 
 
 def tracker(args):
-    """--wandb / --tensorboard (either or both): -> track(m), which sends the numbers of a metrics
-    dict there too (keys "train/..." and "eval/...", at m["step"]); without either flag it does
-    nothing. Neither is required."""
+    """--wandb / --tensorboard -> track(m)."""
     numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
                          if k not in ("kind", "step") and isinstance(v, (int, float))}
     sinks, name = [], None
@@ -517,6 +460,5 @@ def tracker(args):
 
 
 def release_lock():
-    """The run is over (or another starts in this process): --out is free again."""
     while _LOCK:
         _LOCK.pop().close()

@@ -1,129 +1,16 @@
 """
 The miniature ScaleRL study: ScaleRL and the paper's variants trained on the embedded toy-hard task,
-5 seeds each (the same seeds for every variant), every run's sigmoid fitted (arXiv 2510.13786,
-Eq. 1), and a report of which of the paper's findings the miniature reproduces, each decided by a
-paired test over the seeds whose rules are fixed here, before any run.
+5 seeds each, every run's sigmoid fitted (arXiv 2510.13786, Eq. 1), and a report of which of the
+paper's findings the miniature reproduces, each by a paired test over the seeds (rules fixed before
+any run). Design and results: docs/reference.md, "The miniature ScaleRL study". Start at VARIANTS,
+FINDINGS and main.
 
-    python study.py runs/study                   # the variants in priority order, within
-                                                   --budget; Ctrl-C, then the same command: resumes
+    python study.py runs/study                   # within --budget; Ctrl-C, then again: resumes
     python study.py runs/study --assets assets   # also replace the committed report and figures
     python study.py runs/study --report          # only fit the runs there and write the report
-    python study.py runs/study --quick           # 3 variants x 1 seed x a few steps:
-                                                   the test's form
+    python study.py runs/study --quick           # 3 variants x 1 seed x a few steps (the test)
 
-Writes runs/study/report.md, study_report.json ({"runs", "findings", "predictability", "minutes",
-...}), study.png (pass rate vs FLOPs, seed-averaged, with the fits) and study_extrap.png (each run
-fitted on the first half of its compute, extrapolated to its end).
-
-This is the study's sixth design; assets/study_report.json and the figures are its runs (2026-11-26,
-45 runs; batch32 left out by the budget). The fifth design's task (chains of 2 to 4 operations) sat
-at the ceiling: every fitted A was 0.965-1.000 and the one-process variants' finals within 0.004.
-
-The design, and why:
-- Two loops. The findings about the off-policy algorithm (PipelineRL-8 vs PPO-off-policy-8 vs sync)
-  and about the loss run under torchrun, 1 generator + 1 trainer rank, PipelineRL-8 unless the
-  variant says otherwise ("pipelinerl" is ScaleRL there). The losses need it: one process takes one
-  optimizer step per batch with the weights that sampled it, every importance ratio is 1, and CISPO,
-  DAPO and GRPO take the same step (DAPO and GRPO one-process runs were identical eval for eval).
-  Every other finding compares one-process runs (ScaleRL's choices in the synchronous loop,
-  "scalerl"), two at a time with one torch thread each: on 2 cores that is 1.4x the runs per hour of
-  torchrun (58 s against 41.5 s a run for 40 steps, measured), and it takes the off-policy lag out
-  of comparisons that are not about it. Every run uses train.py's own defaults for all else.
-- A task with room under the ceiling: toy-hard's full chains of 2 to 6 operations (MAX_OPS). On it
-  ScaleRL's 300-step study runs reached a fitted A of 0.828 (seed sd 0.016), their last evals
-  about 0.82 (BENCHMARKS.md section 9), so a variant can land above or below it. Chosen on
-  ScaleRL's curves only; the known price: they wobble 0.012-0.019 about their own fits, so the
-  half-compute test is expected to miss often, and it is reported against two baselines instead of
-  being tuned for.
-- One problem draw, one held-out set. 20,000 toy-hard problems drawn with a fixed seed hold 17,145
-  distinct ones (1,575 / 3,475 / 3,963 / 4,061 / 4,071 of 2 / 3 / 4 / 5 / 6 operations), shuffled
-  once: the first HELD_OUT (2000) held out, the next TRAIN (1500) trained on
-  (problems/train.jsonl, problems/val.jsonl). 200 steps of 16 prompts draw 3,200, each prompt
-  about twice, so No-Positive-Resampling has retired prompts to skip (with 7,013 training prompts
-  none came back, and the no-NPR runs equalled ScaleRL's eval for eval). Every run is evaluated on
-  the same 2000 held-out prompts x 1 sample (the paper: 1000 x 16), so runs differ by their seed's
-  curriculum and sampling noise, not by which prompts they were scored on. Each eval logs its
-  standard error over the prompts (pass_rate_se: the spread of the per-prompt means / sqrt(prompts),
-  about 0.009 at a pass rate of 0.8). One sample of 2000 prompts costs what two of 1000 do, and its
-  standard error is lower (0.011 against 0.015 measured at 0.5): the prompts differ more than two
-  samples of one prompt do.
-- A 64-token thinking budget, where the chains fit. The base model thinks about 6 tokens an
-  operation (13 / 19 / 25 measured for 2 / 3 / 4 operations, so about 31 / 37 for 5 / 6) and in a
-  fifth of its traces checks its work, which doubles them (27 / 39 / 51 / 63 / 75). A 32-token
-  budget cuts the 5- and 6-operation chains themselves: on this task it made the ceiling the
-  budget's (a plateau at ~0.53 with ~35% of samples interrupted, a corner no sigmoid fits;
-  BENCHMARKS.md section 9). At 64 every chain fits and the interruption (a cut point drawn in the
-  budget's last sixth, tokens 54-64) cuts the checks of 5- and 6-operation chains: a fifth of the
-  47% of problems with 5 or 6 operations, ~9% of samples at the start (an estimate from those
-  lengths), fewer as the policy drops the check (the 300-step study on this task: 1% of held-out
-  samples interrupted at step 60, 0.2% from step 120). The length-penalty variant gets the same
-  total, --l_max 80 (64 + 16; L_cache 80 // 7 = 11: a penalty above 69 completion tokens, -1 past
-  80), under the same 64 + 64 generation budget without interruption, so it acts on the same
-  checked traces (with the 11-token answer a 5-operation check is ~74 tokens, a 6-operation one
-  ~86). The answer budget stays 64: with 16, one of 3 ScaleRL seeds wrote past it after </think>,
-  its truncated samples got no gradient, and it collapsed (BENCHMARKS.md section 9).
-- 200 steps (STEPS) at lr 2e-4, an eval every 10. In the 300-step study on this task a run's first
-  half ended at a median 2.6x its C_mid (the midpoint near step 60 of 300), so 200 steps end near
-  3.5x C_mid, past the bend, at two thirds of the cost: the difference buys seeds.
-- Fewer findings, more seeds (SEEDS = 5, paired by seed). Kept: the knobs that act on this task
-  and the paper ranks first: the off-policy algorithm (PipelineRL-8 against PPO-off-policy-8 and
-  against sync), the loss (CISPO against DAPO), zero-variance filtering, No-Positive-Resampling,
-  length control, and the batch size (8 prompts early; 32 last, as the budget allows). Dropped for
-  the budget, not for their readings (each would cost 12-18 machine-minutes of 5 seeds; each comes
-  back as one VARIANTS line and one FINDINGS line): GRPO-style clipping (DAPO with a symmetric upper
-  clip, 0.2 against 0.28; the loss finding keeps DAPO), prompt- against sample-level aggregation
-  and batch- against prompt-level normalization (on 2 to 6 operations with 3 seeds they read 0.028
-  and 0.017 above ScaleRL in A, within the old margins), and the bf16 pair for the float32 head
-  (with float32 master weights the pair's A were 0.840 and 0.842 on this task, and the toy's
-  396-token vocabulary is not the large softmax the paper's Fig. 5b gain comes from).
-- Units. Findings about the off-policy algorithm are about wall-clock, so they are read in
-  device-seconds (training wall-clock x the 2 processes, idle ranks included as the paper's
-  GPU-hours count idle GPUs; evals excluded). Every other finding, the extrapolation test and the
-  figures use FLOPs (estimated from the tokens), which do not move with the machine's load.
-- Endpoints, per run, that a reader can recompute from its evals: final_mean3, the mean of its
-  last 3 evals (where it ends, with a third of one eval's noise variance); and auc_flops,
-  auc_device_s, the area under its pass rate (linear between evals, from the step-0 eval at C = 0)
-  up to a reference compute C_ref, divided by C_ref: its mean pass rate over [0, C_ref], where
-  C_ref (study_report.json's "auc_to") is, per unit, the smallest last compute among the runs of the
-  findings that read that AUC (all runs when none does), so every compared run covers the range
-  and a run that gets there with less compute scores higher; None for a run that ends before
-  C_ref. Beside them each run's own fit (A, B, C_mid; fit.py caps A at 1, and the report names the
-  runs within A_CAP_TOL of the cap) and, per variant, the paper's shared-A refit (B, C_mid): shown,
-  not tested. The findings the paper states in A (the loss, batch 32) read final_mean3: after 200
-  steps, near 3.5x C_mid, a run has made ~90% of its way to A, and final_mean3 is measured where
-  A is extrapolated (and capped). The efficiency findings read auc_device_s.
-- Statistics, fixed before the runs. Each finding compares X (what the paper finds better) with Y
-  seed by seed on one endpoint: a one-sided paired t-test over the pairs (scipy.stats.ttest_rel,
-  n - 1 degrees of freedom, so every sd it uses has ddof 1), at ALPHA = 0.05. Superiority ("X is
-  better"): reproduced when mean(X - Y) > MIN_EFFECT has p <= 0.05, not reproduced when
-  mean(X - Y) < -MIN_EFFECT has p <= 0.05. Non-inferiority (the paper's "ScaleRL with it is at
-  least as good"): reproduced when mean(X - Y) > -NI_MARGIN has p <= 0.05, not reproduced when
-  mean(X - Y) < -NI_MARGIN has p <= 0.05. Else, and always with fewer than MIN_PAIRS (5) pairs,
-  inconclusive. MIN_EFFECT (0.01, about one eval's standard error at 0.8 on 2000 prompts) is the
-  floor on every margin, so that no difference smaller than an eval can resolve is decided;
-  NI_MARGIN is the paper's noise level on A (0.02). Every endpoint is a pass rate, so both read the
-  same on all of them. Collapsed runs stay in their pairs: a collapse is an outcome of the variant.
-  Each finding's line gives its endpoint, test, pairs and both p-values; study_report.json keeps
-  the per-run values, so each p can be recomputed.
-- Collapse: a run whose last eval is more than COLLAPSE_DROP below its own best has collapsed; it is
-  reported apart and left out of the extrapolation test.
-- Predictability as skill (the paper's Fig. 1 test): every run that did not collapse is fitted on
-  the points with C <= half its compute and predicts its last eval; beside that error, two
-  baselines on the same runs: persistence (the last eval of the first half) and constant (the mean
-  of the other checked runs' last evals), their RMSEs, and the correlation r of the sigmoid's
-  predictions with the measured finals. Reproduced when at least 80% land within 0.02 and the
-  sigmoid's RMSE is below both baselines'; not reproduced under half; else inconclusive (and the
-  report says so plainly when the sigmoid does not beat both).
-- Budget: the variants run in the order of VARIANTS, and a variant starts only if its runs fit in
-  what is left of --budget machine-minutes (a run's wall-clock x its share of the cores; the study
-  folder's finished runs count, so a resumed study keeps to the same budget) at the pace measured so
-  far for runs of its kind; the report names the variants left out. The default, 150, is the
-  estimate for all 50 runs, in machine-minutes a run: one process 2.5 (two side by side take
-  about 4.2 min each by the 2-6-operation pilots, BENCHMARKS.md section 9: 32 prompts x 200 steps
-  with an eval every 10 took 7.2-7.7 min, the 300-step study's 16-prompt runs with an eval every
-  20 ~5.7 min; rounded up), torchrun 3.5 (1.4x), batch8 1.5, batch32 3.9 (7.2-7.7 min side by
-  side): 4 x 5 x 2.5 + 4 x 5 x 3.5 + 5 x 1.5 + 5 x 3.9 = 147, about 2.5 hours. batch32 comes last
-  and is left out when the runs are slower than that.
+Writes report.md, study_report.json, study.png and study_extrap.png into the study's folder.
 """
 import argparse
 import contextlib
@@ -146,54 +33,46 @@ from fit import (NOISE_A, check_points, checked_number, color, extrapolation_che
                  fit_sigmoid, fit_start, load_run, plot, save_figure, sigmoid)
 
 SEEDS = 5
-HELD_OUT = 2000       # held-out prompts, the same for every run
-TRAIN = 1500          # training prompts: 200 steps x 16 serve each about twice (NPR retires some)
-MAX_OPS = 6           # the study's problems: toy-hard's chains of 2 to 6 operations (docstring)
-# a last eval this far below the run's best: collapsed (about 4 standard errors of an eval)
+HELD_OUT = 2000       # the same for every run
+TRAIN = 1500
+MAX_OPS = 6           # toy-hard's chains of 2 to 6 operations
+# collapsed: a last eval this far under the run's best
 COLLAPSE_DROP = 0.05
-# a run's wobble: the sd of its evals about its own fit from 30% of its compute on
+# wobble: sd about the run's fit from here on
 WOBBLE_FROM = 0.3
 STEPS = 200
 TASK = ["--think_budget", "64", "--lr", "2e-4", "--eval_every", "10", "--eval_samples", "1",
         "--save_every", "0"]
-# name: train.py flags on top of ScaleRL's defaults; the order is the priority under --budget (the
-# paper names the off-policy algorithm and the loss the most important choices; batch32, the
-# dearest, comes last)
+# train.py flags on ScaleRL's defaults, in priority order under --budget
 VARIANTS = {
-    "scalerl": [],  # one process: the synchronous loop, one policy version per batch
-    "pipelinerl": [],  # ScaleRL as the paper runs it: PipelineRL-8 over generator and trainer ranks
+    "scalerl": [],  # one process
+    "pipelinerl": [],  # PipelineRL-8 over generator and trainer ranks
     "ppo_offpolicy": ["--mode", "ppo_offpolicy"],
     "sync": ["--mode", "sync"],
     "loss_dapo": ["--loss", "dapo"],
     "no_zero_var": ["--no-zero_var_filter"],
     "no_npr": ["--no-no_positive_resampling"],
-    "length_penalty": ["--length_control", "penalty", "--l_max", "80"],  # 64 + 16 (docstring)
+    "length_penalty": ["--length_control", "penalty", "--l_max", "80"],  # 64 + 16
     "batch8": ["--prompts", "8"],
     "batch32": ["--prompts", "32"],
 }
-# torchrun, 1 generator + 1 trainer, PipelineRL-8 unless the flags say otherwise: the findings about
-# the off-policy algorithm, and the loss, which differs only off-policy (one update per batch with
-# the sampling weights makes every ratio 1, so CISPO and DAPO take the same step; measured: DAPO
-# and GRPO one-process runs were identical eval for eval)
+# under torchrun: in one process every ratio is 1, so the losses take the same step
 RANKS = {"pipelinerl", "loss_dapo", "ppo_offpolicy", "sync"}
-# how they run torchrun: every socket on 127.0.0.1 (README, "Generator and trainer ranks"): a file
-# rendezvous (run_command names it beside the run's folder), no store hosted by the launcher
+# torchrun on 127.0.0.1 only: a file rendezvous, no launcher store
 LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
                      "--local-addr", "127.0.0.1"]
 LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-# one-process runs side by side, one core (one torch thread) each; a torchrun run takes both
+# one-process runs side by side, one thread each
 PARALLEL = 2
-PROGRESS_S = 60  # seconds between the study's progress lines while runs go on
-# the statistics, fixed before the runs (docstring): one-sided paired t-tests at ALPHA over at
-# least MIN_PAIRS seed pairs; superiority needs X - Y above MIN_EFFECT (the floor on every margin),
-# non-inferiority X - Y above -NI_MARGIN; every endpoint is a pass rate
+PROGRESS_S = 60
+# the statistics, fixed before the runs (statistics_lines)
 ALPHA = 0.05
 MIN_PAIRS = 5
 MIN_EFFECT = 0.01
 NI_MARGIN = 0.02
-A_CAP = 1.0           # fit_sigmoid's largest A (its grid and its polish stop there)
-A_CAP_TOL = 5e-4      # an A this close to the cap is at it (a tenth of the A grid's step: 1.000)
-# (finding, the paper's claim, X = expected better, Y, rule, compute unit, the per-run endpoint)
+A_CAP = 1.0
+A_CAP_TOL = 5e-4      # within this of A_CAP: at the cap
+# (finding, claim, X (better), Y, rule, unit, endpoint)
 FINDINGS = [
     ("off-policy algorithm", "PipelineRL-8 is more efficient than PPO-off-policy-8 at a similar A "
      "(Fig. 4a)", "pipelinerl", "ppo_offpolicy", "superiority", "compute_s", "auc_device_s"),
@@ -213,7 +92,7 @@ FINDINGS = [
      "batch32", "scalerl", "superiority", "flops", "final_mean3"),
 ]
 UNIT_NAMES = {"compute_s": "device-seconds", "flops": "FLOPs"}
-AUC_UNITS = {"auc_flops": "flops", "auc_device_s": "compute_s"}  # AUC endpoint -> its unit
+AUC_UNITS = {"auc_flops": "flops", "auc_device_s": "compute_s"}
 QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; these numbers mean "
               "nothing.")
 
@@ -222,10 +101,7 @@ QUICK_NOTE = ("QUICK STUDY: a few tiny steps per run, to test the machinery; the
 
 
 def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
-    """out/problems/{train,val}.jsonl: the distinct toy-hard problems of at most max_ops operations
-    among 20000 drawn with a fixed seed, shuffled once, `held_out` of them held out and the next
-    TRAIN kept for training (kept when already there)
-    -> (train path, val path)."""
+    """The study's problem files (train, held-out), made once -> their paths."""
     folder = os.path.join(out, "problems")
     paths = os.path.join(folder, "train.jsonl"), os.path.join(folder, "val.jsonl")
     if all(os.path.exists(p) for p in paths):
@@ -247,8 +123,7 @@ def run_dir(out, name, seed):
 
 
 def run_minutes(path):
-    """The machine-minutes train_all measured for a run (its wall-clock x the share of the cores it
-    had, evals included), 0 when it did not."""
+    """A run's machine-minutes as train_all measured them, else 0."""
     try:
         with open(os.path.join(path, "study_minutes.json")) as f:
             minutes = json.load(f)
@@ -258,9 +133,7 @@ def run_minutes(path):
 
 
 def finished(path, steps):
-    """A run is finished when its metrics hold the eval of its last step, or when train.py stopped
-    it early (a "stopped" line: e.g. a collapse that left no prompt to train on; training it again
-    with the same seed would only repeat it)."""
+    """Whether a run holds its last step's eval, or train.py stopped it."""
     try:
         records = read_jsonl(os.path.join(path, "metrics.jsonl"))
         return any(r.get("kind") == "stopped" or
@@ -270,9 +143,7 @@ def finished(path, steps):
 
 
 def run_command(name, flags, path, seed, steps, data, extra):
-    """train.py's command line for one run: under torchrun (2 ranks) for the off-policy variants,
-    else one process (the synchronous loop, `--mode sync` of one generator); a run with checkpoints
-    (interrupted) continues from its last one (--resume), any other starts over."""
+    """train.py's command line for one run (torchrun for RANKS; --resume from a checkpoint)."""
     here = os.path.dirname(os.path.abspath(__file__))
     launch = ([sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN,
                "--rdzv-endpoint", rendezvous_file(path), "--nproc_per_node", "2"]
@@ -283,16 +154,13 @@ def run_command(name, flags, path, seed, steps, data, extra):
 
 
 def task_flags(data, steps):
-    """train.py's flags for the study's task: `steps` steps of the toy-hard base model on the
-    problem files data = (train, held-out), at TASK's settings (bench.py's stability preset
-    `study` runs them too)."""
+    """train.py's flags for the study's task."""
     return ["--steps", str(steps), "--model", toy_model_dir(preset="toy-hard"), "--data", data[0],
             "--val_data", data[1], *TASK]
 
 
 def rendezvous_file(path, remove=False):
-    """The file a torchrun run's launcher rendezvous in, beside the run's folder; remove: delete it
-    (before a run, as it holds the last one's keys, and after)."""
+    """A torchrun run's rendezvous file beside its folder; remove: delete it."""
     file = path + ".rendezvous"
     if remove and os.path.exists(file):
         os.remove(file)
@@ -300,10 +168,8 @@ def rendezvous_file(path, remove=False):
 
 
 def pace(minutes, name):
-    """The expected machine-minutes of one run of `name` from the finished runs' {kind: [minutes]}
-    (kind: True under torchrun), None before any run finished. A torchrun run with none of its kind
-    measured yet: 1.4 one-process runs (measured on 2 cores: 58 s against 41.5 s for 40 steps)."""
-    # a finished run without its minutes (0: not timed by train_all) says nothing of the pace
+    """Expected machine-minutes of a run of `name`, from the finished runs, or None."""
+    # not timed: says nothing of the pace
     own, other = ([m for m in minutes[k] if m > 0] for k in (name in RANKS, name not in RANKS))
     if own:
         return float(np.mean(own))
@@ -311,7 +177,6 @@ def pace(minutes, name):
 
 
 def last_step(path):
-    """The last step a run's metrics record (0 before any)."""
     try:
         return max((r.get("step", 0) for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))),
                    default=0)
@@ -320,8 +185,7 @@ def last_step(path):
 
 
 def stop_runs(running, timeout=120):
-    """SIGINT to every running run (train.py saves its last step and exits; torchrun passes it to
-    its ranks; a second within 3 s of the terminal's is the same request), then wait for them."""
+    """SIGINT to every running run, then wait for them."""
     for r in running:
         with contextlib.suppress(OSError, AttributeError):
             r["proc"].send_signal(signal.SIGINT)
@@ -340,14 +204,10 @@ def stop_runs(running, timeout=120):
 
 
 def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_OUT, again=None):
-    """Train every (variant, seed) not finished yet, variant by variant in priority order:
-    one-process runs PARALLEL at a time (one torch thread each), a torchrun run alone. A variant
-    starts only if its runs fit in the budget (the machine-minutes of the finished and started runs,
-    plus the variant's runs at their kind's pace) -> the variants left out. Ctrl-C: the running
-    runs save and stop, are named "interrupted", and `again` (the command) continues them;
-    exit 130."""
+    """Train every unfinished (variant, seed) in priority order within the budget -> the variants
+    left out."""
     data = make_problems(out, held_out)
-    minutes = {True: [], False: []}  # finished runs' machine-minutes, by kind (torchrun or not)
+    minutes = {True: [], False: []}
     for name in variants:
         for s in range(seeds):
             if finished(run_dir(out, name, s), steps):
@@ -358,7 +218,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                if not finished(run_dir(out, n, s), steps)]
     used = lambda r: (time.time() - r["start"]) / 60 * r["cores"] / PARALLEL + r["before"]
 
-    def eta():  # machine-minutes left (a machine-minute: the whole machine for a minute)
+    def eta():
         paces = [pace(minutes, n) for n, _ in pending]
         if None in paces:
             return "an ETA once a run has ended"
@@ -377,7 +237,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
         stopped = list(running)
         stop_runs(running)
         for r in stopped:
-            spent_r = used(r)  # the minutes so far: the continued run adds its own
+            spent_r = used(r)
             replace_file(os.path.join(r["path"], "study_minutes.json"),
                          lambda f: json.dump(spent_r, f))
             print(f"study: {r['name']} seed {r['seed']} interrupted at step "
@@ -387,7 +247,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
               "kept, interrupted ones continue from their last checkpoint)", flush=True)
         sys.exit(code)
 
-    def wait(free):  # until `free` cores are free: record each run that ends
+    def wait(free):
         while True:
             for r in list(running):
                 code = r["proc"].poll()
@@ -396,7 +256,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 running.remove(r)
                 r["log"].close()
                 rendezvous_file(r["path"], remove=True)
-                if code in (130, 143, -2, -15):  # stopped by a signal: its step saved
+                if code in (130, 143, -2, -15):
                     stop(f"{r['name']} seed {r['seed']} was stopped by a signal", 130)
                 if code:
                     stop(f"{r['name']} seed {r['seed']} failed (exit {code}; its log: "
@@ -452,20 +312,14 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
 # fitting and judging
 
 
-# the fields of a metrics line that run_logs reads as numbers
 NUMBERS = ("pass_rate_se", "intr", "trunc", "len", "lag", "retired", "epoch", "dropped_zero_var",
            "prompts")
 
 
 def run_logs(path):
-    """What a run's metrics say besides its curve, read once -> (the standard error of its last
-    eval, pass_rate_se, NaN when it logged none; what its knobs did: the shares of samples
-    interrupted and truncated, of prompts dropped as zero-variance, the mean length and lag (means
-    over the steps), and at the end the prompts retired by No-Positive-Resampling and the epoch
-    reached (a retired prompt is only ever skipped from epoch 1 on); NaN where the run did not log
-    a field)."""
+    """A run's last eval's standard error and what its knobs did (means; NaN where not logged)."""
     file = os.path.join(path, "metrics.jsonl")
-    # every number these fields hold, checked: a finite float, or ValueError naming file:line
+    # checked: finite, or ValueError file:line
     records = [{k: checked_number(r, k, f"{file}:{i}")
                 if k in NUMBERS and r.get("kind") in ("train", "eval") else v
                 for k, v in r.items()} for i, r in read_jsonl(file)]
@@ -484,24 +338,21 @@ def run_logs(path):
 
 
 def seed_average(runs):
-    """The seeds' curves averaged at their common evals -> (C, R)."""
     n = min(len(r[0]) for r in runs)
     return np.mean([r[0][:n] for r in runs], 0), np.mean([r[1][:n] for r in runs], 0)
 
 
 def sd(values):
-    """The sample standard deviation (ddof 1, as everywhere in the study); NaN under 2 values."""
+    """Sample standard deviation (ddof 1); NaN under 2 values."""
     return float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
 
 
 def at_cap(A):
-    """Whether a fitted A sits at fit_sigmoid's cap of 1 (its polish can stop a hair below it)."""
     return bool(A >= A_CAP - A_CAP_TOL)
 
 
 def analyze(out, names, seeds, compute):
-    """Fit every run in one compute unit -> ({variant: dict(runs=[per-run dict], A, A_sd, B, B_sd,
-    C_mid, se, ...)}, the shared A of the paper's comparison rule, shown beside the tests)."""
+    """Fit every run in one compute unit -> ({variant: rows}, the shared A)."""
     fits = {}
     for name in names:
         runs = []
@@ -514,9 +365,7 @@ def analyze(out, names, seeds, compute):
             late = C >= WOBBLE_FROM * C[-1]
             wobble = sd(R[late] - sigmoid(C[late], fit["A"], fit["B"], fit["C_mid"], fit["R0"]))
             extrap = None if collapsed else extrapolation_check(C, R)
-            if extrap:  # the same prediction against the run's own full fit at its end (its
-                # trend, without the last eval's wobble), and the persistence baseline: the last
-                # eval of the first half
+            if extrap:  # against the run's own full fit, and persistence
                 trend = float(sigmoid(C[-1], fit["A"], fit["B"], fit["C_mid"], fit["R0"]))
                 extrap |= dict(trend=trend, vs_trend=extrap["predicted"] - trend,
                                persistence=float(R[C <= extrap["C_half"]][-1]))
@@ -547,9 +396,7 @@ def analyze(out, names, seeds, compute):
 
 
 def auc(C, R, upto):
-    """The area under a run's pass rate over compute from its first eval (C = 0) to `upto`, linear
-    between evals (the trapezoid rule; R interpolated at `upto`), divided by `upto`: its mean pass
-    rate over [0, upto]. None when the run ends before `upto`."""
+    """Mean pass rate over [0, upto] (trapezoids), or None when the run ends before."""
     if C[-1] < upto:
         return None
     inside = C < upto
@@ -558,10 +405,7 @@ def auc(C, R, upto):
 
 
 def add_endpoints(tables, names):
-    """Each run's AUC endpoints (auc_flops, auc_device_s) into the FLOP table's runs, up to each
-    unit's reference compute: the smallest last compute among the runs of the findings that read
-    that AUC (among all runs when none of them is judged here), so every compared run covers it
-    -> {unit name: reference compute}."""
+    """Each run's AUC endpoints, to each unit's reference compute -> {unit: reference}."""
     auc_to = {}
     for key, unit in AUC_UNITS.items():
         table = tables[unit][0]
@@ -576,10 +420,7 @@ def add_endpoints(tables, names):
 
 
 def one_sided_p(x, y, shift, alternative):
-    """The p-value of a one-sided paired t-test of mean(x + shift - y) against 0 (scipy's
-    ttest_rel on x + shift and y, n - 1 degrees of freedom); NaN under 2 pairs. Pairs whose
-    differences are all equal have no spread for a t: p is 0 when they all lie on the tested side,
-    else 1."""
+    """p of a one-sided paired t-test of x + shift - y > 0; NaN under 2 pairs."""
     x, y = np.asarray(x, dtype=float) + shift, np.asarray(y, dtype=float)
     if len(x) < 2:
         return float("nan")
@@ -590,10 +431,9 @@ def one_sided_p(x, y, shift, alternative):
 
 
 def paired_test(x, y, rule):
-    """One finding's test on the endpoint's values of X and Y, seed by seed (docstring,
-    "Statistics") -> (verdict, p in the paper's direction, p the other way, the test in words)."""
+    """One finding's paired test -> (verdict, p, p the other way, the test in words)."""
     if rule == "superiority":
-        low, high = MIN_EFFECT, -MIN_EFFECT  # reproduced: X - Y > low; not: X - Y < high
+        low, high = MIN_EFFECT, -MIN_EFFECT
     else:  # non-inferiority
         low = high = -NI_MARGIN
     p = one_sided_p(x, y, -low, "greater")
@@ -608,9 +448,7 @@ def paired_test(x, y, rule):
 
 
 def judge_finding(finding, table):
-    """One of FINDINGS on the FLOP table's runs (which hold every endpoint) -> its report dict:
-    name, paper, verdict, margin, unit, endpoint, test, pairs, p, p_other, the paired values x and
-    y (by seed) and why."""
+    """One of FINDINGS -> its report dict."""
     name, claim, X, Y, rule, unit, key = finding
     by_seed = [{r["seed"]: r[key] for r in table[v]["runs"] if r.get(key) is not None}
                for v in (X, Y)]
@@ -629,12 +467,7 @@ def judge_finding(finding, table):
 
 
 def predictability(table):
-    """The half-compute sigmoid's predictions of the last evals of the runs that did not collapse,
-    beside two baselines on the same runs: persistence (the last eval of the first half) and
-    constant (the mean of the other checked runs' last evals) -> dict(within_0.02 (sigmoid;
-    [within, runs]), within_0.02_persistence, within_0.02_constant, rmse, rmse_persistence,
-    rmse_constant, r (Pearson, the sigmoid's predictions with the measured last evals; None under 3
-    runs or without spread), n, beats_both)."""
+    """Half-compute predictions of the last evals against the persistence and constant baselines."""
     checked = [r["extrap"] for t in table.values() for r in t["runs"] if r["extrap"]]
     n = len(checked)
     out = dict(n=n, r=None, beats_both=False)
@@ -656,11 +489,7 @@ def predictability(table):
 
 
 def judge_predictability(pred):
-    """The predictability finding from predictability()'s block: reproduced when at least 80% of
-    the checked runs land within 0.02 and the sigmoid's RMSE is below both baselines', not
-    reproduced under half within 0.02, else (and when no run could be checked) inconclusive
-    -> (verdict, why: the counts, the three RMSEs, r, and plainly whether the sigmoid beats
-    both)."""
+    """The predictability verdict and why."""
     within, n = pred["within_0.02"]
     if not n:
         return ("inconclusive",
@@ -684,8 +513,6 @@ def judge_predictability(pred):
 
 
 def variant_rows(table):
-    """Per variant: its seeds' own fits (A mean and sd, how many at fit_sigmoid's cap), the eval's
-    standard error, the shared-A refit (B, C_mid), and final_mean3 (mean and sd over the seeds)."""
     rows = ["| variant | flags | seeds | A mean | A sd | A at cap | eval se | B (shared A) | "
             "B sd | C_mid (shared A) | R0 | final_mean3 | final_mean3 sd | collapsed |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -701,8 +528,7 @@ def variant_rows(table):
 
 
 def training_rows(table):
-    """What each variant's knobs did in training (seed means): whether the choice a finding is
-    about acted at all (interruptions, truncations, prompts retired and revisited)."""
+    """What each variant's knobs did in training (seed means)."""
     rows = ["| variant | interrupted | truncated | zero-variance prompts dropped | length | lag | "
             "retired by NPR at the end | last epoch |", "|---|---|---|---|---|---|---|---|"]
     show = lambda v, spec: "-" if np.isnan(v) else format(v, spec)  # noqa: E731
@@ -716,8 +542,6 @@ def training_rows(table):
 
 
 def extrapolation_rows(table):
-    """Per run: the half-compute fit's prediction of the last eval, the persistence baseline's (the
-    last eval of the first half), the run's own full fit at its end, and the wobble."""
     rows = ["| run | fitted on C <= | points | predicted at the end | persistence | measured | "
             "error | persistence error | full fit at the end | error vs full fit | "
             "C_half / C_mid | wobble |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -735,9 +559,7 @@ def extrapolation_rows(table):
 
 
 def extrapolation_sources(table):
-    """Where the half-compute misses come from, one sentence: the predictions against each run's
-    own full fit (the trend), the last evals against that trend, the evals' wobble about it, and how
-    far past its midpoint a run's first half reaches."""
+    """Where the half-compute misses come from, in one sentence."""
     xs = [(r["extrap"], r["fit"]) for t in table.values() for r in t["runs"] if r["extrap"]]
     wobble = [r["wobble"] for t in table.values() for r in t["runs"] if r["extrap"]]
     if not xs:
@@ -746,7 +568,7 @@ def extrapolation_sources(table):
     pred = int((abs(vs_trend) <= NOISE_A).sum())
     last = sum(abs(x["measured"] - x["trend"]) <= NOISE_A for x, _ in xs)
     depth = np.array([x["C_half"] / f["C_mid"] for x, f in xs])
-    # the share of the gain (A - R0) still to come at C_half, by the run's full fit
+    # gain still to come at C_half
     left = np.percentile([1 / (1 + d ** f["B"]) for d, (_, f) in zip(depth, xs)], [25, 50, 75])
     return (f"Where the misses come from: against each run's own full fit at its end (its trend, "
             f"without the last eval's wobble), {pred} of {len(xs)} first-half predictions land "
@@ -762,7 +584,7 @@ def extrapolation_sources(table):
 
 
 def statistics_lines():
-    """The report's statement of the rules, fixed before the runs (docstring, "Statistics")."""
+    """The report's statement of the rules."""
     return [
         "## Statistics, set before the runs", "",
         f"- Each finding compares X with Y seed by seed on one per-run endpoint (a pass rate): a "
@@ -782,7 +604,6 @@ def statistics_lines():
 
 
 def findings_lines(found):
-    """The findings table: one line per finding with its endpoint, test, pairs and p-values."""
     show = lambda v: "-" if v is None or v != v else f"{v:.3g}"  # noqa: E731
     lines = ["| finding | the paper | endpoint | test | pairs | p (paper's direction) | "
              "p (other way) | here | margin | numbers |", "|---" * 10 + "|"]
@@ -792,7 +613,7 @@ def findings_lines(found):
 
 
 def report_lines(out, tables, found, pred, averaged, meta):
-    """report.md's lines; meta: seeds, steps, minutes, left_out, quick, auc_to."""
+    """report.md's lines."""
     table = tables["flops"][0]
     runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
     collapsed = [f"{r['variant']}-s{r['seed']}" for r in runs if r["collapsed"]]
@@ -836,7 +657,7 @@ def report_lines(out, tables, found, pred, averaged, meta):
 
 
 def clean(v):
-    """v with every NaN float (and numpy number) made JSON's null (and a plain number)."""
+    """v made JSON-safe: NaN -> null, numpy numbers -> plain."""
     if isinstance(v, dict):
         return {k: clean(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -847,9 +668,6 @@ def clean(v):
 
 
 def summary_json(table, found, pred, averaged, meta):
-    """study_report.json: the earlier schema's keys, plus per run final_mean3, auc_flops,
-    auc_device_s, A_at_cap and the persistence prediction; per finding endpoint, test, pairs, p
-    (and p_other, the paired values by seed); at the top predictability, auc_to and the rules."""
     runs = [r | {"variant": name} for name, t in table.items() for r in t["runs"]]
     x = lambda r, k: r["extrap"][k] if r["extrap"] else None  # noqa: E731
     keys = ("name", "paper", "verdict", "margin", "unit", "why", "endpoint", "rule", "test",
@@ -878,8 +696,7 @@ def summary_json(table, found, pred, averaged, meta):
 
 
 def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=False):
-    """Fit every run (FLOPs and device-seconds), compute the endpoints, test the findings, score the
-    predictions, write report.md, study_report.json and the two figures -> the report's text."""
+    """Fit, judge and write report.md, study_report.json and the figures -> the report."""
     tables = {unit: analyze(out, names, seeds, unit) for unit in ("flops", "compute_s")}
     table = tables["flops"][0]
     auc_to = add_endpoints(tables, names)
@@ -893,7 +710,7 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
                       rule="skill", test="at least 80% within 0.02 and an RMSE below the "
                       "persistence and constant baselines'", pairs=pred["n"], p=None,
                       p_other=None, why=why))
-    # the same test on each variant's seed-averaged curve: the seeds' training noise averaged out
+    # the same test on seed-averaged curves
     averaged = {name: extrapolation_check(*t["curve"]) for name, t in table.items()}
     averaged = {name: x["error"] for name, x in averaged.items() if x}
     meta = dict(seeds=seeds, steps=steps, minutes=minutes, left_out=left_out, quick=quick,
@@ -907,8 +724,7 @@ def write_report(out, names, seeds, steps, minutes=None, left_out=(), quick=Fals
 
 
 def draw(out, table):
-    """study.png: the seed-averaged curves and their fits (FLOPs); study_extrap.png: each run fitted
-    on the first half of its compute."""
+    """study.png and study_extrap.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -932,7 +748,6 @@ def draw(out, table):
                         lw=0.8, color=col, label=name if r["seed"] == 0 else None)
     ax.set(xscale="log", xlabel="compute (FLOPs)", ylabel="held-out pass rate",
            title="each run fitted on the first half of its compute, extrapolated to its end")
-    # no legend when no run had enough points in its first half
     save_figure(fig, ax, os.path.join(out, "study_extrap.png"), len(table))
     plt.close(fig)
 
@@ -943,7 +758,7 @@ def main(argv=None):
     p.add_argument("out", help="the study's folder (one sub-folder per run)")
     p.add_argument("--budget", type=float, default=150,
                    help="machine-minutes of runs: variants that would not fit are left out "
-                        "(priority order: study.VARIANTS; all of them: ~147, docstring)")
+                        "(priority order: study.VARIANTS; all of them: ~147)")
     p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run")
     p.add_argument("--report", action="store_true",
                    help="only fit the runs in the folder and write the report")
@@ -954,14 +769,14 @@ def main(argv=None):
                    help="3 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
     args = p.parse_args(argv)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
-    if args.quick:  # two one-process runs side by side and one under torchrun
+    if args.quick:
         variants = {n: VARIANTS[n] for n in ("scalerl", "batch8", "pipelinerl")}
         seeds, steps, held_out = 1, 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
     report = os.path.join(args.assets, "study_report.json")
     if args.quick and args.assets and os.path.exists(report):
         with open(report) as f:
-            if "note" not in json.load(f):  # a full study's (a quick one's carries QUICK_NOTE)
+            if "note" not in json.load(f):
                 sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
                          "give --quick another --assets")
     os.makedirs(args.out, exist_ok=True)
@@ -990,5 +805,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError) as err:  # a file that cannot be read: one line, no traceback
+    except (ValueError, OSError) as err:  # one line, no traceback
         sys.exit(f"study: error: {err}")

@@ -46,8 +46,12 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 import bench
 import data
 from data import INTERRUPT_PHRASE
+import hub
+import faults
 import generate as gen
 import pipeline
+from plan import (PlanRun, in_flight, memory_plan, plan_activations, plan_param_count, plan_shape,
+                  plan_trainer)
 import runs
 import train
 import loss
@@ -1958,7 +1962,7 @@ def test_curriculum_batch_across_epoch_boundary_never_repeats_or_serves_a_retire
     assert all(len(set(stream[4 * b:4 * b + 4])) == 4 for b in range(12))
 
 # =============================================================================
-# data.py: problem files, prompts, the curriculum, the toy task and the embedded toy model
+# data.py and hub.py: problem files, Hub ids, prompts, the curriculum, the toy task and the embedded toy model
 
 
 def test_data_loads_the_published_layouts_of_gsm8k_and_math500():
@@ -2070,7 +2074,7 @@ def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch
     args = train.get_args(["--eval_only", "--model", "org/toy", "--val_size", "8", "--eval_samples", "1"])
     assert (args.model, args.model_dir) == ("org/toy", str(snapshot))  # as typed (--resume compares it); what loads
     assert train.main(args)["n"] == 8 and "eval org/toy on 8 held-out problems" in capsys.readouterr().out
-    assert data.resolve_model(str(ROOT / "toy_model")) == str(ROOT / "toy_model")  # a local folder: as is
+    assert hub.resolve_model(str(ROOT / "toy_model")) == str(ROOT / "toy_model")  # a local folder: as is
     for argv, said in [(["--model", "org/none"], "train.py: error: --model org/none: not a local folder, and not in "
                          f"the Hugging Face cache (HF_HUB_CACHE={tmp_path / 'hub'}); the Hub could not be reached "
                          "(HF_HUB_OFFLINE is set): download it once with network access (hf download org/none) or "
@@ -2150,7 +2154,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
     hub_settings(monkeypatch, tmp_path / "hub", tmp_path / "datasets", offline=False)
     for module, key, value in [(huggingface_hub.constants, "ENDPOINT", endpoint),
                                (datasets.config, "HF_ENDPOINT", endpoint),
-                               (data, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
+                               (hub, "HUB_PROBE_SECONDS", 1.0)]:  # 3 s in use
         monkeypatch.setattr(module, key, value)
     snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
     hub_dataset_cache(tmp_path / "datasets", "org/gsm", "main", {"train": [gsm8k_record(i) for i in range(4)]})
@@ -2161,7 +2165,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
         train.get_args(["--model", "org/none"])
     with pytest.raises(SystemExit) as exit_:
         train.load_source("--data", "org/none", 0)
-    assert time.monotonic() - start < 3 * data.HUB_PROBE_SECONDS  # one probe, then nothing waits
+    assert time.monotonic() - start < 3 * hub.HUB_PROBE_SECONDS  # one probe, then nothing waits
     unreached = f"the Hub could not be reached ({endpoint} did not answer within 1 s)"
     assert capsys.readouterr().err.strip().splitlines() == [
         f"train.py: error: --model org/none: not a local folder, and not in the Hugging Face cache (HF_HUB_CACHE="
@@ -2171,7 +2175,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
         f"error: --data org/none: not a file, and not in the Hugging Face datasets cache (HF_DATASETS_CACHE="
         f"{tmp_path / 'datasets'}); {unreached}: run this once with network access (it is cached then) or give a "
         "jsonl file; if it has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
-    assert data.resolve_model("org/toy") == str(snapshot)
+    assert hub.resolve_model("org/toy") == str(snapshot)
     assert [p["answer"] for p in train.load_source("--data", "org/gsm:main", 0)] == ["2", "3", "4", "5"]
     for spec, said in [("org/gsm", "has several configs (main, socratic): name one, org/gsm:main"),
                        ("org/gsm:other", "has no config other (configs found: main, socratic): name one, "
@@ -2188,9 +2192,9 @@ def test_hub_dataset_id_without_the_datasets_package_says_pip_install(monkeypatc
         train.load_source("--val_data", "HuggingFaceH4/MATH-500", 0)
     assert exit_.value.code == ("error: --val_data HuggingFaceH4/MATH-500: a Hugging Face dataset id needs the "
                                 "datasets package: pip install datasets (or give a jsonl file)")
-    assert data.hub_dataset_spec("openai/gsm8k:main:train[:100]") == ("openai/gsm8k", "main", "train[:100]")
-    assert data.hub_dataset_spec("HuggingFaceH4/MATH-500::test") == ("HuggingFaceH4/MATH-500", None, "test")
-    assert [data.hub_dataset_spec(s) for s in ("gsm8k.jsonl", "x/test.jsonl", "fixtures/none", "/abs/a")] == [None] * 4
+    assert hub.hub_dataset_spec("openai/gsm8k:main:train[:100]") == ("openai/gsm8k", "main", "train[:100]")
+    assert hub.hub_dataset_spec("HuggingFaceH4/MATH-500::test") == ("HuggingFaceH4/MATH-500", None, "test")
+    assert [hub.hub_dataset_spec(s) for s in ("gsm8k.jsonl", "x/test.jsonl", "fixtures/none", "/abs/a")] == [None] * 4
 
 
 def test_format_prompt_plain_and_chat_template(toy_dir):
@@ -3037,7 +3041,7 @@ def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shap
     checkpointing) and what the head keeps (no logits: ~2.6 KB per token, whatever the vocab)."""
     model = bench.two_layer_model("Qwen3-0.6B")
     part = bench.saved_by_part(model, lengths=(16, 32), checkpoint_layers=True)
-    plan = pipeline.plan_activations(pipeline.plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
+    plan = plan_activations(plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
     assert part["layer"] <= 4096 and part["layer"] == plan["checkpointed"] == 2048
     assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
 
@@ -3046,7 +3050,7 @@ def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shap
                                                   ("qwen2", torch.bfloat16, {}),
                                                   ("qwen3", torch.bfloat16, dict(tie_word_embeddings=True))])
 def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, dtype, changes):
-    """pipeline.memory_plan's figures against what a tiny model holds: the bytes its forward saves per token per
+    """memory_plan's figures against what a tiny model holds: the bytes its forward saves per token per
     layer, checkpointed and not, and outside the layers (saved-tensor hooks), its parameters, and an FSDP2
     trainer's shares."""
     torch.manual_seed(0)
@@ -3055,14 +3059,14 @@ def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, 
     cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**common)), "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
                 "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common))}[kind]
     model = cls(cfg).to(dtype).train()
-    s = pipeline.plan_shape(model.config)
-    plan = pipeline.plan_activations(s, dtype.itemsize)
+    s = plan_shape(model.config)
+    plan = plan_activations(s, dtype.itemsize)
     on, off = (bench.saved_by_part(model, checkpoint_layers=c) for c in (True, False))
     assert (on["layer"], off["layer"]) == (plan["checkpointed"], plan["layer"])
     assert on["rest"] == plan["head"] and 0 <= plan["head"] - off["rest"] <= 8  # unused there: the position ids
-    assert pipeline.plan_param_count(s) == sum(p.numel() for p in model.parameters())
-    one, two = (pipeline.plan_trainer(s, dtype.itemsize, 1000, True, fsdp, n) for fsdp, n in ((False, 1), (True, 2)))
-    assert two["AdamW state"] == one["AdamW state"] / 2 == 4 * pipeline.plan_param_count(s)
+    assert plan_param_count(s) == sum(p.numel() for p in model.parameters())
+    one, two = (plan_trainer(s, dtype.itemsize, 1000, True, fsdp, n) for fsdp, n in ((False, 1), (True, 2)))
+    assert two["AdamW state"] == one["AdamW state"] / 2 == 4 * plan_param_count(s)
 
 
 def test_bench_stability_row_tells_a_fall_from_a_slower_climb():
@@ -3090,18 +3094,18 @@ def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     goes alone) the trainer is planned for that row; the README's real-model commands fit
     (Qwen3-0.6B --recipe one_gpu on one GPU, Qwen2.5-7B's paper recipe on 8); a sampler that cannot hold one
     group does not fit."""
-    plans = {mt: pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**{**bench.NODE_RUN,
+    plans = {mt: memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**{**bench.NODE_RUN,
                                                                                            "micro_tokens": mt}))
              for mt in (1024, 8192, 32768)}
     assert all(r["fits"] for r in plans[8192]["roles"].values()) and not plans[32768]["roles"]["trainer"]["fits"]
     assert plans[1024]["max_len"] == 8724 and plans[1024]["roles"]["trainer"] == plans[8192]["roles"]["trainer"]
     assert plans[8192]["sequences"] * 6 >= 256
-    readme = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"), pipeline.PlanRun(**bench.README_RUN))
+    readme = memory_plan(bench.shape_config("Qwen3-0.6B"), PlanRun(**bench.README_RUN))
     assert readme["roles"]["one process"]["fits"] and readme["sequences"] >= 16
-    node = pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**bench.README_NODE_RUN))
+    node = memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**bench.README_NODE_RUN))
     assert all(r["fits"] for r in node["roles"].values()) and node["sequences"] >= 16
-    small = pipeline.memory_plan(bench.shape_config("Qwen3-0.6B"),
-                                 pipeline.PlanRun(**{**bench.README_RUN, "device_bytes": 12e9}))
+    small = memory_plan(bench.shape_config("Qwen3-0.6B"),
+                        PlanRun(**{**bench.README_RUN, "device_bytes": 12e9}))
     assert small["sequences"] < 8 and not small["roles"]["one process"]["fits"]  # not one group of 8
 
 
@@ -3111,23 +3115,23 @@ def test_memory_plan_caps_the_kv_cache_at_what_a_generator_can_have_in_flight():
     would hold about 650); a generator of 6 under PipelineRL-8, its share of 9 batches of 16 x 16 (every 6th
     of 144 groups: 24 x 16 = 384, about 620 fit). Where memory holds fewer (Qwen2.5-7B), memory decides."""
     one = {**bench.recipe_run("paper"), "think_budget": 7168, "answer_budget": 1024, "prompts": 8, "samples": 16}
-    plan = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**one))
+    plan = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**one))
     assert plan["sequences"] == 8 * 16
     width = -(-plan["max_len"] // gen.BLOCK)  # at the bound: a pool of every row at the full budget, and scratch
     assert plan["blocks"] == 1 + 128 * width and plan["per_block"] == gen.BLOCK * 12 * 1024
     assert plan["roles"]["one process"]["parts"]["KV cache"] == plan["blocks"] * plan["per_block"]
-    room = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**one, slots=10 ** 6))
+    room = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**one, slots=10 ** 6))
     assert room["sequences"] == 128  # --slots above the bound changes nothing
     node = dict(bench.NODE_RUN)
     assert (node["prompts"], node["samples"], node["generators"]) == (16, 16, 6)
-    small = pipeline.memory_plan(bench.shape_config("Qwen2.5-0.5B"), pipeline.PlanRun(**node))
+    small = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**node))
     assert small["sequences"] == math.ceil(9 * 16 / 6) * 16 == 384
-    big = pipeline.memory_plan(bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**node))
-    assert big["sequences"] < 384 and big["sequences"] == pipeline.memory_plan(
-        bench.shape_config("Qwen2.5-7B"), pipeline.PlanRun(**node, lag=10 ** 3))["sequences"]
+    big = memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**node))
+    assert big["sequences"] < 384 and big["sequences"] == memory_plan(
+        bench.shape_config("Qwen2.5-7B"), PlanRun(**node, lag=10 ** 3))["sequences"]
     mean, width = (-(-n // gen.BLOCK) for n in (big["mean_len"], big["max_len"]))  # memory decides: its rows at
     assert big["sequences"] * mean <= big["blocks"] - 1 < big["sequences"] * width   # the mean length, in blocks
-    assert pipeline.in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
+    assert in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
 
 
 def qwen2_folder(toy_dir, folder):
@@ -3170,8 +3174,8 @@ def test_memory_plan_is_the_slots_every_sampler_takes_on_cpu(toy_dir, tmp_path, 
     planned = [int(n) for n in re.findall(r"sampler: (\d+) sequences of up to 14\d\d\d tokens", out)]
     assert len(planned) == 2 and taken == [planned[0]] + [planned[1]] * 2 == [gen.CPU_SLOTS] * 3, (taken, out)
     config = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
-    plan = pipeline.memory_plan(config, pipeline.PlanRun(**bench.recipe_run("paper"), evaluate=16000))
-    weights = pipeline.plan_param_count(pipeline.plan_shape(config)) * 2
+    plan = memory_plan(config, PlanRun(**bench.recipe_run("paper"), evaluate=16000))
+    weights = plan_param_count(plan_shape(config)) * 2
     assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), config, torch.bfloat16,
                                              *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
 
@@ -4347,17 +4351,36 @@ def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
     store = torch.distributed.HashStore()
     trainer0, trainer1, generator = (types.SimpleNamespace(store=store, rank=r, n_trainers=2, timeout=0.2, status="")
                                      for r in range(3))
-    pipeline.set_status(trainer0, "training step 3")
+    faults.set_status(trainer0, "training step 3")
     with pytest.raises(TimeoutError, match=r"rank 2 \(generator\) waited 0.2 s for weights"):
-        pipeline.wait_until(generator, lambda: False, "weights")
-    pipeline.set_status(trainer0, "evaluating step 3")
+        faults.wait_until(generator, lambda: False, "weights")
+    faults.set_status(trainer0, "evaluating step 3")
     done = threading.Timer(0.7, pipeline.done_evaluating, (trainer0, 3))  # 3 deadlines later
     done.start()
     t0 = time.time()
     pipeline.wait_for_eval(trainer1, 3)
     assert 0.6 < time.time() - t0 < 5 and store.get("status/0") == b"evaluated step 3"
     with pytest.raises(TimeoutError, match="rank 2 .generator. waited 0.2 s for weights"):  # the deadline is back
-        pipeline.wait_until(generator, lambda: False, "weights")
+        faults.wait_until(generator, lambda: False, "weights")
+
+
+def test_pipeline_a_generators_held_out_eval_says_its_count_and_eta(capsys, monkeypatch):
+    """Under torchrun the first generator prints its share of a long eval: done/total and an ETA
+    at the pace so far (here 30 of 120 in 12 s: 36 s left); other generators stay quiet."""
+    gen = types.SimpleNamespace(index=0, val_ids=[[1]] * 60, n_gens=1,
+                                args=types.SimpleNamespace(eval_samples=2))
+    monkeypatch.setattr(pipeline.time, "time", lambda: 1000.0)
+    pipeline.start_eval(gen, 4)
+    assert gen.eval_want == 120
+    pipeline.eval_progress(gen, 4, 10)  # under 10 s since the start: nothing yet
+    monkeypatch.setattr(pipeline.time, "time", lambda: 1012.0)
+    pipeline.eval_progress(types.SimpleNamespace(**{**vars(gen), "index": 1}), 4, 30)
+    assert capsys.readouterr().out == ""
+    pipeline.eval_progress(gen, 4, 30)
+    assert capsys.readouterr().out == ("generator 0: held-out eval of step 4: 30/120 samples in 12 s, "
+                                       "ETA 36 s\n")
+    pipeline.eval_progress(gen, 4, 31)  # at most one line every 10 s
+    assert capsys.readouterr().out == ""
 
 
 def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progress():
@@ -4370,11 +4393,11 @@ def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progres
                                              for _ in range(32)])
     bumps.start()
     t0 = time.time()
-    pipeline.wait_until(trainer, lambda: time.time() > stop, "rollouts for step 1")
+    faults.wait_until(trainer, lambda: time.time() > stop, "rollouts for step 1")
     assert time.time() - t0 > 1.4
     bumps.join()
     with pytest.raises(TimeoutError, match=r"rank 0 \(trainer\) waited 0.5 s for rollouts"):  # no progress
-        pipeline.wait_until(trainer, lambda: False, "rollouts for step 1")
+        faults.wait_until(trainer, lambda: False, "rollouts for step 1")
 
 
 def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
@@ -4970,7 +4993,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert "\\boxed{7}" in data.completion_text(tok, groups[0]["samples"][0])
     assert [c for g in groups for c in g["correct"]] == [False] * 8
     assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
-    curriculum = source.gen.curriculum
+    curriculum = source.gen.prompts.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
     result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0

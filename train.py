@@ -57,7 +57,9 @@ from transformers.utils import logging as hf_logging
 
 from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
                   resolve_model, special_tokens, split_problems, toy_model_dir, toy_task)
+import faults
 import pipeline
+import plan
 from generate import SUPPORTED, check_supported, config_problem, packed_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, advantages, agg_counts, clip_eps, drift_by_lag,
                   forgetting, policy_loss, ratio_stats, row_weights, zero_variance_keep)
@@ -97,7 +99,7 @@ RECIPES = {
 
 class FlagParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block; "did you mean" for a mistyped flag), said
-    once under torchrun (pipeline.say_error), and no abbreviations (--prompt is not taken for
+    once under torchrun (faults.say_error), and no abbreviations (--prompt is not taken for
     --prompts)."""
 
     def __init__(self, **kw):
@@ -111,7 +113,7 @@ class FlagParser(argparse.ArgumentParser):
                  if (close := closest_flag(t, flags))]
         line = (f"{self.prog}: error: {message}{''.join(' (' + h + ')' for h in hints)} "
                 "(--help lists the flags)")
-        pipeline.say_error(line)  # under torchrun: once, in its report
+        faults.say_error(line)  # under torchrun: once, in its report
         self.exit(2)
 
 
@@ -648,7 +650,7 @@ def evaluate(model, tokenizer, val_ids, val, args, most=None):
     steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
                                   most=min(len(items), most or len(items)))
     done = pipeline.sample_all(Progress(steps, len(items), "held-out eval"), items,
-                               stop=lambda: bool(pipeline.STOP))
+                               stop=lambda: bool(faults.STOP))
     if done is None:
         return None
     records = pipeline.score_held_out(tokenizer, {i: s for (_, i), s in done.items()}, val,
@@ -683,7 +685,7 @@ def eval_only(args):
     model_dir = args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
     val_ids = tokenize_prompts(tokenizer, val)
-    pipeline.print_memory_plan(model.config, args, None, next(model.parameters()).device,
+    plan.print_memory_plan(model.config, args, None, next(model.parameters()).device,
                                max(map(len, val_ids)),
                                len(special_tokens(tokenizer)["interrupt_ids"]),
                                evaluate=len(val) * args.eval_samples)
@@ -899,7 +901,7 @@ class Trainer:
             self.version += 1
             return 0.0, {"grad_norm": 0.0, "skipped_bad": self.bad_steps > 0, "lr": lr}
         self.model.train()
-        pipeline.peak_gb(self.model)  # the peak from here is this step's
+        plan.peak_gb(self.model)  # the peak from here is this step's
         loss, stats = self.backward(batch, pad_id)
         self.reduce_grads()
         stepped = self.master or list(self.model.parameters())
@@ -915,7 +917,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self.version += 1
-        peak = pipeline.peak_gb(self.model)
+        peak = plan.peak_gb(self.model)
         return loss, {**stats, "grad_norm": norm, "skipped_bad": self.bad_steps > 0, "lr": lr,
                       **({"train_peak_gb": peak} if peak else {})}
 
@@ -1017,7 +1019,7 @@ class ShardedTrainer(Trainer):
         if dtype != torch.float32:
             model.float()
         self.forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device, dtype)
-        self.sync_once = pipeline.fsdp_sync_once(self.n_params, pipeline.device_bytes(ctx.device))
+        self.sync_once = plan.fsdp_sync_once(self.n_params, plan.device_bytes(ctx.device))
         local = sum(p.to_local().numel() for p in model.parameters())
         print0(f"FSDP2: trainer 0 holds {local} of {self.n_params} parameters (and their AdamW "
                "state)", flush=True)
@@ -1042,7 +1044,7 @@ class ShardedTrainer(Trainer):
 
     def accumulate(self):
         """After each micro-batch's backward: the last of the step reduce-scatters (sync_once), or
-        every one does (a model whose unsharded gradients would not fit: pipeline.fsdp_sync_once)."""
+        every one does (a model whose unsharded gradients would not fit: plan.fsdp_sync_once)."""
         self.done += 1
         self.forward.set_requires_gradient_sync(not self.sync_once or self.done >= self.n_all - 1)
 
@@ -1501,7 +1503,7 @@ def describe(env, trainer):
            f"{env.model.config.model_type}) on {device} | {roles} | {len(env.train)} train / "
            f"{len(env.val)} held-out problems")
     if env.rank0:
-        pipeline.print_memory_plan(env.model.config, args, env.ctx, device,
+        plan.print_memory_plan(env.model.config, args, env.ctx, device,
                                    max(map(len, env.train_ids + env.val_ids)),
                                    len(special_tokens(env.tokenizer)["interrupt_ids"]))
 
@@ -1620,7 +1622,7 @@ def summary(args, seconds):
 if __name__ == "__main__":
     args = get_args()
     if not args.eval_only:  # an eval has nothing to save: a signal stops it at once
-        pipeline.stop_on_signals()
+        faults.stop_on_signals()
     # under torchrun the last --gen_ranks ranks serve rollouts, the others train
     entry = serve_rollouts if pipeline.generator_rank(args) else main
     one = int(os.environ.get("WORLD_SIZE", "1")) == 1
@@ -1629,7 +1631,7 @@ if __name__ == "__main__":
     except SystemExit as err:
         if isinstance(err.code, str):  # a user error: one line, as argparse's, exit 2
             message = err.code.removeprefix("error: ")
-            pipeline.say_error(f"train.py: error: {message}")
+            faults.say_error(f"train.py: error: {message}")
             err.code = 2
         if one:
             raise
@@ -1640,8 +1642,8 @@ if __name__ == "__main__":
             raise
         # one rank failing: print why, and exit without waiting on the others
         traceback.print_exc()
-        pipeline.report_failure(err)
+        faults.report_failure(err)
         sys.stderr.flush()
         os._exit(1)
-    if pipeline.STOP:  # stopped by a signal, its step saved: the status a signal gives
-        sys.exit(128 + signal.Signals[pipeline.STOP["name"]].value)
+    if faults.STOP:  # stopped by a signal, its step saved: the status a signal gives
+        sys.exit(128 + signal.Signals[faults.STOP["name"]].value)

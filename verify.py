@@ -1,70 +1,13 @@
 """
-verify.py: the reward checker. Does a response's final answer equal the gold answer?
+verify.py: the math reward: does a response's final answer equal the gold one? (paper section 2)
 
-Implements the reward of arXiv 2510.13786 (section 2): +1 for a verified-correct final answer, -1
-otherwise, the final answer checked symbolically (sympy here). This
-file returns the bool; the caller maps it to +1 / -1. score_problems is the reward entry point
-of train.py and pipeline.py: it judges math problems here and sends code problems (the
-math+code runs of section 5) to sandbox.py, which runs their programs against their tests.
+Start at score_problems (code problems go to sandbox.py), then score. The answer is the last
+\\boxed{} after </think>, else the line after "Answer:". Strings and plain numbers decide at once
+(quick_check); the rest goes to a sympy worker process killed at `timeout` and must be proven
+equal for all real values: what sympy cannot prove is False. Never raises, never hangs.
 
-Readings chosen here:
-- The final answer is the last \\boxed{...} (also \\fbox{...} and `\\boxed 5`) after the
-  last </think>; without a think block the whole text is searched. A <think> that never
-  closes means the response was cut off before it answered: no answer, score False. Where the
-  prompt opened the block (think_open=True; prompt_opens_think: DeepSeek-R1 chat templates end
-  the prompt with "<think>\n"), the completion starts inside it and must close it to answer.
-- Without a box: the rest of the line after the last "####", "Final Answer:", "Answer:" or
-  "the answer is"; else the text itself when it is one short line (`</think> 42`).
-- Equal means one of: the same string after normalization (\\dfrac -> \\frac, \\left/\\right,
-  spacing, $, units in \\text{} or after a number ("3\\text{ m/s}", "5 ft^2"), degrees ^\\circ,
-  percent signs, thousands separators "1,000" and "1{,}000", the same variable before each
-  item ("x = -1, x = 2", "x \\in [1, 2]"), a trailing period); the same plain number, exactly
-  (0.5 = 1/2 = \\frac12; "1\\frac{4}{5}" is the mixed number 9/5); or the same sympy value
-  for all real values of the variables (i is the imaginary unit, e is Euler's number), proven:
-  a rational function with rational coefficients by cancel(), anything else when simplify()
-  brings the difference to zero. The values at sample points only reject (_points: both signs,
-  beyond every constant and below its reciprocal, fresh random ones from the system's source,
-  both sides of the roots under |.|, roots and logs; to 1e-40 relative at 60 digits): what sympy
-  cannot prove counts False, however many points agree. So 50\\% counts as 50 (not 0.5) and
-  30^\\circ as 30 (not \\pi/6). A word of 2+ letters (east, \\text{Evelyn}) is compared as a word,
-  case-insensitively, not as a product of variables. Beside a number, only words on an
-  allow-list go (_UNITS: units, "per", "square", "units"; "and"/"or" between items): any other
-  word ("5 false", "\\text{not } 5", "5 or more", "5 maybe", "\\text{approximately } 5",
-  "5 \\text{ apples}") stays in the answer, which then matches nothing.
-- Departures from a lenient checker, each closing a way to forge the reward:
-  an answer with a variable the gold lacks never matches (4 + (x-1)(x-2) is not 4, nor is
-  \\sin^2 x + \\cos^2 x 1); variables are real, of either sign (x is not |x|, y - x is not |x - y|,
-  \\frac{|x|}{x} is not 1); a nearly equal value is not equal (x + 10^{12} + 1 is not x + 10^{12});
-  no word off the allow-list is a unit (above); a difference that vanishes at the points sampled
-  is not zero (x + x^8 \\sin(997000\\pi x) is not x); only a letter or a Greek letter names a
-  variable before "=" (x = 5, \\theta = 5 are 5; \\not= 5, \\neq=5 are nothing); a box inside
-  thoughts the prompt opened and the completion never closed is no answer (think_open).
-- Shapes: "(a, b)" and "[a, b)" are ordered tuples/intervals whose brackets must match;
-  "\\{a, b\\}", a bare list "a, b" and "a \\pm b" are unordered sets; \\cup joins intervals in
-  any order; matrices compare entry by entry; an equation "lhs = rhs" equals a nonzero
-  multiple of itself; base-n numbers like 204_5 match only as strings.
-- The LaTeX reader is the small parser below (no antlr, no latex2sympy). It follows TeX for
-  macro arguments (\\frac34 = 3/4, \\sqrt2) but reads exponent digits whole (2^10 = 1024).
-
-Never raises and never hangs on any string. Plain numbers and string matches are decided in
-the calling process in microseconds. Everything else goes to a persistent worker process (a
-fresh interpreter running this file, as multiprocessing's 'spawn' would start, never a fork
-of a caller that may hold torch threads) that must answer within `timeout` seconds or it is
-killed and replaced and the answer counts False. No signals, so it works from any thread.
-Workers start on first need (~1 s), stay for later calls, and exit when the caller does
-(their stdin closes). Answers sympy could choke on count False before sympy sees them: over
-1000 characters, nesting over 50 deep, exponents or factorials over 10^4, powers over ~10^5
-digits. Unix only (select.poll, resource).
-
-Usage:
-    from verify import prompt_opens_think, score, score_batch, score_problems
-    score("<think>...</think> The area is $\\boxed{\\frac{1}{2}}$.", "0.5")    # True
-    score_batch(responses, golds, workers=8)                                  # list of bools
-    score_problems(responses, problems, workers=8)     # data.py's dicts, math and code mixed
-    score("7 \\boxed{7}", "7",
-          think_open=prompt_opens_think("...<think>\\n"))                      # False: never closed
-    python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'         # prints True
-    python verify.py --bench        # verifications/s on a batch of 768 (BENCHMARKS.md section 8)
+    python verify.py '<think>...</think> \\boxed{2\\sqrt{2}}' '\\sqrt{8}'   # True
+    python verify.py --bench   # verifications/s on a batch of 768
 """
 import contextlib
 import json
@@ -85,32 +28,33 @@ import sympy
 
 from sandbox import score_code_batch
 
-TIMEOUT = 5.0              # seconds a sympy check may take before the answer counts False
-MAX_ANSWER_CHARS = 1000    # longer final answers count False
-MAX_DEPTH = 50             # deeper bracket nesting counts False
-MAX_EXPONENT = 10_000      # larger |exponents| and factorial arguments count False
-MAX_POWER_BITS = 330_000   # number powers above ~10^5 digits count False
-WORKER_START_TIMEOUT = 120.0      # seconds for a worker to import sympy and say "ready"
-WORKER_MEMORY = 4 << 30           # address-space limit of a worker process, bytes
+# past these an answer counts False
+TIMEOUT = 5.0              # seconds
+MAX_ANSWER_CHARS = 1000
+MAX_DEPTH = 50             # bracket nesting
+MAX_EXPONENT = 10_000      # factorials too
+MAX_POWER_BITS = 330_000
+WORKER_START_TIMEOUT = 120.0
+WORKER_MEMORY = 4 << 30
 
 # -----------------------------------------------------------------------------
-# Finding the final answer
+# the final answer
 
 _BOX_WORDS = ("\\boxed", "\\fbox")
 _BOX = re.compile("|".join(map(re.escape, _BOX_WORDS)))
-# [\s*:]*: also **Final Answer:** 12
+# also **Final Answer:** 12
 _ANSWER_KEY = re.compile(r"####|final answer(?:\s*is)?[\s*:]*|the answer is[\s*:]*|"
                          r"\banswer\**\s*:[\s*]*", re.IGNORECASE)
 
 
 def extract_answer(response):
-    """The final answer of a response as a string, or None when it gave none."""
+    """A response's final answer, or None."""
     if not isinstance(response, str):
         return None
     if "</think>" in response:
         response = response.rsplit("</think>", 1)[1]
     elif "<think>" in response:
-        return None                      # cut off while thinking: it never answered
+        return None                      # cut off while thinking
     if _BOX.search(response):
         return last_boxed(response)
     keys = list(_ANSWER_KEY.finditer(response)) if _may_have_key(response) else None
@@ -124,22 +68,17 @@ def extract_answer(response):
 
 
 def _may_have_key(text):
-    """False when no _ANSWER_KEY can match: each holds "####" or "answer", in a case that
-    IGNORECASE matches (its lower case, or a long s for an s). The key regex costs ~90 ns a
-    character: a long response with neither word skips it."""
+    """Whether _ANSWER_KEY may match (its regex is slow)."""
     return "####" in text or "answer" in text.lower().replace("\u017f", "s")
 
 
 def last_boxed(text):
-    """The argument of the last \\boxed{} (or \\fbox{}) in text, or None (also used by data.py).
-    Found from the end (neither word can overlap another's match): a policy's million boxes cost
-    one scan, not a list of a million matches."""
+    """The argument of the last \\boxed{} or \\fbox{}, or None."""
     at, word = max((text.rfind(word), word) for word in _BOX_WORDS)
     return _box_content(text, at + len(word)) if at >= 0 else None
 
 
 def _box_content(text, start):
-    """The argument of the \\boxed ending at `start`: a {...} group or one token."""
     rest = text[start:start + MAX_ANSWER_CHARS + 10].lstrip()
     if not rest.startswith("{"):
         token = re.match(r"[^\s$]+", rest)                    # \boxed 5
@@ -149,11 +88,10 @@ def _box_content(text, start):
         depth += (ch == "{") - (ch == "}")
         if depth == 0:
             return rest[1:i].strip() or None
-    return None                          # never closed (or too long to check)
+    return None
 
 
 def _strip_answer(text):
-    """Drop the math delimiters and the full stop around an answer written inline."""
     text = text.strip().rstrip(".").strip()
     for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if text.startswith(left) and text.endswith(right) and len(text) > len(left) + len(right):
@@ -161,7 +99,7 @@ def _strip_answer(text):
     return text.strip() or None
 
 # -----------------------------------------------------------------------------
-# String normalization and plain numbers (the fast in-process path)
+# normalization, in process
 
 _REPLACE = [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\dbinom", "\\binom"),
             ("\\tbinom", "\\binom"), ("\\displaystyle", ""), ("\\$", ""), ("$", ""),
@@ -176,11 +114,7 @@ _LIST_WORD = re.compile(r"\\(?:text|mbox|textrm|textnormal)\s*\{\s*(?:and|or)\s*
 _UNIT_TEXT = re.compile(r"[a-zA-Z .]*(?:/ *[a-zA-Z][a-zA-Z .]*)*")     # \text{ km/h}: no digits
 # 18 km/h
 _UNIT_WORDS = re.compile(r"(-?[\d.,]*\d) +([a-zA-Z]{2,}(?:[ /]+[a-zA-Z]+)*)(?:\^\{?\d\}?)?")
-# The words that may stand beside a number and be dropped as its unit: units of length, area,
-# volume, mass, time, money, angle, temperature, speed and data, and formatting words (per, square,
-# units). An allow-list: any other word stays in the answer, which then matches nothing, so that no
-# phrasing of a denial or a qualifier ("5 false", "5 impossible", "approximately 5", "5 or more")
-# passes for a unit. A plural counts as its singular (inches, degrees).
+# an allow-list: other words stay, so "5 or more" matches nothing
 _UNITS = frozenset("""
     m cm mm km um nm in inch ft foot feet yd yard mi mile meter metre centimeter centimetre
     millimeter millimetre kilometer kilometre micrometer nanometer
@@ -207,9 +141,7 @@ _FRACTION = re.compile(r"(-?)(\d+)?\\frac\{(\d+)\}\{(\d+)\}")        # \frac{3}{
 
 
 def normalize(answer, listed=None):
-    """A canonical string form of an answer: equal strings mean equal answers. Commas between digit
-    groups: listed True reads them as a list, False as thousands ("1,000"), None by the text's own
-    form (a list when a comma is followed by a space or each item names the variable: "2, 100")."""
+    """A canonical string: equal strings, equal answers."""
     s = answer.strip()
     for old, new in _REPLACE:
         s = s.replace(old, new)
@@ -233,15 +165,13 @@ def normalize(answer, listed=None):
 
 
 def _units_only(text):
-    """Whether every word of text ("km/h", "sq. ft", "dollars") is on the allow-list _UNITS."""
     words = [w for w in re.split(r"[\s/.]+", text.lower()) if w]
     return all(w in _UNITS or (w[-1:] == "s" and w[:-1] in _UNITS)
                or (w[-2:] == "es" and w[:-2] in _UNITS) for w in words)
 
 
 def _drop_text(s):
-    """\\text{Evelyn} -> Evelyn, 5\\text{ m/s}^2 -> 5, 1 \\text{and} 2 -> 1,2, \\mathbf{v} -> v;
-    a phrase of words off the allow-list _UNITS stays (5\\text{ or more} -> 5 or more)."""
+    """\\text{Evelyn} -> Evelyn, 5\\text{ m/s} -> 5; words off _UNITS stay."""
     whole = _TEXT.fullmatch(s.strip())
     if whole and not whole.group(3):
         return whole.group(2).strip()
@@ -252,14 +182,13 @@ def _drop_text(s):
             if inner.strip().lower() in ("and", "or"):
                 return ","
             if _units_only(inner):
-                return ""                                  # a unit or a formatting word
+                return ""
         return inner + (power or "")
     return _TEXT.sub(replace, s)
 
 
 def _drop_variable(s):
-    """x=5 -> 5, x\\in[1,2] -> [1,2], x=-1,x=2 -> -1,2: the variable before each item, when all
-    items name the same one (x=5,y=6 is kept) and what is left is no equation (x=y=5 is kept)."""
+    """x=5 -> 5, x=-1,x=2 -> -1,2."""
     items = _split_top(s, ",")
     prefixes = {m.group(0) for m in map(_VAR_PREFIX.match, items) if m}
     if len(prefixes) != 1:
@@ -270,8 +199,7 @@ def _drop_variable(s):
 
 
 def as_number(s):
-    """The exact value of a plain number (12, -3.5, .25, 3/4, \\frac{3}{4}, 1\\frac{4}{5})
-    or None."""
+    """The exact value of a plain number, or None."""
     m = _FRACTION.fullmatch(s)
     with contextlib.suppress(ZeroDivisionError):
         if _DECIMAL.fullmatch(s):
@@ -284,7 +212,7 @@ def as_number(s):
 
 
 def quick_check(answer, gold):
-    """True or False when strings or plain numbers decide it, None when sympy must."""
+    """True or False, or None when sympy must decide."""
     if len(answer) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
     a, b = _normalize_pair(answer, gold)
@@ -301,26 +229,22 @@ def quick_check(answer, gold):
 
 
 def _normalize_pair(answer, gold):
-    """normalize both, the answer's commas read by the gold's form: against a list gold ("2, 100")
-    as a list, never as thousands (2100); a list compares as a set (_shape: roots in any order)."""
     b = normalize(gold)
     return normalize(answer, listed=len(_split_top(b, ",")) > 1), b
 
 
 def never_matched(gold):
-    """Why no response can ever match this gold answer (quick_check refuses it before comparing),
-    or None: it is longer than MAX_ANSWER_CHARS, or nothing is left of it once normalized."""
+    """Why no response can match this gold, or None."""
     if len(gold) > MAX_ANSWER_CHARS:
         return f"longer than {MAX_ANSWER_CHARS} characters"
     return None if normalize(gold) else "nothing is left of it once normalized"
 
 # -----------------------------------------------------------------------------
-# The full check: answer shapes, then values with sympy (runs in a worker process)
+# shapes and sympy, in a worker
 
 
 def equivalent(answer, gold):
-    """Whether two answers are equal, sympy included; False for what it cannot read.
-    Can be slow on purpose-built inputs: score() runs it in a worker under a time limit."""
+    """Whether two answers are equal, sympy included."""
     quick = quick_check(answer, gold)
     if quick is not None:
         return quick
@@ -329,18 +253,16 @@ def equivalent(answer, gold):
         return False
     try:
         return _same(_shape(a), _shape(b))
-    except Exception:          # unreadable LaTeX, undefined values, RecursionError, ...
+    except Exception:          # unreadable LaTeX, ...
         return False
 
 
 def _depths(s):
-    """The bracket depth after each character of s: (a)(b) -> 1 1 0 1 1 0."""
     return list(accumulate((ch in "([{") - (ch in ")]}") for ch in s))
 
 
 def _shape(s):
-    """The outer shape of a normalized answer: ('seq', brackets, items), ('set', items),
-    ('eq', lhs, rhs) or ('value', s). Matrices are a 'matrix' seq of 'row' seqs."""
+    """('seq', brackets, items), ('set', items), ('eq', lhs, rhs) or ('value', s)."""
     m = re.fullmatch(r"\\begin\{[pbvB]?matrix\}(.*)\\end\{[pbvB]?matrix\}", s)
     if m:
         rows = [row.split("&") for row in m.group(1).split("\\\\") if row]
@@ -364,7 +286,6 @@ def _shape(s):
 
 
 def _split_top(s, sep):
-    """Split s at the occurrences of sep that are outside all brackets."""
     parts, depth, start, i = [], 0, 0, 0
     while i < len(s):
         if s[i] in "([{":
@@ -380,7 +301,6 @@ def _split_top(s, sep):
 
 
 def _expand_pm(s):
-    """1\\pm\\sqrt{5} -> [1+\\sqrt{5}, 1-\\sqrt{5}], for up to three \\pm (or \\mp)."""
     signs = list(_PM.finditer(s))
     if not signs or len(signs) > 3:
         return [s]
@@ -390,7 +310,6 @@ def _expand_pm(s):
 
 
 def _same(x, y):
-    """Compare two shapes from _shape()."""
     if x[0] != y[0]:
         return False
     if x[0] == "value":
@@ -399,7 +318,7 @@ def _same(x, y):
         return _same_equation(x, y)
     if x[0] == "seq":
         return x[1] == y[1] and len(x[2]) == len(y[2]) and all(map(_same, x[2], y[2]))
-    unmatched = list(y[1])                         # sets: pair every item with an equal one
+    unmatched = list(y[1])                         # sets: pair each item
     if len(x[1]) != len(unmatched):
         return False
     for item in x[1]:
@@ -411,7 +330,6 @@ def _same(x, y):
 
 
 def _same_value(a, b):
-    """Two normalized scalars, answer a and gold b: the same string or the same sympy value."""
     if a == b:
         return True
     u, v = to_sympy(a), to_sympy(b)
@@ -423,20 +341,13 @@ def _same_value(a, b):
 
 
 def _same_equation(x, y):
-    """lhs1 = rhs1 and lhs2 = rhs2 are the same when lhs - rhs are nonzero multiples."""
     d1 = to_sympy(x[1]) - to_sympy(x[2])
     d2 = to_sympy(y[1]) - to_sympy(y[2])
     return d1 != 0 and d2 != 0 and _identical(d1, d2, multiple=True)
 
 
 def _identical(u, v, multiple=False):
-    """Whether answer u equals gold v (multiple: c * v, c a nonzero constant) for all real values
-    of the variables, proven: never on sample points alone, since a term can vanish at every point
-    sampled and nowhere else. Never when u has a variable that v lacks. The values at fresh random
-    points go first and reject cheaply; then sympy must show the difference (multiple: the ratio)
-    constant, exactly by cancel() for a rational function with rational coefficients (in lowest
-    terms it is constant only when free of variables), else by simplify(), and that constant zero
-    (multiple: nonzero). What sympy cannot decide counts False."""
+    """u equals v (multiple: c * v) for all real values, proven: points only reject."""
     if u.free_symbols - v.free_symbols or not _agree_at_points(u, v, multiple):
         return False
     gap = u / v if multiple else u - v
@@ -445,7 +356,6 @@ def _identical(u, v, multiple=False):
 
 
 def _rational_function(e):
-    """Whether e is built from variables and rational numbers by + - * / and integer powers."""
     if e.is_Symbol or e.is_Rational:
         return True
     if e.is_Pow:
@@ -454,8 +364,6 @@ def _rational_function(e):
 
 
 def _agree_at_points(u, v, multiple):
-    """u equals v (multiple: u / v is the same number) at every point of _points, to 1e-40 relative
-    (60 digits: an offset of 1 on a value of 10^12 is a difference)."""
     pairs = [(_value(u, point), _value(v, point)) for point in _points(u, v)]
     if multiple:
         if any(q == 0 for _, q in pairs):
@@ -465,12 +373,7 @@ def _agree_at_points(u, v, multiple):
 
 
 def _points(u, v, count=8):
-    """Values for the variables of v, real numbers: all of one sign beyond every constant in u and
-    v or below its reciprocal (\\sqrt{10^{100}x^2+1} is not 10^{50}|x| at x = 10^{-101}), increasing
-    at the positive points and decreasing at the negative ones; `count` random ones of random signs
-    and sizes; and points on each side of every real root of a one-variable polynomial under an
-    |.|, a root or a log (|(x-1)(x-2)| between 1 and 2). Every random number is drawn afresh from
-    the system's source (_fresh): no seed an answer could know, no structure it could vanish on."""
+    """Beyond every constant and its reciprocal, fresh random ones, around roots."""
     symbols = sorted(v.free_symbols, key=str)
     if not symbols:
         return [{}]
@@ -486,16 +389,12 @@ def _points(u, v, count=8):
 
 
 def _fresh(rng):
-    """A random positive rational of size 10^-6..10^4 (log-uniform), a random numerator over a
-    random denominator of up to 12 digits: no two points share a denominator or a decimal grid,
-    and none is likely to sit on a pole of an answer (1/(x-1))."""
+    """A random rational on no shared grid: no seed an answer could know."""
     denominator = rng.randint(10**6, 10**12)
     return sympy.Rational(int(denominator * 10 ** rng.uniform(-6, 4)) + 1, denominator)
 
 
 def _sides_of_roots(u, v, s):
-    """A value of s below, between and above the real roots of each argument of an |.|, a root or
-    a log in u and v that is a polynomial in s alone with rational coefficients, degree <= 20."""
     roots = set()
     for f in (u.atoms(sympy.Abs, sympy.Pow, sympy.log) | v.atoms(sympy.Abs, sympy.Pow, sympy.log)):
         arg = f.base if f.is_Pow else f.args[0]
@@ -510,8 +409,6 @@ def _sides_of_roots(u, v, s):
 
 
 def _value(expr, point):
-    """expr at point (variables -> numbers) as a 60-digit number, maybe complex
-    (\\sqrt{x} at x < 0)."""
     value = expr.evalf(60, subs=point)
     if not (value.is_number and value.is_finite):
         raise ValueError(f"{expr} is not a finite number at {point}")
@@ -519,12 +416,10 @@ def _value(expr, point):
 
 
 def _close(u, v, tolerance=1e-40):
-    """Equal to `tolerance` relative, or to 1e-16 times it absolute (sympy floats: no overflow
-    at 10^400)."""
     return bool(abs(u - v) <= tolerance * (max(abs(u), abs(v)) + 1e-16))
 
 # -----------------------------------------------------------------------------
-# A small LaTeX-to-sympy reader: recursive descent over a token stack
+# LaTeX to sympy: recursive descent
 
 
 _TOKEN = re.compile(r"\\[a-zA-Z]+|\\.|[a-zA-Z]_(?:\{\w*\}|\w)|\d|\S")   # x_{12} is one token
@@ -539,11 +434,11 @@ _CLOSER = {"(": ")", "[": "]", "{": "}"}
 
 
 def to_sympy(s):
-    """The sympy value of a normalized LaTeX scalar; raises ValueError when unreadable."""
+    """The sympy value of a normalized LaTeX scalar; ValueError when unreadable."""
     number = as_number(s)
     if number is not None:
         return sympy.Rational(number.numerator, number.denominator)
-    tokens = _TOKEN.findall(s)[::-1]            # a stack: tokens.pop() is the next token
+    tokens = _TOKEN.findall(s)[::-1]            # a stack: pop() is next
     value = _sum(tokens)
     if tokens:
         raise ValueError(f"unexpected {tokens[-1]!r} in {s!r}")
@@ -578,7 +473,7 @@ def _product(tokens):
         elif tokens[-1] in ("/", "\\div"):
             tokens.pop()
             value = value / _signed(tokens)
-        elif _starts_atom(tokens[-1]):                   # implicit product: 2\sqrt{2}, 3x
+        elif _starts_atom(tokens[-1]):                   # 2\sqrt{2}, 3x
             value = value * _power(tokens)
         else:
             break
@@ -607,7 +502,6 @@ def _power(tokens):
 
 
 def _exponent(tokens):
-    """What follows ^: a {...} group, a whole number (2^10), or one symbol; maybe negated."""
     if _peek(tokens) == "-":
         tokens.pop()
         return -_exponent(tokens)
@@ -615,7 +509,6 @@ def _exponent(tokens):
 
 
 def _checked_pow(base, exponent):
-    """base ** exponent, refusing ones too big to compute, like 9^{9^{9^9}}."""
     if exponent.is_Number:
         if abs(exponent) > MAX_EXPONENT:
             raise ValueError("exponent too large")
@@ -627,7 +520,6 @@ def _checked_pow(base, exponent):
 
 
 def _arg(tokens):
-    """A TeX macro argument: a {...} group or a single token (\\frac34 = 3/4, \\sqrt2)."""
     t = _peek(tokens)
     if t is not None and t.isdigit():
         return sympy.Integer(tokens.pop())
@@ -678,14 +570,13 @@ def _atom(tokens):
         return _function(t, tokens)
     if t in _CONSTANTS:
         return _CONSTANTS[t]
-    if _is_symbol(t):                  # a variable (x, \\theta, a_1, x_{12}), or i or e
+    if _is_symbol(t):
         name = t.lstrip("\\").replace("{", "").replace("}", "")
         return {"i": sympy.I, "e": sympy.E}.get(name, sympy.Symbol(name, real=True))
     raise ValueError(f"cannot read {t!r}")
 
 
 def _function(name, tokens):
-    """\\sin x, \\sin(2x), \\sin^2 x, \\log_2 8, \\ln x."""
     power = base = None
     if _peek(tokens) == "^":
         tokens.pop()
@@ -699,14 +590,13 @@ def _function(name, tokens):
 
 
 # -----------------------------------------------------------------------------
-# Worker processes: sympy runs there, under a wall-clock limit, never in the caller
+# workers: sympy under a time limit
 
-_idle_workers = []             # started worker processes that nobody is using
+_idle_workers = []
 _workers_lock = threading.Lock()
 
 
 def _start_worker():
-    """Start `python verify.py --worker` and wait until it has imported sympy."""
     worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, bufsize=0, start_new_session=True)
@@ -718,9 +608,8 @@ def _start_worker():
 
 
 def _read_line(worker, timeout):
-    """The worker's next output line, or None if it takes over `timeout` s or dies."""
     deadline = time.monotonic() + timeout
-    poller = select.poll()                 # not select.select: it fails on fds over 1023
+    poller = select.poll()                 # select.select fails on fds over 1023
     poller.register(worker.stdout, select.POLLIN)
     data = b""
     while not data.endswith(b"\n"):
@@ -735,7 +624,6 @@ def _read_line(worker, timeout):
 
 
 def _ask_worker(answer, gold, timeout):
-    """equivalent(answer, gold) in an idle worker process; False after `timeout` seconds."""
     with _workers_lock:
         live = [w for w in _idle_workers if w.poll() is None]
         worker = live.pop() if live else None
@@ -746,7 +634,7 @@ def _ask_worker(answer, gold, timeout):
         reply = _read_line(worker, timeout)
     except OSError:
         reply = None
-    if reply is None:                           # too slow, or it crashed: replace it
+    if reply is None:                           # too slow or crashed
         worker.kill()
         worker.wait()
         return False
@@ -756,7 +644,6 @@ def _ask_worker(answer, gold, timeout):
 
 
 def _forget_workers_after_fork():
-    """A forked child must not talk to its parent's workers; it starts its own."""
     global _workers_lock
     _workers_lock = threading.Lock()
     _idle_workers.clear()
@@ -766,10 +653,9 @@ os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
 def _serve():
-    """The worker's loop: read [answer, gold] JSON lines, answer each with a 1 or 0 line."""
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, resource.RLIM_INFINITY))
-    equivalent("\\frac{x}{2}", "x/2")          # warm sympy up before the first timed call
+    equivalent("\\frac{x}{2}", "x/2")          # warm up
     print("ready", flush=True)
     for line in sys.stdin:
         try:
@@ -779,11 +665,10 @@ def _serve():
         print(int(same), flush=True)
 
 # -----------------------------------------------------------------------------
-# Public API
+# public API
 
 
 def _try_quick(response, gold):
-    """(answer, verdict), the verdict None when only the sympy worker can decide."""
     try:
         answer = extract_answer(response)
         if answer is None or not isinstance(gold, str):
@@ -794,15 +679,11 @@ def _try_quick(response, gold):
 
 
 def prompt_opens_think(prompt):
-    """Whether a prompt ends inside a <think> it opened (DeepSeek-R1 chat templates end with
-    "<think>\\n"): then the completion holds no <think>, and only what follows its </think>
-    counts."""
+    """Whether a prompt ends inside a <think> (DeepSeek-R1's templates)."""
     return isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
 
 
 def _opened(responses, think_open):
-    """The responses with the prompt's "<think>" put back where think_open (a bool, or one per
-    response) says the prompt opened the block: the rules on <think> then apply as written."""
     flags = think_open if isinstance(think_open, (list, tuple)) else [think_open] * len(responses)
     if len(flags) != len(responses):
         raise ValueError(f"{len(responses)} responses but {len(flags)} think_open flags")
@@ -811,19 +692,13 @@ def _opened(responses, think_open):
 
 
 def score(response, gold, timeout=TIMEOUT, think_open=False):
-    """True when the final answer of `response` equals `gold`. think_open: the prompt ended with
-    an opened <think> (prompt_opens_think), so an answer counts only after a </think>. Thread-safe,
-    never raises on any input, returns within about `timeout` seconds once a sympy worker runs
-    (starting one takes ~1 s; one that has not said "ready" after WORKER_START_TIMEOUT s is a
-    fault of the machine, not of the input: RuntimeError)."""
+    """True when the final answer equals gold; never raises."""
     answer, verdict = _try_quick(_opened([response], think_open)[0], gold)
     return verdict if verdict is not None else _ask_worker(answer, gold, timeout)
 
 
 def score_batch(responses, golds, workers=2, timeout=TIMEOUT, think_open=False):
-    """[score(r, g, think_open=t) for r, g, t in zip(responses, golds, think_open)] (think_open:
-    a bool or one per response), the sympy cases spread over `workers` worker processes, each
-    case still limited to `timeout` seconds."""
+    """score for many, over `workers` sympy processes."""
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
     responses = _opened(responses, think_open)
@@ -838,9 +713,7 @@ def score_batch(responses, golds, workers=2, timeout=TIMEOUT, think_open=False):
 
 
 def score_problems(responses, problems, workers=2, unsafe_code=False, think_open=False):
-    """Rewards for a batch mixing domains: problems are data.py's dicts, a math problem is judged
-    on its "answer" (score_batch), a code problem on its "tests" (sandbox.py's score_code_batch).
-    think_open (a bool, or one per response): the prompt opened a <think> (prompt_opens_think)."""
+    """Verdicts for math and code problems (data.py's dicts)."""
     responses = _opened(responses, think_open)
     results = [False] * len(responses)
     judges = (("math", score_batch, "answer", {}),
@@ -856,18 +729,12 @@ def score_problems(responses, problems, workers=2, unsafe_code=False, think_open
 
 
 def reward(response, problem, correct, finish):
-    """The reward of one sample (the paper, section 2): +1 for a verified-correct final answer, -1
-    otherwise. A float all the way to the loss: a graded reward (partial credit, say) is this
-    function returning other values; correctness stays the verdict above, for pass rates.
-    response: the completion's text; problem: data.py's dict; finish: the sampler's finish reason
-    ("eos", "interrupted", "truncated": a truncated sample is never correct)."""
+    """+1 for a verified-correct answer, -1 otherwise (a graded reward goes here)."""
     return 1.0 if correct else -1.0
 
 
 def bench(n=768, workers=2):
-    """Verifications per second on an optimizer batch: n (gold, response) pairs cycled from
-    fixtures/verify_pairs.jsonl (MATH-500 answers, rewrites, near misses, GSM8K), scored by
-    score_batch twice: cold (workers start inside the timing) and warm."""
+    """Verifications per second on 768 pairs, cold and warm."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
                         "verify_pairs.jsonl")
     with open(path, encoding="utf-8") as f:

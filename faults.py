@@ -1,0 +1,174 @@
+"""
+faults.py: nothing hangs or fails silently: clean stops on signals (stop_on_signals), deadlines
+(wait_until), heartbeats (watch), one-line failure reports (report_failure).
+"""
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+_CURRENT = {}  # for report_failure
+
+STOP = {}  # {"name": "SIGINT", "at": time.time()}
+
+
+class Stopped(Exception):
+    """Raised inside a generator when the trainers have finished."""
+
+
+def stop_on_signals():
+    """SIGINT / SIGTERM: stop cleanly after the step under way; a repeat 3 s later exits at once."""
+    def handler(signum, frame):
+        name, quiet = signal.Signals(signum).name, int(os.environ.get("RANK", "0")) != 0
+        if STOP and time.time() - STOP["at"] > 3:  # within 3 s: torchrun's copy of the same one
+            os.write(2, f"\n{name} again: exiting now, without saving\n".encode())
+            os._exit(128 + signum)
+        if not STOP:  # only a flag: an exception here could be swallowed
+            STOP.update(name=name, at=time.time())
+            if not quiet:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"\n{name}: stopping; the last step to finish will be saved ({name} "
+                            "again, 3 s from now or later: exit at once without saving)\n".encode())
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def stop_requested(ctx):
+    """Has a signal asked this process, or any rank (through the store), to stop?"""
+    if ctx is None:
+        return bool(STOP)
+    if STOP and not STOP.get("told"):
+        ctx.store.set("interrupted", STOP["name"])
+        STOP["told"] = True
+    elif not STOP and ctx.store.check(["interrupted"]):
+        STOP.update(name=ctx.store.get("interrupted").decode(), at=time.time(), told=True)
+    return bool(STOP)
+
+
+def role_of(ctx, r):
+    return f"rank {r} ({'trainer' if r < ctx.n_trainers else 'generator'})"
+
+
+def set_status(ctx, text):
+    ctx.status = text
+    ctx.store.set(f"status/{ctx.rank}", text)
+
+
+def get_int(ctx, key):
+    return int(ctx.store.add(key, 0))  # a missing counter reads 0
+
+
+def watch(ctx, limit):
+    """Start this rank's heartbeat thread."""
+    ctx.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, limit), daemon=True)
+    ctx.heartbeat.start()
+    _CURRENT["ctx"] = ctx
+
+
+def _heartbeat(ctx, limit):
+    """Bump this rank's counter every second; exit if another rank's stops for `limit` s."""
+    store, me, world = ctx.store, ctx.rank, ctx.world
+    last = {r: (-1, time.time()) for r in range(world) if r != me}
+    beat = [time.time()]  # a stopped store host hangs store calls: _store_watchdog times them
+    threading.Thread(target=_store_watchdog, args=(ctx, limit, beat), daemon=True).start()
+    try:
+        while not ctx.stopping.is_set():
+            beat[0] = time.time()
+            store.add(f"heartbeat/{me}", 1)
+            if int(store.add("finished", 0)):
+                beat[0] = math.inf
+                return  # a clean shutdown
+            for r, (count, since) in last.items():
+                now = int(store.add(f"heartbeat/{r}", 0))
+                if now != count:
+                    last[r] = (now, time.time())
+                elif time.time() - since > limit:
+                    status = (store.get(f"status/{r}").decode() if store.check([f"status/{r}"])
+                              else "?")
+                    _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; "
+                         f"its last status: {status}); {role_of(ctx, me)} was {ctx.status}")
+            ctx.stopping.wait(1.0)
+    except Exception as err:  # the store's host (rank 0 or the launcher) is gone
+        _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
+             f"{role_of(ctx, me)} was {ctx.status}")
+
+
+def _store_watchdog(ctx, limit, beat):
+    """Exit when the heartbeat loop has not begun a round for `limit` s."""
+    while not ctx.stopping.wait(1.0):
+        if time.time() - beat[0] > limit:
+            _die(f"the rendezvous store did not answer for {limit:.0f} s: its host, "
+                 f"{role_of(ctx, 0)} or the launcher, is stopped or hung; "
+                 f"{role_of(ctx, ctx.rank)} was {ctx.status}")
+
+
+def report_failure(err):
+    """As a rank fails: what it was doing, and which ranks' heartbeats stood still for 3 s."""
+    ctx = _CURRENT.get("ctx")
+    if ctx is None:
+        return
+    store, me = ctx.store, ctx.rank
+    try:
+        before = {r: int(store.add(f"heartbeat/{r}", 0)) for r in range(ctx.world) if r != me}
+        time.sleep(3.0)
+        gone = [f"{role_of(ctx, r)}, last status: "
+                f"{store.get(f'status/{r}').decode() if store.check([f'status/{r}']) else '?'}"
+                for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
+    except Exception:
+        gone = ["the rendezvous store (rank 0 or the launcher)"]
+    line = (f"{role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}; "
+            f"not responding: {'; '.join(gone) or 'none'}")
+    record_error(line)
+    print(f"ERROR: {line}", file=sys.stderr, flush=True)
+
+
+def record_error(line, later=False, shown=None):
+    """This rank's failure line into torchrun's error file (later: not the root cause)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    info = {"py_callstack": line if shown is None else shown,  # what the report shows
+            "timestamp": str(int(time.time()) + 10 * bool(later))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+        return True
+    except OSError:
+        return False
+
+
+def say_error(line):
+    """A user error every rank meets, said once: rank 0's is the report's root cause."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        record_error("the same error as rank 0 (the root cause, below)", later=True)
+    elif not record_error(line, shown="\n" + line):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _die(message):
+    record_error(message)
+    print(f"ERROR: {message}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def wait_until(ctx, ready, what, status=None):
+    """Poll ready() until true, or raise TimeoutError naming `what` after --timeout seconds. The
+    deadline restarts while trainer 0 evaluates or the generators' held-out evals progress."""
+    set_status(ctx, status or f"waiting for {what}")
+    t0, pause, evals = time.time(), 0.0005, get_int(ctx, "eval_progress")
+    while not ready():
+        if time.time() - t0 > ctx.timeout:
+            now = get_int(ctx, "eval_progress")
+            if now != evals or (ctx.store.check(["status/0"])
+                                and ctx.store.get("status/0").startswith(b"evaluating")):
+                t0, evals = time.time(), now
+                continue
+            raise TimeoutError(
+                f"{role_of(ctx, ctx.rank)} waited {ctx.timeout} s for {what} (--timeout)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    return time.time() - t0

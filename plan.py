@@ -1,0 +1,218 @@
+"""
+plan.py: the memory plan, the bytes each role will hold and whether they fit the device. Rank 0
+prints it at start-up (print_memory_plan). Start at memory_plan.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+import generate
+
+
+def peak_gb(model, reset=True):
+    """The CUDA peak since the last reset, GB; None off CUDA."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 1e9
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def device_bytes(device):
+    """The device's memory: a GPU's, or on CPU the machine's."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fsdp_sync_once(n_params, device_bytes):
+    """--fsdp: reduce-scatter once a step where float32 gradients fit an eighth of the device."""
+    return 4 * n_params <= device_bytes / 8
+
+
+def in_flight(args, n_gens, k):
+    """A generator's most sequences in flight: its share of k + 1 batches."""
+    return math.ceil((k + 1) * args.prompts / n_gens) * args.samples
+
+
+def plan_shape(config):
+    """The sizes a Llama / Qwen / Mistral config's memory depends on."""
+    get = lambda key: getattr(config, key, None)
+    d, H = config.hidden_size, config.num_attention_heads
+    return dict(d=d, L=config.num_hidden_layers, H=H, K=get("num_key_value_heads") or H,
+                D=generate.head_dim_of(config), I=config.intermediate_size, V=config.vocab_size,
+                tied=bool(get("tie_word_embeddings")), qk_norm=config.model_type == "qwen3",
+                qkv_bias=config.model_type == "qwen2" or bool(get("attention_bias")),
+                o_bias=bool(get("attention_bias")))
+
+
+def plan_params(s):
+    """-> parameters of (a layer, the embedding, the untied head, the final norm)."""
+    d, H, K, D = s["d"], s["H"], s["K"], s["D"]
+    attn = (d * D * (2 * H + 2 * K) + s["qkv_bias"] * D * (H + 2 * K) + s["o_bias"] * d
+            + s["qk_norm"] * 2 * D)
+    return attn + 3 * d * s["I"] + 2 * d, s["V"] * d, (not s["tied"]) * s["V"] * d, d
+
+
+def plan_param_count(s):
+    """Every parameter of the model."""
+    layer, embed, head, norm = plan_params(s)
+    return s["L"] * layer + embed + head + norm
+
+
+def plan_activations(s, size):
+    """Bytes per token saved for the backward, per layer (checkpointed or not) and the head."""
+    d, H, K, D, b = s["d"], s["H"], s["K"], s["D"], size
+    norms = 2 * ((4 + 2 * b) * d + 4)
+    attn = b * D * (2 * H + 2 * K) + 4 * H + s["qk_norm"] * ((4 + b) * D + 4) * (H + K)
+    return {"layer": norms + attn + 4 * b * s["I"], "checkpointed": b * d,
+            "head": b * d + 8 + 2 * D * b + 8}
+
+
+def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0,
+                 sync_once=False):
+    """The bytes one trainer rank holds -> {part: bytes}; NCCL's buffers not counted."""
+    layer, embed, head, norm = plan_params(s)
+    P, root, half, n = plan_param_count(s), embed + head + norm, size < 4, trainers
+    act = plan_activations(s, size)
+    tokens = max(micro_tokens, longest)
+    saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
+    recomputed = tokens * (ckpt * act["layer"] + 3 * size * s["I"])
+    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * generate.LOGITS_BYTES
+    reduce_scatter = fsdp * 2 * (size + 4) * layer
+    backward = tokens * saved + max(recomputed, head_backward) + reduce_scatter
+    return {"weights": (root + 2 * layer) * size if fsdp else P * size,
+            "float32 master": 4 * P / n if fsdp else 4 * P * half,
+            "AdamW state": 8 * P / (n if fsdp else 1),
+            "gradients": (4 * P / n + root * size + sync_once * 4 * P if fsdp
+                          else (size + 4 * half) * P),
+            "activations": max(backward, 4 * P / (n if fsdp else 1)
+                               - ((2 * root + 2 * layer) * size if fsdp else half * size * P))}
+
+
+def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
+                   prefill_tokens=generate.PREFILL_TOKENS):
+    """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, bytes per block);
+    room None (CPU): slots or CPU_SLOTS rows, each at max_len."""
+    per_slot, per_block, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    seqs = slots or generate.CPU_SLOTS
+    blocks = 1 + seqs * -(-max_len // generate.BLOCK)
+    if room is not None:
+        seqs, blocks, _ = generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)
+    b = dtype.itemsize
+    prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
+    return ({"decoder": fixed + seqs * per_slot, "KV cache": blocks * per_block,
+             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, per_block)
+
+
+@dataclass
+class PlanRun:
+    """A run's sizes, as the memory plan reads them."""
+    prompts: int
+    samples: int
+    prompt_len: int  # the longest prompt
+    think_budget: int
+    answer_budget: int
+    phrase_len: int
+    micro_tokens: int
+    dtype: torch.dtype = torch.bfloat16
+    ckpt_layers: object = "auto"
+    fsdp: bool = False
+    trainers: int = 1
+    generators: int = 0  # 0: one process
+    device_bytes: float = 80e9
+    gen_memory: float = 0.85
+    sized: bool = True  # KV cache sized by memory (CUDA)
+    slots: int = None
+    lag: int = 8
+    fp32_head: bool = True
+    evaluate: int = 0  # --eval_only's samples
+
+
+def memory_plan(config, run):
+    """The bytes each role holds and whether they fit -> {"roles": {role: {..}}, ...}."""
+    s, size = plan_shape(config), run.dtype.itemsize
+    ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
+    max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
+                                             [0] * run.phrase_len)
+    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,
+                           longest=max_len,
+                           sync_once=fsdp_sync_once(plan_param_count(s), run.device_bytes))
+    resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
+    weights = plan_param_count(s) * size
+    held = resident if run.generators == 0 and not run.evaluate else weights
+    room = run.gen_memory * (run.device_bytes - held) if run.sized else None
+    most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
+    caps = [c for c in (run.slots, most if run.sized else None) if c]
+    gen, seqs, blocks, per_block = plan_generator(config, s, run.dtype, max_len, max_new, room,
+                                                  min(caps, default=None), run.fp32_head)
+    if run.evaluate:
+        roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
+    elif run.generators == 0:  # the larger phase
+        roles = {"one process": (1, {**trainer, **gen},
+                                 max(sum(trainer.values()), resident + sum(gen.values())), seqs)}
+    else:
+        roles = {"trainer": (run.trainers, trainer, sum(trainer.values()), run.samples),
+                 "generator": (run.generators, {"weights": weights, **gen},
+                               weights + sum(gen.values()), seqs)}
+    return {"roles": {r: {"count": n, "parts": parts, "total": total,
+                          "fits": total <= run.device_bytes and holds >= run.samples}
+                      for r, (n, parts, total, holds) in roles.items()},
+            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "blocks": blocks,
+            "per_block": per_block, "mean_len": generate.mean_length(max_len, max_new),
+            "per_token": plan_activations(s, size)}
+
+
+def plan_lines(plan, run, context=None):
+    """The plan in a few printed lines (GB = 1e9 bytes)."""
+    s, act, gb = plan["shape"], plan["per_token"], lambda x: f"{x / 1e9:.1f}"
+    lines = [f"memory plan per rank (GB = 1e9 bytes) on a {gb(run.device_bytes)} GB device, "
+             f"{str(run.dtype).removeprefix('torch.')}:"]
+    for role, r in plan["roles"].items():
+        parts = " | ".join(f"{k} {gb(v)}" for k, v in r["parts"].items())
+        lines.append(f"  {role} (x{r['count']}): {parts} | total {gb(r['total'])}: "
+                     + ("fits" if r["fits"] else "DOES NOT FIT"))
+    per_layer = act["checkpointed"] if plan["ckpt"] else act["layer"]
+    if not run.evaluate:
+        lines.append(f"    a micro-batch of {run.micro_tokens} tokens saves "
+                     f"{per_layer / 1e3:.1f} KB per token x {s['L']} "
+                     f"{'checkpointed ' * plan['ckpt']}layers + head {act['head'] / 1e3:.1f} KB"
+                     + (f"; the layer recomputed in the backward {act['layer'] / 1e3:.1f} KB per "
+                        "token" if plan["ckpt"] else ""))
+    where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
+             if run.generators else "")
+    lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
+                 f"once ({plan['mean_len']} at the mean), KV cache {plan['blocks']} blocks of "
+                 f"{generate.BLOCK} tokens ({plan['per_block'] / 1e6:,.1f} MB each){where}, for "
+                 + (f"{run.evaluate} held-out samples" if run.evaluate else
+                    f"a batch of {run.prompts * run.samples}")
+                 + (f"; the model's context {context}" if context else ""))
+    return lines
+
+
+def print_memory_plan(config, args, ctx, device, prompt_len, phrase_len, evaluate=0):
+    """Rank 0 at start-up: the run's memory plan, printed -> the plan."""
+    trainers, cuda = ctx.n_trainers if ctx else 1, device.type == "cuda"
+    seq = prompt_len + args.think_budget + args.answer_budget + phrase_len
+    groups = -(-args.prompts // trainers)
+    run = PlanRun(prompts=args.prompts, samples=args.samples, prompt_len=prompt_len,
+                  think_budget=args.think_budget, answer_budget=args.answer_budget,
+                  phrase_len=phrase_len,
+                  micro_tokens=args.micro_tokens or groups * args.samples * seq,
+                  dtype=getattr(torch, args.dtype),
+                  ckpt_layers=args.ckpt_layers, fsdp=bool(ctx and args.fsdp),
+                  trainers=trainers, generators=ctx.n_gens if ctx else 0,
+                  device_bytes=device_bytes(device),
+                  gen_memory=args.gen_memory, sized=cuda, slots=args.slots,
+                  lag=ctx.k if ctx else 0, fp32_head=args.fp32_head, evaluate=evaluate)
+    if evaluate:
+        run.samples = args.eval_samples
+    plan = memory_plan(config, run)
+    print("\n".join(plan_lines(plan, run, getattr(config, "max_position_embeddings", None))),
+          flush=True)
+    return plan
