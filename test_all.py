@@ -2508,18 +2508,22 @@ def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
 def test_generate_a_pool_too_small_for_every_row_preempts_and_gives_the_same_samples(monkeypatch):
     """A KV pool of 4-token blocks that holds one row at the full budget and little more: rows wait for blocks,
     the newest give theirs back and restart from their prompts (the same noise key), and every sample equals
-    the one decoded with a block for every token of every slot."""
+    the one decoded with a block for every token of every slot; through the grouped attention and the CUDA
+    fallback's (every row over the longest row's bucket)."""
     model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(8, seed=6)
     cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=2, block=4)
     whole = gen.generate(model, prompts, **cfg)
+    assert any(0 in s.mask for s in whole) and {s.finish for s in whole} >= {"eos", "truncated"}
     admitted, admit = [], gen.Decoder.admit
     monkeypatch.setattr(gen.Decoder, "admit", lambda self, slots, *a: admitted.extend(slots) or admit(self, slots, *a))
-    small = gen.generate(model, prompts, blocks=1 + 7 + 2, **cfg)  # max_len 28: 7 blocks a row at most
-    assert len(admitted) > len(prompts)  # some rows were preempted and admitted again
-    assert any(0 in s.mask for s in whole) and {s.finish for s in whole} >= {"eos", "truncated"}
-    for a, b in zip(small, whole):
-        assert (a.key, a.tokens, a.mask, a.versions, a.finish) == (b.key, b.tokens, b.mask, b.versions, b.finish)
-        assert np.allclose(a.logps, b.logps, atol=1e-9)
+    for kernel in ("groups", "masked"):
+        monkeypatch.setattr(gen, "decode_kernel", lambda *args, kernel=kernel: kernel)
+        admitted.clear()
+        small = gen.generate(model, prompts, blocks=1 + 7 + 2, **cfg)  # max_len 28: 7 blocks a row at most
+        assert len(admitted) > len(prompts)  # some rows were preempted and admitted again
+        for a, b in zip(small, whole):
+            assert (a.key, a.tokens, a.mask, a.versions, a.finish) == (b.key, b.tokens, b.mask, b.versions, b.finish)
+            assert np.allclose(a.logps, b.logps, atol=1e-9)
 
 
 def test_decoder_blocks_are_taken_as_rows_grow_and_returned_when_they_finish():
