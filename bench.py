@@ -42,6 +42,7 @@ from data import (prompt_ids, read_jsonl, score_samples, special_tokens, toy_mod
 from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
                       packed_logprobs, sequence_logprobs)
 from loss import forgetting, policy_loss
+import metrics
 import pipeline
 from plan import (PlanRun, memory_plan, plan_activations, plan_lines, plan_param_count,
                   plan_shape, plan_trainer)
@@ -1007,7 +1008,7 @@ def train_steps(out):
 
 
 def stability_row(seed, one, ranks, warned):
-    """A seed's row. Fell: more than train.HELD_OUT_DROP_ALARM below its best. Held: final >= one-
+    """A seed's row. Fell: more than metrics.HELD_OUT_DROP_ALARM below its best. Held: final >= one-
     process final - 0.03, nothing under 0.6 after step 30."""
     evals = lambda rs: [r for r in rs if r["kind"] == "eval"]
     steps = [r for r in ranks if r["kind"] == "train" and r["kept_prompts"]]
@@ -1022,7 +1023,7 @@ def stability_row(seed, one, ranks, warned):
            "steps": max(r["step"] for r in ranks if r["kind"] == "train")}
     rates = [r["pass_rate"] for r in evals(ranks)]
     row["fall"] = max(max(rates[:i + 1]) - rate for i, rate in enumerate(rates))
-    row["fell"] = row["fall"] > train.HELD_OUT_DROP_ALARM
+    row["fell"] = row["fall"] > metrics.HELD_OUT_DROP_ALARM
     row["held"] = row["final"] >= row["one_final"] - 0.03 and row["lowest_after_30"] >= 0.6
     return row
 

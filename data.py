@@ -26,7 +26,7 @@ import sys
 import time
 import weakref
 
-from hub import hub_dataset_spec, load_records, one_line, resolve_model  # noqa: F401
+from hub import hub_dataset_spec, load_records, one_line
 from sandbox import CODE_MAX_CASES, split_asserts
 from verify import last_boxed, never_matched, prompt_opens_think, reward, score_problems
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from checks import SUPPORTED, config_problem
+
 try:  # decode attention over each row's own length
     from flash_attn import flash_attn_with_kvcache
 except Exception:
@@ -34,7 +36,6 @@ try:
 except ImportError:
     varlen_attn = None
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 FINISH = ("eos", "interrupted", "truncated")  # c > 0 means FINISH[c - 1]
 CPU_SLOTS = 128
 PREFILL_TOKENS = 8192
@@ -49,38 +50,6 @@ class Sample:
     mask: list  # 0 = forced (no loss)
     versions: list
     finish: str
-
-
-SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
-ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
-        "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "partial_rotary_factor")
-
-
-def config_problem(cfg):
-    """What in a config.json dict the sampler cannot run -> 'FIELD is ...', or None."""
-    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    for k in SIZES:
-        if cfg.get(k) is not None and not (whole(cfg[k]) and cfg[k] >= 1):
-            return f"{k} is {cfg[k]!r}, not a whole number >= 1"
-    heads = cfg.get("num_attention_heads") or 1
-    kv = cfg.get("num_key_value_heads") or heads
-    if heads % kv:
-        return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
-    nested = [(f"{d}.", cfg[d]) for d in ("rope_parameters", "rope_scaling")
-              if isinstance(cfg.get(d), dict)]
-    for prefix, d in [("", cfg)] + nested:
-        for k in ROPE:
-            v = d.get(k)
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                      and 0 < v < float("inf")):
-                return f"{prefix}{k} is {v!r}, not a finite number > 0"
-    for k in ("bos_token_id", "eos_token_id"):
-        ids = cfg.get(k) if isinstance(cfg.get(k), list) else [cfg.get(k)]
-        vocab = cfg.get("vocab_size") or float("inf")
-        if any(i is not None and not (whole(i) and 0 <= i < vocab) for i in ids):
-            return f"{k} is {cfg.get(k)!r}, not an id below vocab_size {vocab}"
-    return None
 
 
 def check_supported(model):
@@ -961,8 +930,8 @@ def sequence_logprobs(model, ids, attention_mask=None, fp32_head=True, temperatu
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import (completion_text, prompt_ids, resolve_model, special_tokens, toy_model_dir,
-                      toy_problems)
+    from data import completion_text, prompt_ids, special_tokens, toy_model_dir, toy_problems
+    from hub import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -95,6 +95,7 @@ LOSSES = {
     "gspo": (gspo_objective, (3e-3, 4e-3), lambda eps_high: 1 + eps_high),
 }
 EPS_DEFAULTS = {kind: eps for kind, (_, eps, _) in LOSSES.items()}
+OBJECTIVES = {kind: objective for kind, (objective, _, _) in LOSSES.items()}  # train.train_step
 
 
 def clip_eps(kind, eps_low=None, eps_high=None):

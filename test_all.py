@@ -44,6 +44,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import bench
+import checks
 import data
 from data import INTERRUPT_PHRASE
 import hub
@@ -56,6 +57,7 @@ import runs
 import train
 import loss
 from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+import metrics
 from sandbox import extract_code, score_code, score_code_batch
 from verify import extract_answer, score, score_batch
 import fit
@@ -1605,7 +1607,7 @@ def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch
     add = fenced("def add(a, b):\n    return a + b")
     assert score_code(add, ["assert add(1, 2) == 3"]) is False  # never raises; the run refuses earlier
     assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
-    monkeypatch.setattr(train, "bwrap_ready", lambda: False)
+    monkeypatch.setattr(checks, "bwrap_ready", lambda: False)
     code = str(FIXTURES / "code_toy.jsonl")
     with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
         run_train(toy_dir, tmp_path / "a", "--data", code, "--val_size", "4")
@@ -1767,7 +1769,7 @@ def test_code_without_libseccomp_refuses_unless_unsafe(monkeypatch):
         assert score_code(add, ["assert add(1, 2) == 3"]) is False
         assert score_code(add, ["assert add(1, 2) == 3"], unsafe=True) is True
         with pytest.raises(SystemExit, match="^error: code rewards need libseccomp.*--unsafe_code_exec"):
-            train.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
+            checks.check_code_rewards(types.SimpleNamespace(unsafe_code_exec=False), [{"domain": "code"}])
     finally:
         monkeypatch.undo()
         for cache in caches:
@@ -3075,7 +3077,7 @@ def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, 
 
 def test_bench_stability_row_tells_a_fall_from_a_slower_climb():
     """bench.py --figures stability's row: a run fell when its held-out pass rate dropped more than
-    train.HELD_OUT_DROP_ALARM below its best so far; it held when it ended within 0.03 of its one-process
+    metrics.HELD_OUT_DROP_ALARM below its best so far; it held when it ended within 0.03 of its one-process
     counterpart with no eval after step 30 under 0.6, so one that climbs more slowly did not fall and did not
     hold. The lag columns count the steps that trained."""
     def records(rates, lags=(0,)):
@@ -3236,7 +3238,7 @@ def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(t
         shutil.copytree(toy_dir, folder)
         (folder / "config.json").write_text(json.dumps(config))
         errors = []
-        train.check_model_dir(str(folder), errors.append)
+        checks.check_model_dir(str(folder), errors.append)
         assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {field}"), errors
     with pytest.raises(SystemExit, match=r"^error: --model .*: config\.json: rope_parameters\.rope_theta is 0"):
         train.load_model(str(tmp_path / "model0"), train.get_args([]), torch.device("cpu"))
@@ -4661,6 +4663,16 @@ def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypat
     assert "no live fit (cannot fit)" in capsys.readouterr().out
 
 
+def step_gradients(model, batch, args, logprobs):
+    """train.train_step on a Trainer of `model` whose AdamW step does nothing -> the gradients it would step on
+    (summed over the micro-batches of --micro_tokens)."""
+    trainer, grads = train.Trainer(args, model, None, {}), []
+    trainer.logprobs, trainer.opt.step, trainer.sched.step = logprobs, lambda: None, lambda: None
+    trainer.reduce_grads = lambda: grads.extend(p.grad.clone() for p in model.parameters())
+    train.train_step(trainer, batch, args)
+    return grads
+
+
 def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     """Rows packed into micro-batches of any token budget (down to one row each: every group split across
     them) give the gradient of the unsplit batch's loss computed the independent way, the model's own forward
@@ -4688,9 +4700,10 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         args = train.get_args(["--agg", agg])
         for budget in (0, 1, 12, 20):
             model.zero_grad()
+            args.micro_tokens = budget
             logprobs = lambda ids, lens: gen.packed_logprobs(model, ids, lens, True, 1.0)
-            train.train_batch(logprobs, batch, train.micro_batches(lengths, budget), args, 0, "cpu")
-            worst = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
+            grads = step_gradients(model, batch, args, logprobs)
+            worst = max((g - w).abs().max().item() for g, w in zip(grads, want))
             assert worst < 1e-12, (agg, budget, worst)
 
 
@@ -4736,9 +4749,7 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
             size, out = bench.saved_bytes(lambda: gen.packed_logprobs(model, ids, lens), model)
             saved.append(size)
             return out
-        parts = train.micro_batches([length] * 16, args.micro_tokens)
-        train.train_batch(logprobs, batch, parts, args, 0, "cpu")
-        model.zero_grad()
+        step_gradients(model, batch, args, logprobs)
         peaks[length] = max(saved)
         if length == 2048:
             ids, attn, *_ = train.collate(prompts, samples, 0, "cpu")
@@ -5008,23 +5019,23 @@ def test_train_forget_alarm_reads_a_window_of_steps_and_a_solved_batch_is_no_ala
     runs showed them up to 0.069) says nothing; a sustained loss above FORGET_ALARM (the lr-3e-4 collapse:
     from step 20, its fall at 40) warns once, at the step its window passes the threshold. A step that keeps no
     prompt warns, unless every sample was right (a solved batch)."""
-    rec = train.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
+    rec = metrics.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
     def step(i, forget, kept=4):
-        train.alarms(rec, {"step": i, "trunc": 0.0, "forget": forget, "kept_prompts": kept, "lag_max": 8,
+        metrics.alarms(rec, {"step": i, "trunc": 0.0, "forget": forget, "kept_prompts": kept, "lag_max": 8,
                            "pass_rate": 0.5})
         return capsys.readouterr().out
-    assert train.FORGET_WINDOW == 5 and train.FORGET_ALARM == 0.01
-    spike = 5 * train.FORGET_ALARM - 1e-3
+    assert metrics.FORGET_WINDOW == 5 and metrics.FORGET_ALARM == 0.01
+    spike = 5 * metrics.FORGET_ALARM - 1e-3
     assert [step(i, f) for i, f in enumerate([spike, 0.0, 0.0, 0.0, 0.0], 1)] == [""] * 5
     assert "forget" not in step(6, 1.0, kept=0)  # a step that trained nothing is not in the window
     outs = [step(i, 0.011) for i in range(7, 13)]
     assert outs[:4] == [""] * 4 and outs[4].startswith("warning: step 11: forget 0.011 (mean of the last 5")
     assert outs[5] == ""  # once
-    rec = train.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
+    rec = metrics.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
     empty = {"trunc": 0.0, "forget": None, "kept_prompts": 0, "lag_max": 8}
-    train.alarms(rec, {**empty, "step": 1, "pass_rate": 1.0})  # every group all right: solved, no alarm
+    metrics.alarms(rec, {**empty, "step": 1, "pass_rate": 1.0})  # every group all right: solved, no alarm
     assert capsys.readouterr().out == "" and rec.empty_steps == 1
-    train.alarms(rec, {**empty, "step": 2, "pass_rate": 0.4})
+    metrics.alarms(rec, {**empty, "step": 2, "pass_rate": 0.4})
     assert capsys.readouterr().out.startswith("warning: step 2: no prompt kept") and rec.empty_steps == 2
 
 
@@ -5036,9 +5047,9 @@ def test_train_resume_gives_the_forget_alarm_its_window_back(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     args = train.get_args(["--out", str(tmp_path)])
     env = types.SimpleNamespace(args=args, state={}, ctx=None, train=[{}], log=None, rank0=True, ckpt="ckpt-10")
-    rec = train.new_record(env, types.SimpleNamespace(n_params=1, version=10))
+    rec = metrics.new_record(env, types.SimpleNamespace(n_params=1, version=10))
     assert rec.forgets == [0.0, 0.0, 0.02, 0.02, 0.02]  # steps 5-8 and 10 (9 kept nothing; 11 was dropped)
-    train.alarms(rec, {"step": 11, "trunc": 0.0, "forget": 0.02, "kept_prompts": 4, "lag_max": 8, "pass_rate": 0.5})
+    metrics.alarms(rec, {"step": 11, "trunc": 0.0, "forget": 0.02, "kept_prompts": 4, "lag_max": 8, "pass_rate": 0.5})
     assert capsys.readouterr().out.split("\n")[-2].startswith("warning: step 11: forget 0.016")  # alone: 0.004
 
 
@@ -5047,28 +5058,27 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
     between two evals, with truncation at 0 (the truncation alarms saw nothing). A rise of more than
     HELD_OUT_INTR_RISE since the eval before warns once, naming the cause; the falling interruption of a healthy
     run says nothing. On --resume the evals before the checkpoint give the alarm its last reading back."""
-    rec = train.Record(train.get_args([]), log=None, world=2, n_params=1, domains=["math"])
+    rec = metrics.Record(train.get_args([]), log=None, world=2, n_params=1, domains=["math"])
     def ev(step, rate, intr):
         rec.evals.append((step, rate))
         rec.eval_intr.append(intr)
-        train.eval_alarms(rec, step, {"trunc": 0.0, "pass_rate": rate, "intr": intr})
+        metrics.eval_alarms(rec, step, {"trunc": 0.0, "pass_rate": rate, "intr": intr})
         return capsys.readouterr().out
-    assert train.HELD_OUT_INTR_RISE == 0.05
+    assert metrics.HELD_OUT_INTR_RISE == 0.05
     assert [ev(s, r, i) for s, r, i in [(0, 0.24, 0.137), (10, 0.30, 0.09), (150, 0.931, 0.003),
                                         (152, 0.93, 0.05)]] == [""] * 4  # falling, then a rise of 0.047
     out = ev(160, 0.784, 0.1485).splitlines()
     assert out[0].startswith("warning: step 160: the held-out pass rate fell from 0.930 to 0.784")
-    assert out[0].endswith("stale samples' (one process did not dip so, BENCHMARKS.md section 6): a lower --max_lag, "
-                           "or --mode sync")  # PipelineRL-k's dips: staleness, not the lr
+    assert out[0].endswith("the stale samples': a lower --max_lag, or --mode sync" + metrics.SEE)  # staleness, not the lr
     assert out[1].startswith("warning: step 160: 14.8% of the held-out samples were interrupted (5.0% at the eval "
-                             "before)") and out[1].endswith("(BENCHMARKS.md section 6): --mode sync")
+                             "before)") and out[1].endswith(": --mode sync" + metrics.SEE)
     assert ev(170, 0.605, 0.326) == ""  # once
     lines = [{"kind": "config"}] + [{"kind": "eval", "step": s, "compute_s": s, "pass_rate": 0.9, "intr": i}
                                     for s, i in [(0, 0.1), (10, 0.004), (20, 0.3)]]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     env = types.SimpleNamespace(args=train.get_args(["--out", str(tmp_path)]), state={}, ctx=None, train=[{}],
                                 log=None, rank0=True, ckpt="ckpt-10")
-    rec = train.new_record(env, types.SimpleNamespace(n_params=1, version=10))
+    rec = metrics.new_record(env, types.SimpleNamespace(n_params=1, version=10))
     capsys.readouterr()
     assert rec.eval_intr == [0.1, 0.004]  # step 20's eval came after the checkpoint: dropped
     assert ev(20, 0.9, 0.2).startswith("warning: step 20: 20.0% of the held-out samples were interrupted (0.4%")
@@ -5078,8 +5088,8 @@ def test_train_held_out_truncation_warning_names_the_flags_of_its_mode(capsys):
     """Held-out truncation after step 0: under PipelineRL-k the advice is the lag (a lower lr did worse on
     toy-hard, BENCHMARKS.md section 6); on-policy (one process, or --mode sync) it is the lr."""
     def warned(world, *flags):
-        rec = train.Record(train.get_args(list(flags)), log=None, world=world, n_params=1, domains=["math"])
-        train.eval_alarms(rec, 10, {"trunc": train.HELD_OUT_TRUNC_ALARM + 0.01, "pass_rate": 0.5, "intr": 0.0})
+        rec = metrics.Record(train.get_args(list(flags)), log=None, world=world, n_params=1, domains=["math"])
+        metrics.eval_alarms(rec, 10, {"trunc": metrics.HELD_OUT_TRUNC_ALARM + 0.01, "pass_rate": 0.5, "intr": 0.0})
         return capsys.readouterr().out
     stale = warned(2)
     assert "(its training batches are older). Raise --answer_budget, or train nearer on-policy: a lower " \
@@ -5088,7 +5098,7 @@ def test_train_held_out_truncation_warning_names_the_flags_of_its_mode(capsys):
     for on_policy in (warned(1), warned(2, "--mode", "sync")):
         assert "writes past its budgets. Raise --answer_budget or lower --lr, or train on truncated" in on_policy
         assert "--max_lag" not in on_policy and "older" not in on_policy
-    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync")
+    assert warned(2, "--keep_truncated").rstrip().endswith("a lower --max_lag, or --mode sync" + metrics.SEE)
 
 
 def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_path, capsys):
@@ -5119,7 +5129,7 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
               "1", "--max_empty_steps", "1", "--keep_truncated")
     out = capsys.readouterr().out
     assert out.count("warning:") == 3 and "--keep_truncated keeps them in the loss, as wrong answers" in out
-    assert "Raise --answer_budget or --think_budget\n" in out and "stopping at step 1" in out
+    assert "Raise --answer_budget or --think_budget" + metrics.SEE + "\n" in out and "stopping at step 1" in out
     assert "train on truncated samples" not in out and "train on them" not in out
 
 
@@ -5135,12 +5145,12 @@ def test_train_resume_keeps_the_count_of_steps_that_kept_nothing(tmp_path, capsy
 
 def test_train_tok_s_of_a_step_that_trains_nothing_is_no_rate():
     sums = {"len": 300, "train_tokens": 0}  # a torchrun step that kept no prompt: nothing trained
-    assert train.tokens_per_s(sums, {"gen_s": 2.0}, 3.0) == 150  # one process: the sampler's rate, as ever
-    assert train.tokens_per_s(dict(sums, train_tokens=600), {}, 3.0) == 200  # torchrun: trained tokens / s
-    assert train.tokens_per_s(sums, {}, 3.0) is None
+    assert metrics.tokens_per_s(sums, {"gen_s": 2.0}, 3.0) == 150  # one process: the sampler's rate, as ever
+    assert metrics.tokens_per_s(dict(sums, train_tokens=600), {}, 3.0) == 200  # torchrun: trained tokens / s
+    assert metrics.tokens_per_s(sums, {}, 3.0) is None
     m = dict(step=4, reward=-1.0, pass_rate=0.0, len=9.0, entropy=0.1, trunc=1.0, intr=0.0, lag=0.0, lag_max=0,
              kept_prompts=0, prompts=8, loss=0.0, dt_ms=30.0, tok_s=None)
-    assert train.log_line(m, 10).endswith("| kept 0/8 | loss +0.0000 | dt 30 ms | tok/s n/a")
+    assert metrics.log_line(m, 10).endswith("| kept 0/8 | loss +0.0000 | dt 30 ms | tok/s n/a")
 
 
 def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
@@ -5172,7 +5182,7 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     (bad_arch / "model.safetensors").write_bytes(b"")
     errors = []
     for path in (empty, bad_arch):
-        train.check_model_dir(str(path), errors.append)
+        checks.check_model_dir(str(path), errors.append)
     assert "no weights" in errors[0] and "'gpt2' is not supported" in errors[-1]
     short = tmp_path / "short"  # a 112-token context (Qwen2.5-Math's is 4096)
     short.mkdir()
@@ -5184,8 +5194,8 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         "train.py: error: --think_budget 100 + --answer_budget 13 = 113 tokens: more than the model's context "
         "(max_position_embeddings 112); lower the budgets (--help lists the flags)"]
     args = train.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
-    assert train.context_error(args, 112) is None
-    assert train.context_error(args, 112, 30, 8) == (
+    assert checks.context_error(args, 112) is None
+    assert checks.context_error(args, 112, 30, 8) == (
         "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
         "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets")
     locked = tmp_path / "locked"
