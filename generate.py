@@ -930,7 +930,8 @@ def sequence_logprobs(model, ids, attention_mask=None, fp32_head=True, temperatu
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from data import completion_text, prompt_ids, special_tokens, toy_model_dir, toy_problems
+    from data import completion_text, prompt_ids, special_tokens
+    from toy import toy_model_dir, toy_problems
     from hub import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

@@ -27,10 +27,12 @@ import time
 import numpy as np
 from scipy import stats
 
-from data import read_jsonl, toy_model_dir, toy_problems
+from data import read_jsonl
 from runs import checkpoints, open_run_file, replace_file
-from fit import (NOISE_A, check_points, checked_number, color, extrapolation_check, finite,
-                 fit_sigmoid, fit_start, load_run, plot, save_figure, sigmoid)
+from fit import (NOISE_A, check_points, checked_number, extrapolation_check, finite, fit_sigmoid,
+                 fit_start, load_run, plot, sigmoid)
+from plots import color, save_figure
+from toy import toy_model_dir, toy_problems
 
 SEEDS = 5
 HELD_OUT = 2000       # the same for every run

@@ -51,6 +51,7 @@ import hub
 import faults
 import generate as gen
 import pipeline
+import plots
 from plan import (PlanRun, in_flight, memory_plan, plan_activations, plan_param_count, plan_shape,
                   plan_trainer)
 import runs
@@ -63,6 +64,7 @@ from verify import extract_answer, score, score_batch
 import fit
 import sandbox
 import study
+import toy
 import verify
 
 
@@ -84,9 +86,9 @@ def fenced(code, tag="python"):
 
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
-    """A copy of the embedded toy model outside the source tree (data.py's build: test_data_build_*)."""
+    """A copy of the embedded toy model outside the source tree (toy.py's build: test_data_build_*)."""
     out = tmp_path_factory.mktemp("toy") / "model"
-    shutil.copytree(data.toy_model_dir(), out)
+    shutil.copytree(toy.toy_model_dir(), out)
     return str(out)
 
 
@@ -108,8 +110,8 @@ FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload(["test_all", "transformers.models.llama.modeling_llama"])
 # A process's first from_pretrained builds transformers' checkpoint-conversion table (~1 s of regex
 # compiling) and keeps it: loaded once here, on import, every rank forked from the server has it.
-AutoModelForCausalLM.from_pretrained(data.toy_model_dir())
-data.toy_task(0)  # and the embedded task at the default seed (data.py keeps it): ~0.1-0.3 CPU-s a run
+AutoModelForCausalLM.from_pretrained(toy.toy_model_dir())
+toy.toy_task(0)  # and the embedded task at the default seed (toy.py keeps it): ~0.1-0.3 CPU-s a run
 
 
 def run_train_py(argv, env, log, slow=None, record=None, root=ROOT, script="train.py"):
@@ -1040,7 +1042,7 @@ def test_verify_thinking_opened_by_the_prompt_must_close():
     problems = [{"answer": "7"}, {"answer": "7"}, {"tests": SUM, "domain": "code"}, {"tests": SUM, "domain": "code"}]
     responses = [thoughts, thoughts, "Let me think.\n" + code, "Let me think.\n" + code]
     assert verify.score_problems(responses, problems, think_open=[True, False, False, True]) == [False, True, True, False]
-    tok = AutoTokenizer.from_pretrained(data.toy_model_dir())   # the wiring: score_samples reads the template
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_dir())   # the wiring: score_samples reads the template
     samples = [gen.Sample(0, ids_of(tok, text) + [tok.eos_token_id], [], [], [], "eos") for text in (thoughts, answered)]
     problem = {"prompt": "Compute 3+4.", "answer": "7", "domain": "math"}
     assert data.score_samples(tok, samples, [problem] * 2)[1] == [True, True]
@@ -1880,11 +1882,11 @@ def test_load_problems_rejects_empty_and_non_finite_answers(tmp_path):
 
 
 def test_data_build_toy_model_remakes_the_shipped_tokenizer_and_config_and_its_warm_up_learns(tmp_path):
-    """`python data.py --build toy` as the shipped toy_model/ was made, cut to 30 warm-up steps: the same tokenizer
+    """`python toy.py --build toy` as the shipped toy_model/ was made, cut to 30 warm-up steps: the same tokenizer
     and architecture, a folder that loads, and a warm-up loss that falls (the tests train a copy of the shipped one)."""
     said = []
-    out = data.build_toy_model(str(tmp_path / "toy"), sft_steps=30, log=said.append)
-    shipped = Path(data.TOY_DIRS["toy"])
+    out = toy.build_toy_model(str(tmp_path / "toy"), sft_steps=30, log=said.append)
+    shipped = Path(toy.TOY_DIRS["toy"])
     assert json.loads((tmp_path / "toy" / "tokenizer.json").read_text()) == json.loads(
         (shipped / "tokenizer.json").read_text())
     for name in ("config.json", "generation_config.json"):  # byte for byte: a rebuild leaves git clean
@@ -2233,12 +2235,12 @@ def test_prompt_ids_have_one_bos_whether_a_chat_template_writes_it_or_the_tokeni
         assert tok.decode(ids, skip_special_tokens=True).split() == \
             tok.decode(tok(data.format_prompt(tok, "What is 2+2?"))["input_ids"], skip_special_tokens=True).split()
     assert tok(data.format_prompt(bos_tokenizer(), "What is 2+2?"))["input_ids"][:2] == [0, 0]  # the old way: two
-    toy = AutoTokenizer.from_pretrained(toy_dir)  # the toy's prompts: exactly as before
-    problems = data.toy_problems(20, 3)
+    toy_tok = AutoTokenizer.from_pretrained(toy_dir)  # the toy's prompts: exactly as before
+    problems = toy.toy_problems(20, 3)
     for p in problems:
-        assert data.prompt_ids(toy, p["prompt"]) == toy(data.format_prompt(toy, p["prompt"]))["input_ids"]
+        assert data.prompt_ids(toy_tok, p["prompt"]) == toy_tok(data.format_prompt(toy_tok, p["prompt"]))["input_ids"]
     code = [{"prompt": "Write f.", "domain": "code"}]
-    for tok in (toy, bos_tokenizer(True), bos_tokenizer(False)):  # one batch: each prompt as alone
+    for tok in (toy_tok, bos_tokenizer(True), bos_tokenizer(False)):  # one batch: each prompt as alone
         assert train.tokenize_prompts(tok, problems + code) == [data.prompt_ids(tok, p["prompt"], p.get("domain"))
                                                                for p in problems + code]
 
@@ -2316,16 +2318,16 @@ def test_curriculum_epochs_no_positive_resampling_and_resume():
 
 @pytest.mark.parametrize("preset, ops, top", [("toy", (1, 4), 20), ("toy-hard", (2, 6), 30)])
 def test_toy_task_answers_are_right(preset, ops, top):
-    problems = data.toy_problems(300, 9, preset)
+    problems = toy.toy_problems(300, 9, preset)
     for p in problems:
         expr = p["prompt"].removeprefix("Compute ").removesuffix(".")
         assert str(eval(expr)) == p["answer"]  # an independent evaluator
         assert ops[0] <= len(p["steps"]) <= ops[1] and all(0 <= s[3] <= top for s in p["steps"])
-        trace = data.toy_trace(p, random.Random(0))
+        trace = toy.toy_trace(p, random.Random(0))
         assert re.fullmatch(r"<think>.*</think> The answer is \\boxed\{-?\d+\}\.", trace)
     assert {len(p["steps"]) for p in problems} == set(range(ops[0], ops[1] + 1))
     args = train.get_args(["--data", preset, "--val_size", "50"])
-    assert train.base_model_dir(args) == data.toy_model_dir(preset=preset)
+    assert train.base_model_dir(args) == toy.toy_model_dir(preset=preset)
     assert os.path.basename(train.base_model_dir(args)) == {"toy": "toy_model", "toy-hard": "toy_model_hard"}[preset]
     assert all(p["prompt"].startswith("Compute ") for p in train.load_data(args)[1])
 
@@ -3461,7 +3463,7 @@ def test_fit_curves_png_and_its_series(tmp_path, capsys):
     assert c["reward"][0].tolist() == c["intr"][0].tolist() == [s for s in every if s != 6]
     assert c["pass_rate"][1].tolist() == [0.025 * s + 0.25 for s in every]
     assert c["eval_pass_rate"][0].tolist() == [0, 10, 20] and c["eval_pass_rate"][1].tolist() == [0.3, 0.5, 0.62]
-    assert np.allclose(fit.moving_average([1.0, 2, 3, 10], 1), [1.5, 2, 5, 6.5])
+    assert np.allclose(plots.moving_average([1.0, 2, 3, 10], 1), [1.5, 2, 5, 6.5])
     with pytest.raises(ValueError, match="need at least 4"):    # 3 evals are too few to fit: the curves still come
         fit.main([str(tmp_path / "run")])
     png = tmp_path / "run" / "curves.png"
@@ -4605,7 +4607,7 @@ def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(
     whole = tmp_path / "fsdp.pt"  # the trainers' shards (torch.distributed.checkpoint), made whole
     dcp_to_torch_save(out / "ckpt-000003" / train.SHARDS, whole)
     fs = torch.load(whole, weights_only=True)["model"]
-    start = AutoModelForCausalLM.from_pretrained(data.toy_model_dir(), dtype=torch.bfloat16)
+    start = AutoModelForCausalLM.from_pretrained(toy.toy_model_dir(), dtype=torch.bfloat16)
     names = [name for name, _ in start.named_parameters()]
     assert len(dp) == len(names) and set(names) <= set(fs), (len(dp), names, list(fs))
     for a, b, w0 in zip(dp, [fs[name] for name in names], start.parameters()):
@@ -4765,7 +4767,7 @@ def test_train_bf16_steps_float32_master_weights_and_resumes_them_exactly(toy_di
     is 0), after the decoupled decay w (1 - lr_1 wd). At lr 1e-5 that is far under bf16's spacing, so the
     bf16 weights keep almost all of it only through the master copy; the resumed run continues from the
     saved float32 copies, not from their bf16 rounding."""
-    lr, base = 1e-5, data.toy_model_dir()  # the embedded model: it passes some prompts, so steps train
+    lr, base = 1e-5, toy.toy_model_dir()  # the embedded model: it passes some prompts, so steps train
     flags = ["--model", base, "--dtype", "bfloat16", "--lr", "1e-5", "--eval_every", "2", "--save_every", "1"]
     first = run_train(toy_dir, tmp_path / "cut", *flags, "--steps", "1")
     assert [m["kept_prompts"] > 0 for m in first if m["kind"] == "train"] == [True]
@@ -4961,7 +4963,7 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
     16-token answer budget the long answers are all truncated and leave the loss: every group is then
     all-correct, zero-variance filtering drops it, nothing is trained, the format is never penalized. Under
     the default budgets they end, score -1 and keep a gradient against that format."""
-    tok = AutoTokenizer.from_pretrained(data.toy_model_dir())
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_dir())
     succ = chain(tok, "?", "<think>", "5", "</think>", " The answer is \\boxed{8}.")
     succ[ids_of(tok, "</think>")[0]].append(ids_of(tok, "10")[0])  # or: 20 tokens of numbers, then eos
     succ.update(chain(tok, *map(str, range(10, 30))))  # one token per number
@@ -4989,7 +4991,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     """A truncated sample whose text already holds the right box (it wrote the answer, then ran on) did not
     answer: it is incorrect for the reward, for No-Positive-Resampling's pass-rate history and for the
     held-out pass rate; the same text ended by eos is correct."""
-    tok = AutoTokenizer.from_pretrained(data.toy_model_dir())
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_dir())
     text = "<think>5+2=7.</think>5+2=7.</think> The answer is \\boxed{7}"
     done = gen.Sample(0, ids_of(tok, text) + [tok.eos_token_id], [0.0] * 30, [1] * 30, [0] * 30, "eos")
     cut = gen.Sample(0, ids_of(tok, text), [0.0] * 30, [1] * 30, [0] * 30, "truncated")
@@ -5105,7 +5107,7 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     """A budget too small for any answer: every sample truncated, every step keeps no prompt. The log warns
     once about the truncation rate and once about the empty step, and after --max_empty_steps in a row the
     run stops, naming the cause and the flags, with its last step saved and evaluated."""
-    recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "20", "--think_budget", "2", "--answer_budget", "1",
+    recs = run_train(toy.toy_model_dir(), tmp_path, "--steps", "20", "--think_budget", "2", "--answer_budget", "1",
                      "--max_empty_steps", "3", "--eval_every", "50")
     out = capsys.readouterr().out
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
@@ -5125,7 +5127,7 @@ def test_train_warns_on_truncation_and_stops_after_steps_that_keep_nothing(tmp_p
     runs.truncate_metrics(str(tmp_path / "metrics.jsonl"), 3)  # resumed, it goes on: no longer stopped
     assert not study.finished(str(tmp_path), 20)
     # given --keep_truncated, no message suggests it; the batch's says the samples stay in the loss
-    run_train(data.toy_model_dir(), tmp_path / "kept", "--steps", "1", "--think_budget", "2", "--answer_budget",
+    run_train(toy.toy_model_dir(), tmp_path / "kept", "--steps", "1", "--think_budget", "2", "--answer_budget",
               "1", "--max_empty_steps", "1", "--keep_truncated")
     out = capsys.readouterr().out
     assert out.count("warning:") == 3 and "--keep_truncated keeps them in the loss, as wrong answers" in out
@@ -5137,8 +5139,8 @@ def test_train_resume_keeps_the_count_of_steps_that_kept_nothing(tmp_path, capsy
     """Two steps that keep no prompt, saved, then --resume: the third in a row stops the run with
     --max_empty_steps 3, as it does uninterrupted (the count restarted at 0 stopped it at step 5)."""
     flags = ("--think_budget", "2", "--answer_budget", "1", "--max_empty_steps", "3", "--eval_every", "50")
-    run_train(data.toy_model_dir(), tmp_path, "--steps", "2", "--save_every", "2", *flags)
-    recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "20", "--resume", *flags)
+    run_train(toy.toy_model_dir(), tmp_path, "--steps", "2", "--save_every", "2", *flags)
+    recs = run_train(toy.toy_model_dir(), tmp_path, "--steps", "20", "--resume", *flags)
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
     assert "stopping at step 3: 3 steps in a row kept no prompt" in capsys.readouterr().out
 
@@ -5250,7 +5252,7 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
         assert exit_.value.code == message and not (tmp_path / "out").exists()
     train_set, val = train.load_data(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl")]))
     assert (len(train_set), len(val)) == (18, 2)  # the default split of a small data set: a tenth held out
-    help_ = Forked(["--help"], {}, tmp_path / "help.log", script="data.py")
+    help_ = Forked(["--help"], {}, tmp_path / "help.log", script="toy.py")
     assert help_.wait(timeout=60) == 0 and "--build" in help_.communicate()[0]
 
 
@@ -5726,7 +5728,7 @@ def test_train_stopped_early_saves_and_evaluates_its_last_step(tmp_path, monkeyp
             raise StopIteration("every training prompt is retired (pass rate >= 0.9): nothing left to train on")
         return real(self, k)
     monkeypatch.setattr(data.Curriculum, "next_batch", next_batch)
-    recs = run_train(data.toy_model_dir(), tmp_path, "--steps", "6", "--eval_every", "2", "--save_every", "5")
+    recs = run_train(toy.toy_model_dir(), tmp_path, "--steps", "6", "--eval_every", "2", "--save_every", "5")
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
     assert [r["kept_prompts"] > 0 for r in recs if r["kind"] == "train"] == [True, True]
     assert [r["lr"] for r in recs if r["kind"] == "train"] == pytest.approx([2e-5, 4e-5]) == warmed_up(recs, 2e-4)

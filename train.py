@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from checks import check_args, check_code_rewards, check_model_dir, context_error, did_you_mean
-from data import (PRESETS, format_prompt, load_source_problems, prompts_ids, read_jsonl,
-                  special_tokens, split_problems, toy_model_dir, toy_task)
+from data import (format_prompt, load_source_problems, prompts_ids, read_jsonl, special_tokens,
+                  split_problems)
 import faults
 import pipeline
 import plan
@@ -39,6 +39,7 @@ from metrics import alarms, eval_alarms, log_step, new_record, print0, step_metr
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   shard_reader)
+from toy import PRESETS, toy_model_dir, toy_task
 
 # -----------------------------------------------------------------------------
 # flags: ScaleRL's choices by default
@@ -93,7 +94,7 @@ def model_flags(g):
                    help="training jsonl or Hugging Face dataset owner/name[:config[:split]] "
                         "(split default train; e.g. openai/gsm8k:main; pip install datasets), or "
                         "several comma-separated (math and code mix); 'toy' or empty = the "
-                        "embedded toy task; 'toy-hard' = the study's harder one (data.PRESETS)")
+                        "embedded toy task; 'toy-hard' = the study's harder one (toy.PRESETS)")
     g.add_argument("--unsafe_code_exec", action="store_true",
                    help="code problems: run programs with resource limits only when bubblewrap "
                         "(bwrap) is missing; a program can then forge its reward (sandbox.py)")
