@@ -617,6 +617,9 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
                       interrupt_ids=[], think_budget=max_len, answer_budget=0, interrupt=False,
                       temperature=1.0, fp32_head=False, seed=0, version=0, graphs=False)
         dec.pos.copy_(lens - 1)  # what is read depends on lengths alone
+        for r, n in enumerate(lens.tolist()):  # each row its own blocks, as in a real step
+            dec.reserve(r, n)
+        dec._tables()
         return dec
 
     model = qwen2_model(tiny, device, dtype)
@@ -821,7 +824,8 @@ def measured_figures(name):
     dec = Decoder(model, 2, 64, 8, eos_id=0, think_end=[1], interrupt_ids=[2], think_budget=4,
                   answer_budget=4, interrupt=True, temperature=1.0, fp32_head=True, seed=0,
                   version=0, graphs=False)
-    kv = sum(k.nbytes + v.nbytes for k, v in dec.cache) / (2 * 64) * s["L"] / 2
+    tokens = dec.cache[0][0][..., 0, 0].numel()  # in its pool of blocks
+    kv = sum(k.nbytes + v.nbytes for k, v in dec.cache) / tokens * s["L"] / 2
     del model, dec
     out = {"saved_checkpointed_layer": (act["checkpointed"], on["layer"]),
            "saved_recomputed_layer": (act["layer"], off["layer"]),

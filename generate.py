@@ -4,8 +4,10 @@ generate.py: the generator's KV-cache sampler and the trainer's log-probs of the
 
 Start at `sampler`: continuous batching, in-flight weight updates (the KV cache kept, as
 PipelineRL), forced interruption. `Decoder` is its device side: a static-shape decode step, a CUDA
-graph per step size. A sample is a function of its noise key, whatever its slot or batch. The
-trainer calls `packed_logprobs`: samples packed into one row, the float32 head in chunks.
+graph per step size. The KV cache is a pool of blocks that rows take as they grow; when it runs
+out the newest rows restart from their prompts. A sample is a function of its noise key, whatever
+its slot, batch or restarts. The trainer calls `packed_logprobs`: samples packed into one row, the
+float32 head in chunks.
 
     python generate.py                        # a few toy completions
     python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512
@@ -37,6 +39,7 @@ except ImportError:
 FINISH = ("eos", "interrupted", "truncated")  # c > 0 means FINISH[c - 1]
 CPU_SLOTS = 128
 PREFILL_TOKENS = 8192
+BLOCK = 256  # KV-cache tokens per block (flash-attn's paged-KV page size)
 
 
 @dataclass
@@ -74,10 +77,11 @@ def head_dim_of(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def new_cache(model, slots, max_len):
+def new_cache(model, blocks, block=BLOCK):
+    """Per layer (k, v) pools of blocks: token t of a row at table[row, t // block], t % block."""
     cfg = model.config
     p = next(model.parameters())
-    shape = (slots, max_len, cfg.num_key_value_heads, head_dim_of(cfg))
+    shape = (blocks, block, cfg.num_key_value_heads, head_dim_of(cfg))
     return [(torch.zeros(shape, dtype=p.dtype, device=p.device),
              torch.zeros(shape, dtype=p.dtype, device=p.device))
             for _ in range(cfg.num_hidden_layers)]
@@ -159,31 +163,36 @@ def _attention(attn, x, cos, sin, cache, at, qkv, how):
 
 
 def _decode(q, k_cache, v_cache, scale, how):
-    """Decode attention, each cache row over its own keys; how: flash, varlen, masked or groups."""
+    """Decode attention, each row over its own keys through its block table (_how)."""
     R, _, H, D = q.shape
-    Hkv, max_len = k_cache.shape[2], k_cache.shape[1]
+    Hkv = k_cache.shape[2]
     if how[0] == "flash":
-        return flash_attn_with_kvcache(q.contiguous(), k_cache[:R], v_cache[:R],
-                                       cache_seqlens=how[1], softmax_scale=scale)[:, 0]
+        return flash_attn_with_kvcache(q.contiguous(), k_cache, v_cache, cache_seqlens=how[1],
+                                       block_table=how[2], softmax_scale=scale)[:, 0]
     if how[0] == "varlen":
-        return varlen_attn(q[:, 0].contiguous(), k_cache[:R].view(-1, Hkv, D),
-                           v_cache[:R].view(-1, Hkv, D), how[2], how[2] * max_len, 1, max_len,
-                           scale=scale, enable_gqa=True, seqused_k=how[1])
+        return varlen_attn(q[:, 0].contiguous(), k_cache, v_cache, how[3], None, 1,
+                           how[2].size(1) * k_cache.size(1), scale=scale, enable_gqa=True,
+                           seqused_k=how[1], block_table=how[2])
+    k_cache, v_cache = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # by flat position
 
     def sdpa(q, k, v, mask):
         out = F.scaled_dot_product_attention(q.reshape(-1, Hkv, H // Hkv, D), k.transpose(1, 2),
                                              v.transpose(1, 2), attn_mask=mask, scale=scale)
         return out.reshape(-1, H, D)
     if how[0] == "masked":
-        S = how[1].size(-1)
-        return sdpa(q, k_cache[:R, :S], v_cache[:R, :S], how[1])
+        return sdpa(q, k_cache[how[2]], v_cache[how[2]], how[1])
     out = q.new_empty(R, H, D)
-    for rows, S, mask in how[1]:
+    for rows, at, mask in how[1]:
         if isinstance(rows, slice):
-            out[rows] = sdpa(q[rows], k_cache[rows, :S], v_cache[rows, :S], mask)
+            out[rows] = sdpa(q[rows], k_cache[at], v_cache[at], mask)
         else:
-            out.index_copy_(0, rows, sdpa(q[rows], k_cache[rows, :S], v_cache[rows, :S], mask))
+            out.index_copy_(0, rows, sdpa(q[rows], k_cache[at], v_cache[at], mask))
     return out
+
+
+def flat_positions(table, pos, block):
+    """Flat pool positions of tokens pos (R, T) of rows with block tables table (R, W)."""
+    return table.gather(1, pos // block).long() * block + pos % block
 
 
 def _mlp(mlp, x):
@@ -191,15 +200,15 @@ def _mlp(mlp, x):
 
 
 @torch.no_grad()
-def forward(model, ids, pos, cache, rope, qkv, rows=None, how=None):
-    """A decode step -> hidden (R, 1, d), or a prefill of cache `rows` -> None."""
+def forward(model, ids, pos, cache, rope, qkv, table, rows=None, how=None):
+    """A decode step -> hidden (R, 1, d), or a prefill of cache `rows` -> None; table: the rows'
+    block tables."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = rope[0][pos][:, :, None], rope[1][pos][:, :, None]
-    max_len = cache[0][0].size(1)
     if rows is None:
         rows = torch.arange(ids.size(0), device=x.device)
-    at = (rows[:, None] * max_len + pos).view(-1)
+    at = flat_positions(table[rows], pos, cache[0][0].size(1)).view(-1)
     last = inner.layers[-1]
     for layer, layer_cache, w in zip(inner.layers, cache, qkv):
         h = _norm(layer.input_layernorm, x)
@@ -326,50 +335,55 @@ def row_groups(lengths, cap, slack=1.2):
 _KERNELS = {}
 
 
-def decode_kernel(device, dtype=torch.bfloat16, head_dim=64):
-    """flash-attn, else torch's varlen_attn (each checked once against SDPA), else masked; off CUDA
-    groups."""
+def decode_kernel(device, dtype=torch.bfloat16, head_dim=64, block=BLOCK):
+    """flash-attn, else torch's varlen_attn (each checked once against SDPA, rows of two blocks),
+    else masked; off CUDA groups."""
     if device.type != "cuda":
         return "groups"
-    key = (str(device), dtype, head_dim)
+    key = (str(device), dtype, head_dim, block)
     if key not in _KERNELS:
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(3 + (n > 1), n, h, head_dim, generator=g, device=device, dtype=dtype)
-                   for n, h in ((1, 4), (256, 2), (256, 2)))
-        pos = torch.tensor([0, 99, 255], device=device)
-        ref = _decode(q, k, v, 0.125, _how(("masked", 256), pos, dtype)).float()
+        q, k, v = (torch.randn(3 + 2 * (n > 1), n, h, head_dim, generator=g, device=device,
+                               dtype=dtype)
+                   for n, h in ((1, 4), (block, 2), (block, 2)))  # a pool of 5 blocks
+        pos = torch.tensor([0, block + block // 2, 2 * block - 1], device=device)
+        table = torch.tensor([[2, 4], [3, 1], [4, 2]], dtype=torch.int32, device=device)
+        ref = _decode(q, k, v, 0.125, _how(("masked", 2 * block), pos, dtype, table, block))
         ok = {"flash": flash_attn_with_kvcache is not None,
               "varlen": (varlen_attn is not None
-                         and "seqused_k" in inspect.signature(varlen_attn).parameters)}
+                         and "block_table" in inspect.signature(varlen_attn).parameters)}
         _KERNELS[key] = "masked"
         for kernel in [name for name in ("flash", "varlen") if ok[name]]:
             try:
-                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype)).float()
+                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype, table, block))
             except Exception:
                 continue
-            if torch.allclose(out, ref, atol=2e-2):
+            if torch.allclose(out.float(), ref.float(), atol=2e-2):
                 _KERNELS[key] = kernel
                 break
     return _KERNELS[key]
 
 
-def _how(plan, pos, dtype):
+def _how(plan, pos, dtype, table, block):
     if plan[0] == "flash":
-        return "flash", (pos + 1).int()
+        return "flash", (pos + 1).int(), table
     if plan[0] == "varlen":
         cu = torch.arange(pos.size(0) + 1, dtype=torch.int32, device=pos.device)
-        return "varlen", (pos + 1).int(), cu
+        return "varlen", (pos + 1).int(), table, cu
+
+    def keys(t, S):  # (n, S) flat positions of the first S keys of rows with tables t
+        return flat_positions(t, torch.arange(S, device=pos.device).expand(t.size(0), S), block)
 
     def mask(p, S):
         return torch.zeros(p.size(0), 1, 1, S, dtype=dtype, device=pos.device).masked_fill_(
             torch.arange(S, device=pos.device) > p[:, None, None, None], float("-inf"))
     if plan[0] == "masked":
-        return "masked", mask(pos, plan[1])
+        return "masked", mask(pos, plan[1]), keys(table, plan[1])
     groups = []
     for rows, S in plan[1]:
         if not isinstance(rows, slice):
             rows = torch.tensor(rows, device=pos.device)
-        groups.append((rows, S, mask(pos[rows], S)))
+        groups.append((rows, keys(table[rows], S), mask(pos[rows], S)))
     return "groups", groups
 
 
@@ -398,7 +412,7 @@ class Decoder:
 
     def __init__(self, model, slots, max_len, max_new, *, eos_id, think_end, interrupt_ids,
                  think_budget, answer_budget, interrupt, temperature, fp32_head, seed,
-                 version, graphs, prefill_tokens=PREFILL_TOKENS):
+                 version, graphs, prefill_tokens=PREFILL_TOKENS, blocks=None, block=BLOCK):
         dev = next(model.parameters()).device
         self.model, self.max_len, self.device = model, max_len, dev
         self.think_budget, self.answer_budget = think_budget, answer_budget
@@ -407,9 +421,18 @@ class Decoder:
         self.eos = torch.tensor(eos_id, dtype=torch.long, device=dev).view(-1)
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)
-        self.cache = new_cache(model, slots, max_len)
+        width, self.block = -(-max_len // block), block
+        blocks = min(blocks or 1 + slots * width, 1 + slots * width)  # at most: all at max_len
+        if blocks < 1 + width:
+            raise ValueError(f"a KV pool of {blocks} blocks of {block} tokens cannot hold one row "
+                             f"of {max_len} tokens and the scratch block")
+        self.cache = new_cache(model, blocks, block)
+        # each slot's blocks; 0, the scratch block, where it holds none: rows not live write there
+        self.table = torch.zeros(slots, width, dtype=torch.int32, device=dev)
+        self.tables, self.held = np.zeros((slots, width), np.int32), np.zeros(slots, int)
+        self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
         self.qkv = fused_qkv(model)
-        self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config))
+        self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config), block)
         self.weight = head_weight(model, fp32_head).detach()
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
         flag = lambda: torch.zeros(slots, dtype=torch.bool, device=dev)
@@ -434,7 +457,30 @@ class Decoder:
         if self.weight is not self.model.lm_head.weight:
             self.weight.copy_(self.model.lm_head.weight)
 
+    def reserve(self, slot, length):
+        """Blocks for the slot's first `length` tokens -> False, none taken, if too few are free."""
+        need = -(-length // self.block) - self.held[slot]
+        if need > len(self.free):
+            return False
+        for i in range(self.held[slot], self.held[slot] + max(need, 0)):
+            self.tables[slot, i], self.stale = self.free.pop(), True
+        self.held[slot] += max(need, 0)
+        return True
+
+    def release(self, slots):
+        """Stop these rows (finished or preempted); their blocks back to the pool."""
+        for s in slots:
+            self.free += self.tables[s, :self.held[s]].tolist()
+            self.tables[s], self.held[s], self.stale = 0, 0, True
+        self.live[torch.tensor(slots, device=self.device)] = False
+
+    def _tables(self):
+        if self.stale:
+            self.table.copy_(torch.from_numpy(self.tables))
+            self.stale = False
+
     def prefill(self, slots, prompts):
+        self._tables()
         for a, b, width in prefill_groups([len(p) for p in prompts], self.prefill_tokens,
                                           self.max_len):
             if width:
@@ -442,7 +488,8 @@ class Decoder:
                                    device=self.device)
                 forward(self.model, ids,
                         torch.arange(width, device=self.device).expand(b - a, width), self.cache,
-                        self.rope, self.qkv, rows=torch.tensor(slots[a:b], device=self.device))
+                        self.rope, self.qkv, self.table,
+                        rows=torch.tensor(slots[a:b], device=self.device))
 
     def admit(self, slots, prompts, keys):
         dev, lens = self.device, [len(p) for p in prompts]
@@ -469,6 +516,7 @@ class Decoder:
     def step(self, R, lengths):
         """One decode step of rows 0..R-1: a CUDA graph replay, else eager."""
         plan = self.plan(R, lengths)
+        self._tables()
         if self.graphs is None:
             return self._step(R, plan, self.live[:R])
         graph = self.graphs.get((R, plan))
@@ -485,8 +533,9 @@ class Decoder:
 
     def _step(self, R, plan, live):
         n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
+        how = _how(plan, pos, self.cache[0][0].dtype, self.table[:R], self.block)
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
-                         self.qkv, how=_how(plan, pos, self.cache[0][0].dtype))[:, 0]
+                         self.qkv, self.table, how=how)[:, 0]
         tok, logp = sample(logits_of(hidden, self.weight), self.temperature,
                            self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
@@ -522,7 +571,7 @@ class Decoder:
         self.live[:R] &= code == 0
 
     def collect(self, R):
-        """Finished rows -> {slot: Sample}, one host sync."""
+        """Finished rows -> {slot: Sample}, one host sync; their slots and blocks freed."""
         finish = self.finish[:R].tolist()
         done = [s for s in range(R) if finish[s]]
         if not done:
@@ -534,6 +583,7 @@ class Decoder:
                                          for x in (self.tokens, self.logps, self.mask,
                                                    self.versions))
         self.finish[rows] = 0
+        self.release(done)
         return {s: Sample(None, tokens[i][:m], logps[i][:m], [int(b) for b in mask[i][:m]],
                           versions[i][:m], FINISH[finish[s] - 1])
                 for i, (s, m) in enumerate(zip(done, lens))}
@@ -553,16 +603,16 @@ def kv_bytes_per_token(config, dtype):
             * dtype.itemsize)
 
 
-def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3):
-    """What a Decoder allocates -> (bytes per slot, fixed bytes)."""
+def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3, block=BLOCK):
+    """What a Decoder allocates -> (bytes per slot, per KV block, fixed bytes)."""
     size = dtype.itemsize
-    per_slot = (kv_bytes_per_token(config, dtype) * max_len + 6 * 8 + 4
+    per_slot = (6 * 8 + 4 + 4 * -(-max_len // block)
                 + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))
     copy = fp32_head and size < 4
     fixed = (2 * max_len * head_dim_of(config) * size
              + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1)
              + qkv_bytes(config, dtype))
-    return per_slot, fixed
+    return per_slot, kv_bytes_per_token(config, dtype) * block, fixed
 
 
 def qkv_bytes(config, dtype):
@@ -578,32 +628,48 @@ def free_device_bytes(device):
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None):
-    per_slot, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head)
-    fit = max(0, int((room - fixed) // per_slot))
-    return min(fit, cap or fit), per_slot, fit
+def mean_length(max_len, max_new):
+    """A row's mean length in flight, which sizes the pool: its prompt and half its budget."""
+    return max_len - max_new // 2
+
+
+def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None, block=BLOCK):
+    """-> (rows that fit at mean_length, at most cap; blocks in the rest, at most all rows at
+    max_len, scratch included; rows without the cap), or (0, 0, _) if one row at max_len does not
+    fit."""
+    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
+                                               block=block)
+    width, mean = -(-max_len // block), -(-mean_length(max_len, max_new) // block)
+    fit = max(0, int((room - fixed - per_block) // (per_slot + mean * per_block)))
+    slots = min(fit, cap or fit)
+    blocks = min(1 + slots * width, int((room - fixed - slots * per_slot) // per_block))
+    return (slots, blocks, fit) if blocks >= 1 + width else (0, 0, fit)
 
 
 def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True, most=None):
-    """-> (slots, a line saying why). On CUDA as many as gen_memory x the free memory holds (vLLM's
-    gpu_memory_utilization), at most cap and `most`."""
+    """-> (slots, KV blocks or None: all slots at max_len, a line saying why). On CUDA what
+    gen_memory x the free memory holds (vLLM's gpu_memory_utilization; slots_in), at most cap and
+    `most` rows."""
     p = next(model.parameters())
     if p.device.type != "cuda":
-        return cap or CPU_SLOTS, None
+        return cap or CPU_SLOTS, None, None
     free = free_device_bytes(p.device)
     caps = [c for c in (cap, most) if c]
-    slots, per_slot, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
-                                    fp32_head, min(caps) if caps else None)
+    slots, blocks, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
+                                  fp32_head, min(caps) if caps else None)
+    per_block = kv_bytes_per_token(model.config, p.dtype) * BLOCK
     if not slots:
-        raise ValueError(f"one sequence of {max_len} tokens needs {per_slot / 1e9:.2f} GB of KV "
-                         f"cache; {gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
+        raise ValueError(f"one sequence of {max_len} tokens needs "
+                         f"{-(-max_len // BLOCK) * per_block / 1e9:.2f} GB of KV cache; "
+                         f"{gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
                          "--gen_memory, lower the budgets, or use a device with more memory)")
     bound = (f", --slots {cap}" if cap and cap == slots else
              f", at most {most} in flight" if most and most == slots else "")
-    return slots, (f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache "
-                   f"{slots * per_slot / 1e9:.1f} GB ({per_slot / 1e6:.1f} MB each; "
-                   f"--gen_memory {gen_memory} of the {free / 1e9:.1f} GB free after the weights "
-                   f"fits {fit}{bound})")
+    return slots, blocks, (
+        f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache {blocks} blocks "
+        f"of {BLOCK} tokens, {blocks * per_block / 1e9:.1f} GB (--gen_memory {gen_memory} of the "
+        f"{free / 1e9:.1f} GB free after the weights fits {fit} rows of "
+        f"{mean_length(max_len, max_new)} tokens, the mean{bound})")
 
 # -----------------------------------------------------------------------------
 # the continuous-batching loop
@@ -612,7 +678,7 @@ def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
-            graphs=None, sync_every=None, prefill_tokens=PREFILL_TOKENS):
+            graphs=None, sync_every=None, prefill_tokens=PREFILL_TOKENS, blocks=None, block=BLOCK):
     """The continuous-batching sampler, a generator the caller drives:
 
         steps = sampler(model, ...)
@@ -621,7 +687,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
     new: [(prompt ids, noise key, tag)]; version: the weights' policy version (copied in between
     sends); finished: [(tag, Sample)]. data.special_tokens gives eos_id, think_end,
-    interrupt_ids."""
+    interrupt_ids. blocks: the KV pool (fit_slots; default all slots at the full budget)."""
     check_supported(model)
     if interrupt and not interrupt_ids:
         raise ValueError("interrupt=True needs the interruption phrase's token ids (interrupt_ids)")
@@ -635,10 +701,11 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                   interrupt_ids=interrupt_ids, think_budget=think_budget,
                   answer_budget=answer_budget, interrupt=interrupt, temperature=temperature,
                   fp32_head=fp32_head, seed=seed, version=version, graphs=graphs,
-                  prefill_tokens=prefill_tokens)
+                  prefill_tokens=prefill_tokens, blocks=blocks, block=block)
     row_sizes = bucket_sizes(slots, 8)
     pending = deque()
-    owner = [None] * slots
+    owner = [None] * slots  # (prompt, key, tag)
+    order = []  # busy slots, oldest first
     bound = np.full(slots, -1)  # cache position bound (-1: free)
     finished = []
     while True:
@@ -652,12 +719,22 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         if new_version != version:  # in-flight update: the cache stays
             version = new_version
             dec.new_weights(version)
-        free = [s for s in range(slots) if owner[s] is None][:len(pending)]
-        if free:
-            items = [pending.popleft() for _ in free]
-            dec.admit(free, [p for p, _, _ in items], [key for _, key, _ in items])
-            for s, (p, key, tag) in zip(free, items):
-                owner[s], bound[s] = (key, tag), len(p) - 1
+        preempted = False  # blocks for this round, oldest rows first; where they run out,
+        for s in list(order):  # the newest row gives its blocks back and waits again
+            while owner[s] and not dec.reserve(s, min(bound[s] + sync_every, max_len)):
+                last = order.pop()
+                dec.release([last])
+                pending.appendleft(owner[last])
+                owner[last], bound[last], preempted = None, -1, True
+        free, items = [s for s in range(slots) if owner[s] is None], []
+        while (pending and len(items) < len(free) and not preempted and dec.reserve(
+                free[len(items)], min(len(pending[0][0]) - 1 + sync_every, max_len))):
+            items.append(pending.popleft())
+        if items:
+            dec.admit(free[:len(items)], [p for p, _, _ in items], [key for _, key, _ in items])
+            for s, item in zip(free, items):
+                owner[s], bound[s] = item, len(item[0]) - 1
+                order.append(s)
         busy = [s for s in range(slots) if owner[s] is not None]
         if not busy:
             continue
@@ -666,7 +743,8 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             dec.step(R, bound[:R] + 1)
             bound[busy] = np.minimum(bound[busy] + 1, max_len - 1)
         for s, sample in dec.collect(R).items():
-            (sample.key, tag), owner[s], bound[s] = owner[s], None, -1
+            (_, sample.key, tag), owner[s], bound[s] = owner[s], None, -1
+            order.remove(s)
             finished.append((tag, sample))
 
 
@@ -677,11 +755,11 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
     results = [None] * len(prompts)
     max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
     if gen_memory:
-        slots, _ = fit_slots(model, *cache_length(max_prompt_len, settings["think_budget"],
-                                                  settings["answer_budget"],
-                                                  settings["interrupt_ids"],
-                                                  settings.get("interrupt", True)),
-                             gen_memory, slots, settings.get("fp32_head", True))
+        lengths = cache_length(max_prompt_len, settings["think_budget"],
+                               settings["answer_budget"], settings["interrupt_ids"],
+                               settings.get("interrupt", True))
+        slots, settings["blocks"], _ = fit_slots(model, *lengths, gen_memory, slots,
+                                                 settings.get("fp32_head", True))
     steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
                     version=version, **settings)
     next(steps)

@@ -702,7 +702,7 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
     interrupt, _ = length_control(args)
     special = special_tokens(tokenizer, model)
     caps = [c for c in (args.slots, cap) if c]
-    slots, why = generate.fit_slots(
+    slots, blocks, why = generate.fit_slots(
         model, *generate.cache_length(max_prompt_len, args.think_budget, args.answer_budget,
                                       special["interrupt_ids"], interrupt),
         args.gen_memory, min(caps) if caps else None, args.fp32_head, most)
@@ -710,7 +710,7 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
         say(why)
     return sampler(model, **special, think_budget=args.think_budget,
                    answer_budget=args.answer_budget, max_prompt_len=max_prompt_len,
-                   interrupt=interrupt, slots=slots, temperature=args.temperature,
+                   interrupt=interrupt, slots=slots, blocks=blocks, temperature=args.temperature,
                    fp32_head=args.fp32_head, seed=args.seed, version=version)
 
 

@@ -97,14 +97,17 @@ def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, lo
 
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
                    prefill_tokens=generate.PREFILL_TOKENS):
-    """The sampler's bytes beyond the weights -> (parts, sequences, bytes per sequence)."""
-    per_slot, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
-    seqs = (slots or generate.CPU_SLOTS if room is None else
-            generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)[0])
+    """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, bytes per block);
+    room None (CPU): slots or CPU_SLOTS rows, each at max_len."""
+    per_slot, per_block, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    seqs = slots or generate.CPU_SLOTS
+    blocks = 1 + seqs * -(-max_len // generate.BLOCK)
+    if room is not None:
+        seqs, blocks, _ = generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)
     b = dtype.itemsize
     prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
-    return ({"decoder fixed": fixed, "KV cache": seqs * per_slot,
-             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, per_slot)
+    return ({"decoder": fixed + seqs * per_slot, "KV cache": blocks * per_block,
+             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, per_block)
 
 
 @dataclass
@@ -146,8 +149,8 @@ def memory_plan(config, run):
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
     most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
     caps = [c for c in (run.slots, most if run.sized else None) if c]
-    gen, seqs, per_slot = plan_generator(config, s, run.dtype, max_len, max_new, room,
-                                         min(caps, default=None), run.fp32_head)
+    gen, seqs, blocks, per_block = plan_generator(config, s, run.dtype, max_len, max_new, room,
+                                                  min(caps, default=None), run.fp32_head)
     if run.evaluate:
         roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
     elif run.generators == 0:  # the larger phase
@@ -160,7 +163,8 @@ def memory_plan(config, run):
     return {"roles": {r: {"count": n, "parts": parts, "total": total,
                           "fits": total <= run.device_bytes and holds >= run.samples}
                       for r, (n, parts, total, holds) in roles.items()},
-            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "per_slot": per_slot,
+            "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "blocks": blocks,
+            "per_block": per_block, "mean_len": generate.mean_length(max_len, max_new),
             "per_token": plan_activations(s, size)}
 
 
@@ -183,7 +187,8 @@ def plan_lines(plan, run, context=None):
     where = (f"; {plan['sequences'] * run.generators} over {run.generators} generators"
              if run.generators else "")
     lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
-                 f"once ({plan['per_slot'] / 1e6:,.1f} MB each){where}, for "
+                 f"once ({plan['mean_len']} at the mean), KV cache {plan['blocks']} blocks of "
+                 f"{generate.BLOCK} tokens ({plan['per_block'] / 1e6:,.1f} MB each){where}, for "
                  + (f"{run.evaluate} held-out samples" if run.evaluate else
                     f"a batch of {run.prompts * run.samples}")
                  + (f"; the model's context {context}" if context else ""))

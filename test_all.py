@@ -2489,19 +2489,68 @@ def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
     for slots, max_len, max_new in ((3, 40, 20), (7, 64, 9)):
         dec = gen.Decoder(model, slots, max_len, max_new, eos_id=[0, 3], think_end=[1], interrupt_ids=[5, 6, 7],
                           think_budget=4, answer_budget=4, interrupt=True, temperature=1.0, fp32_head=fp32_head,
-                          seed=0, version=0, graphs=False)
+                          seed=0, version=0, graphs=False, block=16)
         params = {p.data_ptr() for p in model.parameters()}  # the head weight itself, where it needs no copy
         held = [t for t in vars(dec).values() if isinstance(t, torch.Tensor) and t.data_ptr() not in params]
         held += [t for kv in dec.cache for t in kv] + list(dec.rope)
         held += [t for wb in dec.qkv for t in wb if t is not None]
-        per_slot, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6)
-        assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + fixed
+        per_slot, per_block, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6,
+                                                       block=16)
+        blocks = 1 + slots * -(-max_len // 16)  # every slot at max_len, and the scratch block
+        assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + blocks * per_block + fixed
     kv = sum(k.nbytes + v.nbytes for k, v in dec.cache)
-    assert kv == slots * max_len * gen.kv_bytes_per_token(model.config, dtype)
-    assert gen.slots_in(10 * per_slot + fixed, model.config, dtype, max_len, max_new, fp32_head)[:2] == (10, per_slot)
-    assert gen.slots_in(10 * per_slot + fixed, model.config, dtype, max_len, max_new, fp32_head, cap=4)[0] == 4
-    assert gen.fit_slots(model, max_len, max_new) == (gen.CPU_SLOTS, None)  # off CUDA: not sized by memory
-    assert gen.fit_slots(model, max_len, max_new, cap=5) == (5, None)
+    assert kv == blocks * 16 * gen.kv_bytes_per_token(model.config, dtype) == blocks * per_block
+    p, b, f = gen.decoder_bytes(model.config, dtype, 64, 40, fp32_head, block=16)  # rows at the mean length,
+    room = 10 * (p + 3 * b) + b + f  # 64 - 40 / 2 = 44: 3 blocks; the rest of the room in blocks
+    assert gen.slots_in(room, model.config, dtype, 64, 40, fp32_head, block=16) == (10, 31, 10)
+    assert gen.slots_in(room, model.config, dtype, 64, 40, fp32_head, cap=4, block=16) == (4, 17, 10)  # 4 rows at 64
+    assert gen.slots_in(p + 4 * b + f, model.config, dtype, 64, 40, fp32_head, block=16) == (0, 0, 1)  # not one at 64
+    assert gen.fit_slots(model, max_len, max_new) == (gen.CPU_SLOTS, None, None)  # off CUDA: not sized by memory
+    assert gen.fit_slots(model, max_len, max_new, cap=5) == (5, None, None)
+
+
+def test_generate_a_pool_too_small_for_every_row_preempts_and_gives_the_same_samples(monkeypatch):
+    """A KV pool of 4-token blocks that holds one row at the full budget and little more: rows wait for blocks,
+    the newest give theirs back and restart from their prompts (the same noise key), and every sample equals
+    the one decoded with a block for every token of every slot; through the grouped attention and the CUDA
+    fallback's (every row over the longest row's bucket)."""
+    model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(8, seed=6)
+    cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=2, block=4)
+    whole = gen.generate(model, prompts, **cfg)
+    assert any(0 in s.mask for s in whole) and {s.finish for s in whole} >= {"eos", "truncated"}
+    admitted, admit = [], gen.Decoder.admit
+    monkeypatch.setattr(gen.Decoder, "admit", lambda self, slots, *a: admitted.extend(slots) or admit(self, slots, *a))
+    for kernel in ("groups", "masked"):
+        monkeypatch.setattr(gen, "decode_kernel", lambda *args, kernel=kernel: kernel)
+        admitted.clear()
+        small = gen.generate(model, prompts, blocks=1 + 7 + 2, **cfg)  # max_len 28: 7 blocks a row at most
+        assert len(admitted) > len(prompts)  # some rows were preempted and admitted again
+        for a, b in zip(small, whole):
+            assert (a.key, a.tokens, a.mask, a.versions, a.finish) == (b.key, b.tokens, b.mask, b.versions, b.finish)
+            assert np.allclose(a.logps, b.logps, atol=1e-9)
+
+
+def test_decoder_blocks_are_taken_as_rows_grow_and_returned_when_they_finish():
+    model = tiny_model("qwen2")
+    dec = gen.Decoder(model, 3, 28, 20, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=6, answer_budget=0,
+                      interrupt=False, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=False, blocks=10,
+                      block=4)
+    assert len(dec.free) == 9  # block 0 is the scratch block
+    assert dec.reserve(0, 5) and dec.reserve(1, 8) and dec.reserve(0, 8) and len(dec.free) == 5
+    assert not dec.reserve(2, 21) and len(dec.free) == 5 and not dec.tables[2].any()  # 6 blocks: none taken
+    assert dec.reserve(0, 9) and len(dec.free) == 4
+    taken = dec.tables[:2][dec.tables[:2] > 0].tolist()
+    assert sorted(taken) == sorted(set(taken)) and len(taken) == 5 and 0 not in dec.free
+    dec.admit([0, 1], [[4, 5, 6, 7, 8], [9, 10, 11]], [0, 1])
+    for _ in range(6):  # the budget: 6 tokens
+        dec.step(2, (dec.pos[:2] + 1).tolist())
+    assert sorted(dec.collect(2)) == [0, 1] and sorted(dec.free) == list(range(1, 10))
+    dec.step(2, [1, 1])  # the released rows write to the scratch block alone
+    assert not dec.tables.any() and not dec.table.any()
+    with pytest.raises(ValueError, match="cannot hold one row of 28 tokens"):
+        gen.Decoder(model, 3, 28, 20, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=6, answer_budget=0,
+                    interrupt=False, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=False, blocks=7,
+                    block=4)
 
 
 def test_generate_stops_on_every_eos_id_of_the_generation_config(toy_dir):
@@ -2752,38 +2801,47 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
     """The decode step's attention (rows grouped by length bucket off CUDA; every row over the longest row's
     bucket, the CUDA-graph fallback) against each row's softmax over its own keys written out, grouped query
     heads included; the groups read at most 1.25x the rows' keys where one bucket for all reads ~2x. The
-    CUDA kernels (flash-attn's, torch's varlen_attn) are stood in for by what their docs say they compute."""
+    CUDA kernels (flash-attn's, torch's varlen_attn) are stood in for by what their docs say they compute. The
+    keys live in a pool of blocks of 50 tokens, each row's blocks scattered over it (its block table)."""
     g = torch.Generator().manual_seed(0)
-    R, H, Hkv, D, max_len = 9, 4, 2, 8, 600
+    R, H, Hkv, D, max_len, B = 9, 4, 2, 8, 600, 50
     q = torch.randn(R, 1, H, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(R + 2, max_len, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k_rows, v_rows = (torch.randn(R, max_len, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    where = torch.randperm(R * max_len // B, generator=g) + 1  # block 0: scratch
+    table = where.view(R, -1).int()
+    k, v = (torch.zeros(len(where) + 1, B, Hkv, D, dtype=torch.float64) for _ in range(2))
+    k[where], v[where] = k_rows.reshape(-1, B, Hkv, D), v_rows.reshape(-1, B, Hkv, D)
     pos = torch.tensor([0, 599, 17, 130, 64, 299, 3, 450, 200])
-    ref = torch.stack([torch.stack([((q[r, 0, h] @ k[r, :p + 1, h // 2].T) * 0.3).softmax(-1) @ v[r, :p + 1, h // 2]
-                                    for h in range(H)]) for r, p in enumerate(pos.tolist())])
+    ref = torch.stack([torch.stack([((q[r, 0, h] @ k_rows[r, :p + 1, h // 2].T) * 0.3).softmax(-1)
+                                    @ v_rows[r, :p + 1, h // 2] for h in range(H)])
+                       for r, p in enumerate(pos.tolist())])
     lengths = (pos + 1).tolist()
     plan = gen.row_groups(lengths, max_len)
     members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S in plan]
     assert sorted(r for rs, _ in members for r in rs) == list(range(R))  # every row in one group
     assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
     for how in (("groups", plan), ("masked", 600)):
-        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos, q.dtype)), ref, atol=1e-12), how[0]
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos, q.dtype, table, B)), ref, atol=1e-12), how[0]
 
     def attend(q, k, v, scale):  # q (H, D) over k, v (n, Hkv, D), grouped heads
         return torch.stack([((q[h] @ k[:, h // 2].T) * scale).softmax(-1) @ v[:, h // 2] for h in range(H)])
 
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k):  # as its docstring says
-        assert cu_k[-1] == k.size(0) and max_q == 1 and enable_gqa
-        return torch.stack([attend(q[i], k[a:a + n], v[a:a + n], scale)
-                            for i, (a, n) in enumerate(zip(cu_k[:-1].tolist(), seqused_k.tolist()))])
+    def keys(pool, blocks, n):  # a row's first n keys: its blocks in table order
+        return pool[blocks.long()].flatten(0, 1)[:n]
 
-    def flash(q, k, v, *, cache_seqlens, softmax_scale):  # flash_attn_with_kvcache: (R, 1, H, D) out
-        assert k.size(0) == q.size(0)
-        return torch.stack([attend(q[i, 0], k[i, :n], v[i, :n], softmax_scale)[None]
-                            for i, n in enumerate(cache_seqlens.tolist())])
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k, block_table):  # as documented
+        assert max_q == 1 and max_k == block_table.size(1) * k.size(1) and enable_gqa
+        return torch.stack([attend(q[i], keys(k, t, n), keys(v, t, n), scale)
+                            for i, (t, n) in enumerate(zip(block_table, seqused_k.tolist()))])
+
+    def flash(q, k, v, *, cache_seqlens, block_table, softmax_scale):  # flash_attn_with_kvcache: (R, 1, H, D) out
+        return torch.stack([attend(q[i, 0], keys(k, t, n), keys(v, t, n), softmax_scale)[None]
+                            for i, (t, n) in enumerate(zip(block_table, cache_seqlens.tolist()))])
     monkeypatch.setattr(gen, "varlen_attn", varlen)
     monkeypatch.setattr(gen, "flash_attn_with_kvcache", flash)
     for kernel in ("varlen", "flash"):  # the arguments the CUDA kernels are handed, read as their docs say
-        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how((kernel,), pos, q.dtype)), ref, atol=1e-12), kernel
+        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how((kernel,), pos, q.dtype, table, B)), ref,
+                              atol=1e-12), kernel
     read = sum(len(rs) * S for rs, S in members)
     assert read <= 1.2 * sum(max(n, 64) for n in lengths) and 600 * R > 1.9 * sum(lengths)
     for seed in range(5):  # rows of 64..2048 keys: the groups read at most 1.25x, one bucket for all ~2x
@@ -2832,15 +2890,17 @@ def test_generate_one_bucket_attention_gives_the_same_samples_as_grouped(monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generate_cuda_graph_replay_equals_eager_steps(dtype):
+@pytest.mark.parametrize("block, blocks", [(gen.BLOCK, 3), (8, 8)])
+def test_generate_cuda_graph_replay_equals_eager_steps(dtype, block, blocks):
     """The captured decode step replays exactly what the eager step computes (same buckets, same kernels):
-    continuous batching, interruptions, eos, and new weights copied in mid-sample (the graph reads them)."""
+    continuous batching, interruptions, eos, and new weights copied in mid-sample (the graph reads them); a KV
+    pool of 2 blocks for 4 slots (rows wait for blocks), or of 7 blocks of 8 tokens (rows are preempted)."""
     prompts = tiny_prompts(9, seed=2)
     runs = []
     for graphs in (True, False):
         model, other = tiny_model("qwen2", dtype).cuda(), tiny_model("qwen2", dtype, seed=1).cuda()
         steps = gen.sampler(model, max_prompt_len=max(map(len, prompts)), slots=4, graphs=graphs, sync_every=3,
-                            temperature=1.0, seed=7, **dict(GEN, eos_id=3))
+                            temperature=1.0, seed=7, block=block, blocks=blocks, **dict(GEN, eos_id=3))
         next(steps)
         new, got = [(p, k, k) for k, p in enumerate(prompts)], {}
         for n in range(200):
@@ -3053,7 +3113,7 @@ def test_memory_plan_says_the_readme_command_and_a_7b_node_run_fit():
     node = memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**bench.README_NODE_RUN))
     assert all(r["fits"] for r in node["roles"].values()) and node["sequences"] >= 16
     small = memory_plan(bench.shape_config("Qwen3-0.6B"),
-                        PlanRun(**{**bench.README_RUN, "device_bytes": 15e9}))
+                        PlanRun(**{**bench.README_RUN, "device_bytes": 12e9}))
     assert small["sequences"] < 8 and not small["roles"]["one process"]["fits"]  # not one group of 8
 
 
@@ -3065,7 +3125,9 @@ def test_memory_plan_caps_the_kv_cache_at_what_a_generator_can_have_in_flight():
     one = {**bench.recipe_run("paper"), "think_budget": 7168, "answer_budget": 1024, "prompts": 8, "samples": 16}
     plan = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**one))
     assert plan["sequences"] == 8 * 16
-    assert math.isclose(plan["roles"]["one process"]["parts"]["KV cache"], 128 * plan["per_slot"])
+    width = -(-plan["max_len"] // gen.BLOCK)  # at the bound: a pool of every row at the full budget, and scratch
+    assert plan["blocks"] == 1 + 128 * width and plan["per_block"] == gen.BLOCK * 12 * 1024
+    assert plan["roles"]["one process"]["parts"]["KV cache"] == plan["blocks"] * plan["per_block"]
     room = memory_plan(bench.shape_config("Qwen2.5-0.5B"), PlanRun(**one, slots=10 ** 6))
     assert room["sequences"] == 128  # --slots above the bound changes nothing
     node = dict(bench.NODE_RUN)
@@ -3075,6 +3137,8 @@ def test_memory_plan_caps_the_kv_cache_at_what_a_generator_can_have_in_flight():
     big = memory_plan(bench.shape_config("Qwen2.5-7B"), PlanRun(**node))
     assert big["sequences"] < 384 and big["sequences"] == memory_plan(
         bench.shape_config("Qwen2.5-7B"), PlanRun(**node, lag=10 ** 3))["sequences"]
+    mean, width = (-(-n // gen.BLOCK) for n in (big["mean_len"], big["max_len"]))  # memory decides: its rows at
+    assert big["sequences"] * mean <= big["blocks"] - 1 < big["sequences"] * width   # the mean length, in blocks
     assert in_flight(types.SimpleNamespace(prompts=16, samples=16), 6, 8) == 384
 
 

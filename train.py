@@ -136,7 +136,7 @@ def rollout_flags(g):
     g.add_argument("--gen_memory", type=float, default=0.85,
                    help="CUDA: the fraction of the device memory left after the weights that the "
                         "sampler's KV cache may take (vLLM's gpu_memory_utilization); the "
-                        "sequences that fit at the full budget are printed; ranks sharing one "
+                        "sequences that fit at their mean length are printed; ranks sharing one "
                         "GPU: lower it")
     g.add_argument("--think_budget", type=int, default=None,
                    help="thinking tokens")
