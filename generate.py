@@ -433,7 +433,10 @@ class Decoder:
         self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
         self.qkv = fused_qkv(model)
         self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config), block)
-        self.weight = head_weight(model, fp32_head).detach()
+        w = model.lm_head.weight
+        # the float32 head on tensor cores (bf16 in, float32 out) on CUDA, as the trainer's; no copy
+        self.w16 = w.detach() if tensor_core_head(dev.type, w.dtype, fp32_head) else None
+        self.weight = w.detach() if self.w16 is not None else head_weight(model, fp32_head).detach()
         long = lambda: torch.zeros(slots, dtype=torch.long, device=dev)
         flag = lambda: torch.zeros(slots, dtype=torch.bool, device=dev)
         self.rope = rope_tables(model, max_len)
@@ -441,8 +444,7 @@ class Decoder:
         self.live, self.thinking, self.interrupted, self.off = flag(), flag(), flag(), flag()
         self.cols = cols = max_new + 1  # spare column for rows not live
         self.tokens = torch.zeros(slots, cols, dtype=torch.long, device=dev)
-        self.logps = torch.zeros(slots, cols,
-                                 dtype=torch.promote_types(self.weight.dtype, torch.float32),
+        self.logps = torch.zeros(slots, cols, dtype=torch.promote_types(w.dtype, torch.float32),
                                  device=dev)
         self.mask = torch.ones(slots, cols, dtype=torch.bool, device=dev)
         self.versions = torch.zeros(slots, cols, dtype=torch.long, device=dev)
@@ -454,7 +456,7 @@ class Decoder:
     def new_weights(self, version):
         self.version.fill_(version)
         fused_qkv(self.model, into=self.qkv)
-        if self.weight is not self.model.lm_head.weight:
+        if self.weight.data_ptr() != self.model.lm_head.weight.data_ptr():  # a float32 copy
             self.weight.copy_(self.model.lm_head.weight)
 
     def reserve(self, slot, length):
@@ -536,7 +538,9 @@ class Decoder:
         how = _how(plan, pos, self.cache[0][0].dtype, self.table[:R], self.block)
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
                          self.qkv, self.table, how=how)[:, 0]
-        tok, logp = sample(logits_of(hidden, self.weight), self.temperature,
+        logits = (_mm32(hidden.to(self.w16.dtype), self.w16.t()) if self.w16 is not None
+                  else logits_of(hidden, self.weight))
+        tok, logp = sample(logits, self.temperature,
                            self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
         if self.interrupt:  # at its cut point a thinking row takes the phrase

@@ -2464,6 +2464,24 @@ def test_generate_continuous_batching_equals_decoding_alone():
         assert np.allclose(alone.logps, batched[key].logps, atol=1e-9)
 
 
+def test_sampler_tensor_core_head_gives_the_float32_heads_samples(monkeypatch):
+    """On CUDA with bf16 weights the sampler's float32 head is a bf16 GEMM with float32 output (here a float32
+    matmul stands in for CUDA's mm out_dtype), reading the model's own head weight: the same samples as the
+    float32 copy's head, log-probs to float32 rounding, and a weight update reaches it without a copy."""
+    model, prompts = tiny_model("qwen3", dtype=torch.bfloat16), tiny_prompts(6)
+    monkeypatch.setattr(gen, "_mm32", lambda a, b: a.float() @ b.float())
+    out = {}
+    for fast in (False, True):
+        monkeypatch.setattr(gen, "tensor_core_head", lambda *a: fast)
+        out[fast] = gen.generate(model, prompts, slots=3, temperature=1.0, seed=3, **GEN)
+    for a, b in zip(out[True], out[False]):
+        assert a.tokens == b.tokens and np.allclose(a.logps, b.logps, atol=1e-5)
+    dec = gen.Decoder(model, 2, 32, 8, eos_id=0, think_end=[1], interrupt_ids=[5], think_budget=4,
+                      answer_budget=4, interrupt=True, temperature=1.0, fp32_head=True, seed=0, version=0,
+                      graphs=False)
+    assert dec.w16.data_ptr() == dec.weight.data_ptr() == model.lm_head.weight.data_ptr()
+
+
 def test_generate_chunked_prefill_gives_the_same_samples_and_stays_within_its_token_budget():
     """Admitting 12 prompts at once: prefill forwards of at most prefill_tokens padded tokens (one prompt each at
     a budget of 1) give exactly the samples of one forward for all (the sampler is deterministic given keys)."""
