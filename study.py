@@ -205,19 +205,53 @@ def stop_runs(running, timeout=120):
             r["proc"].kill()
 
 
+def save_minutes(r, spent):
+    """A run's machine-minutes so far, beside it (a continued run adds its own)."""
+    replace_file(os.path.join(r["path"], "study_minutes.json"), lambda f: json.dump(spent, f))
+
+
+def start_run(out, name, flags, seed, steps, data, extra, cores, expected):
+    """Start train.py for (name, seed), continued from its checkpoints where it has some."""
+    path = run_dir(out, name, seed)
+    cmd = run_command(name, flags, path, seed, steps, data, extra)
+    resume = "--resume" in cmd
+    log = open_run_file(os.path.join(out, f"{name}-s{seed}.log"), "a" if resume else "w")
+    rendezvous_file(path, remove=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=os.environ | {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
+    return dict(name=name, seed=seed, path=path, proc=proc, log=log, cores=cores,
+                start=time.time(), expected=expected or 0.0,
+                before=run_minutes(path) if resume else 0.0, resume=resume)
+
+
+def stop_study(running, used, steps, again, why, code):
+    """Stop the runs (each saves its step), say where each stopped and how to continue, exit."""
+    stopped = list(running)
+    stop_runs(running)
+    for r in stopped:
+        save_minutes(r, used(r))
+        print(f"study: {r['name']} seed {r['seed']} interrupted at step "
+              f"{last_step(r['path'])}/{steps}; saved: "
+              f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
+    print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are "
+          "kept, interrupted ones continue from their last checkpoint)", flush=True)
+    sys.exit(code)
+
+
 def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_OUT, again=None):
     """Train every unfinished (variant, seed) in priority order within the budget -> the variants
     left out."""
     data = make_problems(out, held_out)
     minutes = {True: [], False: []}
-    for name in variants:
+    pending = []
+    for n in variants:
         for s in range(seeds):
-            if finished(run_dir(out, name, s), steps):
-                minutes[name in RANKS].append(run_minutes(run_dir(out, name, s)))
+            if finished(run_dir(out, n, s), steps):
+                minutes[n in RANKS].append(run_minutes(run_dir(out, n, s)))
+            else:
+                pending.append((n, s))
     t0, running, left_out, shown = time.time(), [], [], [time.time()]
     spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
-    pending = [(n, s) for n in variants for s in range(seeds)
-               if not finished(run_dir(out, n, s), steps)]
     used = lambda r: (time.time() - r["start"]) / 60 * r["cores"] / PARALLEL + r["before"]
 
     def eta():
@@ -235,25 +269,12 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
         print(f"study: {(time.time() - t0) / 60:.1f} min | {done} runs done, {len(pending)} to "
               f"start | running: {runs or 'none'} | {eta()}", flush=True)
 
-    def stop(why, code):
-        stopped = list(running)
-        stop_runs(running)
-        for r in stopped:
-            spent_r = used(r)
-            replace_file(os.path.join(r["path"], "study_minutes.json"),
-                         lambda f: json.dump(spent_r, f))
-            print(f"study: {r['name']} seed {r['seed']} interrupted at step "
-                  f"{last_step(r['path'])}/{steps}; saved: "
-                  f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
-        print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are "
-              "kept, interrupted ones continue from their last checkpoint)", flush=True)
-        sys.exit(code)
+    stop = lambda why, code: stop_study(running, used, steps, again, why, code)
 
     def wait(free):
         while True:
             for r in list(running):
-                code = r["proc"].poll()
-                if code is None:
+                if (code := r["proc"].poll()) is None:
                     continue
                 running.remove(r)
                 r["log"].close()
@@ -263,10 +284,9 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 if code:
                     stop(f"{r['name']} seed {r['seed']} failed (exit {code}; its log: "
                          f"{r['log'].name})", 1)
-                minutes[r["name"] in RANKS].append(used(r))
                 spent_r = used(r)
-                replace_file(os.path.join(r["path"], "study_minutes.json"),
-                             lambda f: json.dump(spent_r, f))
+                minutes[r["name"] in RANKS].append(spent_r)
+                save_minutes(r, spent_r)
                 print(f"study: {r['name']} seed {r['seed']} done in {spent_r:.1f} machine-min | "
                       f"{eta()}", flush=True)
             if PARALLEL - sum(r["cores"] for r in running) >= free:
@@ -278,7 +298,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
 
     try:
         for name, flags in variants.items():
-            todo = [s for s in range(seeds) if not finished(run_dir(out, name, s), steps)]
+            todo = [s for n, s in pending if n == name]
             expected = pace(minutes, name)
             if todo and expected is not None and spent() + len(todo) * expected > budget_min:
                 left_out.append(name)
@@ -287,19 +307,11 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
             for seed in todo:
                 cores = PARALLEL if name in RANKS else 1
                 wait(cores)
-                path = run_dir(out, name, seed)
-                cmd = run_command(name, flags, path, seed, steps, data, extra)
                 pending.remove((name, seed))
-                log = open_run_file(os.path.join(out, f"{name}-s{seed}.log"),
-                                    "a" if "--resume" in cmd else "w")
-                rendezvous_file(path, remove=True)
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        env=os.environ | {"OMP_NUM_THREADS": "1", **LOOPBACK_ENV})
-                running.append(dict(name=name, seed=seed, path=path, proc=proc, log=log,
-                                    cores=cores, start=time.time(), expected=expected or 0.0,
-                                    before=run_minutes(path) if "--resume" in cmd else 0.0))
-                print(f"study: [{name} seed {seed}] -> {path}"
-                      f"{' (continued from its last checkpoint)' if '--resume' in cmd else ''} | "
+                running.append(r := start_run(out, name, flags, seed, steps, data, extra, cores,
+                                              expected))
+                print(f"study: [{name} seed {seed}] -> {r['path']}"
+                      f"{' (continued from its last checkpoint)' if r['resume'] else ''} | "
                       f"{(time.time() - t0) / 60:.1f} min so far, budget {budget_min:g} min, "
                       f"{eta()}", flush=True)
         wait(PARALLEL)
