@@ -3307,12 +3307,13 @@ def fit_curve(C_mid, B, A, seed=0, noise=0.003, n=61, span=4.0):
     return C, R
 
 
-def write_run(run_dir, C, R, lines=None, se=None, train=None):
+def write_run(run_dir, C, R, lines=None, se=None, train=None, steps=None, config=None):
     """A metrics.jsonl like train.py's: a config line, train lines, eval lines (compute in s; se: the evals'
-    standard error, pass_rate_se; train: step -> more fields of that step's train line)."""
+    standard error, pass_rate_se; train: step -> more fields of that step's train line; steps: each line's step,
+    else 0, 1, ...; config: more fields of the config line)."""
     os.makedirs(run_dir, exist_ok=True)
-    recs = [{"kind": "config", "loss": "cispo", "batch": 8}]
-    for step, (c, r) in enumerate(zip(C, R)):
+    recs = [{"kind": "config", "loss": "cispo", "batch": 8, "prompts": 16, "samples": 8, **(config or {})}]
+    for step, c, r in zip(range(len(C)) if steps is None else steps, C, R):
         recs.append({"kind": "train", "step": step, "compute_s": c, "flops": c * 1e9,
                      "reward": 2 * r - 1, "pass_rate": r, **(train(step) if train else {})})
         recs.append({"kind": "eval", "step": step, "compute_s": c, "flops": c * 1e9,
@@ -3660,229 +3661,164 @@ def test_fit_predict_final_is_none_while_the_cut_leaves_too_few_points():
 # study.py: the report over variants and seeds, and a quick study end to end
 
 
-def paired_p_by_hand(d, side):
-    """A one-sided paired t-test's p-value written out: t = mean(d) / (sd(d, ddof 1) / sqrt(n)) on n - 1 degrees of
-    freedom; side 'greater' tests mean(d) > 0, 'less' mean(d) < 0."""
+def paired_p_by_hand(d, shift):
+    """A one-sided paired t-test's p-value written out: t = (mean(d) - shift) / (sd(d, ddof 1) / sqrt(n)) on n - 1
+    degrees of freedom, testing mean(d) > shift."""
     d = np.asarray(d, dtype=float)
-    t = d.mean() / (math.sqrt(((d - d.mean()) ** 2).sum() / (len(d) - 1)) / math.sqrt(len(d)))
-    return stats.t.sf(t, len(d) - 1) if side == "greater" else stats.t.cdf(t, len(d) - 1)
+    t = (d.mean() - shift) / (math.sqrt(((d - d.mean()) ** 2).sum() / (len(d) - 1)) / math.sqrt(len(d)))
+    return stats.t.sf(t, len(d) - 1)
 
 
-def test_study_paired_test_verdicts_by_hand():
-    """Superiority needs X - Y > 0.01, non-inferiority X - Y > -0.02, each by a one-sided paired t with p <= 0.05 (the
-    other way: not reproduced); fewer than 5 pairs is inconclusive whatever p says."""
-    assert (study.ALPHA, study.MIN_PAIRS, study.MIN_EFFECT, study.NI_MARGIN) == (0.05, 5, 0.01, 0.02)
-    y = np.array([0.80, 0.83, 0.79, 0.85, 0.82])
-    cases = [  # (X - Y by seed, rule, verdict)
-        ([0.04, 0.05, 0.03, 0.06, 0.045], "superiority", "reproduced"),
-        ([-0.04, -0.05, -0.03, -0.06, -0.045], "superiority", "not reproduced"),
-        ([0.03, -0.01, 0.02, 0.0, 0.02], "superiority", "inconclusive"),  # mean 0.012: not clear of the 0.01 floor
-        ([0.012, 0.011, 0.013, 0.012, 0.014], "superiority", "reproduced"),  # small but clear of the floor
-        ([0.006, 0.004, 0.007, 0.005, 0.006], "superiority", "inconclusive"),  # consistent, but under the floor
-        ([-0.005, 0.004, -0.002, 0.001, 0.0], "non-inferiority", "reproduced"),
-        ([-0.06, -0.05, -0.07, -0.055, -0.065], "non-inferiority", "not reproduced"),
-        ([-0.03, 0.0, -0.04, -0.01, -0.02], "non-inferiority", "inconclusive"),  # mean -0.02: on the margin
-    ]
-    for diff, rule, verdict in cases:
-        x = y + np.array(diff)
-        got, p, p_other, test = study.paired_test(list(x), list(y), rule)
-        low = 0.01 if rule == "superiority" else -0.02
-        high = -0.01 if rule == "superiority" else -0.02
-        assert p == pytest.approx(paired_p_by_hand(x - y - low, "greater"), rel=1e-9), (diff, rule)
-        assert p_other == pytest.approx(paired_p_by_hand(x - y - high, "less"), rel=1e-9), (diff, rule)
-        assert got == verdict, (diff, rule, p, p_other)
-        assert f"X - Y > {low:+.2f}" in test and f"X - Y < {high:+.2f}" in test and "ttest_rel" in test
-        assert got == ("reproduced" if p <= 0.05 else "not reproduced" if p_other <= 0.05 else "inconclusive")
-    x = y + np.array(cases[0][0])
-    verdict, p, _, _ = study.paired_test(list(x[:4]), list(y[:4]), "superiority")  # 4 pairs: clear, but too few
-    assert verdict == "inconclusive" and p == pytest.approx(paired_p_by_hand(x[:4] - y[:4] - 0.01, "greater"))
-    assert p < 0.05
-    assert study.paired_test([0.8], [0.7], "superiority")[:2] == ("inconclusive", pytest.approx(float("nan"),
-                                                                                                nan_ok=True))
-    # identical runs (differences without spread): equal is at least as good, and not better
-    assert study.paired_test(list(y), list(y), "non-inferiority")[:3] == ("reproduced", 0.0, 1.0)
-    assert study.paired_test(list(y), list(y), "superiority")[:3] == ("inconclusive", 1.0, 1.0)
+def test_study_tests_holm_and_the_words_each_test_allows_by_hand():
+    """Superiority tests X - Y > 0, non-inferiority X - Y > -0.02, each one-sided; Holm's step-down by hand; a
+    verdict says only what its test allows: superiority shown or not, a loss beyond the margin excluded or not,
+    never "reproduced"; fewer than 5 pairs decides nothing."""
+    assert (study.ALPHA, study.MIN_PAIRS, study.NI_MARGIN) == (0.05, 5, 0.02)
+    d = np.array([0.012, -0.004, 0.02, 0.007, 0.001])
+    assert study.one_sided_p(d, 0.0) == pytest.approx(paired_p_by_hand(d, 0.0), rel=1e-9)
+    assert study.one_sided_p(d, -0.02) == pytest.approx(paired_p_by_hand(d, -0.02), rel=1e-9)
+    assert study.one_sided_p([0.01] * 5, 0.0) == 0.0 and study.one_sided_p([0.0] * 5, 0.0) == 1.0  # no spread
+    assert math.isnan(study.one_sided_p([0.3], 0.0))
+    # sorted 0.01 (x4), 0.03 (x3), 0.04 (x2), 0.5 (x1), each at least the one before it
+    assert study.holm([0.04, 0.01, 0.5, 0.03]) == pytest.approx([0.09, 0.04, 0.5, 0.09])
+    assert study.holm([0.2, float("nan"), 0.01])[::2] == pytest.approx([0.2, 0.02])
+    assert study.holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])  # capped at 1, never below the one before
+    words = {(k, p <= 0.05): study.verdict(k, p, 5) for k in ("superiority", "non-inferiority") for p in (0.01, 0.2)}
+    assert words == {("superiority", True): "superiority shown", ("superiority", False): "superiority not shown",
+                     ("non-inferiority", True): "a loss larger than 0.02 excluded",
+                     ("non-inferiority", False): "a loss larger than 0.02 not excluded"}
+    assert study.verdict("superiority", 0.001, 4).startswith("not decided")
 
 
-def test_study_auc_and_predictability_against_both_baselines_by_hand():
-    """auc: the trapezoid up to `upto` (interpolated there) over `upto`; the predictability block: the sigmoid's,
-    persistence's and the leave-one-out constant's errors, RMSEs and within-0.02 counts, and Pearson's r, with numpy."""
-    C, R = np.array([0.0, 10, 20, 40]), np.array([0.2, 0.4, 0.5, 0.7])
-    assert study.auc(C, R, 30.0) == pytest.approx((10 * 0.3 + 10 * 0.45 + 10 * (0.5 + 0.6) / 2) / 30)
-    assert study.auc(C, R, 40.0) == pytest.approx((10 * 0.3 + 10 * 0.45 + 20 * 0.6) / 40)
-    assert study.auc(C, R, 40.5) is None  # the run ends before the range does
-    # fit_sigmoid's cap on A: its polish can stop a hair below 1 (0.9999999999999999 in the committed report)
-    assert study.at_cap(0.9999999999999999) and study.at_cap(0.99984) and not study.at_cap(0.999)
-    rng = np.random.default_rng(3)
-    measured = 0.8 + 0.03 * rng.standard_normal(7)
-    predicted = measured + 0.01 * rng.standard_normal(7)
-    persistence = measured - 0.05 + 0.01 * rng.standard_normal(7)
-    runs = [{"extrap": dict(predicted=p, persistence=q, measured=m)}
-            for p, q, m in zip(predicted, persistence, measured)]
-    table = {"a": {"runs": runs[:4]}, "b": {"runs": runs[4:] + [{"extrap": None}]}}  # a collapsed run is left out
-    pred = study.predictability(table)
-    constant = np.array([(measured.sum() - m) / 6 for m in measured])
-    rmse = lambda guess: math.sqrt(sum((g - m) ** 2 for g, m in zip(guess, measured)) / 7)  # noqa: E731
-    assert pred["n"] == 7 and pred["rmse"] == pytest.approx(rmse(predicted))
-    assert pred["rmse_persistence"] == pytest.approx(rmse(persistence))
-    assert pred["rmse_constant"] == pytest.approx(rmse(constant))
-    for key, guess in (("", predicted), ("_persistence", persistence), ("_constant", constant)):
-        assert pred[f"within_0.02{key}"] == [sum(abs(g - m) <= 0.02 for g, m in zip(guess, measured)), 7]
-    dp, dm = predicted - predicted.mean(), measured - measured.mean()
-    assert pred["r"] == pytest.approx((dp * dm).sum() / math.sqrt((dp ** 2).sum() * (dm ** 2).sum()))
-    assert pred["beats_both"] == (rmse(predicted) < min(rmse(persistence), rmse(constant)))
-    block = lambda within, rmse, pers, const: {"within_0.02": [within, 10], "within_0.02_persistence": [0, 10],  # noqa
-                                               "within_0.02_constant": [9, 10], "rmse": rmse,
-                                               "rmse_persistence": pers, "rmse_constant": const, "r": 0.5}
-    assert study.judge_predictability(block(9, 0.01, 0.05, 0.02))[0] == "reproduced"  # 90% and beats both
-    verdict, why = study.judge_predictability(block(9, 0.015, 0.05, 0.012))  # 90%, but a constant does better
-    assert verdict == "inconclusive" and "does NOT beat the constant baseline" in why
-    assert study.judge_predictability(block(4, 0.03, 0.05, 0.06))[0] == "not reproduced"  # under half
-    assert study.judge_predictability(block(7, 0.01, 0.05, 0.02))[0] == "inconclusive"
-    assert "beats both baselines" in study.judge_predictability(block(7, 0.01, 0.05, 0.02))[1]
-    empty = study.predictability({"a": {"runs": [{"extrap": None}]}})
-    assert empty["within_0.02"] == [0, 0] and empty["rmse"] is None and empty["r"] is None
+def test_study_protocol_is_frozen_and_says_what_the_code_does():
+    """docs/protocol.md is the file whose hash study.py holds (an edit shows as a changed protocol, and fails here),
+    and it names the code's seeds, variants and flags, findings with their kinds, and the numbers of its rules."""
+    text = (ROOT / study.PROTOCOL).read_text()
+    assert hashlib.sha256(text.encode()).hexdigest() == study.PROTOCOL_SHA256 and study.protocol_record()["frozen"]
+    assert f"Seeds {', '.join(map(str, study.SEEDS))}" in text and f"--budget {study.BUDGET:g}" in text
+    for name, flags in study.VARIANTS.items():
+        assert f"| {name} | " in text and all(f in text for f in flags), name
+    for finding, _, X, Y, kind in study.FINDINGS:
+        assert f"| {finding} | {X} | {Y} | {kind} |" in text
+    for phrase in (f"step {int(study.EARLY * study.STEPS)} of {study.STEPS}", f"margin {study.NI_MARGIN}",
+                   f"half the run's samples (step {int(study.CUT * study.STEPS)})", "40%, 60% and 75%",
+                   "Holm", "final_mean3", " ".join(study.TASK[:-2])):
+        assert phrase in " ".join(text.split()), phrase
+    assert study.CUTS == (0.4, 0.5, 0.6, 0.75) and study.EARLY == 0.1 and study.CUT == 0.5
 
 
-def write_synthetic_study(folder):
-    """5 variants x 5 seeds of known curves in `folder` (ScaleRL's; no_npr its twin within 0.004; batch8 at half the
-    compute a step; sync at 1.5x, its seed 0 collapsed at the end; no_npr logs its knobs) -> the variants."""
-    C = np.linspace(0, 100, 21)
-    # scale: compute per step against ScaleRL's (batch8: half the FLOPs; sync: 1.5x the device-seconds)
-    variants = {"scalerl": 1.0, "no_npr": 1.0, "batch8": 0.5, "pipelinerl": 1.0, "sync": 1.5}
-    for name, scale in variants.items():
-        for seed in range(5):
-            wobble = 0.01 * np.sin(C * (seed + 1)) * (C > 0)  # the seeds differ a little
-            R = fit.sigmoid(C, 0.8 + 0.003 * seed, 2.0, 30, 0.3) + wobble
-            R = R + (0.002 * (seed - 2) * (C > 0) if name == "no_npr" else 0)  # ScaleRL's twin, within 0.004
-            if name == "sync" and seed == 0:
-                R[-1] = R.max() - 0.06  # a collapse at the end
-            knobs = (lambda step, seed=seed: {"intr": 0.1 * seed, "trunc": 0.01 * (step % 2), "len": 30.0 + step,
-                                              "lag": 0.0, "prompts": 16, "dropped_zero_var": 4 + 8 * (step % 2),
-                                              "retired": 5 * step + seed, "epoch": step // 8})
-            write_run(folder / f"{name}-s{seed}", C * scale, R, se=0.004, train=knobs if name == "no_npr" else None)
-    return list(variants)
+def study_curve(steps, A, B, mid, R0, seed):
+    """A pass-rate curve over eval steps with a little seed-dependent wobble."""
+    return fit.sigmoid(steps, A, B, mid, R0) + 0.006 * np.sin(steps * (seed + 1)) * (steps > 0)
 
 
-def check_study_extrapolation(folder, rep, text):
-    """The half-compute fits redone by hand on ScaleRL's runs and the collapsed one, and the predictability block
-    recomputed from the runs' own values in study_report.json, as a reader would."""
-    for r in rep["runs"]:
-        if r["variant"] != "scalerl" and not r["collapsed"]:
-            continue
-        C_run, R_run, _ = fit.load_run(str(folder / f"{r['variant']}-s{r['seed']}"), "flops")
-        full, late = fit.fit_sigmoid(C_run, R_run), C_run >= 0.3 * C_run[-1]  # the wobble: evals about the full fit
-        trend = full["R0"] + (full["A"] - full["R0"]) / (1 + (full["C_mid"] / C_run[late]) ** full["B"])
-        assert r["wobble"] == pytest.approx(statistics.stdev(R_run[late] - trend))  # ddof 1
-        if r["collapsed"]:
-            assert r["extrap_error"] is None and r["persistence_prediction"] is None
-            continue
-        half = C_run <= C_run[-1] / 2
-        h = fit.fit_sigmoid(C_run[half], R_run[half])
-        by_hand = h["R0"] + (h["A"] - h["R0"]) / (1 + (h["C_mid"] / C_run[-1]) ** h["B"])
-        assert r["extrap_error"] == pytest.approx(by_hand - R_run[-1])
-        assert r["persistence_prediction"] == R_run[half][-1]
-    checked = [(r["final"] + r["extrap_error"], r["persistence_prediction"], r["final"]) for r in rep["runs"]
-               if r["extrap_error"] is not None]
-    sig, pers, meas = (np.array(c) for c in zip(*checked))
-    n = len(meas)
-    const = np.array([(meas.sum() - m) / (n - 1) for m in meas])
-    pred = rep["predictability"]
-    assert pred["within_0.02"] == [int((abs(sig - meas) <= 0.02).sum()), n] == rep["extrapolation_within"]
-    assert n == 24 and pred["rmse"] == pytest.approx(np.sqrt(np.mean((sig - meas) ** 2)))
-    assert pred["rmse_persistence"] == pytest.approx(np.sqrt(np.mean((pers - meas) ** 2)))
-    assert pred["rmse_constant"] == pytest.approx(np.sqrt(np.mean((const - meas) ** 2)))
-    assert pred["r"] == pytest.approx(np.corrcoef(sig, meas)[0, 1])
-    (finding,) = [f for f in rep["findings"] if f["name"] == "predictability"]
-    assert finding["why"] in text and finding["pairs"] == n
-    # said plainly when a baseline does at least as well (here the constant: the synthetic finals barely differ)
-    assert ("does NOT beat the constant baseline" in text) == (pred["rmse"] >= pred["rmse_constant"])
-    assert finding["verdict"] != "reproduced" or pred["beats_both"]
+def write_synthetic_study(folder, seeds=(10, 11, 12, 13, 14)):
+    """ScaleRL, no_npr (0.03 under it), norm_prompt (within 0.005 of it) and batch32 (32 prompts a step), 5 seeds,
+    evals every 10 steps to 200; norm_prompt's seed 14 collapses at the end -> the variants."""
+    steps = np.arange(0, 201, 10.0)
+    for name, A, prompts in (("scalerl", 0.8, 16), ("no_npr", 0.77, 16), ("norm_prompt", 0.798, 16),
+                             ("batch32", 0.82, 32)):
+        for seed in seeds:
+            spread = 0.004 * (seed % 2) if name != "scalerl" else 0.0  # pairs differ from seed to seed
+            R = study_curve(steps, A + 0.002 * (seed - 12) + spread, 2.0, 60.0, 0.3, seed)
+            if name == "norm_prompt" and seed == 14:
+                R[-1] = R.max() - 0.06
+            write_run(folder / f"{name}-s{seed}", steps * 2.0, R, se=0.009, steps=steps,
+                      config={"prompts": prompts, "samples": 8},
+                      train=(lambda step: {"intr": 0.01, "dropped_zero_var": 4, "prompts": 16}) if name == "scalerl"
+                      else None)
+    return ["scalerl", "no_npr", "batch32", "norm_prompt"]
 
 
-def test_study_report_pairs_seeds_on_recomputable_endpoints(tmp_path):
-    """Synthetic runs, 5 seeds: every endpoint, p-value, verdict, extrapolation number and the predictability block of
-    study_report.json recomputed here from the written evals and the runs' own values, by formulas written out."""
-    text = study.write_report(str(tmp_path), write_synthetic_study(tmp_path), 5, 20)
+def test_study_report_recomputes_from_its_own_series(tmp_path):
+    """Synthetic runs, 5 seeds: each run's series in study_report.json is its evals; every final_mean3, paired test,
+    Holm-adjusted p, verdict and prediction is recomputed here from those series by formulas written out."""
+    names, seeds = write_synthetic_study(tmp_path), study.SEEDS
+    text = study.write_report(str(tmp_path), names, seeds, 200)
     rep = json.loads((tmp_path / "study_report.json").read_text())
-    assert set(rep) >= {"runs", "findings", "minutes", "steps", "seeds", "extrapolation_within",
-                        "extrapolation_seed_averaged", "predictability", "auc_to", "statistics"}
-    assert len(rep["runs"]) == 25 and set(rep["runs"][0]) >= {
-        "variant", "seed", "A", "A_at_cap", "B", "C_mid", "final", "final_mean3", "auc_flops", "auc_device_s",
-        "extrap_error", "persistence_prediction", "collapsed", "wobble"}
-    assert set(rep["predictability"]) >= {"within_0.02", "rmse", "rmse_persistence", "rmse_constant", "r"}
-    assert all(set(f) >= {"name", "paper", "verdict", "margin", "endpoint", "test", "pairs", "p"}
-               for f in rep["findings"])
+    assert rep["protocol"]["path"] == "docs/protocol.md" and rep["protocol"]["frozen"]
+    assert rep["protocol"]["commit"] == study.PROTOCOL_COMMIT and rep["seeds"] == list(seeds)
     run = {(r["variant"], r["seed"]): r for r in rep["runs"]}
-    curve = lambda v, s, unit: fit.load_run(str(tmp_path / f"{v}-s{s}"), unit)[:2]  # noqa: E731
-    # AUC ranges: FLOPs up to batch8's end (the early finding's runs), device-seconds up to PipelineRL's end
-    assert rep["auc_to"] == {"FLOPs": pytest.approx(50e9), "device-seconds": pytest.approx(100.0)}
+    assert len(run) == 20
     for (v, s), r in run.items():
-        Cf, Rf = curve(v, s, "flops")
-        assert r["final_mean3"] == pytest.approx((Rf[-1] + Rf[-2] + Rf[-3]) / 3) and r["final"] == Rf[-1]
-        upto = 50e9
-        keep = Cf <= upto
-        Cx, Rx = np.append(Cf[keep], upto), np.append(Rf[keep], np.interp(upto, Cf, Rf))
-        assert r["auc_flops"] == pytest.approx(np.trapezoid(Rx, Cx) / upto)
-        Cs, Rs = curve(v, s, "compute_s")
-        assert (r["auc_device_s"] is None) == (Cs[-1] < 100)
-        assert r["A_at_cap"] == (r["A"] >= 1 - 5e-4)
-    f = {x["name"]: x for x in rep["findings"]}
-    assert [x["name"] for x in rep["findings"]] == [
-        "off-policy algorithm: pipelinerl vs sync", "No-Positive-Resampling: scalerl vs no_npr",
-        "batch size: batch8 vs scalerl", "predictability"]
-    for name, key, rule in (("off-policy algorithm: pipelinerl vs sync", "auc_device_s", "superiority"),
-                            ("No-Positive-Resampling: scalerl vs no_npr", "final_mean3", "non-inferiority"),
-                            ("batch size: batch8 vs scalerl", "auc_flops", "superiority")):
-        X, Y = name.split(": ")[1].split(" vs ")
-        d = np.array([run[(X, s)][key] - run[(Y, s)][key] for s in range(5)])
-        shift = 0.01 if rule == "superiority" else -0.02
-        assert f[name]["endpoint"] == key and f[name]["pairs"] == 5 and f[name]["rule"] == rule
-        assert f[name]["p"] == pytest.approx(paired_p_by_hand(d - shift, "greater"), rel=1e-6, abs=1e-12)
-        assert f[name]["verdict"] == "reproduced" and f[name]["p"] <= 0.05
-        assert f"| {f[name]['pairs']} | {f[name]['p']:.3g} |" in text
-    collapsed = [(r["variant"], r["seed"]) for r in rep["runs"] if r["collapsed"]]
-    assert collapsed == [("sync", 0)] and "Collapsed runs: sync-s0." in text
-    check_study_extrapolation(tmp_path, rep, text)
-    # what the knobs did, seed means written out: steps 0..20 (11 even, 10 odd), seeds 0..4
-    trunc, dropped, length = 0.01 * 10 / 21, (4 * 11 + 12 * 10) / 21 / 16, 30 + 10
-    assert f"| no_npr | 20.0% | {trunc:.1%} | {dropped:.0%} | {length:.1f} | 0.0 | 102 | 2.0 |" in text
-    assert "| scalerl | - | - | - | - | - | - | - |" in text  # logged none of them
-    A = [run[("scalerl", s)]["A"] for s in range(5)]
-    assert f"its fitted A {np.mean(A):.3f} +- {statistics.stdev(A):.3f}" in text  # ddof 1
-    for section in ("## The paper's findings", "## Statistics, set before the runs",
-                    "## Per variant, compute in device-seconds", "in FLOPs", "## Extrapolation test"):
-        assert section in text
+        recs = [json.loads(ln) for ln in open(tmp_path / f"{v}-s{s}" / "metrics.jsonl")]
+        per_step = 8 * (32 if v == "batch32" else 16)
+        assert r["series"] == [{"step": e["step"], "samples": e["step"] * per_step, "flops": e["flops"],
+                                "compute_s": e["compute_s"], "pass_rate": e["pass_rate"]}
+                               for e in recs if e["kind"] == "eval"]
+        R = [e["pass_rate"] for e in r["series"]]
+        assert r["final_mean3"] == pytest.approx(sum(R[-3:]) / 3)
+    found = {f["finding"]: f for f in rep["findings"]}
+    assert list(found) == ["No-Positive-Resampling", "batch size", "advantage normalization"]
+    ps = []
+    for f in rep["findings"]:
+        d = np.array([run[(f["X"], s)]["final_mean3"] - run[(f["Y"], s)]["final_mean3"] for s in seeds])
+        shift = 0.0 if f["kind"] == "superiority" else -0.02
+        assert f["p"] == pytest.approx(paired_p_by_hand(d, shift), rel=1e-6, abs=1e-12) and f["pairs"] == 5
+        half = stats.t.ppf(0.975, 4) * d.std(ddof=1) / math.sqrt(5)
+        assert f["ci95"] == pytest.approx([d.mean() - half, d.mean() + half]) and f["endpoint"] == "final_mean3"
+        ps.append(f["p"])
+    order = np.argsort(ps)  # Holm written out for three
+    adjusted = np.maximum.accumulate([min(1, (3 - k) * ps[i]) for k, i in enumerate(order)])
+    for k, i in enumerate(order):
+        assert rep["findings"][i]["p_holm"] == pytest.approx(adjusted[k])
+    assert found["No-Positive-Resampling"]["verdict"] == "superiority shown"  # 0.03 ahead on every seed
+    assert found["batch size"]["kind"] == "superiority"
+    ni = found["advantage normalization"]
+    assert ni["kind"] == "non-inferiority" and ni["verdict"].startswith("a loss larger than 0.02")
+    assert all("reproduced" not in f["verdict"] for f in rep["findings"])
+    assert f"**{ni['verdict']}**" in text and "## Predictability, the paper's method" in text
+    # predictions: the fit from step 20 to the cut (samples), R0 the step-0 eval, redone by hand
+    for (v, s), r in run.items():
+        C = np.array([e["samples"] for e in r["series"]])
+        R = np.array([e["pass_rate"] for e in r["series"]])
+        preds = {p["cut"]: p for p in r["predictions"] if p}
+        if r["collapsed"]:
+            assert (v, s) == ("norm_prompt", 14) and not preds
+            continue
+        for cut, p in preds.items():
+            keep = (C > 0) & (C >= 0.1 * C[-1]) & (C <= cut * C[-1])
+            f = fit.fit_sigmoid(C[keep], R[keep], R0=R[0], fit_from=0)
+            assert p["points"] == keep.sum() and p["persistence"] == pytest.approx(R[C <= cut * C[-1]][-3:].mean())
+            assert p["predicted"] == pytest.approx(np.mean(fit.sigmoid(C[-3:], f["A"], f["B"], f["C_mid"], R[0])))
+    by_cut = {p["cut"]: p for p in rep["predictability"]["by_cut"]}
+    assert set(by_cut) == {0.4, 0.5, 0.6, 0.75} and rep["predictability"]["cut"] == 0.5
+    finals = {k: r["final_mean3"] for k, r in run.items()}
+    for cut, block in by_cut.items():
+        rows = [(next(p for p in r["predictions"] if p and p["cut"] == cut), finals[k]) for k, r in run.items()
+                if not r["collapsed"]]
+        const = [(sum(finals.values()) - m) / 19 for _, m in rows]
+        rmse = lambda guess: math.sqrt(sum((g - m) ** 2 for g, (_, m) in zip(guess, rows)) / len(rows))  # noqa
+        assert block["n"] == 19 and block["rmse_fit"] == pytest.approx(rmse([p["predicted"] for p, _ in rows]))
+        assert block["rmse_persistence"] == pytest.approx(rmse([p["persistence"] for p, _ in rows]))
+        assert block["rmse_constant"] == pytest.approx(rmse(const))
+        assert block["skill"] == (block["rmse_fit"] < min(block["rmse_persistence"], block["rmse_constant"]))
+    assert rep["predictability"]["skill"] == by_cut[0.5]["skill"]
+    assert ("the fit has skill" in text) == by_cut[0.5]["skill"]
+    assert "| scalerl | 1.0% | - | 25% |" in text  # what the knobs did: seed means of the train lines
     for png in ("study.png", "study_extrap.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_study_quick_trains_one_process_and_torchrun_resumes_and_reports(tmp_path, capsys, monkeypatch):
+def test_study_quick_trains_and_reports(tmp_path, capsys, monkeypatch):
     """The quick study end to end. Its commands run as study.py makes them, with its arguments and environment,
-    in processes forked from the preloaded server (fork_command: ~5 CPU-s less a process), its torchrun run
-    as two forked ranks with the environment torchrun gives them: the launcher itself runs in the README's
-    first torchrun command (with the same loopback flags) and the stalled-trainer test below."""
+    in processes forked from the preloaded server (fork_command: ~5 CPU-s less a process)."""
     monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: ForkedRun(
         fork_command(cmd, stdout.name, env=env)))
     out = tmp_path / "study"
     study.main([str(out), "--quick", "--assets", str(tmp_path / "assets")])
     first = capsys.readouterr().out
-    assert first.count("study: [") == 3 and "## The paper's findings" in first
+    assert first.count("study: [") == 2 and "## The paper's findings" in first
     assert (out / "report.md").read_text().splitlines()[0] == study.QUICK_NOTE
     rep = json.loads((tmp_path / "assets" / "study_report.json").read_text())
-    assert rep["note"] == study.QUICK_NOTE
-    assert {r["variant"] for r in rep["runs"]} == {"scalerl", "batch8", "pipelinerl"}
-    assert [f["name"] for f in rep["findings"]] == ["batch size: batch8 vs scalerl", "predictability"]
-    early = rep["findings"][0]  # one seed: one pair, under the 5 a verdict needs
-    assert early["verdict"] == "inconclusive" and early["pairs"] == 1 and early["endpoint"] == "auc_flops"
-    assert all(r["final_mean3"] is not None for r in rep["runs"])
-    assert all(r["auc_flops"] is not None for r in rep["runs"] if r["variant"] != "pipelinerl")  # the compared runs
-    assert set(rep["predictability"]) >= {"within_0.02", "rmse", "rmse_persistence", "rmse_constant", "r"}
+    assert rep["note"] == study.QUICK_NOTE and rep["protocol"]["frozen"]
+    assert {r["variant"] for r in rep["runs"]} == {"scalerl", "batch32"}
+    (batch,) = rep["findings"]  # one seed: one pair, under the 5 a verdict needs
+    assert batch["finding"] == "batch size" and batch["verdict"].startswith("not decided") and batch["pairs"] == 1
+    assert all(len(r["series"]) == 7 and r["series"][-1]["step"] == 6 for r in rep["runs"])
     assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
-    config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in study.VARIANTS
-              if (out / f"{n}-s0").exists()}
-    assert config["pipelinerl"]["ran"] == "pipeline" and config["pipelinerl"]["world"] == 2
-    assert config["scalerl"]["world"] == 1 and config["batch8"]["prompts"] == 8
+    config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in ("scalerl", "batch32")}
+    assert config["scalerl"]["world"] == 1 and config["batch32"]["prompts"] == 32
     # the study's task, on train.py's own loss defaults (no pins)
     assert config["scalerl"]["think_budget"] == 64 and config["scalerl"]["neg_trust"] == train.get_args([]).neg_trust
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
@@ -3911,7 +3847,7 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
         real_sleep(seconds)
     monkeypatch.setattr(study.time, "sleep", ctrl_c)
     with pytest.raises(SystemExit) as stopped:
-        study.train_all(str(out), {"scalerl": []}, 1, 6, 1000, quick, held_out=8, again="python study.py X")
+        study.train_all(str(out), {"scalerl": []}, (0,), 6, 1000, quick, held_out=8, again="python study.py X")
     said = capsys.readouterr().out
     saved = runs.checkpoints(run)
     assert stopped.value.code == 130 and "failed" not in said and len(saved) == 1, said
@@ -3920,7 +3856,7 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
     assert f"study: scalerl seed 0 interrupted at step {step}/6; saved: {saved[0]}" in said
     assert "study: interrupted; continue with: python study.py X" in said
     assert "--overwrite" in commands[0] and "--resume" not in commands[0]
-    assert study.train_all(str(out), {"scalerl": []}, 1, 6, 1000, quick, held_out=8) == []
+    assert study.train_all(str(out), {"scalerl": []}, (0,), 6, 1000, quick, held_out=8) == []
     assert "--resume" in commands[-1] and "--overwrite" not in commands[-1]
     assert "(continued from its last checkpoint)" in capsys.readouterr().out and study.finished(run, 6)
     assert [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2, 3, 4,
@@ -3946,7 +3882,7 @@ def fake_study_runs(monkeypatch, minutes):
             self.cmd, self.end, self.done = cmd, clock[0] + 60 * minutes, False
             started.append([cmd, clock[0], None])
             live = sum(r[2] is None for r in started)
-            assert live <= 2 and ("torch.distributed.run" not in cmd or live == 1)  # cores: 2, torchrun takes both
+            assert live <= 2  # two cores
 
         def poll(self):
             if clock[0] < self.end:
@@ -3969,20 +3905,20 @@ def test_study_budget_leaves_out_the_variants_that_would_not_fit(tmp_path, monke
     what is left at the pace so far (a run's machine-minutes: its wall-clock x its share of the 2 cores)."""
     clock, started = fake_study_runs(monkeypatch, 20)  # 20 min on one core: 10 machine-minutes
     variants = {"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": ["--no-no_positive_resampling"]}
-    assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
+    assert study.train_all(str(tmp_path), variants, (0, 1, 2), 5, budget_min=65, held_out=16) == ["no_npr"]
     assert [c[c.index("--seed") + 1] for c, _, _ in started] == ["0", "1", "2"] * 2
     assert [start for _, start, _ in started] == [0, 0, 1200, 1200, 2400, 2400]  # two at a time
     assert clock[0] == 3600 and study.run_minutes(tmp_path / "scalerl-s0") == 10
-    assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=65, held_out=16) == ["no_npr"]
+    assert study.train_all(str(tmp_path), variants, (0, 1, 2), 5, budget_min=65, held_out=16) == ["no_npr"]
     assert len(started) == 6  # finished runs cost nothing and are not run again; no_npr would end at 90 > 65
 
 
 def test_study_overall_eta_is_within_2x_of_the_time_it_took(tmp_path, monkeypatch, capsys):
     """Each run's start line says the minutes so far and an overall ETA: from the first run's end on, so far + ETA
-    is within 2x of the whole study's time (fake runs of 20 min on one core, two at a time, and under torchrun)."""
+    is within 2x of the whole study's time (fake runs of 20 min on one core, two at a time)."""
     clock, started = fake_study_runs(monkeypatch, 20)
-    variants = {"scalerl": [], "batch8": ["--prompts", "8"], "pipelinerl": []}
-    study.train_all(str(tmp_path), variants, 3, 5, budget_min=1000, held_out=16)
+    variants = {"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": []}
+    study.train_all(str(tmp_path), variants, (0, 1, 2), 5, budget_min=1000, held_out=16)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("study: [")]
     assert len(lines) == 9 and "an ETA once a run has ended" in lines[0]
     total = clock[0] / 60
@@ -3991,35 +3927,21 @@ def test_study_overall_eta_is_within_2x_of_the_time_it_took(tmp_path, monkeypatc
     assert len(guesses) == 7 and all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
 
 
-def test_study_runs_the_off_policy_variants_under_torchrun_alone(tmp_path, monkeypatch):
-    clock, started = fake_study_runs(monkeypatch, 10)
-    variants = {"scalerl": [], "pipelinerl": []}
-    assert study.train_all(str(tmp_path), variants, 3, 5, budget_min=1000, held_out=16) == []
-    ranked = [(c, t0) for c, t0, _ in started if "torch.distributed.run" in c]
-    assert len(ranked) == 3 and all("torch.distributed.run" not in c for c, _, _ in started[:3])
-    assert [t0 for _, t0 in ranked] == [1200, 1800, 2400]  # after scalerl's last run, one at a time
-    assert study.run_minutes(tmp_path / "pipelinerl-s0") == 10  # both cores: its wall-clock
-
-
-def test_study_one_seed_decides_nothing_and_predictability_is_inconclusive_when_no_run_can_be_checked(tmp_path):
-    C = np.array([0.0, 30, 60, 70, 80, 90, 100])  # the first half (C <= 50) holds one point with C > 0
-    for name, A in (("pipelinerl", 0.8), ("loss_dapo", 0.7)):
-        R = fit.sigmoid(C, A, 2.0, 30, 0.3)
-        write_eval_lines(tmp_path / f"{name}-s0", [{"kind": "eval", "step": i, "compute_s": c, "flops": c * 1e9,
-                                                    "pass_rate": r} for i, (c, r) in enumerate(zip(C, R))])
-    text = study.write_report(str(tmp_path), ["pipelinerl", "loss_dapo"], 1, 6)
+def test_study_one_seed_decides_nothing_and_no_prediction_without_points_before_the_cut(tmp_path):
+    steps = np.array([0.0, 30, 60, 140, 160, 180, 200])  # up to the cut (100): one point from step 20 on
+    for name, A in (("scalerl", 0.8), ("agg_sample", 0.7)):
+        write_run(tmp_path / f"{name}-s10", steps, fit.sigmoid(steps, A, 2.0, 30, 0.3), steps=steps)
+    text = study.write_report(str(tmp_path), ["scalerl", "agg_sample"], (10,), 200)
     rep = json.loads((tmp_path / "study_report.json").read_text())
-    loss, pred = rep["findings"]
-    # X ahead by 0.1 at the end, but one pair: inconclusive, and no p without a spread
-    assert loss["name"] == "loss type: pipelinerl vs loss_dapo" and loss["verdict"] == "inconclusive"
-    assert loss["pairs"] == 1 and loss["p"] is None and loss["endpoint"] == "final_mean3"
-    assert loss["x"][0] - loss["y"][0] == pytest.approx(np.mean(fit.sigmoid(C[-3:], 0.8, 2.0, 30, 0.3) -
-                                                                fit.sigmoid(C[-3:], 0.7, 2.0, 30, 0.3)))
-    assert rep["extrapolation_within"] == [0, 0] and pred["verdict"] == "inconclusive" and pred["pairs"] == 0
-    assert pred["why"].startswith("no run could be checked") and "**inconclusive** | 0.020 | no run could be" in text
-    assert rep["predictability"] == {"n": 0, "r": None, "beats_both": False, "within_0.02": [0, 0], "rmse": None,
-                                     "within_0.02_persistence": [0, 0], "rmse_persistence": None,
-                                     "within_0.02_constant": [0, 0], "rmse_constant": None}
+    (agg,) = rep["findings"]
+    # X ahead by about 0.1 at the end, but one pair: not decided, and no p without a spread
+    assert agg["finding"] == "loss aggregation" and agg["verdict"].startswith("not decided")
+    assert agg["pairs"] == 1 and agg["p"] is None and agg["p_holm"] is None
+    assert agg["x"][0] - agg["y"][0] == pytest.approx(np.mean(fit.sigmoid(steps[-3:], 0.8, 2.0, 30, 0.3) -
+                                                              fit.sigmoid(steps[-3:], 0.7, 2.0, 30, 0.3)))
+    main = next(p for p in rep["predictability"]["by_cut"] if p["cut"] == 0.5)
+    assert main["n"] == 0 and main["rmse_fit"] is None and not rep["predictability"]["skill"]
+    assert "No run could be checked" in text
 
 # =============================================================================
 # pipeline.py: generator and trainer ranks (gloo, spawned processes)
