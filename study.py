@@ -193,8 +193,11 @@ def stop_runs(running, timeout=120):
 
 
 def save_minutes(r, spent):
-    """A run's machine-minutes so far, beside it (a continued run adds its own)."""
-    replace_file(os.path.join(r["path"], "study_minutes.json"), lambda f: json.dump(spent, f))
+    """A run's machine-minutes so far, beside it (a continued run adds its own); none before its
+    folder exists."""
+    if os.path.isdir(r["path"]):
+        replace_file(os.path.join(r["path"], "study_minutes.json"),
+                     lambda f: json.dump(spent, f))
 
 
 def start_run(out, name, flags, seed, steps, data, extra, expected):

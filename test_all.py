@@ -3864,6 +3864,20 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
     assert study.run_minutes(run) > 0
 
 
+def test_study_a_failed_run_is_named_when_the_other_has_no_folder_yet(tmp_path, capsys):
+    """A run that fails at once stops the study with its own message and log, even when the run beside it has
+    not made its folder yet (nothing to save there)."""
+    ended = types.SimpleNamespace(poll=lambda: 0, send_signal=lambda s: None, kill=lambda: None)
+    other = dict(name="batch32", seed=0, path=str(tmp_path / "batch32-s0"), proc=ended, start=time.time(),
+                 before=0.0)
+    with pytest.raises(SystemExit) as stopped:
+        study.stop_study([other], lambda r: 0.1, 6, None, "scalerl seed 0 failed (exit 1; its log: x.log)", 1)
+    said = capsys.readouterr().out
+    assert stopped.value.code == 1 and "study: scalerl seed 0 failed (exit 1; its log: x.log)" in said
+    assert "batch32 seed 0 interrupted at step 0/6; saved: nothing yet" in said
+    assert not (tmp_path / "batch32-s0").exists()
+
+
 def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
     (tmp_path / "assets").mkdir()
     shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
