@@ -231,14 +231,10 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
     """Train every unfinished (variant, seed) in priority order within the budget -> the variants
     left out."""
     data = make_problems(out, held_out)
-    minutes = {n: [] for n in variants}
-    pending = []
-    for n in variants:
-        for s in seeds:
-            if finished(run_dir(out, n, s), steps):
-                minutes[n].append(run_minutes(run_dir(out, n, s)))
-            else:
-                pending.append((n, s))
+    done = {(n, s) for n in variants for s in seeds if finished(run_dir(out, n, s), steps)}
+    minutes = {n: [run_minutes(run_dir(out, n, s)) for s in seeds if (n, s) in done]
+               for n in variants}
+    pending = [(n, s) for n in variants for s in seeds if (n, s) not in done]
     t0, running, left_out, shown = time.time(), [], [], [time.time()]
     spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
     used = lambda r: (time.time() - r["start"]) / 60 / PARALLEL + r["before"]
@@ -350,11 +346,11 @@ def run_series(path):
         elif r.get("kind") == "eval":
             if per_step is None:
                 raise ValueError(f"{where}: an eval before the run's config line")
-            row = {k: checked_number(r, k, where) for k in ("step", "flops", "compute_s")}
-            row["pass_rate"] = eval_point(r, "step", "pass_rate", where)[1]
-            series.append(dict(step=int(row["step"]), samples=row["step"] * per_step,
-                               flops=row["flops"], compute_s=row["compute_s"],
-                               pass_rate=row["pass_rate"]))
+            step, flops, compute_s = (checked_number(r, k, where)
+                                      for k in ("step", "flops", "compute_s"))
+            series.append(dict(step=int(step), samples=step * per_step, flops=flops,
+                               compute_s=compute_s,
+                               pass_rate=eval_point(r, "step", "pass_rate", where)[1]))
     return series
 
 
@@ -515,8 +511,9 @@ def variant_rows(table):
     for name, t in table.items():
         capped = sum(at_cap(r["fit"]["A"]) for r in t["runs"])
         rows.append(f"| {name} | `{' '.join(VARIANTS.get(name, [])) or '(ScaleRL)'}` | "
-                    f"{len(t['runs'])} | {t['final_mean3']:.3f} | {show(t['final_mean3_sd'], '.3f')} | "
-                    f"{t['A']:.3f} | {show(t['A_sd'], '.3f')} | {capped} | {show(t['se'], '.3f')} | "
+                    f"{len(t['runs'])} | {t['final_mean3']:.3f} | "
+                    f"{show(t['final_mean3_sd'], '.3f')} | {t['A']:.3f} | "
+                    f"{show(t['A_sd'], '.3f')} | {capped} | {show(t['se'], '.3f')} | "
                     f"{t['B']:.2f} | {show(t['B_sd'], '.2f')} | {t['C_mid']:.3g} | {t['R0']:.3f} | "
                     f"{sum(r['collapsed'] for r in t['runs'])} |")
     return rows
