@@ -37,6 +37,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2
                           Qwen2ForCausalLM)
 from transformers.utils import logging as hf_logging
 
+import config
 from data import prompt_ids, read_jsonl, score_samples, special_tokens
 from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
                       packed_logprobs, sequence_logprobs)
@@ -748,7 +749,7 @@ NODE_RUN = dict(prompts=16, samples=16, prompt_len=512, think_budget=7168, answe
 
 
 def recipe_run(recipe, **sizes):
-    r = train.RECIPES[recipe]
+    r = config.RECIPES[recipe]
     return dict(prompts=r["prompts"], samples=r["samples"], prompt_len=512,
                 think_budget=r["think_budget"], answer_budget=r["answer_budget"], phrase_len=20,
                 micro_tokens=8192, **sizes)
@@ -1131,14 +1132,14 @@ def replay_terms(model, batch, step, think_end):
 
 def bench_replay(args):
     """What moved a collapsing run, from its checkpoints."""
-    targs = train.get_args(["--out", os.path.join(args.replay_run, "replay")])
+    targs = config.get_args(["--out", os.path.join(args.replay_run, "replay")])
     problems, val = train.load_data(targs)
     steps = [int(x) for x in args.replay_steps.split(",")]
     first, _, _, _ = replay_load(args.replay_run, steps[0], targs)
     tok = AutoTokenizer.from_pretrained(os.path.join(args.replay_run, f"ckpt-{steps[0]:06d}"))
     think_end = special_tokens(tok)["think_end"]
     val_ids, ids = train.tokenize_prompts(tok, val), train.tokenize_prompts(tok, problems)
-    gargs = train.get_args([])
+    gargs = config.get_args([])
     gargs.temperature = 0.0  # greedy
     greedy = pipeline.make_sampler(first, tok, gargs, max(map(len, val_ids)))
     greedy = pipeline.sample_all(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
@@ -1197,7 +1198,7 @@ def write_model(args):
 def study_step_lengths(seed=0):
     path = toy_model_dir(preset="toy-hard")
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    args = train.get_args(["--model", path, "--seed", str(seed), *study.TASK])
+    args = config.get_args(["--model", path, "--seed", str(seed), *study.TASK])
     problems = [p for p in toy_problems(10 * args.prompts, seed, "toy-hard")
                 if len(p["steps"]) <= study.MAX_OPS][:args.prompts]
     ids = train.tokenize_prompts(tok, problems)

@@ -1,7 +1,7 @@
 """
 checks.py: what guards train.py's flags before anything is loaded or written: each numeric flag's
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
-sandbox, and the "did you mean" of a mistyped flag. train.get_args calls check_model_dir and
+sandbox, and the "did you mean" of a mistyped flag. config.get_args calls check_model_dir and
 check_args; each failure is one line.
 """
 import difflib

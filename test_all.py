@@ -45,6 +45,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 import bench
 import checks
+import config
 import data
 from data import INTERRUPT_PHRASE
 import hub
@@ -93,7 +94,7 @@ def toy_dir(tmp_path_factory):
 
 
 def run_train(toy_dir, out, *flags):
-    args = train.get_args(["--model", toy_dir, "--out", str(out), "--prompts", "4", "--samples", "4", "--steps", "2",
+    args = config.get_args(["--model", toy_dir, "--out", str(out), "--prompts", "4", "--samples", "4", "--steps", "2",
                            "--eval_every", "2", "--val_size", "4", "--eval_samples", "1", "--save_every", "0",
                            *flags])
     train.main(args)
@@ -1906,7 +1907,7 @@ def test_data_reads_regular_files_only_and_every_error_names_file_and_line(tmp_p
     os.mkfifo(fifo)
     said = {}
     reader = threading.Thread(target=lambda: said.update(exit=pytest.raises(SystemExit, train.load_data,
-                                                                            train.get_args(["--data", str(fifo)]))),
+                                                                            config.get_args(["--data", str(fifo)]))),
                               daemon=True)
     reader.start()
     reader.join(10)
@@ -1923,7 +1924,7 @@ def test_data_reads_regular_files_only_and_every_error_names_file_and_line(tmp_p
     assert_load_errors(tmp_path, cases)
     for i in range(len(cases)):
         with pytest.raises(SystemExit) as exit_:
-            train.load_data(train.get_args(["--data", str(tmp_path / f"bad{i}.jsonl")]))
+            train.load_data(config.get_args(["--data", str(tmp_path / f"bad{i}.jsonl")]))
         assert re.fullmatch(rf"error: --data: \S*bad{i}.jsonl:2: [^\n]+", exit_.value.code), exit_.value.code
 
 
@@ -2021,7 +2022,7 @@ def test_data_non_utf8_duplicates_and_a_clean_exit_from_train(tmp_path, capsys):
     assert [p["answer"] for p in data.load_problems(dup)] == ["1", "2"]
     assert "skipped 1 duplicate" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"error: .*bad.jsonl:2: not UTF-8"):
-        train.load_data(train.get_args(["--data", str(bad)]))
+        train.load_data(config.get_args(["--data", str(bad)]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2075,7 +2076,7 @@ def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at its import:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the env, as a fresh process reads it
     snapshot = hub_model_cache(tmp_path / "hub", "org/toy", ROOT / "toy_model")
-    args = train.get_args(["--eval_only", "--model", "org/toy", "--val_size", "8", "--eval_samples", "1"])
+    args = config.get_args(["--eval_only", "--model", "org/toy", "--val_size", "8", "--eval_samples", "1"])
     assert (args.model, args.model_dir) == ("org/toy", str(snapshot))  # as typed (--resume compares it); what loads
     assert train.main(args)["n"] == 8 and "eval org/toy on 8 held-out problems" in capsys.readouterr().out
     assert hub.resolve_model(str(ROOT / "toy_model")) == str(ROOT / "toy_model")  # a local folder: as is
@@ -2086,11 +2087,11 @@ def test_hub_model_id_resolves_through_the_cache_and_loads(tmp_path, monkeypatch
                        (["--model", "no/such/dir"], "train.py: error: --model no/such/dir: no such folder (and not a "
                         "Hugging Face Hub id, owner/name)")]:
         with pytest.raises(SystemExit):
-            train.get_args(argv)
+            config.get_args(argv)
         assert capsys.readouterr().err.strip().splitlines() == [said + " (--help lists the flags)"]
     (snapshot / "model.safetensors").unlink()  # a snapshot cached without its weights: the folder checks still apply
     with pytest.raises(SystemExit):
-        train.get_args(["--model", "org/toy"])
+        config.get_args(["--model", "org/toy"])
     assert f"--model org/toy ({snapshot}): no weights" in capsys.readouterr().err
 
 
@@ -2116,7 +2117,7 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
                                                            "test": [gsm8k_record(i) for i in range(8, 10)]})
     hub_dataset_cache(hf / "datasets", "org/math500", "default", {"test": math500})
     hub_dataset_cache(hf / "datasets", "org/bad", "default", {"train": [gsm8k_record(0), {"question": "q", "answer": "x ####"}]})
-    train_set, val = train.load_data(train.get_args(["--data", "org/gsm:main", "--val_data", "org/gsm:main:test"]))
+    train_set, val = train.load_data(config.get_args(["--data", "org/gsm:main", "--val_data", "org/gsm:main:test"]))
     assert [len(train_set), train_set[0], len(val), val[0]] == [
         8, {"prompt": gsm8k_record(0)["question"], "answer": "2", "domain": "math"},
         2, {"prompt": gsm8k_record(8)["question"], "answer": "10", "domain": "math"}]
@@ -2128,10 +2129,10 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
         with pytest.raises(SystemExit) as exit_:
             train.load_source(flag, spec, 0)
         errors.append(exit_.value.code)
-    bad, config, split, missing, no_file = errors
+    bad, bad_config, split, missing, no_file = errors
     assert bad == "error: --data: org/bad::train row 1: field 'answer' is empty after its last '####'"
-    assert config == ("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm has no config "
-                      "other (configs found: main): name one, org/gsm:main")
+    assert bad_config == ("error: --data org/gsm:other: not a file, and the Hugging Face dataset org/gsm has no config "
+                          "other (configs found: main): name one, org/gsm:main")
     assert "Unknown split \"validation\"" in split and split.endswith("the syntax is owner/name[:config[:split]]")
     assert missing == ("error: --val_data org/none: not a file, and not in the Hugging Face datasets cache "
                        f"(HF_DATASETS_CACHE={hf / 'datasets'}); the Hub could not be reached (HF_HUB_OFFLINE is "
@@ -2139,7 +2140,7 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
                        "has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
     assert no_file == "error: --data fixtures/none.jsonl: No such file or directory"  # a path, not a Hub id
     capsys.readouterr()
-    train.main(train.get_args(["--eval_only", "--model", "org/toy", "--data", "org/gsm:main", "--val_data",
+    train.main(config.get_args(["--eval_only", "--model", "org/toy", "--data", "org/gsm:main", "--val_data",
                                "org/math500", "--eval_samples", "1"]))
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in last, last
@@ -2166,7 +2167,7 @@ def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, 
     capsys.readouterr()  # the cache builder's progress bars
     start = time.monotonic()
     with pytest.raises(SystemExit):
-        train.get_args(["--model", "org/none"])
+        config.get_args(["--model", "org/none"])
     with pytest.raises(SystemExit) as exit_:
         train.load_source("--data", "org/none", 0)
     assert time.monotonic() - start < 3 * hub.HUB_PROBE_SECONDS  # one probe, then nothing waits
@@ -2262,7 +2263,7 @@ def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_pat
 
     def evaluate():
         try:
-            train.eval_only(train.get_args(["--eval_only", "--model", str(folder), "--val_size", "4"]))
+            train.eval_only(config.get_args(["--eval_only", "--model", str(folder), "--val_size", "4"]))
         except SystemExit as err:
             said["exit"] = str(err.code)
 
@@ -2326,7 +2327,7 @@ def test_toy_task_answers_are_right(preset, ops, top):
         trace = toy.toy_trace(p, random.Random(0))
         assert re.fullmatch(r"<think>.*</think> The answer is \\boxed\{-?\d+\}\.", trace)
     assert {len(p["steps"]) for p in problems} == set(range(ops[0], ops[1] + 1))
-    args = train.get_args(["--data", preset, "--val_size", "50"])
+    args = config.get_args(["--data", preset, "--val_size", "50"])
     assert train.base_model_dir(args) == toy.toy_model_dir(preset=preset)
     assert os.path.basename(train.base_model_dir(args)) == {"toy": "toy_model", "toy-hard": "toy_model_hard"}[preset]
     assert all(p["prompt"].startswith("Compute ") for p in train.load_data(args)[1])
@@ -3192,17 +3193,17 @@ def test_memory_plan_is_the_slots_every_sampler_takes_on_cpu(toy_dir, tmp_path, 
 
     monkeypatch.setattr(pipeline, "sampler", sampler)
     flags = ["--model", str(folder), "--val_size", "10", "--save_every", "0"]  # 160 held-out samples
-    train.eval_only(train.get_args(["--eval_only", *flags]))
+    train.eval_only(config.get_args(["--eval_only", *flags]))
     with pytest.raises(Enough):
-        train.main(train.get_args(["--out", str(tmp_path / "run"), *flags]))
+        train.main(config.get_args(["--out", str(tmp_path / "run"), *flags]))
     out = capsys.readouterr().out
     assert "recipe paper" in out and "mean@16 over 10 problems, 160 samples" in out
     planned = [int(n) for n in re.findall(r"sampler: (\d+) sequences of up to 14\d\d\d tokens", out)]
     assert len(planned) == 2 and taken == [planned[0]] + [planned[1]] * 2 == [gen.CPU_SLOTS] * 3, (taken, out)
-    config = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
-    plan = memory_plan(config, PlanRun(**bench.recipe_run("paper"), evaluate=16000))
-    weights = plan_param_count(plan_shape(config)) * 2
-    assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), config, torch.bfloat16,
+    qwen3 = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
+    plan = memory_plan(qwen3, PlanRun(**bench.recipe_run("paper"), evaluate=16000))
+    weights = plan_param_count(plan_shape(qwen3)) * 2
+    assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), qwen3, torch.bfloat16,
                                              *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
 
 
@@ -3252,16 +3253,16 @@ def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(t
                         ((None, "num_hidden_layers", -2), "num_hidden_layers is -2"),
                         ((None, "num_key_value_heads", 3), "num_key_value_heads 3 does not divide"),
                         ((None, "eos_token_id", [0, 378]), "eos_token_id is [0, 378], not an id below vocab_size 378")]):
-        config = json.loads(json.dumps(base))
-        (config[edit[0]] if edit[0] else config)[edit[1]] = edit[2]
+        edited = json.loads(json.dumps(base))
+        (edited[edit[0]] if edit[0] else edited)[edit[1]] = edit[2]
         folder = tmp_path / f"model{k}"
         shutil.copytree(toy_dir, folder)
-        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "config.json").write_text(json.dumps(edited))
         errors = []
         checks.check_model_dir(str(folder), errors.append)
         assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {field}"), errors
     with pytest.raises(SystemExit, match=r"^error: --model .*: config\.json: rope_parameters\.rope_theta is 0"):
-        train.load_model(str(tmp_path / "model0"), train.get_args([]), torch.device("cpu"))
+        train.load_model(str(tmp_path / "model0"), config.get_args([]), torch.device("cpu"))
 
     class PanicException(BaseException):  # what pyo3 raises for a panic in the tokenizers library
         pass
@@ -3270,7 +3271,7 @@ def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(t
         raise PanicException("called `Option::unwrap()` on a `None` value")
     monkeypatch.setattr(train.AutoTokenizer, "from_pretrained", panic)
     with pytest.raises(SystemExit, match=r"^error: --model .*: its tokenizer fails: called `Option::unwrap\(\)`"):
-        train.load_model(str(toy_dir), train.get_args([]), torch.device("cpu"))
+        train.load_model(str(toy_dir), config.get_args([]), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16)])
@@ -3817,10 +3818,10 @@ def test_study_quick_trains_and_reports(tmp_path, capsys, monkeypatch):
     assert batch["finding"] == "batch size" and batch["verdict"].startswith("not decided") and batch["pairs"] == 1
     assert all(len(r["series"]) == 7 and r["series"][-1]["step"] == 6 for r in rep["runs"])
     assert rep["minutes"] > 0 and (tmp_path / "assets" / "study.png").exists()
-    config = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in ("scalerl", "batch32")}
-    assert config["scalerl"]["world"] == 1 and config["batch32"]["prompts"] == 32
+    cfg = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in ("scalerl", "batch32")}
+    assert cfg["scalerl"]["world"] == 1 and cfg["batch32"]["prompts"] == 32
     # the study's task, on train.py's own loss defaults (no pins)
-    assert config["scalerl"]["think_budget"] == 64 and config["scalerl"]["neg_trust"] == train.get_args([]).neg_trust
+    assert cfg["scalerl"]["think_budget"] == 64 and cfg["scalerl"]["neg_trust"] == config.get_args([]).neg_trust
     recs = [json.loads(ln) for ln in open(out / "scalerl-s0" / "metrics.jsonl")]
     assert recs[0]["val_data"] == str(out / "problems" / "val.jsonl")  # every run scored on the same prompts
     evals = [r for r in recs if r["kind"] == "eval"]
@@ -4163,7 +4164,7 @@ def test_one_process_and_torchrun_sync_are_the_same_experiment(tmp_path, monkeyp
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train.main(train.get_args(["--out", str(tmp_path / "one"), *PIPE_FLAGS, *flags]))
+        train.main(config.get_args(["--out", str(tmp_path / "one"), *PIPE_FLAGS, *flags]))
     finally:
         torch.set_num_threads(threads)
     one, ranks = ([json.loads(x) for x in open(tmp_path / f"{name}.jsonl")] for name in ("one", "ranks"))
@@ -4224,7 +4225,7 @@ def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their
     steps = [r for r in records if r["kind"] == "train"]
     assert all(0 <= r["eval_wait_ms"] <= r["dt_ms"] for r in steps)
     assert math.isclose(steps[-1]["compute_s"], sum(r["dt_ms"] - r["eval_wait_ms"] for r in steps) / 1000 * 3)
-    args = train.get_args(["--out", str(tmp_path), *PIPE_FLAGS, *flags])
+    args = config.get_args(["--out", str(tmp_path), *PIPE_FLAGS, *flags])
     _, val = train.load_data(args)
     for step in (2, 4):
         tok, model = train.load_model(str(tmp_path / f"ckpt-{step:06d}"), args, torch.device("cpu"))
@@ -4458,7 +4459,7 @@ def test_a_step_is_the_same_whatever_splits_its_groups_one_process_data_parallel
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train.main(train.get_args(["--out", str(tmp_path / "one"), *PIPE_FLAGS, *flags, "--micro_tokens", "0"]))
+        train.main(config.get_args(["--out", str(tmp_path / "one"), *PIPE_FLAGS, *flags, "--micro_tokens", "0"]))
     finally:
         torch.set_num_threads(threads)
     steps = {"one": train_records(tmp_path / "one")[0]}
@@ -4649,11 +4650,11 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         model.zero_grad()
         logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
         loss.policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg=agg,  # the default mask
-                         neg_trust=train.get_args([]).neg_trust).backward()
+                         neg_trust=config.get_args([]).neg_trust).backward()
         want = [p.grad.clone() for p in model.parameters()]
         batch = train.Batch(prompts, samples, [True] * 6, None, group, None, None, list(range(6)), adv,
                             loss.agg_counts(group, mask))
-        args = train.get_args(["--agg", agg])
+        args = config.get_args(["--agg", agg])
         for budget in (0, 1, 12, 20):
             model.zero_grad()
             args.micro_tokens = budget
@@ -4689,7 +4690,7 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=4096)).train()
-    args = train.get_args(["--micro_tokens", "4096"])
+    args = config.get_args(["--micro_tokens", "4096"])
     peaks = {}
     for length in (2048, 256):
         prompts = [[4 + i % 30] * 8 for i in range(16)]
@@ -4925,8 +4926,8 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
     prompt = ids_of(tok, "?")
     problems = [{"prompt": "?", "answer": "8", "domain": "math"}] * 16
     kept = {}
-    for budget in ("16", str(train.get_args([]).answer_budget)):
-        args = train.get_args(["--answer_budget", budget])
+    for budget in ("16", str(config.get_args([]).answer_budget)):
+        args = config.get_args(["--answer_budget", budget])
         steps = pipeline.make_sampler(model, tok, args, len(prompt))
         done = pipeline.sample_all(steps, [(prompt, i, i) for i in range(16)])
         samples = [done[i] for i in range(16)]
@@ -4936,7 +4937,7 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
         groups = [{"index": 0, "prompt": prompt, "samples": samples, "correct": correct, "rewards": rewards}]
         batch = train.make_batch(groups, args)
         kept[budget] = (sum(s.finish == "truncated" for s in samples), len(batch.rows), batch.adv)
-    old, new = kept["16"], kept[str(train.get_args([]).answer_budget)]
+    old, new = kept["16"], kept[str(config.get_args([]).answer_budget)]
     assert old[0] > 0 and old[1] == 0  # the long answers truncated; the group, all correct, dropped
     assert new[0] == 0 and new[1] == 16 and (new[2] < 0).sum() == old[0]  # every long answer pushed down
 
@@ -4956,7 +4957,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     succ_loop = ids_of(tok, "17")[0]
     model.lm_head.weight.data[:, succ_loop] = 0
     model.lm_head.weight.data[ids_of(tok, "10")[0], succ_loop] = 1.0  # ... 17 -> 10: a loop, no eos
-    args = train.get_args(["--prompts", "2", "--samples", "4"])
+    args = config.get_args(["--prompts", "2", "--samples", "4"])
     train_set = [dict(problem, prompt=f"?{i}") for i in range(2)]
     source = pipeline.LocalRollouts(args, model, tok, train_set, [ids_of(tok, "?")] * 2, 0)
     groups, _ = source.get(0)
@@ -4975,7 +4976,7 @@ def test_train_forget_alarm_reads_a_window_of_steps_and_a_solved_batch_is_no_ala
     runs showed them up to 0.069) says nothing; a sustained loss above FORGET_ALARM (the lr-3e-4 collapse:
     from step 20, its fall at 40) warns once, at the step its window passes the threshold. A step that keeps no
     prompt warns, unless every sample was right (a solved batch)."""
-    rec = metrics.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
+    rec = metrics.Record(config.get_args([]), log=None, world=1, n_params=1, domains=["math"])
     def step(i, forget, kept=4):
         metrics.alarms(rec, {"step": i, "trunc": 0.0, "forget": forget, "kept_prompts": kept, "lag_max": 8,
                            "pass_rate": 0.5})
@@ -4987,7 +4988,7 @@ def test_train_forget_alarm_reads_a_window_of_steps_and_a_solved_batch_is_no_ala
     outs = [step(i, 0.011) for i in range(7, 13)]
     assert outs[:4] == [""] * 4 and outs[4].startswith("warning: step 11: forget 0.011 (mean of the last 5")
     assert outs[5] == ""  # once
-    rec = metrics.Record(train.get_args([]), log=None, world=1, n_params=1, domains=["math"])
+    rec = metrics.Record(config.get_args([]), log=None, world=1, n_params=1, domains=["math"])
     empty = {"trunc": 0.0, "forget": None, "kept_prompts": 0, "lag_max": 8}
     metrics.alarms(rec, {**empty, "step": 1, "pass_rate": 1.0})  # every group all right: solved, no alarm
     assert capsys.readouterr().out == "" and rec.empty_steps == 1
@@ -5001,7 +5002,7 @@ def test_train_resume_gives_the_forget_alarm_its_window_back(tmp_path, capsys):
     lines = [{"kind": "config"}] + [{"kind": "train", "step": i, "forget": 0.02 if i > 6 else 0.0,
                                      "kept_prompts": 0 if i == 9 else 4} for i in range(1, 12)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    args = train.get_args(["--out", str(tmp_path)])
+    args = config.get_args(["--out", str(tmp_path)])
     env = types.SimpleNamespace(args=args, state={}, ctx=None, train=[{}], log=None, rank0=True, ckpt="ckpt-10")
     rec = metrics.new_record(env, types.SimpleNamespace(n_params=1, version=10))
     assert rec.forgets == [0.0, 0.0, 0.02, 0.02, 0.02]  # steps 5-8 and 10 (9 kept nothing; 11 was dropped)
@@ -5014,7 +5015,7 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
     between two evals, with truncation at 0 (the truncation alarms saw nothing). A rise of more than
     HELD_OUT_INTR_RISE since the eval before warns once, naming the cause; the falling interruption of a healthy
     run says nothing. On --resume the evals before the checkpoint give the alarm its last reading back."""
-    rec = metrics.Record(train.get_args([]), log=None, world=2, n_params=1, domains=["math"])
+    rec = metrics.Record(config.get_args([]), log=None, world=2, n_params=1, domains=["math"])
     def ev(step, rate, intr):
         rec.evals.append((step, rate))
         rec.eval_intr.append(intr)
@@ -5032,7 +5033,7 @@ def test_train_held_out_interruption_rise_warns_once_and_survives_resume(tmp_pat
     lines = [{"kind": "config"}] + [{"kind": "eval", "step": s, "compute_s": s, "pass_rate": 0.9, "intr": i}
                                     for s, i in [(0, 0.1), (10, 0.004), (20, 0.3)]]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    env = types.SimpleNamespace(args=train.get_args(["--out", str(tmp_path)]), state={}, ctx=None, train=[{}],
+    env = types.SimpleNamespace(args=config.get_args(["--out", str(tmp_path)]), state={}, ctx=None, train=[{}],
                                 log=None, rank0=True, ckpt="ckpt-10")
     rec = metrics.new_record(env, types.SimpleNamespace(n_params=1, version=10))
     capsys.readouterr()
@@ -5044,7 +5045,7 @@ def test_train_held_out_truncation_warning_names_the_flags_of_its_mode(capsys):
     """Held-out truncation after step 0: under PipelineRL-k the advice is the lag (a lower lr did worse on
     toy-hard, BENCHMARKS.md section 6); on-policy (one process, or --mode sync) it is the lr."""
     def warned(world, *flags):
-        rec = metrics.Record(train.get_args(list(flags)), log=None, world=world, n_params=1, domains=["math"])
+        rec = metrics.Record(config.get_args(list(flags)), log=None, world=world, n_params=1, domains=["math"])
         metrics.eval_alarms(rec, 10, {"trunc": metrics.HELD_OUT_TRUNC_ALARM + 0.01, "pass_rate": 0.5, "intr": 0.0})
         return capsys.readouterr().out
     stale = warned(2)
@@ -5127,7 +5128,7 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
                       (["--warmup", "0"], "must be positive"), (["--grad_clip", "-1"], "must be >= 0"),
                       (["--micro_tokens", "-1"], "must be >= 0")]:
         with pytest.raises(SystemExit):
-            train.get_args(argv)
+            config.get_args(argv)
         assert msg in capsys.readouterr().err, argv
     empty = tmp_path / "noweights"
     empty.mkdir()
@@ -5145,11 +5146,11 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     (short / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 112}')
     (short / "model.safetensors").write_bytes(b"")
     with pytest.raises(SystemExit):
-        train.get_args(["--model", str(short), "--think_budget", "100", "--answer_budget", "13"])
+        config.get_args(["--model", str(short), "--think_budget", "100", "--answer_budget", "13"])
     assert capsys.readouterr().err.strip().splitlines() == [
         "train.py: error: --think_budget 100 + --answer_budget 13 = 113 tokens: more than the model's context "
         "(max_position_embeddings 112); lower the budgets (--help lists the flags)"]
-    args = train.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
+    args = config.get_args(["--model", str(short), "--think_budget", "48", "--answer_budget", "64"])
     assert checks.context_error(args, 112) is None
     assert checks.context_error(args, 112, 30, 8) == (
         "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
@@ -5159,12 +5160,12 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     locked.chmod(0o500)
     if os.geteuid() != 0:  # root writes anywhere: the check cannot fail there
         with pytest.raises(SystemExit, match="not writable"):
-            runs.prepare_out_dir(train.get_args(["--out", str(locked / "run")]))
+            runs.prepare_out_dir(config.get_args(["--out", str(locked / "run")]))
     with pytest.raises(SystemExit, match="not writable"):
         (tmp_path / "file.txt").write_text("x")
-        runs.prepare_out_dir(train.get_args(["--out", str(tmp_path / "file.txt" / "run")]))
+        runs.prepare_out_dir(config.get_args(["--out", str(tmp_path / "file.txt" / "run")]))
     with pytest.raises(SystemExit):
-        train.get_args(["--resume", "--overwrite"])
+        config.get_args(["--resume", "--overwrite"])
 
 
 def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(tmp_path, capsys):
@@ -5175,16 +5176,16 @@ def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(
                  "heartbeat_timeout"):
         for value in ("nan", "inf", "-1"):
             with pytest.raises(SystemExit):
-                train.get_args(["--out", str(out), f"--{flag}", value])
+                config.get_args(["--out", str(out), f"--{flag}", value])
             said = capsys.readouterr().err.strip().splitlines()
             assert len(said) == 1 and said[0].startswith(f"train.py: error: --{flag} must be "), (flag, value, said)
     for argv in (["--timeout", "1e300"], ["--seed", "-1"], ["--keep", "0"], ["--l_cache", "-3"], ["--eps_low", "5"],
                  ["--loss", "grpo", "--eps_low", "1.5"]):
         with pytest.raises(SystemExit):
-            train.get_args(["--out", str(out), *argv])
+            config.get_args(["--out", str(out), *argv])
         assert capsys.readouterr().err.count("\n") == 1, argv
     assert not out.exists()
-    assert train.get_args(["--eps_low", "0", "--grad_clip", "0", "--weight_decay", "0"]).grad_clip == 0  # 0: off
+    assert config.get_args(["--eps_low", "0", "--grad_clip", "0", "--weight_decay", "0"]).grad_clip == 0  # 0: off
 
 
 def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, tmp_path, capsys):
@@ -5196,7 +5197,7 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
         if argv[0] == "--device" and torch.cuda.is_available():
             continue
         with pytest.raises(SystemExit):
-            train.get_args(argv)
+            config.get_args(argv)
         said = capsys.readouterr().err.strip().splitlines()
         assert len(said) == 1 and said[0].startswith(line), said
     for flags, message in [(["--data", "no_such.jsonl"], "error: --data no_such.jsonl: No such file or directory"),
@@ -5204,7 +5205,7 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
         with pytest.raises(SystemExit) as exit_:
             run_train(toy_dir, tmp_path / "out", *flags)
         assert exit_.value.code == message and not (tmp_path / "out").exists()
-    train_set, val = train.load_data(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl")]))
+    train_set, val = train.load_data(config.get_args(["--data", str(FIXTURES / "code_toy.jsonl")]))
     assert (len(train_set), len(val)) == (18, 2)  # the default split of a small data set: a tenth held out
     help_ = Forked(["--help"], {}, tmp_path / "help.log", script="toy.py")
     assert help_.wait(timeout=60) == 0 and "--build" in help_.communicate()[0]
@@ -5225,22 +5226,22 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
     keeps the toy's values."""
     folder = str(tmp_path / "qwen2")
     bench.write_model(bench.get_args(["--write_model", folder]))
-    paper = train.get_args(["--model", folder])
+    paper = config.get_args(["--model", folder])
     assert (paper.recipe, paper.lr, paper.warmup, paper.prompts, paper.samples, paper.think_budget,
             paper.answer_budget, paper.eval_every, paper.eval_samples, paper.val_size, paper.dtype) == \
         ("paper", 5e-7, 100, 48, 16, 12288, 2048, 100, 16, 1000, "bfloat16")
-    toy = train.get_args([])
+    toy = config.get_args([])
     assert (toy.recipe, toy.lr, toy.warmup, toy.prompts, toy.samples, toy.think_budget, toy.answer_budget,
             toy.steps, toy.eval_every, toy.eval_samples, toy.dtype) == \
         ("toy", 2e-4, 10, 16, 8, 48, 64, 150, 10, 4, "float32")
-    assert train.get_args(["--model", str(ROOT / "toy_model_hard")]).recipe == "toy"
-    train.main(train.get_args(["--model", folder, "--out", str(tmp_path / "run"), "--prompts", "2", "--samples",
+    assert config.get_args(["--model", str(ROOT / "toy_model_hard")]).recipe == "toy"
+    train.main(config.get_args(["--model", folder, "--out", str(tmp_path / "run"), "--prompts", "2", "--samples",
                                "2", "--think_budget", "6", "--answer_budget", "4", "--steps", "1", "--val_size",
                                "2", "--eval_samples", "1", "--save_every", "0", "--dtype", "float32"]))
-    config = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
-    assert (config["recipe"], config["lr"], config["warmup"], config["prompts"], config["think_budget"]) == \
+    cfg = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert (cfg["recipe"], cfg["lr"], cfg["warmup"], cfg["prompts"], cfg["think_budget"]) == \
         ("paper", 5e-7, 100, 2, 6)
-    assert config["neg_trust"] == 0 and config["grad_clip"] == 0  # the paper's CISPO: no mask, no clipping
+    assert cfg["neg_trust"] == 0 and cfg["grad_clip"] == 0  # the paper's CISPO: no mask, no clipping
     out = capsys.readouterr().out
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e9  # loading says so: seconds on a GPU
     assert f"loading {folder} ({size:.1f} GB of weights) onto cpu ...\n" in out and size > 0.1
@@ -5250,10 +5251,10 @@ def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsy
         "--samples 2 --think_budget 6 --answer_budget 4 --steps 1 --eval_samples 1 --save_every 0\n" in out
     for argv, recipe in (([], "toy"), (["--model", folder, "--recipe", "one_gpu"], "one_gpu"),
                          (["--model", folder, "--recipe", "paper"], "paper"), (["--recipe", "paper"], "paper")):
-        a = train.get_args(argv)  # the toy's CISPO mask and clipping are the toy's alone (README, "Recipes")
+        a = config.get_args(argv)  # the toy's CISPO mask and clipping are the toy's alone (README, "Recipes")
         assert (a.recipe, a.neg_trust, a.grad_clip) == ((recipe, 0.5, 1.0) if recipe == "toy" else (recipe, 0, 0))
-    assert train.get_args(["--model", folder, "--neg_trust", "0.8"]).neg_trust == 0.8  # a flag given wins
-    help_ = " ".join(train.make_parser().format_help().split())
+    assert config.get_args(["--model", folder, "--neg_trust", "0.8"]).neg_trust == 0.8  # a flag given wins
+    help_ = " ".join(config.make_parser().format_help().split())
     assert "(recipe: toy 0.5, paper 0, one_gpu 0)" in help_ and "(recipe: toy 16, paper 48, one_gpu 16)" in help_
     assert "default: None" not in help_
 
@@ -5277,7 +5278,7 @@ def test_pipeline_torchrun_reports_a_user_error_once_last_as_its_root_cause(tmp_
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # a bad flag: every rank, rank 0 here
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as exit_:
-        train.get_args(["--lr_rate", "1"])
+        config.get_args(["--lr_rate", "1"])
     assert exit_.value.code == 2 and capsys.readouterr().err == ""  # torchrun's report says it
     said = json.loads((tmp_path / "error.json").read_text())["message"]
     assert said["message"] == said["extraInfo"]["py_callstack"].strip() == (
@@ -5293,14 +5294,14 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
         run_train(toy_dir, tmp_path / "big", "--val_size", "99999")
     assert not (tmp_path / "big").exists()  # checked before anything is made
     capsys.readouterr()
-    train.main(train.get_args(["--data", str(FIXTURES / "code_toy.jsonl"), "--out", str(tmp_path / "data"),
+    train.main(config.get_args(["--data", str(FIXTURES / "code_toy.jsonl"), "--out", str(tmp_path / "data"),
                                "--steps", "1", "--val_size", "4", "--prompts", "2", "--samples", "2",
                                "--eval_every", "1", "--eval_samples", "1", "--save_every", "0"]))
     assert "--data without --model trains the embedded toy model" in capsys.readouterr().out
 
 
 def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, capsys, monkeypatch):
-    args = train.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
+    args = config.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
     monkeypatch.setattr(train.Progress, "PROGRESS_S", 0)  # a long eval's progress line, at every decode step here
     r = train.main(args)
     said = capsys.readouterr().out.strip().splitlines()
@@ -5477,7 +5478,7 @@ def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_d
     monkeypatch.setattr(study, "TRAIN", 20)
     paths = study.make_problems(str(tmp_path / "study"), held_out=5)
     assert snapshot() == before and [len(Path(p).read_text().splitlines()) for p in paths] == [20, 5]
-    args = train.get_args(["--model", str(toy_dir), "--out", str(tmp_path / "new")])
+    args = config.get_args(["--model", str(toy_dir), "--out", str(tmp_path / "new")])
     try:
         runs.prepare_out_dir(args)
     finally:
@@ -5566,7 +5567,7 @@ def test_train_resume_unpickles_nothing_that_could_run_code(toy_dir, tmp_path):
     assert not ran.exists()
     torch.save(saved, state)
     torch.save(RunsCode(str(ran)), out / "curriculum-rank1.pt")  # a generator's curriculum, pickled by an older run
-    args = train.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "4", "--resume"])
+    args = config.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "4", "--resume"])
     with pytest.raises(SystemExit, match=r"^error: --resume: .*curriculum-rank1.pt is a curriculum of an older "):
         runs.resume_point(args, quiet=True)
     assert not ran.exists()
