@@ -53,7 +53,7 @@ def role_of(ctx, r):
 
 
 def set_status(ctx, text):
-    ctx.status = text
+    ctx.live.status = text
     ctx.store.set(f"status/{ctx.rank}", text)
 
 
@@ -63,8 +63,8 @@ def get_int(ctx, key):
 
 def watch(ctx, limit):
     """Start this rank's heartbeat thread."""
-    ctx.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, limit), daemon=True)
-    ctx.heartbeat.start()
+    ctx.live.heartbeat = threading.Thread(target=_heartbeat, args=(ctx, limit), daemon=True)
+    ctx.live.heartbeat.start()
     _CURRENT["ctx"] = ctx
 
 
@@ -75,7 +75,7 @@ def _heartbeat(ctx, limit):
     beat = [time.time()]  # a stopped store host hangs store calls: _store_watchdog times them
     threading.Thread(target=_store_watchdog, args=(ctx, limit, beat), daemon=True).start()
     try:
-        while not ctx.stopping.is_set():
+        while not ctx.live.stopping.is_set():
             beat[0] = time.time()
             store.add(f"heartbeat/{me}", 1)
             if int(store.add("finished", 0)):
@@ -89,20 +89,20 @@ def _heartbeat(ctx, limit):
                     status = (store.get(f"status/{r}").decode() if store.check([f"status/{r}"])
                               else "?")
                     _die(f"{role_of(ctx, r)} sent no heartbeat for {limit:.0f} s (dead or stopped; "
-                         f"its last status: {status}); {role_of(ctx, me)} was {ctx.status}")
-            ctx.stopping.wait(1.0)
+                         f"its last status: {status}); {role_of(ctx, me)} was {ctx.live.status}")
+            ctx.live.stopping.wait(1.0)
     except Exception as err:  # the store's host (rank 0 or the launcher) is gone
         _die(f"lost the rendezvous store ({err}); rank 0 or the launcher probably died; "
-             f"{role_of(ctx, me)} was {ctx.status}")
+             f"{role_of(ctx, me)} was {ctx.live.status}")
 
 
 def _store_watchdog(ctx, limit, beat):
     """Exit when the heartbeat loop has not begun a round for `limit` s."""
-    while not ctx.stopping.wait(1.0):
+    while not ctx.live.stopping.wait(1.0):
         if time.time() - beat[0] > limit:
             _die(f"the rendezvous store did not answer for {limit:.0f} s: its host, "
                  f"{role_of(ctx, 0)} or the launcher, is stopped or hung; "
-                 f"{role_of(ctx, ctx.rank)} was {ctx.status}")
+                 f"{role_of(ctx, ctx.rank)} was {ctx.live.status}")
 
 
 def report_failure(err):
@@ -119,7 +119,7 @@ def report_failure(err):
                 for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
     except Exception:
         gone = ["the rendezvous store (rank 0 or the launcher)"]
-    line = (f"{role_of(ctx, me)} failed while {ctx.status}: {type(err).__name__}: "
+    line = (f"{role_of(ctx, me)} failed while {ctx.live.status}: {type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}; "
             f"not responding: {'; '.join(gone) or 'none'}")
     record_error(line)

@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import pipeline
+import ranks
 from runs import truncate_metrics, write_file
 
 
@@ -63,7 +63,7 @@ def step_metrics(rec, trainer, batch, groups, rstats, train, loss_value, stats, 
     """The step's metrics summed over the trainers (a collective)."""
     step, samples, rows = trainer.version - 1, batch.samples, batch.rows  # the version trained
     lags = [step - v for r in rows for v, m in zip(samples[r].versions, samples[r].mask) if m]
-    sums, maxes = pipeline.all_reduce_stats(trainer.ctx, {
+    sums, maxes = ranks.all_reduce_stats(trainer.ctx, {
         "groups": len(groups), "kept": len(set(batch.group[rows].tolist())), "n": len(samples),
         "reward": batch.rewards.sum().item(), "correct": sum(batch.correct),
         "len": sum(len(s.tokens) for s in samples),

@@ -5,7 +5,8 @@ train.rollout_source, then run_generator.
 
 Under torchrun, ranks 0..T-1 train; the others (--gen_ranks) sample, verify and send whole groups
 to the trainers and run the held-out evals; trainer 0 broadcasts the weights after each step.
-Small state lives in the TCP store; every wait has a deadline (faults.py).
+The ranks, their devices and the TCP store that holds the small state are ranks.py's; every
+wait has a deadline (faults.py).
 
 --mode pipeline (PipelineRL-k): generators never stop, take new weights between decode steps, and
 admit_ok keeps every token at most k versions old. ppo_offpolicy: k batches on frozen weights.
@@ -13,13 +14,9 @@ sync: k = 1.
 """
 
 import copy
-import ipaddress
 import json
 import math
 import os
-import socket
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,184 +26,15 @@ import torch
 import torch.distributed as dist
 
 from data import Curriculum, score_samples, special_tokens
-from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until, watch
+from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
 from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
 from loss import length_penalty
 from plan import in_flight, peak_gb
+from ranks import busy_metrics, on_trainer0, part, weight_buckets
 
 # gen rank, gi, prompt index, prompt len, completion len, correct, reward, finish
 HEADER = 8
-
-
-def default_gen_ranks(world):
-    return world - max(1, world // 4)
-
-
-def n_generators(args, world):
-    return args.gen_ranks if args.gen_ranks > 0 else default_gen_ranks(world)
-
-
-def generator_rank(args):
-    """Is this process a generator rank (the last --gen_ranks)?"""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return world > 1 and int(os.environ["RANK"]) >= world - n_generators(args, world)
-
-# -----------------------------------------------------------------------------
-# set-up
-
-
-@dataclass
-class Context:
-    """One rank's place in the run and its channels."""
-    rank: int
-    world: int
-    n_trainers: int
-    n_gens: int
-    role: str
-    device: str
-    timeout: float
-    mode: str
-    k: int  # the lag bound
-    prompts: int
-    samples: int
-    fsdp: bool
-    store: object
-    weights: object  # trainer 0 + the generators
-    trainers: object
-    rollouts: object
-    length: int = 0
-    status: str = "starting"
-    received: int = 0
-    early: dict = field(default_factory=dict)
-    genstats_before: list = None
-    gen_rates: dict = field(default_factory=lambda: {"gen_busy": 0.0, "gen_tok_s": 0.0})
-    heartbeat: threading.Thread = None
-    stopping: threading.Event = field(default_factory=threading.Event)
-
-
-def setup(args):
-    """Join torchrun's group -> this rank's Context; None for one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return None
-    rank = int(os.environ["RANK"])
-    n_gens = n_generators(args, world)
-    n_trainers = world - n_gens
-    if not 1 <= n_gens < world:
-        sys.exit(f"error: --gen_ranks {n_gens} with {world} ranks: "
-                 "need at least one generator and one trainer")
-    if args.prompts % n_trainers:
-        sys.exit(f"error: --prompts {args.prompts} must be a multiple of the {n_trainers} trainer "
-                 "ranks")
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
-    plan = device_plan(world, local_world, torch.cuda.device_count() if cuda else 0, trainers, gens)
-    if cuda:
-        torch.cuda.set_device(plan["devices"][rank])
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
-                            store=own_store(rank, world, timeout))
-    if rank == 0:
-        print(plan["line"], flush=True)
-    ctx = Context(rank=rank, world=world, n_trainers=n_trainers, n_gens=n_gens,
-                  role="trainer" if rank < n_trainers else "generator", device=plan["name"][rank],
-                  timeout=args.timeout, mode=args.mode,
-                  k=1 if args.mode == "sync" else args.max_lag,
-                  prompts=args.prompts, samples=args.samples, fsdp=args.fsdp,
-                  store=dist.distributed_c10d._get_default_store(),
-                  # every rank creates every group, in the same order
-                  weights=dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
-                  trainers=dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
-                  rollouts=dist.new_group(backend="gloo", timeout=timeout) if cuda else None)
-    watch(ctx, args.heartbeat_timeout)
-    return ctx
-
-
-def own_store(rank, world, timeout):
-    """The TCP store, bound to MASTER_ADDR alone (torch's binds every interface); None if the
-    launcher hosts it."""
-    host, port = os.environ["MASTER_ADDR"].strip("[]"), int(os.environ["MASTER_PORT"])
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    if ipaddress.ip_address(address[0]).is_loopback:
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(name, "lo")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    listening = None
-    if rank == 0:
-        with socket.socket(family, kind, proto) as server:
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(address)
-            server.listen(world)
-            listening = server.detach()
-    return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
-                         master_listen_fd=listening)
-
-
-def start(ctx, version, length):
-    """Once the model is loaded: rank 0 publishes the starting version."""
-    ctx.length = length
-    if ctx.rank == 0:
-        ctx.store.set("version", str(version))
-        ctx.store.set("stop", "0")
-    dist.barrier(group=ctx.rollouts)
-
-
-def device_plan(world, local_world, n_gpus, trainers, gens):
-    """Each rank's GPU (round-robin) and each group's backend: gloo where ranks share a GPU."""
-    ranks = range(world)
-    if not n_gpus:
-        return {"devices": [None] * world, "name": ["cpu"] * world, "default": "gloo",
-                "weights": "gloo", "trainers": "gloo",
-                "line": f"devices: {world} ranks on the CPU, every group over gloo"}
-    devices = [(r % local_world) % n_gpus for r in ranks]
-    where = [(r // local_world, devices[r]) for r in ranks]
-    backend = lambda group: "nccl" if len({where[r] for r in group}) == len(group) else "gloo"
-    plan = {"devices": devices, "name": [f"cuda:{d}" for d in devices], "default": backend(ranks),
-            "weights": backend([0] + gens), "trainers": backend(trainers)}
-    shared = len(set(where)) < world
-    plan["line"] = (f"devices: {world} ranks on {min(n_gpus, local_world)} GPU(s) per node, "
-                    f"round-robin ({'some ranks share a GPU' if shared else 'one GPU per rank'}); "
-                    f"weight broadcast over {plan['weights']}, gradients over {plan['trainers']}"
-                    + (" (nccl cannot join two ranks on one GPU)"
-                       if "gloo" in plan.values() else ""))
-    return plan
-
-
-def on_trainer0(ctx, step, evaluate):
-    """A held-out eval on trainer 0; the other trainers wait on the store."""
-    if ctx is None:
-        return evaluate()
-    if ctx.rank != 0:
-        return wait_for_eval(ctx, step)
-    set_status(ctx, f"evaluating step {step}")
-    evaluate()
-    done_evaluating(ctx, step)
-
-
-def done_evaluating(ctx, step):
-    set_status(ctx, f"evaluated step {step}")
-    ctx.store.set("evaluated", str(step))
-
-
-def wait_for_eval(ctx, step):
-    wait_until(ctx,
-               lambda: ctx.store.check(["evaluated"]) and int(ctx.store.get("evaluated")) >= step,
-               f"trainer 0's held-out eval at step {step}")
-
-
-def finish(ctx):
-    """Clean shutdown: the heartbeat joined first, then the ranks part."""
-    set_status(ctx, "finished")
-    ctx.store.add("finished", 1)
-    ctx.stopping.set()
-    ctx.heartbeat.join(timeout=ctx.timeout)
-    dist.barrier(group=ctx.rollouts)
-    dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------
 # data plane
@@ -255,18 +83,6 @@ def unpack_group(rows):
             "correct": [bool(c) for c in rows[:, 5].tolist()], "rewards": rows[:, 6].tolist()}
 
 
-def weight_buckets(tensors, bucket_mb):
-    """Tensors in consecutive same-dtype buckets of at most bucket_mb."""
-    buckets, size = [], 0
-    for t in tensors:
-        if not buckets or buckets[-1][-1].dtype != t.dtype or size + t.nbytes > bucket_mb * 2 ** 20:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += t.nbytes
-    return buckets
-
-
 def whole_weights(model, dtype=None):
     """The parameters made whole one at a time, cast to dtype."""
     for _, p in model.named_parameters():
@@ -307,37 +123,6 @@ def broadcast_weights(ctx, model, bucket_mb, into=None):
             offset += t.numel()
         nbytes += flat.nbytes
     return nbytes
-
-
-GRAD_BUCKET_MB = 64
-
-
-def all_reduce_grads(ctx, params, bucket_mb=GRAD_BUCKET_MB):
-    """Sum the trainers' gradients, in float32 buckets, once per step."""
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for bucket in weight_buckets(params, bucket_mb):
-        flat = torch.cat([p.grad.reshape(-1).float() for p in bucket])
-        dist.all_reduce(flat, group=ctx.trainers)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p))
-
-
-def all_reduce_stats(ctx, sums, maxes=None):
-    """Sum (and max) small dicts over the trainers."""
-    if ctx is None:
-        return sums, maxes or {}
-    device = ctx.device
-    v = torch.tensor([float(x) for x in sums.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(v, group=ctx.trainers)
-    sums = dict(zip(sums, v.tolist()))
-    if maxes:
-        m = torch.tensor([float(x) for x in maxes.values()], dtype=torch.float64, device=device)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ctx.trainers)
-        maxes = dict(zip(maxes, m.tolist()))
-    return sums, maxes or {}
 
 # -----------------------------------------------------------------------------
 # rollout sources
@@ -488,7 +273,7 @@ class RemoteRollouts:
 
     def close(self, version):
         drain(self.ctx, version)
-        finish(self.ctx)
+        part(self.ctx)
 
 # -----------------------------------------------------------------------------
 # the trainers' side
@@ -497,7 +282,7 @@ class RemoteRollouts:
 def _receive_one(ctx):
     rows = torch.empty(ctx.samples, HEADER + 4 * ctx.length)
     dist.irecv(rows, src=None, group=ctx.rollouts, tag=1).wait(timedelta(seconds=ctx.timeout))
-    ctx.received += 1
+    ctx.live.received += 1
     return rows
 
 
@@ -506,14 +291,14 @@ def receive_groups(ctx, step):
     rank, k, B = ctx.rank, ctx.k, ctx.prompts
     want = [gi for gi in range(step * B, (step + 1) * B)
             if trainer_of(gi, B, ctx.n_trainers) == rank]
-    early, stats = ctx.early, {"too_old": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
+    early, stats = ctx.live.early, {"too_old": 0, "received": 0, "wait_s": 0.0, "gen_tokens": 0}
     while any(gi not in early for gi in want):
         missing = [gi for gi in want if gi not in early]
-        stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx.received
+        stats["wait_s"] += wait_until(ctx, lambda: get_int(ctx, f"sent/{rank}") > ctx.live.received
                                       or get_int(ctx, "exhausted") > 0,
                                       f"rollouts for step {step + 1} "
                                       f"(groups {missing[0]}..{missing[-1]})")
-        if get_int(ctx, f"sent/{rank}") <= ctx.received:
+        if get_int(ctx, f"sent/{rank}") <= ctx.live.received:
             break
         group = unpack_group(_receive_one(ctx))
         ctx.store.add(f"received_from/{group['gen_rank']}/{rank}", 1)
@@ -587,42 +372,13 @@ def set_sharded_state(model, opt, state):
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def generator_stats(ctx):
-    store, out = ctx.store, []
-    for r in range(ctx.n_trainers, ctx.world):
-        out.append(json.loads(store.get(f"genstats/{r}")) if store.check([f"genstats/{r}"]) else {})
-    return out
-
-
-def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
-    """Trainer 0's per-step view of both roles: busy fractions, sync speed, tokens/s."""
-    wait_s = rstats["wait_s"]
-    now = generator_stats(ctx)
-    before = ctx.genstats_before or [{}] * len(now)
-    d = [{key: s.get(key, 0.0) - b.get(key, 0.0) for key in ("wall", "idle", "sync", "tokens")}
-         for s, b in zip(now, before)]
-    # a generator that has not published since keeps its old counters
-    ctx.genstats_before = [s if x["wall"] > 0 else b for s, b, x in zip(now, before, d)]
-    busy = [(x["wall"] - x["idle"] - x["sync"]) / x["wall"] for x in d if x["wall"] > 0]
-    if busy:
-        ctx.gen_rates = {"gen_busy": sum(busy) / len(busy),
-                         "gen_tok_s": sum(x["tokens"] / x["wall"] for x in d if x["wall"] > 0)}
-    return {**ctx.gen_rates, "train_busy": train_s / dt,
-            "wait_ms": wait_s * 1000, "sync_ms": sync_s * 1000,
-            "sync_MBps": sync_bytes / 1e6 / sync_s if sync_s else 0.0,
-            "retired": sum(s.get("retired", 0) for s in now),
-            "epoch": max((s.get("epoch", 0) for s in now), default=0),
-            **({"gen_peak_gb": max(s["peak_gb"] for s in now if s.get("peak_gb"))}
-               if any(s.get("peak_gb") for s in now) else {})}
-
-
 def drain(ctx, step):
     """After the last step: stop the generators, take the groups in flight."""
     if ctx.rank == 0:
         ctx.store.set("last_step", str(step))
         ctx.store.set("stop", "1")
     wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx.n_gens, "the generators to stop")
-    while get_int(ctx, f"sent/{ctx.rank}") > ctx.received:
+    while get_int(ctx, f"sent/{ctx.rank}") > ctx.live.received:
         _receive_one(ctx)
 
 # -----------------------------------------------------------------------------

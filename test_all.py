@@ -53,6 +53,7 @@ import faults
 import generate as gen
 import pipeline
 import plots
+import ranks
 from plan import (PlanRun, in_flight, memory_plan, plan_activations, plan_param_count, plan_shape,
                   plan_trainer)
 import runs
@@ -429,7 +430,7 @@ def test_loss_advantages_match_statistics(norm):
 
 def test_loss_batch_advantages_split_over_trainers_equal_one_batch():
     """Two trainers, each with some prompt groups of the batch, normalize by the whole batch's std when
-    all_sum adds their sums (as pipeline.all_reduce_stats does): the same A as one trainer with all rows."""
+    all_sum adds their sums (as ranks.all_reduce_stats does): the same A as one trainer with all rows."""
     rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 0.5, 1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     group = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])
     whole = advantages(rewards, group, "batch")
@@ -3216,17 +3217,16 @@ def test_busy_metrics_keep_the_last_rates_while_no_generator_has_published():
             return all(k in self for k in keys)
 
     store = Store()
-    ctx = pipeline.Context(rank=0, world=2, n_trainers=1, n_gens=1, role="trainer", device="cpu", timeout=1,
-                           mode="pipeline", k=8, prompts=1, samples=1, fsdp=False, store=store, weights=None,
-                           trainers=None, rollouts=None)
+    ctx = ranks.Context(rank=0, world=2, n_trainers=1, n_gens=1, device="cpu", timeout=1, mode="pipeline", k=8,
+                        prompts=1, samples=1, store=store, weights=None, trainers=None, rollouts=None)
     rstats = {"wait_s": 0.0}
     store["genstats/1"] = json.dumps({"wall": 1.0, "idle": 0.5, "sync": 0.0, "tokens": 100})
-    first = pipeline.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)
+    first = ranks.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)
     assert math.isclose(first["gen_busy"], 0.5) and math.isclose(first["gen_tok_s"], 100)
-    again = pipeline.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)  # nothing published since
+    again = ranks.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)  # nothing published since
     assert math.isclose(again["gen_busy"], 0.5) and math.isclose(again["gen_tok_s"], 100)
     store["genstats/1"] = json.dumps({"wall": 2.0, "idle": 0.5, "sync": 0.25, "tokens": 500})
-    later = pipeline.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)
+    later = ranks.busy_metrics(ctx, 0.05, rstats, 0.01, 0.0, 0)
     assert math.isclose(later["gen_busy"], 0.75) and math.isclose(later["gen_tok_s"], 400)
 
 
@@ -3979,7 +3979,7 @@ def test_pipeline_pack_unpack_round_trip():
 
 
 def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
-    plan = pipeline.device_plan
+    plan = ranks.device_plan
     one = plan(2, 2, 1, [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
     assert one["name"] == ["cuda:0", "cuda:0"] and (one["default"], one["weights"], one["trainers"]) == ("gloo", "gloo", "nccl")
     assert "share a GPU" in one["line"] and "weight broadcast over gloo" in one["line"]
@@ -4029,7 +4029,7 @@ def _broadcast_rank(rank, world, port, out):
                       MASTER_PORT=str(port))
     args = types.SimpleNamespace(gen_ranks=world - 1, prompts=1, samples=1, device="cpu", timeout=60,
                                  mode="pipeline", max_lag=8, heartbeat_timeout=30, fsdp=False)
-    ctx = pipeline.setup(args)
+    ctx = ranks.setup(args)
     model = tiny_model(seed=rank)  # every rank starts from different weights
     for bucket_mb in (0, 256):  # one bucket per parameter; everything in one bucket
         if rank == 0:
@@ -4041,7 +4041,7 @@ def _broadcast_rank(rank, world, port, out):
         else:
             pipeline.broadcast_weights(ctx, model, bucket_mb)
         torch.save(model.state_dict(), os.path.join(out, f"rank{rank}-{bucket_mb}.pt"))
-    pipeline.finish(ctx)
+    ranks.part(ctx)
 
 
 def test_pipeline_broadcast_makes_generators_bit_identical(tmp_path):
@@ -4312,16 +4312,16 @@ def test_pipeline_a_dead_or_stalled_rank_stops_the_other(tmp_path):
 def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
     """A held-out eval may take longer than --timeout: the other ranks wait on the store meanwhile."""
     store = torch.distributed.HashStore()
-    trainer0, trainer1, generator = (types.SimpleNamespace(store=store, rank=r, n_trainers=2, timeout=0.2, status="")
-                                     for r in range(3))
+    trainer0, trainer1, generator = (types.SimpleNamespace(store=store, rank=r, n_trainers=2, timeout=0.2,
+                                                           live=ranks.Live()) for r in range(3))
     faults.set_status(trainer0, "training step 3")
     with pytest.raises(TimeoutError, match=r"rank 2 \(generator\) waited 0.2 s for weights"):
         faults.wait_until(generator, lambda: False, "weights")
     faults.set_status(trainer0, "evaluating step 3")
-    done = threading.Timer(0.7, pipeline.done_evaluating, (trainer0, 3))  # 3 deadlines later
+    done = threading.Timer(0.7, ranks.done_evaluating, (trainer0, 3))  # 3 deadlines later
     done.start()
     t0 = time.time()
-    pipeline.wait_for_eval(trainer1, 3)
+    ranks.wait_for_eval(trainer1, 3)
     assert 0.6 < time.time() - t0 < 5 and store.get("status/0") == b"evaluated step 3"
     with pytest.raises(TimeoutError, match="rank 2 .generator. waited 0.2 s for weights"):  # the deadline is back
         faults.wait_until(generator, lambda: False, "weights")
@@ -4350,7 +4350,7 @@ def test_pipeline_waits_keep_no_deadline_while_the_generators_eval_makes_progres
     """The generators' held-out eval shares their time with training groups: a trainer's wait for rollouts runs
     out only after --timeout without the eval's progress (its counter in the store), not while it goes on."""
     store = torch.distributed.HashStore()
-    trainer = types.SimpleNamespace(store=store, rank=0, n_trainers=1, timeout=0.5, status="")
+    trainer = types.SimpleNamespace(store=store, rank=0, n_trainers=1, timeout=0.5, live=ranks.Live())
     stop = time.time() + 1.5  # 3 deadlines
     bumps = threading.Thread(target=lambda: [(store.add("eval_progress", 1), time.sleep(0.05))
                                              for _ in range(32)])
@@ -4522,8 +4522,8 @@ def _all_reduce_rank(rank, world, port, out):
     params = [torch.nn.Parameter(torch.zeros(len(x), dtype=x.dtype)) for x in _grads_of_rank(0)]
     for p, x in zip(params, _grads_of_rank(rank)):
         p.grad = x
-    pipeline.all_reduce_grads(types.SimpleNamespace(trainers=torch.distributed.group.WORLD), params,
-                              bucket_mb=100 / 2 ** 20)  # 100-byte buckets: several
+    ranks.all_reduce_grads(types.SimpleNamespace(trainers=torch.distributed.group.WORLD), params,
+                           bucket_mb=100 / 2 ** 20)  # 100-byte buckets: several
     if rank == 0:
         torch.save([p.grad for p in params], out)
     torch.distributed.destroy_process_group()

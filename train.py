@@ -32,6 +32,7 @@ from data import (format_prompt, load_source_problems, prompts_ids, read_jsonl, 
 import faults
 import pipeline
 import plan
+import ranks
 from generate import check_supported, packed_logprobs
 from loss import (OBJECTIVES, advantages, agg_counts, clip_eps, drift_by_lag, forgetting,
                   ratio_stats, row_weights, zero_variance_keep)
@@ -416,7 +417,7 @@ class Trainer:
 
     def all_sum(self, sums):
         """Sum a dict over the trainer ranks."""
-        return pipeline.all_reduce_stats(self.ctx, sums)[0]
+        return ranks.all_reduce_stats(self.ctx, sums)[0]
 
     def any(self, flag):
         return self.all_sum({"flag": bool(flag)})["flag"] > 0
@@ -445,7 +446,7 @@ class Trainer:
     def reduce_grads(self):
         """Sum the trainers' gradients."""
         if self.ctx is not None:
-            pipeline.all_reduce_grads(self.ctx, self.master or list(self.model.parameters()))
+            ranks.all_reduce_grads(self.ctx, self.master or list(self.model.parameters()))
 
     def copy_master(self):
         """The model's weights := the float32 copies."""
@@ -519,7 +520,7 @@ class ShardedTrainer(Trainer):
     def micro_batches(self, batch):
         """A trainer with fewer micro-batches runs empty passes: each is a chain of collectives."""
         parts = super().micro_batches(batch)
-        self.n_all = int(pipeline.all_reduce_stats(self.ctx, {}, {"n": len(parts)})[1]["n"])
+        self.n_all = int(ranks.all_reduce_stats(self.ctx, {}, {"n": len(parts)})[1]["n"])
         self.done = 0
         self.forward.set_requires_gradient_sync(not self.sync_once or self.n_all == 1)
         for _ in range(len(parts), self.n_all):
@@ -644,7 +645,7 @@ def save(rec, env, trainer, source):
 @dataclass
 class Setup:
     args: object
-    ctx: object  # pipeline.Context; None for one process
+    ctx: object  # ranks.Context; None for one process
     rank0: bool
     log: object
     train: list
@@ -668,7 +669,7 @@ def start(args):
     log = metrics_log(args, rank0)  # checks --wandb/--tensorboard before ranks wait
     note_toy_model(args, args.data, "--data", "trains")
     ckpt, state = resume_point(args, quiet=not rank0)
-    ctx = pipeline.setup(args)
+    ctx = ranks.setup(args)
     if ctx is None and pick_device(args).type == "cpu":
         print(f"torch threads: {pick_threads()} of {os.cpu_count()} cores", flush=True)
     torch.manual_seed(args.seed)
@@ -680,9 +681,8 @@ def start(args):
                              max(map(len, train_ids + val_ids)), phrase_len)):
         sys.exit(f"error: {why}")
     if ctx:  # a packed rollout row's tokens per sample
-        pipeline.start(ctx, state.get("step", 0),
-                       max(map(len, train_ids)) + args.think_budget + args.answer_budget +
-                       phrase_len)
+        ranks.meet(ctx, state.get("step", 0),
+                   max(map(len, train_ids)) + args.think_budget + args.answer_budget + phrase_len)
     return Setup(args, ctx, rank0, log, train, val, train_ids, val_ids, tokenizer, model,
                  model_dir, ckpt, state)
 
@@ -803,7 +803,7 @@ def serve_rollouts(args):
     path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.json")
     pipeline.run_generator(env.ctx, args, env.model, env.tokenizer, env.train, env.train_ids,
                            env.state.get("step", 0), path, env.val, env.val_ids)
-    pipeline.finish(env.ctx)
+    ranks.part(env.ctx)
 
 
 def summary(args, seconds):
@@ -829,7 +829,7 @@ if __name__ == "__main__":
     if not args.eval_only:  # an eval has nothing to save
         faults.stop_on_signals()
     # under torchrun the last --gen_ranks ranks serve rollouts
-    entry = serve_rollouts if pipeline.generator_rank(args) else main
+    entry = serve_rollouts if ranks.generator_rank(args.gen_ranks) else main
     one = int(os.environ.get("WORLD_SIZE", "1")) == 1
     try:
         entry(args)
