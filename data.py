@@ -2,12 +2,14 @@
 data.py: problems in, prompts out, and the curriculum that picks them (paper sections 2, 3.2).
 
 Start at load_source_problems (jsonl or a Hub dataset -> math or code problems), then
-format_prompt, score_samples and Curriculum (No-Positive-Resampling).
+format_prompt, score_samples, Curriculum (No-Positive-Resampling) and Prompts (a
+generator's share of the curriculum).
 
     python data.py FILE_OR_HUB_ID      # the count and the first problem
 """
 
 import contextlib
+import copy
 import errno
 import json
 import math
@@ -384,6 +386,40 @@ class Curriculum:
         self.epoch, self.pos, self.order = state["epoch"], state["pos"], list(state["order"])
         self.history = {int(k): list(v) for k, v in state["history"].items()}
         self.retired = set(state["retired"])
+
+
+class Prompts:
+    """No-Positive-Resampling over generator g's prompts (every n_gens-th): the curriculum, and per
+    batch in flight the state a resume there starts from."""
+
+    def __init__(self, n_problems, g, n_gens, batch, seed, npr, saved=None):
+        self.mine, self.batch = list(range(g, n_problems, n_gens)), batch
+        self.curriculum = Curriculum(len(self.mine), seed + 1 + g)
+        if saved:
+            self.curriculum.load_state_dict(saved)
+        self.curriculum.npr = npr  # the flag of this run, whatever the saved state says
+        self.at = {}
+
+    def pick(self, gi):
+        """Group gi's slot in self.mine; StopIteration once every prompt is retired."""
+        # the first pick of a batch: what a resume at that step starts from
+        if gi // self.batch not in self.at:
+            self.at[gi // self.batch] = copy.deepcopy(self.curriculum)
+        (c,) = self.curriculum.next_batch(1)
+        return c
+
+    def record(self, gi, c, pass_rate):
+        """A pass rate into the curriculum and into the resume copies of the batches after gi's
+        (which started before this group of an earlier batch finished)."""
+        for curriculum in [self.curriculum] + [s for b, s in self.at.items()
+                                               if gi // self.batch < b]:
+            curriculum.record(c, pass_rate)
+
+    def state_at(self, step):
+        return self.at.get(step, self.curriculum)
+
+    def forget_before(self, version):
+        self.at = {b: c for b, c in self.at.items() if b >= version}
 
 
 if __name__ == "__main__":

@@ -10,10 +10,9 @@ wait has a deadline (faults.py).
 
 --mode pipeline (PipelineRL-k): generators never stop, take new weights between decode steps, and
 admit_ok keeps every token at most k versions old. ppo_offpolicy: k batches on frozen weights.
-sync: k = 1.
+sync: k = 1. Each rule is one section below: "PipelineRL-k: the lag rule", "the weight exchange".
 """
 
-import copy
 import json
 import math
 import os
@@ -25,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from data import Curriculum, score_samples, special_tokens
+from data import Prompts, score_samples, special_tokens
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
 from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
@@ -38,12 +37,6 @@ HEADER = 8
 
 # -----------------------------------------------------------------------------
 # data plane
-
-
-def admit_ok(gi, version, k, prompts):
-    """PipelineRL-k: start group gi at weights `version` only if its batch is at most k ahead; a
-    sample older than k is never made."""
-    return gi // prompts <= version + k
 
 
 def trainer_of(gi, prompts, n_trainers):
@@ -83,46 +76,6 @@ def unpack_group(rows):
             "correct": [bool(c) for c in rows[:, 5].tolist()], "rewards": rows[:, 6].tolist()}
 
 
-def whole_weights(model, dtype=None):
-    """The parameters made whole one at a time, cast to dtype."""
-    for _, p in model.named_parameters():
-        yield whole(p if dtype is None else p.to(dtype))
-
-
-def whole(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-@torch.no_grad()
-def send_weights(ctx, model, bucket_mb, dtype):
-    """Trainer 0 broadcasts the weights by buckets (--fsdp: every trainer helps make each whole) ->
-    bytes."""
-    metas = [torch.empty(p.shape, dtype=dtype, device="meta") for _, p in model.named_parameters()]
-    whole, nbytes = whole_weights(model, dtype), 0
-    for bucket in weight_buckets(metas, bucket_mb):
-        parts = [next(whole) for _ in bucket]
-        if ctx.rank == 0:
-            flat = torch.cat([t.reshape(-1) for t in parts])
-            dist.broadcast(flat, src=0, group=ctx.weights)
-            nbytes += flat.nbytes
-    return nbytes
-
-
-@torch.no_grad()
-def broadcast_weights(ctx, model, bucket_mb, into=None):
-    """A generator's side of send_weights, into its parameters or `into` -> bytes."""
-    params, nbytes = [p for _, p in model.named_parameters()], 0
-    for bucket, targets in zip(weight_buckets(params, bucket_mb),
-                               weight_buckets(into or params, bucket_mb)):
-        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
-                           device=bucket[0].device)
-        dist.broadcast(flat, src=0, group=ctx.weights)
-        offset = 0
-        for t in targets:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-        nbytes += flat.nbytes
-    return nbytes
 
 # -----------------------------------------------------------------------------
 # rollout sources
@@ -133,7 +86,7 @@ class LocalRollouts:
 
     def __init__(self, args, model, tokenizer, problems, prompt_ids, version, saved=None):
         self.args, self.done, self.said = args, [], False
-        self.gen = new_generator(args, model, tokenizer, problems, prompt_ids, 0, 1, version,
+        self.gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, 0, 1, version,
                                  self.done.append, saved)
         self.share = args.prompts
 
@@ -147,15 +100,15 @@ class LocalRollouts:
         B = self.args.prompts
         peak_gb(gen.model)
         items = admit(gen, range(step * B, (step + 1) * B))
-        if gen.exhausted:
+        if gen.sampling.exhausted:
             return [], {}
         start_sampler(gen, step, say=None if self.said else self.say)
         sampler_step(gen, items, step)
-        while gen.open:
+        while gen.sampling.open:
             if STOP:
                 return None, None
             sampler_step(gen, [], step)
-        gen.steps.close()
+        gen.sampling.steps.close()
         sampled = time.time()
         finish_groups(gen, wait=True)
         groups = sorted(self.done, key=lambda g: g["gi"])
@@ -314,23 +267,6 @@ def receive_groups(ctx, step):
     return got, stats
 
 
-def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
-    """After a step: announce version `step`, broadcast it (every k steps unless pipeline)."""
-    if (last or step % (1 if ctx.mode == "pipeline" else ctx.k)
-            or (ctx.rank != 0 and not trainer.sharded)):
-        return 0.0, 0
-    t0 = time.time()
-    set_status(ctx, f"broadcasting weights version {step}")
-    if ctx.rank == 0:
-        ctx.store.set("version", str(step))
-    nbytes = send_weights(ctx, trainer.model, bucket_mb, dtype)
-    if ctx.rank != 0:
-        return 0.0, 0
-    if str(ctx.device).startswith("cuda"):  # nccl returns before the transfer ends
-        torch.cuda.synchronize(ctx.device)
-    return time.time() - t0, nbytes
-
-
 class LogProbs(torch.nn.Module):
     """The trainer's forward as one module, for FSDP2's hooks."""
 
@@ -382,49 +318,59 @@ def drain(ctx, step):
         _receive_one(ctx)
 
 # -----------------------------------------------------------------------------
-# a generator
+# a generator: its state, one small dataclass per role, then sampling, verifying and evals
 
 
 @dataclass
-class Generator:
-    """A generator's state: on a generator rank, or inside the one-process loop."""
-    args: object
-    model: object
-    tokenizer: object
-    problems: list
-    prompt_ids: list
-    index: int
-    n_gens: int
-    prompts: object  # Prompts
-    send: object
-    start_version: int
-    version: int
-    steps: object = None
+class SamplerState:
+    """The sampler and the groups admitted to it; an open group waits for its last sample."""
+    start_version: int  # this generator's group indices count from this batch (next_groups)
+    steps: object = None  # the generate.sampler coroutine
     slots: int = 0
     free: int = 0
     admitted: int = 0
     exhausted: bool = False
     open: dict = field(default_factory=dict)
     tokens: int = 0
+
+
+@dataclass
+class Verifier:
+    """Finished groups, verified in one thread beside the sampler, then sent in order."""
+    send: object  # a verified group -> its trainer (or the one-process batch)
     verifying: list = field(default_factory=list)
-    verifier: object = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
-    # held-out evals
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
+
+
+@dataclass
+class EvalShare:
+    """This generator's share of the held-out eval of one weights version."""
     val: list = None
     val_ids: list = None
-    eval_version: int = None
-    eval_items: list = field(default_factory=list)
-    eval_want: int = 0
-    eval_t0: float = 0.0
-    eval_shown: float = 0.0
-    eval_done: dict = field(default_factory=dict)
+    version: int = None  # the version under eval; None between evals
+    items: list = field(default_factory=list)  # not yet given to the sampler
+    want: int = 0
+    t0: float = 0.0
+    shown: float = 0.0
+    done: dict = field(default_factory=dict)
     evaluated: set = field(default_factory=set)
-    report_eval: object = None
+    report: object = None
+
+
+@dataclass
+class WeightState:
+    """The weights version in the model, and newer weights staged on the host during an eval."""
+    version: int
     staged: list = None
     staged_version: int = -1
-    # a generator rank: sends in flight, and its time
+
+
+@dataclass
+class RankState:
+    """A generator rank's sends in flight, its curriculum file, and where its time went."""
+    pruned: list  # per trainer: the sends already waited on and forgotten
+    curriculum_path: str
     sends: list = field(default_factory=list)
-    pruned: list = None
-    curriculum_path: str = ""
     t0: float = field(default_factory=time.time)
     idle: float = 0.0
     idle_since: float = None
@@ -433,10 +379,30 @@ class Generator:
     last_stats: float = 0.0
 
 
-def new_generator(args, model, tokenizer, problems, prompt_ids, g, n_gens, version, send,
+@dataclass
+class GenState:
+    """A generator: on a generator rank, or inside the one-process loop."""
+    args: object
+    model: object
+    tokenizer: object
+    problems: list
+    prompt_ids: list
+    index: int
+    n_gens: int
+    prompts: Prompts  # No-Positive-Resampling over this generator's prompts (data.py)
+    sampling: SamplerState
+    verifier: Verifier
+    weights: WeightState
+    evals: EvalShare = field(default_factory=EvalShare)
+    rank: RankState = None  # a generator rank only
+
+
+def new_gen_state(args, model, tokenizer, problems, prompt_ids, g, n_gens, version, send,
                   saved=None):
-    return Generator(args, model, tokenizer, problems, prompt_ids, g, n_gens,
-                     Prompts(len(problems), g, n_gens, args, saved), send, version, version)
+    prompts = Prompts(len(problems), g, n_gens, args.prompts, args.seed,
+                      args.no_positive_resampling, saved)
+    return GenState(args, model, tokenizer, problems, prompt_ids, g, n_gens, prompts,
+                    SamplerState(version), Verifier(send), WeightState(version))
 
 
 def sampler_most(args, ctx):
@@ -445,11 +411,11 @@ def sampler_most(args, ctx):
 
 
 def start_sampler(gen, version, k=0, say=None):
-    longest = max(map(len, gen.prompt_ids + (gen.val_ids or [])))
-    gen.steps = make_sampler(gen.model, gen.tokenizer, gen.args, longest, version, say=say,
-                             most=in_flight(gen.args, gen.n_gens, k))
-    _, gen.free = next(gen.steps)
-    gen.slots = gen.free
+    longest = max(map(len, gen.prompt_ids + (gen.evals.val_ids or [])))
+    gen.sampling.steps = make_sampler(gen.model, gen.tokenizer, gen.args, longest, version,
+                                      say=say, most=in_flight(gen.args, gen.n_gens, k))
+    _, gen.sampling.free = next(gen.sampling.steps)
+    gen.sampling.slots = gen.sampling.free
 
 
 def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, say=None,
@@ -494,37 +460,6 @@ def length_control(args):
     return False, lambda lengths: length_penalty(lengths, l_max, args.l_cache or l_max // 7)
 
 
-class Prompts:
-    """No-Positive-Resampling over generator g's prompts (every n_gens-th): the curriculum, and per
-    batch in flight the state a resume there starts from."""
-
-    def __init__(self, n_problems, g, n_gens, args, saved=None):
-        self.mine, self.batch = list(range(g, n_problems, n_gens)), args.prompts
-        self.curriculum = Curriculum(len(self.mine), args.seed + 1 + g)
-        if saved:
-            self.curriculum.load_state_dict(saved)
-        self.curriculum.npr = args.no_positive_resampling
-        self.at = {}
-
-    def pick(self, gi):
-        """Group gi's slot in self.mine; StopIteration once every prompt is retired."""
-        if gi // self.batch not in self.at:
-            self.at[gi // self.batch] = copy.deepcopy(self.curriculum)
-        (c,) = self.curriculum.next_batch(1)
-        return c
-
-    def record(self, gi, c, pass_rate):
-        for curriculum in [self.curriculum] + [s for b, s in self.at.items()
-                                               if gi // self.batch < b]:
-            curriculum.record(c, pass_rate)
-
-    def state_at(self, step):
-        return self.at.get(step, self.curriculum)
-
-    def forget_before(self, version):
-        self.at = {b: c for b, c in self.at.items() if b >= version}
-
-
 def group_items(prompt, gi, G):
     """Group gi's items: sample j's noise key is gi * 1024 + j, whoever samples it."""
     return [(prompt, gi * 1024 + j, (gi, j)) for j in range(G)]
@@ -532,94 +467,95 @@ def group_items(prompt, gi, G):
 
 def admit(gen, gis):
     """A group per global index -> sampler items."""
-    items, G = [], gen.args.samples
+    s, items, G = gen.sampling, [], gen.args.samples
     for gi in gis:
         try:
             c = gen.prompts.pick(gi)
         except StopIteration as err:
             print(f"generator {gen.index}: {err}", flush=True)
-            gen.exhausted = True
+            s.exhausted = True
             break
-        gen.admitted += 1
-        gen.open[gi] = {"c": c, "samples": [None] * G}
+        s.admitted += 1
+        s.open[gi] = {"c": c, "samples": [None] * G}
         items += group_items(gen.prompt_ids[gen.prompts.mine[c]], gi, G)
     return items
 
 
 def sampler_step(gen, items, version, evals=()):
     """One sampler step; completed groups go to the verifier."""
-    finished, gen.free = gen.steps.send((list(evals) + items, version))
+    s, e = gen.sampling, gen.evals
+    finished, s.free = s.steps.send((list(evals) + items, version))
     for (gi, j), sample in finished:
-        gen.tokens += len(sample.tokens)
+        s.tokens += len(sample.tokens)
         if gi == "eval":
-            gen.eval_done[j] = sample
+            e.done[j] = sample
             continue
-        group = gen.open[gi]
+        group = s.open[gi]
         group["samples"][j] = sample
         if all(group["samples"]):
-            del gen.open[gi]
+            del s.open[gi]
             verify_beside(gen, gi, group["c"], group["samples"])
-    if gen.eval_version is not None and len(gen.eval_done) == gen.eval_want:
+    if e.version is not None and len(e.done) == e.want:
         finish_eval(gen)
     finish_groups(gen)
 
 
 def verify_beside(gen, gi, c, samples):
     """Verify a group in the verifier's thread while decoding goes on."""
+    # scoring (a code group: its tests in the sandbox) would stall many decode steps
     problems = [gen.problems[gen.prompts.mine[c]]] * len(samples)
-    future = gen.verifier.submit(score_samples, gen.tokenizer, samples, problems,
-                                 unsafe_code=gen.args.unsafe_code_exec)
-    gen.verifying.append((gi, c, samples, future))
+    future = gen.verifier.pool.submit(score_samples, gen.tokenizer, samples, problems,
+                                      unsafe_code=gen.args.unsafe_code_exec)
+    gen.verifier.verifying.append((gi, c, samples, future))
 
 
 def finish_groups(gen, wait=False):
     """Verified groups, in order: record pass rates (and in the resume copies), send."""
-    while gen.verifying and (wait or gen.verifying[0][3].done()):
-        gi, c, samples, future = gen.verifying.pop(0)
+    v = gen.verifier
+    while v.verifying and (wait or v.verifying[0][3].done()):
+        gi, c, samples, future = v.verifying.pop(0)
         _, correct, rewards = future.result()
         i = gen.prompts.mine[c]
         gen.prompts.record(gi, c, sum(correct) / len(samples))
-        gen.send({"gi": gi, "index": i, "prompt": gen.prompt_ids[i], "samples": samples,
-                  "correct": correct, "rewards": rewards})
+        v.send({"gi": gi, "index": i, "prompt": gen.prompt_ids[i], "samples": samples,
+                "correct": correct, "rewards": rewards})
 
 
-EVAL_SHARE = 0.5
+EVAL_SHARE = 0.5  # at most this share of the slots: training groups keep flowing during an eval
 
 
 def start_eval(gen, version):
-    gen.eval_version, gen.eval_done, gen.eval_t0 = version, {}, time.time()
-    gen.eval_shown = gen.eval_t0
-    gen.eval_items = held_out_items(gen.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
-    gen.eval_want = len(gen.eval_items)
+    e = gen.evals
+    e.version, e.done, e.t0 = version, {}, time.time()
+    e.shown = e.t0
+    e.items = held_out_items(e.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
+    e.want = len(e.items)
 
 
 def eval_progress(gen, v, done, every=10.0):
     """Every `every` s, the first generator says how far its share of a held-out eval is."""
-    now = time.time()
-    if gen.index == 0 and gen.eval_version is not None and now - gen.eval_shown >= every:
-        gen.eval_shown, spent = now, now - gen.eval_t0
-        eta = f"ETA {(gen.eval_want - done) * spent / done:.0f} s" if done else "none finished yet"
-        print(f"generator 0: held-out eval of step {v}: {done}/{gen.eval_want} samples in "
+    now, e = time.time(), gen.evals
+    if gen.index == 0 and e.version is not None and now - e.shown >= every:
+        e.shown, spent = now, now - e.t0
+        eta = f"ETA {(e.want - done) * spent / done:.0f} s" if done else "none finished yet"
+        print(f"generator 0: held-out eval of step {v}: {done}/{e.want} samples in "
               f"{spent:.0f} s, {eta}", flush=True)
 
 
 def eval_share(gen):
-    running = gen.eval_want - len(gen.eval_items) - len(gen.eval_done)
-    n = max(0, min(max(1, int(gen.slots * EVAL_SHARE)) - running, gen.free))
-    items, gen.eval_items = gen.eval_items[:n], gen.eval_items[n:]
+    e = gen.evals
+    running = e.want - len(e.items) - len(e.done)
+    n = max(0, min(max(1, int(gen.sampling.slots * EVAL_SHARE)) - running, gen.sampling.free))
+    items, e.items = e.items[:n], e.items[n:]
     return items
 
 
 def finish_eval(gen):
-    gen.report_eval(gen.eval_version, score_held_out(gen.tokenizer, gen.eval_done, gen.val,
-                                                     gen.args.unsafe_code_exec))
-    gen.evaluated.add(gen.eval_version)
-    gen.eval_version, gen.eval_done = None, {}
-    if gen.staged_version > gen.version:
-        with torch.no_grad():
-            for p, s in zip((p for _, p in gen.model.named_parameters()), gen.staged):
-                p.copy_(s)
-        take_weights(gen, gen.staged_version)
+    e = gen.evals
+    e.report(e.version, score_held_out(gen.tokenizer, e.done, e.val, gen.args.unsafe_code_exec))
+    e.evaluated.add(e.version)
+    e.version, e.done = None, {}
+    take_staged(gen)
 
 
 EVAL_KEY = 10 ** 12
@@ -640,6 +576,177 @@ def score_held_out(tokenizer, done, val, unsafe_code=False):
             for i, c in zip(idx, correct)]
 
 # -----------------------------------------------------------------------------
+# PipelineRL-k: the lag rule
+# Paper 3.1: generators never stop, and group gi (of batch gi // B) starts only on weights at most
+# k versions behind its batch, so no trained token is older than k, by back-pressure alone: nothing
+# is dropped. PPO-off-policy-k (and sync, k = 1): k batches on frozen weights, then wait.
+
+
+def admit_ok(gi, version, k, prompts):
+    """PipelineRL-k: start group gi at weights `version` only if its batch is at most k ahead; a
+    sample older than k is never made."""
+    return gi // prompts <= version + k
+
+
+def next_groups(ctx, gen, n_groups, version):
+    """This generator's next n_groups group indices (every n_gens-th) that admit_ok lets start."""
+    B, s = ctx.prompts, gen.sampling
+    gis = [s.start_version * B + j * ctx.n_gens + gen.index
+           for j in range(s.admitted, s.admitted + n_groups)]
+    return [gi for gi in gis if admit_ok(gi, version, ctx.k, B)]
+
+
+def generate_round(ctx, gen):
+    """--mode pipeline samples on under the lag rule; ppo_offpolicy and sync freeze the weights."""
+    (generate_pipelined if ctx.mode == "pipeline" else generate_frozen)(ctx, gen)
+
+
+def generate_pipelined(ctx, gen):
+    """PipelineRL-k, one round: new weights, admit what the lag rule allows, sample."""
+    s, e = gen.sampling, gen.evals
+    version = poll(ctx, gen)
+    evals = eval_share(gen)
+    free = s.free - len(evals)
+    items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(free / gen.args.samples),
+                                                version))
+             if free > 0 else [])
+    if items or evals or s.free < s.slots:
+        done, v = len(e.done), e.version
+        sampler_step(gen, items, version, evals)
+        if v is not None and len(e.done) != done:  # restarts the trainers' deadlines
+            ctx.store.add("eval_progress", 1)
+            done = len(e.done)
+            set_status(ctx, f"generating; evaluating step {v} ({done}/{e.want})"
+                       if e.version is not None else "generating")
+            eval_progress(gen, v, done)
+        return
+    if gen.verifier.verifying:
+        finish_groups(gen, wait=True)
+        return
+    wait_idle(ctx, gen,
+              lambda: (next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted")
+                       or e.items),
+              f"weights that let group {next_groups(ctx, gen, 1, 10 ** 9)[0]} start "
+              f"(PipelineRL-{ctx.k})")
+
+
+def generate_frozen(ctx, gen):
+    """ppo_offpolicy / sync, one round: k batches on frozen weights, then wait."""
+    s, v, k, B = gen.sampling, gen.weights.version, ctx.k, ctx.prompts
+    sampler_step(gen, admit_ranked(ctx, gen, [v * B + j for j in
+                                              range(gen.index, (k - v % k) * B, ctx.n_gens)]), v)
+    while s.free < s.slots:
+        poll(ctx, gen, apply=False)
+        sampler_step(gen, [], v)
+    finish_groups(gen, wait=True)
+    wait_idle(ctx, gen, lambda: poll(ctx, gen) >= v + k - v % k,
+              f"weights version {v + k - v % k} (frozen for {k} steps)")
+
+# -----------------------------------------------------------------------------
+# the weight exchange
+# In-flight weight updates (paper 3.1): after each optimizer step trainer 0 broadcasts the weights
+# in flat buckets and a generator takes them between two decode steps, keeping its KV cache, so
+# sampling never stops for a sync (ppo_offpolicy and sync: every k steps, between frozen rounds).
+
+
+def whole_weights(model, dtype=None):
+    """The parameters made whole one at a time, cast to dtype."""
+    for _, p in model.named_parameters():
+        yield whole(p if dtype is None else p.to(dtype))
+
+
+def whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def send_weights(ctx, model, bucket_mb, dtype):
+    """Trainer 0 broadcasts the weights by buckets (--fsdp: every trainer helps make each whole) ->
+    bytes."""
+    metas = [torch.empty(p.shape, dtype=dtype, device="meta") for _, p in model.named_parameters()]
+    whole, nbytes = whole_weights(model, dtype), 0
+    for bucket in weight_buckets(metas, bucket_mb):
+        parts = [next(whole) for _ in bucket]
+        if ctx.rank == 0:
+            flat = torch.cat([t.reshape(-1) for t in parts])
+            dist.broadcast(flat, src=0, group=ctx.weights)
+            nbytes += flat.nbytes
+    return nbytes
+
+
+def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
+    """After a step: announce version `step`, broadcast it (every k steps unless pipeline)."""
+    # ppo_offpolicy: the generators are frozen between rounds of k steps and take no other version
+    if (last or step % (1 if ctx.mode == "pipeline" else ctx.k)
+            or (ctx.rank != 0 and not trainer.sharded)):
+        return 0.0, 0
+    t0 = time.time()
+    set_status(ctx, f"broadcasting weights version {step}")
+    if ctx.rank == 0:
+        ctx.store.set("version", str(step))
+    nbytes = send_weights(ctx, trainer.model, bucket_mb, dtype)
+    if ctx.rank != 0:
+        return 0.0, 0
+    if str(ctx.device).startswith("cuda"):  # nccl returns before the transfer ends
+        torch.cuda.synchronize(ctx.device)
+    return time.time() - t0, nbytes
+
+
+@torch.no_grad()
+def receive_weights(ctx, model, bucket_mb, into=None):
+    """A generator's side of send_weights, into its parameters or `into` -> bytes."""
+    params, nbytes = [p for _, p in model.named_parameters()], 0
+    for bucket, targets in zip(weight_buckets(params, bucket_mb),
+                               weight_buckets(into or params, bucket_mb)):
+        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                           device=bucket[0].device)
+        dist.broadcast(flat, src=0, group=ctx.weights)
+        offset = 0
+        for t in targets:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        nbytes += flat.nbytes
+    return nbytes
+
+
+def update_weights(ctx, gen, version):
+    """poll's weight part: weights `version` into the model, or staged on the host."""
+    t0, w = time.time(), gen.weights
+    set_status(ctx, f"receiving weights version {version}")
+    if gen.evals.version is None:
+        receive_weights(ctx, gen.model, gen.args.bucket_mb)
+        take_weights(gen, version)
+    else:  # an eval samples with its own step's weights to the end: the new ones wait
+        w.staged = w.staged or [torch.empty(p.shape, dtype=p.dtype)
+                                for _, p in gen.model.named_parameters()]
+        receive_weights(ctx, gen.model, gen.args.bucket_mb, into=w.staged)
+        w.staged_version = version
+    gen.rank.sync += time.time() - t0
+    if gen.rank.idle_since is not None:  # receiving counts as sync, not idle
+        gen.rank.idle_since += time.time() - t0
+    set_status(ctx, "generating")
+
+
+def take_staged(gen):
+    """After an eval: the weights staged during it into the model."""
+    if gen.weights.staged_version > gen.weights.version:
+        with torch.no_grad():
+            for p, s in zip((p for _, p in gen.model.named_parameters()), gen.weights.staged):
+                p.copy_(s)
+        take_weights(gen, gen.weights.staged_version)
+
+
+def take_weights(gen, version):
+    """The model holds `version` now: save the curriculum a resume at a checkpoint passed starts
+    from, forget the older resume copies."""
+    every, before = gen.args.save_every, gen.weights.version
+    gen.weights.version = version
+    if every and version // every > before // every:
+        b = version // every * every  # versions may step over b
+        _save_curriculum(gen.prompts.state_at(b), gen.rank.curriculum_path)
+    gen.prompts.forget_before(version)
+
+# -----------------------------------------------------------------------------
 # a generator rank's life
 
 
@@ -650,17 +757,17 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     if args.resume and os.path.exists(curriculum_path):
         with open(curriculum_path) as f:
             saved = json.load(f)
-    gen = new_generator(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
+    gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
                         ctx.n_gens, start_version, lambda group: send_group(ctx, gen, group), saved)
-    gen.pruned, gen.curriculum_path, gen.val, gen.val_ids = ([0] * ctx.n_trainers, curriculum_path,
-                                                             val, val_ids)
-    gen.report_eval = lambda v, records: ctx.store.set(f"eval/{v}/{ctx.rank}", json.dumps(records))
+    gen.rank = RankState([0] * ctx.n_trainers, curriculum_path)
+    gen.evals = EvalShare(val, val_ids, report=lambda v, records: ctx.store.set(
+        f"eval/{v}/{ctx.rank}", json.dumps(records)))
     say = lambda line: print(f"generator rank {ctx.rank}: {line}", flush=True)  # noqa: E731
     start_sampler(gen, start_version, ctx.k, say)
     set_status(ctx, "generating")
     try:
         while True:
-            (generate_pipelined if ctx.mode == "pipeline" else generate_frozen)(ctx, gen)
+            generate_round(ctx, gen)
     except Stopped:
         pass
     last = int(ctx.store.get("last_step"))
@@ -668,139 +775,71 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
-    for _, work, _ in gen.sends:
+    for _, work, _ in gen.rank.sends:
         work.wait(timedelta(seconds=ctx.timeout))
-
-
-def generate_pipelined(ctx, gen):
-    """PipelineRL-k, one round: new weights, admit what the lag rule allows, sample."""
-    version = poll(ctx, gen)
-    evals = eval_share(gen)
-    free = gen.free - len(evals)
-    items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(free / gen.args.samples),
-                                                version))
-             if free > 0 else [])
-    if items or evals or gen.free < gen.slots:
-        done, v = len(gen.eval_done), gen.eval_version
-        sampler_step(gen, items, version, evals)
-        if v is not None and len(gen.eval_done) != done:  # restarts the trainers' deadlines
-            ctx.store.add("eval_progress", 1)
-            done = len(gen.eval_done)
-            set_status(ctx, f"generating; evaluating step {v} ({done}/{gen.eval_want})"
-                       if gen.eval_version is not None else "generating")
-            eval_progress(gen, v, done)
-        return
-    if gen.verifying:
-        finish_groups(gen, wait=True)
-        return
-    gen.idle_since = time.time()
-    wait_until(ctx,
-               lambda: (next_groups(ctx, gen, 1, poll(ctx, gen)) and not get_int(ctx, "exhausted")
-                        or gen.eval_items),
-               f"weights that let group {next_groups(ctx, gen, 1, 10 ** 9)[0]} start "
-               f"(PipelineRL-{ctx.k})")
-    gen.idle += time.time() - gen.idle_since
-    gen.idle_since = None
-
-
-def generate_frozen(ctx, gen):
-    """ppo_offpolicy / sync, one round: k batches on frozen weights, then wait."""
-    v, k, B = gen.version, ctx.k, ctx.prompts
-    sampler_step(gen, admit_ranked(ctx, gen, [v * B + j for j in
-                                              range(gen.index, (k - v % k) * B, ctx.n_gens)]), v)
-    while gen.free < gen.slots:
-        poll(ctx, gen, apply=False)
-        sampler_step(gen, [], v)
-    finish_groups(gen, wait=True)
-    gen.idle_since = time.time()
-    wait_until(ctx, lambda: poll(ctx, gen) >= v + k - v % k,
-               f"weights version {v + k - v % k} (frozen for {k} steps)")
-    gen.idle += time.time() - gen.idle_since
-    gen.idle_since = None
 
 
 def admit_ranked(ctx, gen, gis):
     items = admit(gen, gis)
-    if gen.exhausted and not get_int(ctx, "exhausted"):
+    if gen.sampling.exhausted and not get_int(ctx, "exhausted"):
         ctx.store.add("exhausted", 1)
     return items
 
 
+def wait_idle(ctx, gen, ready, what):
+    """wait_until ready(), the time counted idle."""
+    r = gen.rank
+    r.idle_since = time.time()
+    wait_until(ctx, ready, what)
+    r.idle += time.time() - r.idle_since
+    r.idle_since = None
+
+
 def poll(ctx, gen, apply=True):
     """Stop? New weights? An eval asked? -> the weights version in the model."""
-    if time.time() - gen.last_poll < 0.01:
-        return gen.version
-    gen.last_poll = time.time()
+    w, e = gen.weights, gen.evals
+    if time.time() - gen.rank.last_poll < 0.01:
+        return w.version
+    gen.rank.last_poll = time.time()
     stop_requested(ctx)  # first: a stop after a signal exits with the signal's status
     if ctx.store.get("stop") == b"1":
         raise Stopped
     version = int(ctx.store.get("version"))
-    if apply and version > max(gen.version, gen.staged_version):
-        t0 = time.time()
-        set_status(ctx, f"receiving weights version {version}")
-        if gen.eval_version is None:
-            broadcast_weights(ctx, gen.model, gen.args.bucket_mb)
-            take_weights(gen, version)
-        else:
-            gen.staged = stage_weights(ctx, gen.model, gen.args.bucket_mb, gen.staged)
-            gen.staged_version = version
-        gen.sync += time.time() - t0
-        if gen.idle_since is not None:
-            gen.idle_since += time.time() - t0
-        set_status(ctx, "generating")
-    if (gen.eval_version is None and gen.version not in gen.evaluated
-            and ctx.store.check([f"eval_request/{gen.version}"])):
-        start_eval(gen, gen.version)
+    if apply and version > max(w.version, w.staged_version):
+        update_weights(ctx, gen, version)
+    if (e.version is None and w.version not in e.evaluated
+            and ctx.store.check([f"eval_request/{w.version}"])):
+        start_eval(gen, w.version)
     publish_stats(ctx, gen)
-    return gen.version
-
-
-def take_weights(gen, version):
-    every, before = gen.args.save_every, gen.version
-    gen.version = version
-    if every and version // every > before // every:
-        b = version // every * every  # versions may step over b
-        _save_curriculum(gen.prompts.state_at(b), gen.curriculum_path)
-    gen.prompts.forget_before(version)
-
-
-def stage_weights(ctx, model, bucket_mb, staged=None):
-    staged = staged or [torch.empty(p.shape, dtype=p.dtype) for _, p in model.named_parameters()]
-    broadcast_weights(ctx, model, bucket_mb, into=staged)
-    return staged
+    return w.version
 
 
 def publish_stats(ctx, gen, force=False):
-    now = time.time()
-    if force or now - gen.last_stats > 0.1:
-        gen.last_stats = now
-        idle = gen.idle + (now - gen.idle_since if gen.idle_since else 0.0)
+    now, r = time.time(), gen.rank
+    if force or now - r.last_stats > 0.1:
+        r.last_stats = now
+        idle = r.idle + (now - r.idle_since if r.idle_since else 0.0)
         ctx.store.set(f"genstats/{ctx.rank}", json.dumps({
-            "wall": now - gen.t0, "idle": idle, "sync": gen.sync, "tokens": gen.tokens,
+            "wall": now - r.t0, "idle": idle, "sync": r.sync, "tokens": gen.sampling.tokens,
             "retired": len(gen.prompts.curriculum.retired), "epoch": gen.prompts.curriculum.epoch,
             "peak_gb": peak_gb(gen.model, reset=False)}))
 
 
-def next_groups(ctx, gen, n_groups, version):
-    B = ctx.prompts
-    gis = [gen.start_version * B + j * ctx.n_gens + gen.index
-           for j in range(gen.admitted, gen.admitted + n_groups)]
-    return [gi for gi in gis if admit_ok(gi, version, ctx.k, B)]
-
-
 def send_group(ctx, gen, group):
     """A verified group to its trainer (isend); forget the sends already received."""
-    dst = trainer_of(group["gi"], ctx.prompts, ctx.n_trainers)
+    r, dst = gen.rank, trainer_of(group["gi"], ctx.prompts, ctx.n_trainers)
     rows = pack_group(ctx.rank, group, ctx.length)
-    gen.sends.append((dst, dist.isend(rows, dst=dst, group=ctx.rollouts, tag=1), rows))
+    r.sends.append((dst, dist.isend(rows, dst=dst, group=ctx.rollouts, tag=1), rows))
     ctx.store.add(f"sent/{dst}", 1)
-    if len(gen.sends) > 2 * math.ceil((ctx.k + 1) * ctx.prompts / ctx.n_gens):
+    # an isend's rows must live until received; past twice what can be in flight, forget those
+    # the trainers counted (rarely: a store read per trainer)
+    if len(r.sends) > 2 * math.ceil((ctx.k + 1) * ctx.prompts / ctx.n_gens):
         for t in range(ctx.n_trainers):
             done = get_int(ctx, f"received_from/{ctx.rank}/{t}")
-            for x in [x for x in gen.sends if x[0] == t][:done - gen.pruned[t]]:
+            for x in [x for x in r.sends if x[0] == t][:done - r.pruned[t]]:
                 x[1].wait()
-                gen.sends.remove(x)
-                gen.pruned[t] += 1
+                r.sends.remove(x)
+                r.pruned[t] += 1
 
 
 def _save_curriculum(curriculum, path):

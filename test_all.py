@@ -2318,6 +2318,25 @@ def test_curriculum_epochs_no_positive_resampling_and_resume():
     assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
 
 
+
+def test_prompts_keep_a_resume_copy_per_batch_that_late_groups_of_earlier_batches_still_reach():
+    """data.Prompts, generator 1 of 2 (prompts 1, 3, 5, 7, 9), batches of 2 groups: the copy of batch b is the
+    curriculum before b's first pick; a pass rate of a group of batch b' < b that ends after b started goes into
+    b's copy too (a resume at b has trained it), not into the copies of b' or earlier; forget_before drops the
+    copies a resume can no longer need; the run's flag wins over a saved state's."""
+    p = data.Prompts(10, 1, 2, batch=2, seed=0, npr=True)
+    assert p.mine == [1, 3, 5, 7, 9]
+    picks = [p.pick(gi) for gi in range(4)]  # batches 0 and 1 started
+    assert p.at[0].pos == 0 and p.at[1].pos == 2 and p.state_at(5) is p.curriculum
+    p.record(1, picks[1], 1.0)  # a group of batch 0, finished after batch 1 started: retired in its copy
+    p.record(2, picks[2], 0.5)  # a group of batch 1: not in batch 1's copy
+    assert p.at[1].history == {picks[1]: [1.0]} and p.at[1].retired == {picks[1]} and p.at[0].history == {}
+    assert p.curriculum.history == {picks[1]: [1.0], picks[2]: [0.5]}
+    p.forget_before(1)
+    assert list(p.at) == [1]
+    resumed = data.Prompts(10, 1, 2, batch=2, seed=0, npr=False, saved=p.state_at(1).state_dict())
+    assert resumed.curriculum.retired == {picks[1]} and resumed.curriculum.npr is False
+
 @pytest.mark.parametrize("preset, ops, top", [("toy", (1, 4), 20), ("toy-hard", (2, 6), 30)])
 def test_toy_task_answers_are_right(preset, ops, top):
     problems = toy.toy_problems(300, 9, preset)
@@ -4039,7 +4058,7 @@ def _broadcast_rank(rank, world, port, out):
         if rank == 0:
             pipeline.send_weights(ctx, model, bucket_mb, torch.float32)
         else:
-            pipeline.broadcast_weights(ctx, model, bucket_mb)
+            pipeline.receive_weights(ctx, model, bucket_mb)
         torch.save(model.state_dict(), os.path.join(out, f"rank{rank}-{bucket_mb}.pt"))
     ranks.part(ctx)
 
@@ -4330,11 +4349,11 @@ def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
 def test_pipeline_a_generators_held_out_eval_says_its_count_and_eta(capsys, monkeypatch):
     """Under torchrun the first generator prints its share of a long eval: done/total and an ETA
     at the pace so far (here 30 of 120 in 12 s: 36 s left); other generators stay quiet."""
-    gen = types.SimpleNamespace(index=0, val_ids=[[1]] * 60, n_gens=1,
+    gen = types.SimpleNamespace(index=0, evals=pipeline.EvalShare(val_ids=[[1]] * 60), n_gens=1,
                                 args=types.SimpleNamespace(eval_samples=2))
     monkeypatch.setattr(pipeline.time, "time", lambda: 1000.0)
     pipeline.start_eval(gen, 4)
-    assert gen.eval_want == 120
+    assert gen.evals.want == 120
     pipeline.eval_progress(gen, 4, 10)  # under 10 s since the start: nothing yet
     monkeypatch.setattr(pipeline.time, "time", lambda: 1012.0)
     pipeline.eval_progress(types.SimpleNamespace(**{**vars(gen), "index": 1}), 4, 30)
