@@ -37,14 +37,14 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2
                           Qwen2ForCausalLM)
 from transformers.utils import logging as hf_logging
 
+from checks import check_supported
 from data import prompt_ids, read_jsonl, score_samples, special_tokens
-from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
-                      packed_logprobs, sequence_logprobs)
+from generate import Decoder, Sample, generate, packed_logprobs, sequence_logprobs
 from loss import forgetting, policy_loss
 import metrics
 import pipeline
-from plan import (PlanRun, memory_plan, plan_activations, plan_lines, plan_param_count,
-                  plan_shape, plan_trainer)
+from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, plan_lines,
+                  plan_param_count, plan_shape, plan_trainer)
 import study
 from toy import toy_model_dir, toy_problems
 import train

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from checks import SUPPORTED, config_problem
+from checks import check_supported
 
 try:  # decode attention over each row's own length
     from flash_attn import flash_attn_with_kvcache
@@ -51,23 +51,6 @@ class Sample:
     versions: list
     finish: str
 
-
-def check_supported(model):
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED:
-        raise ValueError(f"model_type '{cfg.model_type}' is not supported by the sampler; "
-                         f"supported: {', '.join(SUPPORTED)}")
-    problem = config_problem(cfg.to_dict())
-    if problem:
-        raise ValueError(f"config.json: {problem}")
-    if (getattr(cfg, "use_sliding_window", False)
-            or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])):
-        raise ValueError("sliding-window attention is not supported by the sampler "
-                         "(full attention only)")
-    rope = model.model.rotary_emb.rope_type
-    if "dynamic" in rope or rope == "longrope":  # length-dependent frequencies
-        raise ValueError(f"rope_type '{rope}' is not supported by the sampler "
-                         "(its rotary tables are fixed)")
 
 # -----------------------------------------------------------------------------
 # the forward pass
@@ -593,90 +576,13 @@ class Decoder:
                 for i, (s, m) in enumerate(zip(done, lens))}
 
 # -----------------------------------------------------------------------------
-# the sampler's size
+# the continuous-batching loop
 
 
 def cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids, interrupt=True):
     """-> (cache positions per slot, completion tokens per sample)."""
     max_new = think_budget + answer_budget + (len(interrupt_ids) if interrupt else 0)
     return max_prompt_len + max_new, max_new
-
-
-def kv_bytes_per_token(config, dtype):
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config)
-            * dtype.itemsize)
-
-
-def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3, block=BLOCK):
-    """What a Decoder allocates -> (bytes per slot, per KV block, fixed bytes)."""
-    size = dtype.itemsize
-    per_slot = (6 * 8 + 4 + 4 * -(-max_len // block)
-                + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))
-    copy = fp32_head and size < 4
-    fixed = (2 * max_len * head_dim_of(config) * size
-             + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1)
-             + qkv_bytes(config, dtype))
-    return per_slot, kv_bytes_per_token(config, dtype) * block, fixed
-
-
-def qkv_bytes(config, dtype):
-    width = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
-    bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-    norm = (config.num_attention_heads + config.num_key_value_heads) * head_dim_of(config)
-    return (config.num_hidden_layers * dtype.itemsize
-            * (width * (config.hidden_size + bias) + norm * (config.model_type == "qwen3")))
-
-
-def free_device_bytes(device):
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def mean_length(max_len, max_new):
-    """A row's mean length in flight, which sizes the pool: its prompt and half its budget."""
-    return max_len - max_new // 2
-
-
-def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None, block=BLOCK):
-    """-> (rows that fit at mean_length, at most cap; blocks in the rest, at most all rows at
-    max_len, scratch included; rows without the cap), or (0, 0, _) if one row at max_len does not
-    fit."""
-    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
-                                               block=block)
-    width, mean = -(-max_len // block), -(-mean_length(max_len, max_new) // block)
-    fit = max(0, int((room - fixed - per_block) // (per_slot + mean * per_block)))
-    slots = min(fit, cap or fit)
-    blocks = min(1 + slots * width, int((room - fixed - slots * per_slot) // per_block))
-    return (slots, blocks, fit) if blocks >= 1 + width else (0, 0, fit)
-
-
-def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True, most=None):
-    """-> (slots, KV blocks or None: all slots at max_len, a line saying why). On CUDA what
-    gen_memory x the free memory holds (vLLM's gpu_memory_utilization; slots_in), at most cap and
-    `most` rows."""
-    p = next(model.parameters())
-    if p.device.type != "cuda":
-        return cap or CPU_SLOTS, None, None
-    free = free_device_bytes(p.device)
-    caps = [c for c in (cap, most) if c]
-    slots, blocks, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
-                                  fp32_head, min(caps) if caps else None)
-    per_block = kv_bytes_per_token(model.config, p.dtype) * BLOCK
-    if not slots:
-        raise ValueError(f"one sequence of {max_len} tokens needs "
-                         f"{-(-max_len // BLOCK) * per_block / 1e9:.2f} GB of KV cache; "
-                         f"{gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
-                         "--gen_memory, lower the budgets, or use a device with more memory)")
-    bound = (f", --slots {cap}" if cap and cap == slots else
-             f", at most {most} in flight" if most and most == slots else "")
-    return slots, blocks, (
-        f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache {blocks} blocks "
-        f"of {BLOCK} tokens, {blocks * per_block / 1e9:.1f} GB (--gen_memory {gen_memory} of the "
-        f"{free / 1e9:.1f} GB free after the weights fits {fit} rows of "
-        f"{mean_length(max_len, max_new)} tokens, the mean{bound})")
-
-# -----------------------------------------------------------------------------
-# the continuous-batching loop
 
 
 @torch.no_grad()
@@ -691,7 +597,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
     new: [(prompt ids, noise key, tag)]; version: the weights' policy version (copied in between
     sends); finished: [(tag, Sample)]. data.special_tokens gives eos_id, think_end,
-    interrupt_ids. blocks: the KV pool (fit_slots; default all slots at the full budget)."""
+    interrupt_ids. blocks: the KV pool (plan.fit_slots; default all slots at the full budget)."""
     check_supported(model)
     if interrupt and not interrupt_ids:
         raise ValueError("interrupt=True needs the interruption phrase's token ids (interrupt_ids)")
@@ -753,17 +659,11 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
 
 def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None,
-             gen_memory=None, **settings):
+             **settings):
     """One Sample per prompt, or None once stop() is true. keys: noise keys (default 0..n-1)."""
     keys = range(len(prompts)) if keys is None else keys
     results = [None] * len(prompts)
     max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
-    if gen_memory:
-        lengths = cache_length(max_prompt_len, settings["think_budget"],
-                               settings["answer_budget"], settings["interrupt_ids"],
-                               settings.get("interrupt", True))
-        slots, settings["blocks"], _ = fit_slots(model, *lengths, gen_memory, slots,
-                                                 settings.get("fp32_head", True))
     steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
                     version=version, **settings)
     next(steps)

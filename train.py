@@ -26,13 +26,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from checks import check_args, check_code_rewards, check_model_dir, context_error, did_you_mean
+from checks import (check_args, check_code_rewards, check_model_dir, check_supported, context_error,
+                    did_you_mean)
 from data import (format_prompt, load_source_problems, prompts_ids, read_jsonl, special_tokens,
                   split_problems)
 import faults
 import pipeline
 import plan
-from generate import check_supported, packed_logprobs
+from generate import packed_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, OBJECTIVES, advantages, agg_counts, clip_eps,
                   drift_by_lag, forgetting, ratio_stats, row_weights, zero_variance_keep)
 from metrics import alarms, eval_alarms, log_step, new_record, print0, step_metrics
