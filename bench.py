@@ -598,7 +598,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def ops_per_step(dec, rows, lens):
-    plan = dec.plan(rows, lens.tolist())
+    plan = dec.attention_plan(lens.tolist())
     with OpCounter() as count:
         dec._step(rows, plan, dec.off[:rows])
     return count.n
@@ -632,7 +632,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     out = {}
     for kernel in (dec.kernel, "masked"):
         dec.kernel, read[0] = kernel, 0
-        plan = dec.plan(rows, lens.tolist())
+        plan = dec.attention_plan(lens.tolist())
         if kernel in ("flash", "varlen"):  # tiles of 128 keys
             read[0] = int(((lens + 127) // 128 * 128).sum()) * per_token * 2
         else:
@@ -649,7 +649,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     out["decode_ops_per_step"] = ops_per_step(dec, rows, lens)
     if device == "cuda":
         dec = decoder(qwen2_model(SIZES[args.size], device, dtype))
-        plan = dec.plan(rows, lens.tolist())
+        plan = dec.attention_plan(lens.tolist())
         dec._step(rows, plan, dec.off[:rows])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):

@@ -2790,7 +2790,7 @@ def test_generate_decode_step_makes_no_host_sync(monkeypatch):
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for _ in range(3):
-        dec._step(4, dec.plan(4, [40] * 4), dec.live[:4])
+        dec._step(4, dec.attention_plan([40] * 4), dec.live[:4])
     monkeypatch.undo()
     assert (dec.n - before).tolist() == [3, 3, 3, 0]  # three tokens in each live row, none in the free one
 
