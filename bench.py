@@ -38,14 +38,14 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2
 from transformers.utils import logging as hf_logging
 
 import config
+from checks import check_supported
 from data import prompt_ids, read_jsonl, score_samples, special_tokens
-from generate import (Decoder, Sample, check_supported, generate, kv_bytes_per_token,
-                      packed_logprobs, sequence_logprobs)
+from generate import Decoder, Sample, generate, packed_logprobs, sequence_logprobs
 from loss import forgetting, policy_loss
 import metrics
 import pipeline
-from plan import (PlanRun, memory_plan, plan_activations, plan_lines, plan_param_count,
-                  plan_shape, plan_trainer)
+from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, plan_lines,
+                  plan_param_count, plan_shape, plan_trainer)
 import study
 from toy import toy_model_dir, toy_problems
 import train
@@ -599,7 +599,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def ops_per_step(dec, rows, lens):
-    plan = dec.plan(rows, lens.tolist())
+    plan = dec.attention_plan(lens.tolist())
     with OpCounter() as count:
         dec._step(rows, plan, dec.off[:rows])
     return count.n
@@ -633,7 +633,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     out = {}
     for kernel in (dec.kernel, "masked"):
         dec.kernel, read[0] = kernel, 0
-        plan = dec.plan(rows, lens.tolist())
+        plan = dec.attention_plan(lens.tolist())
         if kernel in ("flash", "varlen"):  # tiles of 128 keys
             read[0] = int(((lens + 127) // 128 * 128).sum()) * per_token * 2
         else:
@@ -650,7 +650,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     out["decode_ops_per_step"] = ops_per_step(dec, rows, lens)
     if device == "cuda":
         dec = decoder(qwen2_model(SIZES[args.size], device, dtype))
-        plan = dec.plan(rows, lens.tolist())
+        plan = dec.attention_plan(lens.tolist())
         dec._step(rows, plan, dec.off[:rows])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):

@@ -1,7 +1,8 @@
 """
 checks.py: what guards train.py's flags before anything is loaded or written: each numeric flag's
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
-sandbox, and the "did you mean" of a mistyped flag. config.get_args calls check_model_dir and
+sandbox, the "did you mean" of a mistyped flag, and what the sampler can run (config_problem on a
+config.json, check_supported on a loaded model). config.get_args calls check_model_dir and
 check_args; each failure is one line.
 """
 import difflib
@@ -109,6 +110,25 @@ def config_problem(cfg):
         if any(i is not None and not (whole(i) and 0 <= i < vocab) for i in ids):
             return f"{k} is {cfg.get(k)!r}, not an id below vocab_size {vocab}"
     return None
+
+
+def check_supported(model):
+    """A loaded model the sampler cannot run (generate.Decoder) -> ValueError, one line."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"model_type '{cfg.model_type}' is not supported by the sampler; "
+                         f"supported: {', '.join(SUPPORTED)}")
+    problem = config_problem(cfg.to_dict())
+    if problem:
+        raise ValueError(f"config.json: {problem}")
+    if (getattr(cfg, "use_sliding_window", False)
+            or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])):
+        raise ValueError("sliding-window attention is not supported by the sampler "
+                         "(full attention only)")
+    rope = model.model.rotary_emb.rope_type
+    if "dynamic" in rope or rope == "longrope":  # length-dependent frequencies
+        raise ValueError(f"rope_type '{rope}' is not supported by the sampler "
+                         "(its rotary tables are fixed)")
 
 
 def check_model_dir(path, error):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from checks import SUPPORTED, config_problem
+from checks import check_supported
 
 try:  # decode attention over each row's own length
     from flash_attn import flash_attn_with_kvcache
@@ -51,23 +51,6 @@ class Sample:
     versions: list
     finish: str
 
-
-def check_supported(model):
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED:
-        raise ValueError(f"model_type '{cfg.model_type}' is not supported by the sampler; "
-                         f"supported: {', '.join(SUPPORTED)}")
-    problem = config_problem(cfg.to_dict())
-    if problem:
-        raise ValueError(f"config.json: {problem}")
-    if (getattr(cfg, "use_sliding_window", False)
-            or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])):
-        raise ValueError("sliding-window attention is not supported by the sampler "
-                         "(full attention only)")
-    rope = model.model.rotary_emb.rope_type
-    if "dynamic" in rope or rope == "longrope":  # length-dependent frequencies
-        raise ValueError(f"rope_type '{rope}' is not supported by the sampler "
-                         "(its rotary tables are fixed)")
 
 # -----------------------------------------------------------------------------
 # the forward pass
@@ -295,11 +278,14 @@ def sample(logits, temperature, u):
 
 
 def cut_point(seed, key, think_budget):
-    """Uniform over the last ~1/6 of the thinking budget."""
+    """Where a thinking row is interrupted (forced interruption, section 4): uniform over the last
+    ~1/6 of the thinking budget, a function of (seed, key) alone, so a row restarted or moved to
+    another slot is cut at the same token."""
     return random.Random(f"{seed}-{key}").randint(think_budget - think_budget // 6, think_budget)
 
 
 def bucket_sizes(cap, smallest):
+    """Powers of two from smallest, and cap: step sizes, so there are few CUDA graphs to capture."""
     return [2 ** i for i in range(smallest.bit_length() - 1, cap.bit_length())
             if smallest <= 2 ** i < cap] + [cap]
 
@@ -309,13 +295,15 @@ def bucket(n, sizes):
 
 
 def len_bucket(n, cap):
+    """n rounded up by at most 15 or n/8, so a step's plan, and its graph, recur."""
     step = max(16, 1 << max(0, n.bit_length() - 4))
     return min(-(-n // step) * step, cap)
 
 
 def row_groups(lengths, cap, slack=1.2):
     """Rows grouped by key length, neighbours merged while the keys read stay within slack x the
-    rows'."""
+    rows'. Where no paged kernel runs, a row reads keys up to its group's length, not the longest
+    row's; fewer groups are fewer attention calls."""
     groups = {}
     for r, n in enumerate(lengths):
         groups.setdefault(len_bucket(max(int(n), 1), cap), []).append(r)
@@ -328,6 +316,7 @@ def row_groups(lengths, cap, slack=1.2):
             break
         room -= cost
         groups[i:i + 2] = [(groups[i + 1][0], sorted(groups[i][1] + groups[i + 1][1]))]
+    # consecutive rows as a slice: a view, not a gather
     return tuple((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S)
                  for S, rs in groups)
 
@@ -427,7 +416,9 @@ class Decoder:
             raise ValueError(f"a KV pool of {blocks} blocks of {block} tokens cannot hold one row "
                              f"of {max_len} tokens and the scratch block")
         self.cache = new_cache(model, blocks, block)
-        # each slot's blocks; 0, the scratch block, where it holds none: rows not live write there
+        # each slot's blocks; 0, the scratch block, where it holds none: rows not live write there.
+        # The host's copy (tables) is the truth, so taking and freeing blocks needs no device sync;
+        # the device's (table) is refreshed before the next forward.
         self.table = torch.zeros(slots, width, dtype=torch.int32, device=dev)
         self.tables, self.held = np.zeros((slots, width), np.int32), np.zeros(slots, int)
         self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
@@ -441,6 +432,7 @@ class Decoder:
         flag = lambda: torch.zeros(slots, dtype=torch.bool, device=dev)
         self.rope = rope_tables(model, max_len)
         self.last, self.pos, self.n, self.cut, self.limit, self.finish = (long() for _ in range(6))
+        # off: no row live, for the warm-up step before a graph capture (no row advances)
         self.live, self.thinking, self.interrupted, self.off = flag(), flag(), flag(), flag()
         self.cols = cols = max_new + 1  # spare column for rows not live
         self.tokens = torch.zeros(slots, cols, dtype=torch.long, device=dev)
@@ -448,19 +440,26 @@ class Decoder:
                                  device=dev)
         self.mask = torch.ones(slots, cols, dtype=torch.bool, device=dev)
         self.versions = torch.zeros(slots, cols, dtype=torch.long, device=dev)
+        # a row's uniforms, one per column, drawn at admission from (seed, key): a sample is a
+        # function of its key, whatever its slot, batch or restarts
         self.noise = torch.full((slots, cols), 0.5, dtype=torch.float64, device=dev)
-        self.version = torch.tensor(version, device=dev)
+        self.version = torch.tensor(version, device=dev)  # a tensor: a graph replay reads it
         self.graphs = {} if graphs else None
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
 
     def new_weights(self, version):
+        """An in-flight update (PipelineRL, section 3.1): the rows go on under the new weights,
+        their KV cache, computed by the old ones, kept; the following tokens carry the new
+        version."""
         self.version.fill_(version)
         fused_qkv(self.model, into=self.qkv)
         if self.weight.data_ptr() != self.model.lm_head.weight.data_ptr():  # a float32 copy
             self.weight.copy_(self.model.lm_head.weight)
 
     def reserve(self, slot, length):
-        """Blocks for the slot's first `length` tokens -> False, none taken, if too few are free."""
+        """Blocks for the slot's first `length` tokens -> False, none taken, if too few are free.
+        Paged KV (as vLLM): a row takes blocks as it grows, so the pool is sized for rows at their
+        mean length, not every row at max_len."""
         need = -(-length // self.block) - self.held[slot]
         if need > len(self.free):
             return False
@@ -482,6 +481,7 @@ class Decoder:
             self.stale = False
 
     def prefill(self, slots, prompts):
+        """The prompts' keys but the last token's: that token is the first decode step's input."""
         self._tables()
         for a, b, width in prefill_groups([len(p) for p in prompts], self.prefill_tokens,
                                           self.max_len):
@@ -498,17 +498,19 @@ class Decoder:
         rows = torch.tensor(slots, device=dev)
         self.prefill(slots, prompts)
         cut = [cut_point(self.seed, k, self.think_budget) if self.interrupt else self.max_len
-               for k in keys]
+               for k in keys]  # max_len: never reached
         state = torch.tensor([[p[-1] for p in prompts], [m - 1 for m in lens], keys, cut],
                              device=dev)
         self.last[rows], self.pos[rows], self.cut[rows] = state[0], state[1], state[3]
         self.noise[rows] = uniforms(noise_stream(self.seed, state[2])[:, None],
                                     torch.arange(self.cols, device=dev))
+        # limit: the whole budget, cut to n + answer_budget where thinking ends (_step)
         self.n[rows], self.limit[rows], self.finish[rows] = (
             0, self.think_budget + self.answer_budget, 0)
         self.live[rows], self.thinking[rows], self.interrupted[rows] = True, True, False
 
-    def plan(self, R, lengths):
+    def attention_plan(self, lengths):
+        """How this step's attention reads each row's keys (_how); with R, a CUDA graph's key."""
         if self.kernel == "groups":
             return "groups", row_groups(lengths, self.max_len)
         if self.kernel == "masked":
@@ -517,10 +519,11 @@ class Decoder:
 
     def step(self, R, lengths):
         """One decode step of rows 0..R-1: a CUDA graph replay, else eager."""
-        plan = self.plan(R, lengths)
+        plan = self.attention_plan(lengths)
         self._tables()
         if self.graphs is None:
             return self._step(R, plan, self.live[:R])
+        # a graph per (rows, plan): a decode step is many small kernels, their launches saved
         graph = self.graphs.get((R, plan))
         if graph is None:
             stream = torch.cuda.Stream()  # warm up off the capture
@@ -540,10 +543,12 @@ class Decoder:
                          self.qkv, self.table, how=how)[:, 0]
         logits = (_mm32(hidden.to(self.w16.dtype), self.w16.t()) if self.w16 is not None
                   else logits_of(hidden, self.weight))
-        tok, logp = sample(logits, self.temperature,
+        tok, logp = sample(logits, self.temperature,  # token n's uniform, fixed at admission
                            self.noise[:R].gather(1, n[:, None])[:, 0])
         col = n[:, None]
-        if self.interrupt:  # at its cut point a thinking row takes the phrase
+        # forced interruption (section 4): from its cut point a thinking row is fed the phrase,
+        # tokens it did not sample: out of the loss (mask 0), log-prob 0
+        if self.interrupt:
             P, thinking, at = self.phrase.numel(), self.thinking[:R], n - self.cut[:R]
             interrupted |= live & thinking & (at == 0)
             forced = interrupted & (at < P)
@@ -552,27 +557,30 @@ class Decoder:
             self.mask[:R].scatter_(1, col, ~forced[:, None])
         self.tokens[:R].scatter_(1, col, tok[:, None])
         self.logps[:R].scatter_(1, col, logp[:, None])
+        # each token's policy version: after an in-flight update a row spans versions
         self.versions[:R].scatter_(1, col, self.version.expand(R, 1))
         eos = (tok[:, None] == self.eos).any(-1)
         if self.interrupt:
-            pending = forced & (at < P - 1)
+            pending = forced & (at < P - 1)  # the phrase runs to its end, an eos id in it or not
             eos &= ~pending
             E = self.think_end.numel()
             tail = self.tokens[:R].gather(
                 1, (col - E + 1 + torch.arange(E, device=self.device)).clamp_min(0))
-            said = (n + 1 >= E) & (tail == self.think_end).all(-1)
+            said = (n + 1 >= E) & (tail == self.think_end).all(-1)  # the row closed its thinking
             ends = live & thinking & ~pending & ~eos & (forced | said)
+            # thinking over: the answer gets its own budget from here
             limit.copy_(torch.where(ends, n + 1 + self.answer_budget, limit))
             thinking &= ~ends
             over = ~pending & (n + 1 >= limit)
         else:
             over = n + 1 >= limit
+        # 1 + the index in FINISH (an eos after an interruption is "interrupted"); 0 running
         code = torch.where(eos, 1 + interrupted.long(), torch.where(over, 3, 0)) * live
         self.finish[:R] += code
         self.last[:R] = torch.where(live, tok, self.last[:R])
         n += live
         pos += live
-        self.live[:R] &= code == 0
+        self.live[:R] &= code == 0  # a finished row stops here; the host sees it at collect
 
     def collect(self, R):
         """Finished rows -> {slot: Sample}, one host sync; their slots and blocks freed."""
@@ -593,7 +601,7 @@ class Decoder:
                 for i, (s, m) in enumerate(zip(done, lens))}
 
 # -----------------------------------------------------------------------------
-# the sampler's size
+# the continuous-batching loop
 
 
 def cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids, interrupt=True):
@@ -602,88 +610,12 @@ def cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids, int
     return max_prompt_len + max_new, max_new
 
 
-def kv_bytes_per_token(config, dtype):
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config)
-            * dtype.itemsize)
-
-
-def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3, block=BLOCK):
-    """What a Decoder allocates -> (bytes per slot, per KV block, fixed bytes)."""
-    size = dtype.itemsize
-    per_slot = (6 * 8 + 4 + 4 * -(-max_len // block)
-                + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))
-    copy = fp32_head and size < 4
-    fixed = (2 * max_len * head_dim_of(config) * size
-             + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1)
-             + qkv_bytes(config, dtype))
-    return per_slot, kv_bytes_per_token(config, dtype) * block, fixed
-
-
-def qkv_bytes(config, dtype):
-    width = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
-    bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-    norm = (config.num_attention_heads + config.num_key_value_heads) * head_dim_of(config)
-    return (config.num_hidden_layers * dtype.itemsize
-            * (width * (config.hidden_size + bias) + norm * (config.model_type == "qwen3")))
-
-
-def free_device_bytes(device):
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def mean_length(max_len, max_new):
-    """A row's mean length in flight, which sizes the pool: its prompt and half its budget."""
-    return max_len - max_new // 2
-
-
-def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None, block=BLOCK):
-    """-> (rows that fit at mean_length, at most cap; blocks in the rest, at most all rows at
-    max_len, scratch included; rows without the cap), or (0, 0, _) if one row at max_len does not
-    fit."""
-    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
-                                               block=block)
-    width, mean = -(-max_len // block), -(-mean_length(max_len, max_new) // block)
-    fit = max(0, int((room - fixed - per_block) // (per_slot + mean * per_block)))
-    slots = min(fit, cap or fit)
-    blocks = min(1 + slots * width, int((room - fixed - slots * per_slot) // per_block))
-    return (slots, blocks, fit) if blocks >= 1 + width else (0, 0, fit)
-
-
-def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True, most=None):
-    """-> (slots, KV blocks or None: all slots at max_len, a line saying why). On CUDA what
-    gen_memory x the free memory holds (vLLM's gpu_memory_utilization; slots_in), at most cap and
-    `most` rows."""
-    p = next(model.parameters())
-    if p.device.type != "cuda":
-        return cap or CPU_SLOTS, None, None
-    free = free_device_bytes(p.device)
-    caps = [c for c in (cap, most) if c]
-    slots, blocks, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
-                                  fp32_head, min(caps) if caps else None)
-    per_block = kv_bytes_per_token(model.config, p.dtype) * BLOCK
-    if not slots:
-        raise ValueError(f"one sequence of {max_len} tokens needs "
-                         f"{-(-max_len // BLOCK) * per_block / 1e9:.2f} GB of KV cache; "
-                         f"{gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
-                         "--gen_memory, lower the budgets, or use a device with more memory)")
-    bound = (f", --slots {cap}" if cap and cap == slots else
-             f", at most {most} in flight" if most and most == slots else "")
-    return slots, blocks, (
-        f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache {blocks} blocks "
-        f"of {BLOCK} tokens, {blocks * per_block / 1e9:.1f} GB (--gen_memory {gen_memory} of the "
-        f"{free / 1e9:.1f} GB free after the weights fits {fit} rows of "
-        f"{mean_length(max_len, max_new)} tokens, the mean{bound})")
-
-# -----------------------------------------------------------------------------
-# the continuous-batching loop
-
-
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
             graphs=None, sync_every=None, prefill_tokens=PREFILL_TOKENS, blocks=None, block=BLOCK):
-    """The continuous-batching sampler, a generator the caller drives:
+    """The continuous-batching sampler, a generator the caller drives (a finished row's slot takes
+    the next prompt at the next send, not at the end of a batch):
 
         steps = sampler(model, ...)
         finished, n_free = next(steps)
@@ -691,13 +623,13 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
     new: [(prompt ids, noise key, tag)]; version: the weights' policy version (copied in between
     sends); finished: [(tag, Sample)]. data.special_tokens gives eos_id, think_end,
-    interrupt_ids. blocks: the KV pool (fit_slots; default all slots at the full budget)."""
+    interrupt_ids. blocks: the KV pool (plan.fit_slots; default all slots at the full budget)."""
     check_supported(model)
     if interrupt and not interrupt_ids:
         raise ValueError("interrupt=True needs the interruption phrase's token ids (interrupt_ids)")
     device = next(model.parameters()).device
     graphs = device.type == "cuda" if graphs is None else graphs
-    # a host sync drains the GPU's queue
+    # decode steps between host syncs (and weight updates): a sync drains the GPU's queue
     sync_every = (8 if device.type == "cuda" else 1) if sync_every is None else sync_every
     max_len, max_new = cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids,
                                     interrupt)
@@ -709,8 +641,9 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
     row_sizes = bucket_sizes(slots, 8)
     pending = deque()
     owner = [None] * slots  # (prompt, key, tag)
-    order = []  # busy slots, oldest first
-    bound = np.full(slots, -1)  # cache position bound (-1: free)
+    order = []  # busy slots, oldest first: the newest is preempted first
+    # a busy row's cache position, at most: the host sees rows finish only at collect (-1: free)
+    bound = np.full(slots, -1)
     finished = []
     while True:
         new, new_version = yield finished, owner.count(None) - len(pending)
@@ -720,17 +653,21 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                 raise ValueError(f"prompt of {len(p)} tokens: a prompt needs 1 to "
                                  f"max_prompt_len = {max_prompt_len}")
             pending.append((p, key, tag))
-        if new_version != version:  # in-flight update: the cache stays
+        if new_version != version:  # in-flight update (PipelineRL, section 3.1): the cache stays
             version = new_version
             dec.new_weights(version)
-        preempted = False  # blocks for this round, oldest rows first; where they run out,
-        for s in list(order):  # the newest row gives its blocks back and waits again
+        # blocks for this round, oldest rows first; where they run out, the newest row gives its
+        # blocks back and waits again (vLLM's preemption by recompute): it restarts from its prompt
+        # with its key, so under the same weights it makes the same sample
+        preempted = False
+        for s in list(order):
             while owner[s] and not dec.reserve(s, min(bound[s] + sync_every, max_len)):
                 last = order.pop()
                 dec.release([last])
                 pending.appendleft(owner[last])
                 owner[last], bound[last], preempted = None, -1, True
         free, items = [s for s in range(slots) if owner[s] is None], []
+        # no new rows in a round that preempted one: they would take the blocks it gave back
         while (pending and len(items) < len(free) and not preempted and dec.reserve(
                 free[len(items)], min(len(pending[0][0]) - 1 + sync_every, max_len))):
             items.append(pending.popleft())
@@ -742,6 +679,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         busy = [s for s in range(slots) if owner[s] is not None]
         if not busy:
             continue
+        # the step runs rows 0..R-1: free slots fill lowest first, so busy rows stay low
         R = bucket(busy[-1] + 1, row_sizes)
         for _ in range(sync_every):
             dec.step(R, bound[:R] + 1)
@@ -753,17 +691,11 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
 
 
 def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None,
-             gen_memory=None, **settings):
+             **settings):
     """One Sample per prompt, or None once stop() is true. keys: noise keys (default 0..n-1)."""
     keys = range(len(prompts)) if keys is None else keys
     results = [None] * len(prompts)
     max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
-    if gen_memory:
-        lengths = cache_length(max_prompt_len, settings["think_budget"],
-                               settings["answer_budget"], settings["interrupt_ids"],
-                               settings.get("interrupt", True))
-        slots, settings["blocks"], _ = fit_slots(model, *lengths, gen_memory, slots,
-                                                 settings.get("fp32_head", True))
     steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
                     version=version, **settings)
     next(steps)

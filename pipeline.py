@@ -29,7 +29,7 @@ from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_unti
 from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
 from loss import length_penalty
-from plan import in_flight, peak_gb
+from plan import fit_slots, in_flight, peak_gb
 from ranks import busy_metrics, on_trainer0, part, weight_buckets
 
 # gen rank, gi, prompt index, prompt len, completion len, correct, reward, finish
@@ -424,7 +424,7 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
     interrupt, _ = length_control(args)
     special = special_tokens(tokenizer, model)
     caps = [c for c in (args.slots, cap) if c]
-    slots, blocks, why = generate.fit_slots(
+    slots, blocks, why = fit_slots(
         model, *generate.cache_length(max_prompt_len, args.think_budget, args.answer_budget,
                                       special["interrupt_ids"], interrupt),
         args.gen_memory, min(caps) if caps else None, args.fp32_head, most)

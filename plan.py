@@ -1,6 +1,7 @@
 """
 plan.py: the memory plan, the bytes each role will hold and whether they fit the device. Rank 0
-prints it at start-up (print_memory_plan). Start at memory_plan.
+prints it at start-up (print_memory_plan). Start at memory_plan; a sampler's slots and KV blocks
+on a GPU are fit_slots (what --gen_memory of the free memory holds).
 """
 
 import math
@@ -95,15 +96,92 @@ def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, lo
                                - ((2 * root + 2 * layer) * size if fsdp else half * size * P))}
 
 
+def kv_bytes_per_token(config, dtype):
+    return (2 * config.num_hidden_layers * config.num_key_value_heads
+            * generate.head_dim_of(config) * dtype.itemsize)
+
+
+def decoder_bytes(config, dtype, max_len, max_new, fp32_head, n_ids=3, block=generate.BLOCK):
+    """What a generate.Decoder allocates -> (bytes per slot, per KV block, fixed bytes)."""
+    size, D = dtype.itemsize, generate.head_dim_of(config)
+    per_slot = (6 * 8 + 4 + 4 * -(-max_len // block)
+                + (max_new + 1) * (8 + max(size, 4) + 1 + 8 + 8))
+    copy = fp32_head and size < 4
+    fixed = (2 * max_len * D * size
+             + copy * 4 * config.vocab_size * config.hidden_size + 8 * (n_ids + 1)
+             + qkv_bytes(config, dtype))
+    return per_slot, kv_bytes_per_token(config, dtype) * block, fixed
+
+
+def qkv_bytes(config, dtype):
+    """The sampler's fused q/k/v weights (generate.fused_qkv)."""
+    D = generate.head_dim_of(config)
+    width = (config.num_attention_heads + 2 * config.num_key_value_heads) * D
+    bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    norm = (config.num_attention_heads + config.num_key_value_heads) * D
+    return (config.num_hidden_layers * dtype.itemsize
+            * (width * (config.hidden_size + bias) + norm * (config.model_type == "qwen3")))
+
+
+def free_device_bytes(device):
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def mean_length(max_len, max_new):
+    """A row's mean length in flight, which sizes the pool: its prompt and half its budget."""
+    return max_len - max_new // 2
+
+
+def slots_in(room, config, dtype, max_len, max_new, fp32_head=True, cap=None,
+             block=generate.BLOCK):
+    """-> (rows that fit at mean_length, at most cap; blocks in the rest, at most all rows at
+    max_len, scratch included; rows without the cap), or (0, 0, _) if one row at max_len does not
+    fit."""
+    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
+                                               block=block)
+    width, mean = -(-max_len // block), -(-mean_length(max_len, max_new) // block)
+    fit = max(0, int((room - fixed - per_block) // (per_slot + mean * per_block)))
+    slots = min(fit, cap or fit)
+    blocks = min(1 + slots * width, int((room - fixed - slots * per_slot) // per_block))
+    return (slots, blocks, fit) if blocks >= 1 + width else (0, 0, fit)
+
+
+def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True, most=None):
+    """A sampler's slots and KV pool -> (slots, KV blocks or None: all slots at max_len, a line
+    saying why). On CUDA what gen_memory x the free memory holds (vLLM's gpu_memory_utilization;
+    slots_in), at most cap and `most` rows; elsewhere cap or generate.CPU_SLOTS."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return cap or generate.CPU_SLOTS, None, None
+    free, block = free_device_bytes(p.device), generate.BLOCK
+    caps = [c for c in (cap, most) if c]
+    slots, blocks, fit = slots_in(gen_memory * free, model.config, p.dtype, max_len, max_new,
+                                  fp32_head, min(caps) if caps else None)
+    per_block = kv_bytes_per_token(model.config, p.dtype) * block
+    if not slots:
+        raise ValueError(f"one sequence of {max_len} tokens needs "
+                         f"{-(-max_len // block) * per_block / 1e9:.2f} GB of KV cache; "
+                         f"{gen_memory} x {free / 1e9:.2f} GB free is not enough (raise "
+                         "--gen_memory, lower the budgets, or use a device with more memory)")
+    bound = (f", --slots {cap}" if cap and cap == slots else
+             f", at most {most} in flight" if most and most == slots else "")
+    return slots, blocks, (
+        f"sampler: {slots} sequences of up to {max_len} tokens at once, KV cache {blocks} blocks "
+        f"of {block} tokens, {blocks * per_block / 1e9:.1f} GB (--gen_memory {gen_memory} of the "
+        f"{free / 1e9:.1f} GB free after the weights fits {fit} rows of "
+        f"{mean_length(max_len, max_new)} tokens, the mean{bound})")
+
+
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
                    prefill_tokens=generate.PREFILL_TOKENS):
     """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, bytes per block);
     room None (CPU): slots or CPU_SLOTS rows, each at max_len."""
-    per_slot, per_block, fixed = generate.decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head)
     seqs = slots or generate.CPU_SLOTS
     blocks = 1 + seqs * -(-max_len // generate.BLOCK)
     if room is not None:
-        seqs, blocks, _ = generate.slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)
+        seqs, blocks, _ = slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)
     b = dtype.itemsize
     prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
     return ({"decoder": fixed + seqs * per_slot, "KV cache": blocks * per_block,
@@ -164,7 +242,7 @@ def memory_plan(config, run):
                           "fits": total <= run.device_bytes and holds >= run.samples}
                       for r, (n, parts, total, holds) in roles.items()},
             "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "blocks": blocks,
-            "per_block": per_block, "mean_len": generate.mean_length(max_len, max_new),
+            "per_block": per_block, "mean_len": mean_length(max_len, max_new),
             "per_token": plan_activations(s, size)}
 
 

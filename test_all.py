@@ -54,8 +54,8 @@ import generate as gen
 import pipeline
 import plots
 import ranks
-from plan import (PlanRun, in_flight, memory_plan, plan_activations, plan_param_count, plan_shape,
-                  plan_trainer)
+from plan import (PlanRun, decoder_bytes, fit_slots, in_flight, kv_bytes_per_token, memory_plan,
+                  plan_activations, plan_param_count, plan_shape, plan_trainer, slots_in)
 import runs
 import train
 import loss
@@ -2522,7 +2522,7 @@ def test_generate_chunked_prefill_gives_the_same_samples_and_stays_within_its_to
 
 @pytest.mark.parametrize("dtype, fp32_head", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
-    """The sampler's memory arithmetic (generate.decoder_bytes: the KV cache and bookkeeping per slot, what
+    """The sampler's memory arithmetic (plan.decoder_bytes: the KV cache and bookkeeping per slot, what
     does not grow with the slots) against the bytes of every tensor a Decoder holds."""
     model = tiny_model("qwen3", dtype)
     for slots, max_len, max_new in ((3, 40, 20), (7, 64, 9)):
@@ -2533,19 +2533,19 @@ def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
         held = [t for t in vars(dec).values() if isinstance(t, torch.Tensor) and t.data_ptr() not in params]
         held += [t for kv in dec.cache for t in kv] + list(dec.rope)
         held += [t for wb in dec.qkv for t in wb if t is not None]
-        per_slot, per_block, fixed = gen.decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6,
-                                                       block=16)
+        per_slot, per_block, fixed = decoder_bytes(model.config, dtype, max_len, max_new, fp32_head, n_ids=6,
+                                                   block=16)
         blocks = 1 + slots * -(-max_len // 16)  # every slot at max_len, and the scratch block
         assert sum(t.untyped_storage().nbytes() for t in held) == slots * per_slot + blocks * per_block + fixed
     kv = sum(k.nbytes + v.nbytes for k, v in dec.cache)
-    assert kv == blocks * 16 * gen.kv_bytes_per_token(model.config, dtype) == blocks * per_block
-    p, b, f = gen.decoder_bytes(model.config, dtype, 64, 40, fp32_head, block=16)  # rows at the mean length,
+    assert kv == blocks * 16 * kv_bytes_per_token(model.config, dtype) == blocks * per_block
+    p, b, f = decoder_bytes(model.config, dtype, 64, 40, fp32_head, block=16)  # rows at the mean length,
     room = 10 * (p + 3 * b) + b + f  # 64 - 40 / 2 = 44: 3 blocks; the rest of the room in blocks
-    assert gen.slots_in(room, model.config, dtype, 64, 40, fp32_head, block=16) == (10, 31, 10)
-    assert gen.slots_in(room, model.config, dtype, 64, 40, fp32_head, cap=4, block=16) == (4, 17, 10)  # 4 rows at 64
-    assert gen.slots_in(p + 4 * b + f, model.config, dtype, 64, 40, fp32_head, block=16) == (0, 0, 1)  # not one at 64
-    assert gen.fit_slots(model, max_len, max_new) == (gen.CPU_SLOTS, None, None)  # off CUDA: not sized by memory
-    assert gen.fit_slots(model, max_len, max_new, cap=5) == (5, None, None)
+    assert slots_in(room, model.config, dtype, 64, 40, fp32_head, block=16) == (10, 31, 10)
+    assert slots_in(room, model.config, dtype, 64, 40, fp32_head, cap=4, block=16) == (4, 17, 10)  # 4 rows at 64
+    assert slots_in(p + 4 * b + f, model.config, dtype, 64, 40, fp32_head, block=16) == (0, 0, 1)  # not one at 64
+    assert fit_slots(model, max_len, max_new) == (gen.CPU_SLOTS, None, None)  # off CUDA: not sized by memory
+    assert fit_slots(model, max_len, max_new, cap=5) == (5, None, None)
 
 
 def test_generate_a_pool_too_small_for_every_row_preempts_and_gives_the_same_samples(monkeypatch):
@@ -2811,7 +2811,7 @@ def test_generate_decode_step_makes_no_host_sync(monkeypatch):
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, host_sync)
     for _ in range(3):
-        dec._step(4, dec.plan(4, [40] * 4), dec.live[:4])
+        dec._step(4, dec.attention_plan([40] * 4), dec.live[:4])
     monkeypatch.undo()
     assert (dec.n - before).tolist() == [3, 3, 3, 0]  # three tokens in each live row, none in the free one
 
@@ -3223,8 +3223,8 @@ def test_memory_plan_is_the_slots_every_sampler_takes_on_cpu(toy_dir, tmp_path, 
     qwen3 = bench.shape_config("Qwen3-0.6B")  # --eval_only on an 80 GB GPU: only the weights are held
     plan = memory_plan(qwen3, PlanRun(**bench.recipe_run("paper"), evaluate=16000))
     weights = plan_param_count(plan_shape(qwen3)) * 2
-    assert plan["sequences"] == gen.slots_in(0.85 * (80e9 - weights), qwen3, torch.bfloat16,
-                                             *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
+    assert plan["sequences"] == slots_in(0.85 * (80e9 - weights), qwen3, torch.bfloat16,
+                                         *gen.cache_length(512, 12288, 2048, [0] * 20))[0] > 16
 
 
 def test_busy_metrics_keep_the_last_rates_while_no_generator_has_published():

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from checks import check_code_rewards, context_error
+from checks import check_code_rewards, check_supported, context_error
 import config
 from data import (format_prompt, load_source_problems, prompts_ids, read_jsonl, special_tokens,
                   split_problems)
@@ -33,7 +33,7 @@ import faults
 import pipeline
 import plan
 import ranks
-from generate import check_supported, packed_logprobs
+from generate import packed_logprobs
 from loss import (OBJECTIVES, advantages, agg_counts, clip_eps, drift_by_lag, forgetting,
                   ratio_stats, row_weights, zero_variance_keep)
 from metrics import alarms, eval_alarms, log_step, new_record, print0, step_metrics
