@@ -41,7 +41,7 @@ import config
 from checks import check_supported
 from data import prompt_ids, read_jsonl, score_samples, special_tokens
 from generate import Decoder, Sample, generate, packed_logprobs, sequence_logprobs
-from loss import forgetting, policy_loss
+from loss import LengthControl, make_batch, policy_loss
 import metrics
 import pipeline
 from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, plan_lines,
@@ -1102,7 +1102,9 @@ def replay_batch(model, version, seed, env):
         _, correct, rewards = score_samples(tok, samples, [problems[i]] * 8)
         groups.append({"index": i, "prompt": ids[i], "samples": samples, "correct": correct,
                        "rewards": rewards})
-    return train.make_batch(groups, args)
+    return make_batch(groups, length=LengthControl.from_args(args),
+                      keep_truncated=args.keep_truncated, zero_var_filter=args.zero_var_filter,
+                      adv_norm=args.adv_norm)
 
 
 def replay_terms(model, batch, step, think_end):
@@ -1126,7 +1128,7 @@ def replay_terms(model, batch, step, think_end):
         model.zero_grad()
         loss.backward()
         out[name] = [p.grad.clone() for p in model.parameters()]
-    lost, sure = forgetting(logp.detach(), gen_logp, mask)
+    lost, sure = metrics.forgetting(logp.detach(), gen_logp, mask)
     return out, float(lost / max(int(sure), 1))
 
 

@@ -1,12 +1,17 @@
 """
-metrics.py: what a run reports: the step line, metrics.jsonl's fields and the alarms that watch
-them. Start at step_metrics.
+metrics.py: what a run reports: the step line, metrics.jsonl's fields, the loss's diagnostics
+(mismatch, drift by lag, forgetting) and the alarms that watch them. Start at step_metrics.
 """
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
+from loss import LOSSES, clip_eps
 import ranks
 from runs import truncate_metrics, write_file
 
@@ -107,6 +112,64 @@ def tokens_per_s(sums, rstats, dt):
     if "gen_s" in rstats:
         return sums["len"] / rstats["gen_s"]
     return sums["train_tokens"] / dt if sums["train_tokens"] else None
+
+
+# -----------------------------------------------------------------------------
+# the loss's diagnostics: per micro-batch, then summed into the step's metrics
+
+
+def micro_stats(logp, gen_logp, mask, lag, kind, eps_high):
+    """A micro-batch's mismatch, drift by lag and forgetting."""
+    return (ratio_stats(logp, gen_logp, mask, kind, eps_high),
+            drift_by_lag(logp, gen_logp, mask, lag), forgetting(logp, gen_logp, mask))
+
+
+def step_stats(parts):
+    stats, drift, lost = zip(*parts)
+    mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
+    lost_sum, sure = (sum(x) for x in zip(*lost))
+    return {**mismatch, **lag_drift(drift), "forget": float(lost_sum / max(int(sure), 1))}
+
+
+def lag_drift(parts):
+    """drift_by_lag per micro-batch -> mean |log rho| by lag, and the oldest lag's (drift)."""
+    size = max(len(sums) for sums, _ in parts)
+    sums = sum(torch.nn.functional.pad(s, (0, size - len(s))) for s, _ in parts)
+    counts = sum(torch.nn.functional.pad(n, (0, size - len(n))) for _, n in parts)
+    by_lag = [float(s / n) if n else None for s, n in zip(sums.tolist(), counts.tolist())]
+    return {"log_rho_by_lag": by_lag,
+            "drift": next((v for v in reversed(by_lag) if v is not None), 0.0)}
+
+
+@torch.no_grad()
+def ratio_stats(logp, gen_logp, mask, kind="cispo", eps_high=None):
+    """Mean and max |log rho|, and the share of tokens capped or clipped."""
+    diff = (logp - gen_logp)[mask.bool()]  # (K,)
+    if diff.numel() == 0:
+        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "frac_above_cap": 0.0}
+    cap = LOSSES[kind][2](clip_eps(kind, None, eps_high)[1])
+    return {
+        "abs_diff_mean": diff.abs().mean().item(),
+        "abs_diff_max": diff.abs().max().item(),
+        "frac_above_cap": (diff > math.log(cap)).float().mean().item(),
+    }
+
+
+@torch.no_grad()
+def drift_by_lag(logp, gen_logp, mask, lag):
+    """Sum and count of |log rho| per policy-version lag."""
+    keep = mask.bool()
+    lag = lag[keep]
+    diff = (logp - gen_logp)[keep].abs().double()
+    size = int(lag.max()) + 1 if lag.numel() else 1
+    return torch.bincount(lag, weights=diff, minlength=size), torch.bincount(lag, minlength=size)
+
+
+@torch.no_grad()
+def forgetting(logp, gen_logp, mask, sure=0.9):
+    """Sum and count of max(0, log p_gen - log p_train) over tokens sampled with p >= sure."""
+    keep = mask.bool() & (gen_logp >= math.log(sure))
+    return (gen_logp - logp)[keep].clamp(min=0).double().sum(), keep.sum()
 
 
 def log_line(m, steps):

@@ -28,7 +28,7 @@ from data import Prompts, score_samples, special_tokens
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
 from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
-from loss import length_penalty
+from loss import LengthControl
 from plan import fit_slots, in_flight, peak_gb
 from ranks import busy_metrics, on_trainer0, part, weight_buckets
 
@@ -421,7 +421,7 @@ def start_sampler(gen, version, k=0, say=None):
 def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, say=None,
                  most=None):
     """generate.sampler with the run's flags."""
-    interrupt, _ = length_control(args)
+    interrupt = LengthControl.from_args(args).interrupt
     special = special_tokens(tokenizer, model)
     caps = [c for c in (args.slots, cap) if c]
     slots, blocks, why = fit_slots(
@@ -451,13 +451,6 @@ def sample_all(steps, items, stop=None):
     return out
 
 
-def length_control(args):
-    """ScaleRL's length control (--length_control) -> (forced interruptions?, length penalty or
-    None)."""
-    if args.length_control != "penalty":
-        return args.length_control == "interrupt", None
-    l_max = args.l_max or args.think_budget + args.answer_budget
-    return False, lambda lengths: length_penalty(lengths, l_max, args.l_cache or l_max // 7)
 
 
 def group_items(prompt, gi, G):

@@ -59,8 +59,9 @@ from plan import (PlanRun, decoder_bytes, fit_slots, in_flight, kv_bytes_per_tok
 import runs
 import train
 import loss
-from loss import advantages, drift_by_lag, length_penalty, policy_loss, ratio_stats, zero_variance_keep
+from loss import advantages, length_penalty, policy_loss, zero_variance_keep
 import metrics
+from metrics import drift_by_lag, ratio_stats
 from sandbox import extract_code, score_code, score_code_batch
 from verify import extract_answer, score, score_batch
 import fit
@@ -335,8 +336,9 @@ def slow_advantages(rewards, group, norm):
     return torch.tensor(out, dtype=torch.float64)
 
 
-def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg):
-    """Per-element torch ops so autograd gives the reference gradient; Python floats for sg()."""
+def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg, neg_trust=None):
+    """Per-element torch ops so autograd gives the reference gradient; Python floats for sg().
+    neg_trust: CISPO's tokens of a negative sample whose ratio is below it give 0 (and still count)."""
     eps_low, eps_high = {"cispo": (None, 4.0), "grpo": (0.2, 0.2), "dapo": (0.2, 0.28),
                          "gspo": (3e-3, 4e-3)}[kind]
     N, T = logp.shape
@@ -353,23 +355,30 @@ def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg):
         seq = []
         for t in toks:
             rho = torch.exp(logp[i, t] - gen_logp[i, t])
-            if kind == "cispo":
+            if kind == "cispo" and neg_trust and A < 0 and rho.item() < neg_trust:
+                seq.append(0.0 * logp[i, t])
+            elif kind == "cispo":
                 seq.append(min(rho.item(), eps_high) * A * logp[i, t])  # float weight: stop-grad
             else:
                 clipped = min(max(rho, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
                 seq.append(min(rho * A, clipped * A))
         terms.append(seq)
+    return -reference_aggregate(terms, group, agg)
+
+
+def reference_aggregate(terms, group, agg):
+    """The batch's objective from each sequence's per-token terms (terms[i]: its masked tokens'), by hand
+    (section 3.2): token = the mean over every token of the batch, sample = the mean over sequences of each
+    one's token mean, prompt = the mean over prompts of each group's token mean; no tokens count as 0."""
     if agg == "token":
         flat = [o for seq in terms for o in seq]
-        total = sum(flat) / len(flat)
-    elif agg == "sample":
-        total = sum(sum(seq) / len(seq) if seq else 0.0 for seq in terms) / N
-    else:
-        per_prompt = {}
-        for i, seq in enumerate(terms):
-            per_prompt.setdefault(int(group[i]), []).extend(seq)
-        total = sum(sum(o) / len(o) if o else 0.0 for o in per_prompt.values()) / len(per_prompt)
-    return -total
+        return sum(flat) / len(flat)
+    if agg == "sample":
+        return sum(sum(seq) / len(seq) if seq else 0.0 for seq in terms) / len(terms)
+    per_prompt = {}
+    for i, seq in enumerate(terms):
+        per_prompt.setdefault(int(group[i]), []).extend(seq)
+    return sum(sum(o) / len(o) if o else 0.0 for o in per_prompt.values()) / len(per_prompt)
 
 
 def make_batch(seed=0):
@@ -433,7 +442,9 @@ def test_loss_batch_advantages_split_over_trainers_equal_one_batch():
     all_sum adds their sums (as ranks.all_reduce_stats does): the same A as one trainer with all rows."""
     rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 0.5, 1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     group = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3, 3])
-    whole = advantages(rewards, group, "batch")
+    centered = torch.cat([rewards[group == g] - rewards[group == g].mean() for g in range(4)])
+    whole = centered / (centered.std(correction=0) + 1e-6)  # by hand
+    assert torch.allclose(advantages(rewards, group, "batch"), whole, rtol=0, atol=1e-12)
     parts = [slice(0, 5), slice(5, 10)]  # trainer 0: groups 0, 1; trainer 1: groups 2, 3
     local = []  # each trainer's sums of its centered rewards
     for part in parts:
@@ -442,9 +453,9 @@ def test_loss_batch_advantages_split_over_trainers_equal_one_batch():
     total = {k: local[0][k] + local[1][k] for k in local[0]}  # what the all-reduce over both trainers gives
     shares = [advantages(rewards[part], group[part], "batch", all_sum=lambda d: total) for part in parts]
     assert torch.allclose(torch.cat(shares), whole, rtol=0, atol=1e-12)
-    assert not torch.allclose(shares[0], advantages(rewards[parts[0]], group[parts[0]], "batch"))  # not the part's std
-    centered = torch.cat([rewards[group == g] - rewards[group == g].mean() for g in range(4)])
-    assert torch.allclose(whole, centered / (centered.std(correction=0) + 1e-6), rtol=0, atol=1e-12)  # by hand
+    own = centered[parts[0]] / (centered[parts[0]].std(correction=0) + 1e-6)  # trainer 0's own std, by hand
+    assert torch.allclose(advantages(rewards[parts[0]], group[parts[0]], "batch"), own, rtol=0, atol=1e-12)
+    assert not torch.allclose(shares[0], own)  # not the part's std
 
 
 def test_loss_zero_variance_keep():
@@ -478,7 +489,7 @@ def test_loss_length_penalty_points():
 
 def test_loss_cispo_gradient_is_stop_gradient_weight():
     rewards, group, mask, logp, gen_logp = make_batch(seed=1)
-    adv = advantages(rewards, group, "none")
+    adv = slow_advantages(rewards, group, "none")
     x = logp.clone().requires_grad_()
     policy_loss(x, gen_logp, adv, mask, group, kind="cispo", agg="token").backward()
     weight = (logp - gen_logp).exp().clamp(max=4.0)  # sg(min(rho, 4)); no d rho / d logp term
@@ -4652,7 +4663,8 @@ def step_gradients(model, batch, args, logprobs):
 def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     """Rows packed into micro-batches of any token budget (down to one row each: every group split across
     them) give the gradient of the unsplit batch's loss computed the independent way, the model's own forward
-    of the right-padded batch and policy_loss's own aggregation over all rows at once, for every aggregation."""
+    of the right-padded batch and the slow reference loss (CISPO and the aggregation by hand) over all rows at
+    once, for every aggregation."""
     model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float64)
     prompts, samples = [[3, 4, 5], [6, 7], [8, 9, 10, 11]] * 2, []
     for i, p in enumerate(prompts):
@@ -4668,11 +4680,11 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
     for agg in ("prompt", "sample", "token"):
         model.zero_grad()
         logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss.policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg=agg,  # the default mask
+        slow_policy_loss(logp, gen_logp, adv, mask, group, "cispo", agg,  # the default mask
                          neg_trust=config.get_args([]).neg_trust).backward()
         want = [p.grad.clone() for p in model.parameters()]
-        batch = train.Batch(prompts, samples, [True] * 6, None, group, None, None, list(range(6)), adv,
-                            loss.agg_counts(group, mask))
+        batch = loss.Batch(prompts, samples, [True] * 6, None, group, None, None, list(range(6)), adv,
+                           loss.agg_counts(group, mask))
         args = config.get_args(["--agg", agg])
         for budget in (0, 1, 12, 20):
             model.zero_grad()
@@ -4717,8 +4729,8 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
                               [1] * (length - 8), [0] * (length - 8), "eos") for i in range(16)]
         mask = torch.ones(16 * (length - 8))
         group, adv = torch.zeros(16, dtype=torch.long), torch.tensor([1.0, -1.0] * 8)
-        batch = train.Batch(prompts, samples, [True] * 16, None, group, None, None, list(range(16)), adv,
-                            loss.agg_counts(group, mask))
+        batch = loss.Batch(prompts, samples, [True] * 16, None, group, None, None, list(range(16)), adv,
+                           loss.agg_counts(group, mask))
         saved = []
 
         def logprobs(ids, lens):
@@ -4954,7 +4966,9 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
         assert {t.split("</think>")[1][:4] for t in texts} == {" The", "1011"}  # both branches were sampled
         assert correct == [t.endswith("\\boxed{8}.") for t in texts]
         groups = [{"index": 0, "prompt": prompt, "samples": samples, "correct": correct, "rewards": rewards}]
-        batch = train.make_batch(groups, args)
+        batch = loss.make_batch(groups, length=loss.LengthControl.from_args(args),
+                                keep_truncated=args.keep_truncated, zero_var_filter=args.zero_var_filter,
+                                adv_norm=args.adv_norm)
         kept[budget] = (sum(s.finish == "truncated" for s in samples), len(batch.rows), batch.adv)
     old, new = kept["16"], kept[str(config.get_args([]).answer_budget)]
     assert old[0] > 0 and old[1] == 0  # the long answers truncated; the group, all correct, dropped
@@ -5135,7 +5149,7 @@ def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     lag = torch.tensor([[0, 2, 2, 5], [1, 1, 2, 0]])
     parts = [drift_by_lag(logp[:1], gen_logp[:1], mask[:1], lag[:1]), drift_by_lag(logp[1:], gen_logp[1:], mask[1:], lag[1:])]
-    by_lag = train.lag_drift(parts)
+    by_lag = metrics.lag_drift(parts)
     # lag 0: |0.5| and |0|; lag 1: |0| and |1|; lag 2: |0|, |0.4|, |2|; the masked lag-5 token is not counted
     assert by_lag["log_rho_by_lag"] == pytest.approx([0.25, 0.5, 0.8])
     assert by_lag["drift"] == pytest.approx(0.8)

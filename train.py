@@ -1,10 +1,10 @@
 """
 train.py: the ScaleRL training loop (arXiv 2510.13786). Start at `main`: each step
 `source.get` gives verified groups (pipeline.py), `make_batch` keeps the samples that train and
-computes advantages, `train_step` takes the CISPO loss and an AdamW step, and `source.publish`
-sends the weights to the sampler. One process, torchrun and FSDP2 differ only in the rollout source
-and the trainer, chosen at start-up. Every ScaleRL choice is a flag (config.py); sizes come from
-config.RECIPES.
+computes advantages (loss.py), `train_step` takes the CISPO loss (`loss.policy_loss`) and an AdamW
+step, and `source.publish` sends the weights to the sampler. One process, torchrun and FSDP2 differ
+only in the rollout source and the trainer, chosen at start-up. Every ScaleRL choice is a flag
+(config.py); sizes come from config.RECIPES.
 
     python train.py                            # the embedded toy task and model, on a CPU
     python train.py --loss dapo --no-fp32_head # an ablation: one flag per ScaleRL choice
@@ -34,9 +34,9 @@ import pipeline
 import plan
 import ranks
 from generate import packed_logprobs
-from loss import (OBJECTIVES, advantages, agg_counts, clip_eps, drift_by_lag, forgetting,
-                  ratio_stats, row_weights, zero_variance_keep)
-from metrics import alarms, eval_alarms, log_step, new_record, print0, step_metrics
+from loss import LengthControl, make_batch, policy_loss, row_weights
+from metrics import (alarms, eval_alarms, log_step, micro_stats, new_record, print0, step_metrics,
+                     step_stats)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
                   release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
                   shard_reader)
@@ -225,45 +225,7 @@ def eval_only(args):
     return r
 
 # -----------------------------------------------------------------------------
-# the batch and the step
-
-
-@dataclass
-class Batch:
-    """One trainer's part of a step's batch."""
-    prompt_ids: list
-    samples: list
-    correct: list
-    rewards: torch.Tensor
-    group: torch.Tensor
-    truncated: torch.Tensor
-    valid: torch.Tensor  # (N,) untruncated, unless --keep_truncated
-    rows: list
-    adv: torch.Tensor
-    # every trainer's counts: the loss's denominators
-    sums: dict
-
-
-def make_batch(groups, args, all_sum=None):
-    """Rewards, truncated samples out, the zero-variance filter, advantages (all_sum: over the
-    trainers)."""
-    samples = [s for g in groups for s in g["samples"]]
-    correct = [c for g in groups for c in g["correct"]]
-    rewards = torch.tensor([r for g in groups for r in g["rewards"]])
-    _, penalty = pipeline.length_control(args)
-    if penalty:
-        lengths = torch.tensor([len(s.tokens) for s in samples])
-        rewards = rewards + torch.tensor(correct, dtype=torch.float) * penalty(lengths)
-    group = torch.tensor([j for j, g in enumerate(groups) for _ in g["samples"]], dtype=torch.long)
-    truncated = torch.tensor([s.finish == "truncated" for s in samples], dtype=torch.bool)
-    valid = torch.ones(len(samples), dtype=torch.bool) if args.keep_truncated else ~truncated
-    keep = zero_variance_keep(rewards, group, valid) if args.zero_var_filter else valid
-    rows = keep.nonzero().squeeze(1).tolist()
-    adv = advantages(rewards[rows], group[rows], args.adv_norm, all_sum=all_sum)
-    masks = [torch.tensor(samples[r].mask) for r in rows]
-    sums = (all_sum or dict)(agg_counts(group[rows], torch.cat(masks) if masks else torch.zeros(0)))
-    return Batch([g["prompt"] for g in groups for _ in g["samples"]], samples, correct, rewards,
-                 group, truncated, valid, rows, adv, sums)
+# the step
 
 
 def collate(prompt_ids, samples, pad_id, device, step=0):
@@ -315,24 +277,23 @@ def train_step(trainer, batch, args):
     device = next(model.parameters()).device
     adv = batch.adv.to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
+    group = batch.group[rows]
     # each row's weight in the whole batch's loss
-    weights = row_weights(batch.group[rows], tokens, args.agg, batch.sums).to(device)
-    eps_low, eps_high = clip_eps(args.loss, args.eps_low, args.eps_high)
+    weights = row_weights(group, tokens, args.agg, batch.sums).to(device)
     loss_sum, stats = 0.0, []
     for part in trainer.micro_batches(batch):
         prompts = [batch.prompt_ids[rows[i]] for i in part]
         samples = [batch.samples[rows[i]] for i in part]
         _, _, mask, gen_logp, lag = collate(prompts, samples, 0, device, trainer.version)
         logp = trainer.logprobs(*pack(prompts, samples, device))
-        keep, at = mask.bool(), torch.tensor(part, device=device)
-        log_ratio = torch.where(keep, logp - gen_logp, 0.0)
-        obj = OBJECTIVES[args.loss](log_ratio, logp, adv[at][:, None], keep, eps_low, eps_high,
-                                    args.neg_trust or None)  # CISPO by default
-        loss = -(torch.where(keep, obj, 0.0).sum(1) * weights[at].to(logp.dtype)).sum()
+        at = torch.tensor(part, device=device)
+        loss = policy_loss(logp, gen_logp, adv[at], mask, group[part], kind=args.loss,
+                           agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high,
+                           weights=weights[at], neg_trust=args.neg_trust or None)
         loss.backward()
         trainer.accumulate()
         loss_sum += loss.item()
-        stats.append(micro_stats(logp.detach(), gen_logp, mask, lag, args))
+        stats.append(micro_stats(logp.detach(), gen_logp, mask, lag, args.loss, args.eps_high))
     trainer.reduce_grads()  # summed over the trainers
     norm = trainer.clip_grads()
     if math.isfinite(norm) and math.isfinite(loss_sum):  # every trainer sees the same sums
@@ -349,28 +310,6 @@ def train_step(trainer, batch, args):
                       "skipped_bad": trainer.bad_steps > 0, "lr": lr,
                       **({"train_peak_gb": peak} if peak else {})}
 
-
-def micro_stats(logp, gen_logp, mask, lag, args):
-    """A micro-batch's mismatch, drift by lag and forgetting."""
-    return (ratio_stats(logp, gen_logp, mask, args.loss, args.eps_high),
-            drift_by_lag(logp, gen_logp, mask, lag), forgetting(logp, gen_logp, mask))
-
-
-def step_stats(parts):
-    stats, drift, lost = zip(*parts)
-    mismatch = {f"mismatch_{k}": float(np.mean([s[k] for s in stats])) for k in stats[0]}
-    lost_sum, sure = (sum(x) for x in zip(*lost))
-    return {**mismatch, **lag_drift(drift), "forget": float(lost_sum / max(int(sure), 1))}
-
-
-def lag_drift(parts):
-    """drift_by_lag per micro-batch -> mean |log rho| by lag, and the oldest lag's (drift)."""
-    size = max(len(sums) for sums, _ in parts)
-    sums = sum(torch.nn.functional.pad(s, (0, size - len(s))) for s, _ in parts)
-    counts = sum(torch.nn.functional.pad(n, (0, size - len(n))) for _, n in parts)
-    by_lag = [float(s / n) if n else None for s, n in zip(sums.tolist(), counts.tolist())]
-    return {"log_rho_by_lag": by_lag,
-            "drift": next((v for v in reversed(by_lag) if v is not None), 0.0)}
 
 # -----------------------------------------------------------------------------
 # the trainer
@@ -734,6 +673,7 @@ def main(args):
     if trainer.version == 0:
         held_out_eval(rec, env, trainer, source)
     rec.saved = rec.evaluated = trainer.version  # step 0 is evaluated; a resumed step was saved
+    length = LengthControl.from_args(args)  # the length penalty, if any, in make_batch's rewards
     stopped, signaled = None, False
     while trainer.version < args.steps:
         if trainer.any(source.stop_requested()):  # SIGINT / SIGTERM to any rank: save, then stop
@@ -751,7 +691,9 @@ def main(args):
             print0(stopped, flush=True)
             break
         # ---- the batch, one step, the new weights out
-        batch = make_batch(groups, args, trainer.ranks_sum)
+        batch = make_batch(groups, length=length, keep_truncated=args.keep_truncated,
+                           zero_var_filter=args.zero_var_filter, adv_norm=args.adv_norm,
+                           all_sum=trainer.ranks_sum)
         t_train = time.time()
         loss, stats = train_step(trainer, batch, args)
         t_train = time.time() - t_train
