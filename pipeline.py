@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from data import Curriculum, score_samples, special_tokens
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until, watch
-from generate import FINISH, Sample, packed_logprobs, sampler
+from generate import FINISH, Sample, sampler
 import generate
 from loss import length_penalty
 from plan import in_flight, peak_gb
@@ -544,47 +544,6 @@ def publish_weights(ctx, trainer, step, last, bucket_mb, dtype=torch.float32):
     if str(ctx.device).startswith("cuda"):  # nccl returns before the transfer ends
         torch.cuda.synchronize(ctx.device)
     return time.time() - t0, nbytes
-
-
-class LogProbs(torch.nn.Module):
-    """The trainer's forward as one module, for FSDP2's hooks."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, lens, fp32_head, temperature, checkpoint_layers=None):
-        return packed_logprobs(self.model, ids, lens, fp32_head, temperature,
-                               checkpoint_layers=checkpoint_layers)
-
-
-def shard_trainer(model, trainers, device, dtype=torch.float32):
-    """--fsdp: FSDP2 over the trainers, a unit per layer -> the LogProbs to call."""
-    # imported here: ~1 CPU-s that runs without --fsdp need not pay
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    mesh = DeviceMesh.from_group(trainers, "cuda" if str(device).startswith("cuda") else "cpu")
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    wrapped = LogProbs(model)
-    fully_shard(wrapped, mesh=mesh, mp_policy=mp)
-    for m in wrapped.modules():
-        if isinstance(m, FSDPModule):  # not inherited
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-    return wrapped
-
-
-def sharded_state(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    weights, optimizer = get_state_dict(model, opt)
-    return {"model": weights, "optimizer": optimizer}
-
-
-def set_sharded_state(model, opt, state):
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def generator_stats(ctx):
