@@ -391,7 +391,7 @@ class LocalRollouts:
         return bool(STOP)
 
     def held_out(self, step, trainer, evaluate, stamp):
-        evaluate(trainer.eval_model())
+        evaluate(trainer.whole_model())
 
     def evals_done(self, wait=False):
         return []
@@ -448,7 +448,7 @@ class RemoteRollouts:
     def held_out(self, step, trainer, evaluate, stamp):
         """A held-out eval of `step`: on the generators, or on trainer 0."""
         if not self.on_generators:
-            model = trainer.eval_model(self.ctx.device)
+            model = trainer.whole_model(self.ctx.device)
             return on_trainer0(self.ctx, step, lambda: evaluate(model))
         if self.ctx.rank == 0:
             self.ctx.store.set(f"eval_request/{step}", "1")

@@ -644,7 +644,7 @@ def held_out_eval(rec, env, trainer, source):
 
 
 def save(rec, env, trainer, source):
-    model, state = trainer.eval_model(), trainer.state_dict()
+    model, state = trainer.whole_model(), trainer.state_dict()
     state.update(source.state_dict(trainer.version), compute_s=rec.compute_s, flops=rec.flops,
                  empty_steps=rec.empty_steps, args=vars(env.args))
     trainer.save_shards(checkpoint_tmp(env.args.out, trainer.version, fresh=env.rank0))
@@ -767,7 +767,8 @@ def main(args):
     rec.saved = rec.evaluated = trainer.version  # step 0 is evaluated; a resumed step was saved
     stopped, signaled = None, False
     while trainer.version < args.steps:
-        if trainer.any(source.stop_requested()):  # SIGINT / SIGTERM to any rank: save, then stop
+        # SIGINT / SIGTERM to any rank: save, then stop
+        if trainer.any_rank(source.stop_requested()):
             signaled = True
             break
         # ---- rollouts
@@ -776,7 +777,7 @@ def main(args):
         if groups is None:  # a signal stopped the sampling
             signaled = True
             break
-        if trainer.any(len(groups) < source.share):
+        if trainer.any_rank(len(groups) < source.share):
             stopped = (f"stopping at step {trainer.version}: out of prompts "
                        "(No-Positive-Resampling retired every one)")
             print0(stopped, flush=True)

@@ -226,6 +226,7 @@ class Trainer:
                                      eps=args.adam_eps, weight_decay=args.weight_decay,
                                      betas=(0.9, 0.999))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: self.warmup(s))
+        # version: the weights' policy version, which equals the optimizer steps taken
         self.version, self.bad_steps = state.get("step", 0), 0
         if state:
             self.load_state_dict(state)
@@ -245,7 +246,9 @@ class Trainer:
         """Sum a dict over the trainer ranks."""
         return pipeline.all_reduce_stats(self.ctx, sums)[0]
 
-    def any(self, flag):
+    def any_rank(self, flag):
+        """Is `flag` set on any trainer rank? (a collective: every trainer calls it, so also a
+        barrier)"""
         return self.all_sum({"flag": bool(flag)})["flag"] > 0
 
     def clip_grads(self):
@@ -292,7 +295,8 @@ class Trainer:
                              f"or gradient (up to step {self.version + 1}); stopping. The last "
                              "checkpoint holds the last good weights.")
 
-    def eval_model(self, device=None):
+    def whole_model(self, device=None):
+        """The model that is saved and evaluated: a replicated trainer's own."""
         return self.model
 
     def save_shards(self, folder):
@@ -410,7 +414,7 @@ class ShardedTrainer(Trainer):
     def reduce_grads(self):
         pass  # FSDP2 reduce-scatters the gradients in the backward
 
-    def eval_model(self, device=None):
+    def whole_model(self, device=None):
         """The whole model in --dtype on trainer 0 (a collective; None elsewhere)."""
         whole = None
         if self.ctx.rank == 0:
@@ -431,7 +435,7 @@ class ShardedTrainer(Trainer):
     def save_shards(self, folder):
         """Each trainer writes its shards and AdamW state."""
         import torch.distributed.checkpoint as dcp
-        self.any(False)  # a barrier
+        self.any_rank(False)  # a barrier
         dcp.save(sharded_state(self.model, self.opt),
                  checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
 
