@@ -40,7 +40,7 @@ from transformers.utils import logging as hf_logging
 import config
 from checks import check_supported
 from data import prompt_ids, read_jsonl, score_samples, special_tokens
-from generate import Decoder, Sample, generate, packed_logprobs, sequence_logprobs
+from generate import Decoder, Sample, generate
 from loss import LengthControl, make_batch, policy_loss
 import metrics
 import pipeline
@@ -49,6 +49,8 @@ from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, pl
 import study
 from toy import toy_model_dir, toy_problems
 import train
+from trainer import (LogProbs, collate, micro_batches, packed_logprobs, sequence_logprobs,
+                     shard_trainer)
 
 # -----------------------------------------------------------------------------
 # flags
@@ -684,9 +686,9 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
     try:
         model = qwen2_model(config, "cpu", torch.float32).train()
         result["params"] = n_params(model)
-        forward = pipeline.LogProbs(model)
+        forward = LogProbs(model)
         if world > 1:
-            forward = pipeline.shard_trainer(model, dist.group.WORLD, "cpu")
+            forward = shard_trainer(model, dist.group.WORLD, "cpu")
         result["local_params"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                      for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -1073,7 +1075,7 @@ def answer_start(tokens, think_end):
 
 def replay_probe(model, contexts, the, grad=False):
     """Mean log-odds of `the` after each context."""
-    ids, attn, *_ = train.collate([c[:-1] for c in contexts],
+    ids, attn, *_ = collate([c[:-1] for c in contexts],
                                   [Sample(0, [c[-1], the], [0.0] * 2, [1] * 2, [0] * 2, "eos")
                                    for c in contexts], 0, "cpu")
     with torch.set_grad_enabled(grad):
@@ -1111,7 +1113,7 @@ def replay_terms(model, batch, step, think_end):
     """Gradients through each term's tokens; the forget."""
     rows = batch.rows
     prompts, samples = [batch.prompt_ids[r] for r in rows], [batch.samples[r] for r in rows]
-    ids, attn, mask, gen_logp, _ = train.collate(prompts, samples, 0, "cpu", step)
+    ids, attn, mask, gen_logp, _ = collate(prompts, samples, 0, "cpu", step)
     ans = torch.zeros_like(mask, dtype=torch.bool)
     for i, (p, s) in enumerate(zip(prompts, samples)):
         cut = answer_start(s.tokens, think_end) or len(s.tokens)
@@ -1235,7 +1237,7 @@ def efficiency_trainer(micro_tokens=8192):
     out = {}
     for name, lengths in (("study", study_step_lengths()), ("8k", budget_8k_lengths())):
         computed.clear()
-        parts = train.micro_batches(lengths, micro_tokens)
+        parts = micro_batches(lengths, micro_tokens)
         with torch.no_grad():
             for part in parts:
                 ids = torch.zeros(sum(lengths[i] for i in part), dtype=torch.long, device="meta")

@@ -1,13 +1,12 @@
 """
-generate.py: the generator's KV-cache sampler and the trainer's log-probs of the same tokens
-(arXiv 2510.13786, sections 3.1-3.2).
+generate.py: the generator's KV-cache sampler with its float32 LM head (arXiv 2510.13786,
+sections 3.1-3.2); the trainer's log-probs of the same tokens are trainer.py's.
 
 Start at `sampler`: continuous batching, in-flight weight updates (the KV cache kept, as
 PipelineRL), forced interruption. `Decoder` is its device side: a static-shape decode step, a CUDA
 graph per step size. The KV cache is a pool of blocks that rows take as they grow; when it runs
 out the newest rows restart from their prompts. A sample is a function of its noise key, whatever
-its slot, batch or restarts. The trainer calls `packed_logprobs`: samples packed into one row, the
-float32 head in chunks.
+its slot, batch or restarts.
 
     python generate.py                        # a few toy completions
     python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from checks import check_supported
 
@@ -212,6 +210,17 @@ def head_weight(model, fp32_head):
 def logits_of(hidden, weight):
     return (F.linear(hidden.to(weight.dtype), weight)
             .to(torch.promote_types(weight.dtype, torch.float32)))
+
+
+def tensor_core_head(device_type, dtype, fp32_head):
+    """Can the float32 head be a bf16 GEMM with float32 output (tensor cores, the same values)?"""
+    return (fp32_head and device_type == "cuda" and dtype == torch.bfloat16
+            and hasattr(torch.ops.aten.mm, "dtype"))
+
+
+def mm32(a, b):
+    """a @ b with float32 output (float32 accumulation), the sampler's and the trainer's head."""
+    return torch.mm(a, b, out_dtype=torch.float32)
 
 # -----------------------------------------------------------------------------
 # sampling
@@ -541,7 +550,7 @@ class Decoder:
         how = _how(plan, pos, self.cache[0][0].dtype, self.table[:R], self.block)
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
                          self.qkv, self.table, how=how)[:, 0]
-        logits = (_mm32(hidden.to(self.w16.dtype), self.w16.t()) if self.w16 is not None
+        logits = (mm32(hidden.to(self.w16.dtype), self.w16.t()) if self.w16 is not None
                   else logits_of(hidden, self.weight))
         tok, logp = sample(logits, self.temperature,  # token n's uniform, fixed at admission
                            self.noise[:R].gather(1, n[:, None])[:, 0])
@@ -709,158 +718,6 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
         for i, s in finished:
             results[i] = s
     return results
-
-# -----------------------------------------------------------------------------
-# the trainer's log-probs
-
-
-CHECKPOINT_ABOVE = 4
-LOGITS_BYTES = 2 ** 28
-PACKED = "scalerl_packed"
-try:
-    from flash_attn import flash_attn_varlen_func
-except ImportError:
-    flash_attn_varlen_func = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
-
-
-def checkpointing(n_layers, checkpoint_layers=None):
-    """on, off, or auto (above CHECKPOINT_ABOVE layers)."""
-    if checkpoint_layers in (None, "auto"):
-        return n_layers > CHECKPOINT_ABOVE
-    if checkpoint_layers in (True, "on", False, "off"):
-        return checkpoint_layers in (True, "on")
-    raise ValueError(f"checkpoint_layers must be auto, on or off, got {checkpoint_layers!r}")
-
-
-def varlen_attention(q, k, v, lens, cu, scale):
-    """Causal attention within each sample of a packed row: a flash kernel on CUDA, else exact SDPA.
-    """
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        if flash_attn_varlen_func is not None:
-            return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                          softmax_scale=scale, causal=True)
-        if varlen_attn is not None:
-            return _torch_varlen(q, k, v, cu, max(lens), scale)
-    t = lambda x: x.transpose(0, 1)[None]
-    out = [F.scaled_dot_product_attention(t(a), t(b), t(c), is_causal=True, scale=scale,
-                                          enable_gqa=True)[0].transpose(0, 1)
-           for a, b, c in zip(q.split(lens), k.split(lens), v.split(lens)) if len(a)]
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def _torch_varlen(q, k, v, cu, longest, scale):
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = True
-    else:
-        k, v = (x.repeat_interleave(q.size(1) // x.size(1), 1) for x in (k, v))
-    if "scale" in params:
-        kw["scale"] = scale
-    else:
-        q = q * (scale * q.size(-1) ** 0.5)
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
-
-
-def _packed_attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, packed=None,
-                      **_):
-    t = lambda x: x[0].transpose(0, 1)
-    return varlen_attention(t(q), t(k), t(v), *packed, scaling)[None], None
-
-
-def decoder_states(model, ids, lens, checkpoint_layers=None):
-    """The last layer's output (1, T, d) of samples packed into one row; checkpoints non-reentrant
-    (FSDP2)."""
-    from transformers import AttentionInterface
-    AttentionInterface.register(PACKED, _packed_attention)
-    inner = model.model
-    x = inner.embed_tokens(ids)[None]
-    n = torch.tensor(lens, device=ids.device)
-    cu = F.pad(n.cumsum(0), (1, 0)).to(torch.int32)
-    pos = (torch.arange(len(ids), device=ids.device)
-           - torch.repeat_interleave(cu[:-1].long(), n, output_size=len(ids)))[None]
-    rope = inner.rotary_emb(x, pos)
-    recompute = checkpointing(len(inner.layers), checkpoint_layers)
-    for layer in inner.layers:
-        x = (checkpoint(_layer, layer, x, *rope, pos, (lens, cu), use_reentrant=False)
-             if recompute else _layer(layer, x, *rope, pos, (lens, cu)))
-    return x
-
-
-def _layer(layer, x, cos, sin, pos, packed):
-    config = layer.self_attn.config
-    impl, config._attn_implementation = config._attn_implementation, PACKED
-    try:
-        return layer(x, position_embeddings=(cos, sin), position_ids=pos, packed=packed)
-    finally:
-        config._attn_implementation = impl
-
-
-def tensor_core_head(device_type, dtype, fp32_head):
-    return (fp32_head and device_type == "cuda" and dtype == torch.bfloat16
-            and hasattr(torch.ops.aten.mm, "dtype"))
-
-
-def _mm32(a, b):
-    return torch.mm(a, b, out_dtype=torch.float32)
-
-
-class _Bf16Head(torch.autograd.Function):
-    """h @ w16.T -> float32 logits on tensor cores, the same values; the weight's gradient goes to
-    w32."""
-
-    @staticmethod
-    def forward(ctx, h, w16, w32):
-        ctx.save_for_backward(h, w16)
-        return _mm32(h, w16.t())
-
-    @staticmethod
-    def backward(ctx, g):
-        h, w16 = ctx.saved_tensors
-        g = g.to(h.dtype)
-        return _mm32(g, w16).to(h.dtype), None, _mm32(g.t(), h)
-
-
-def _chunk_logprobs(norm, states, weight, targets, temperature, w16=None):
-    h = norm(states)
-    logits = (_Bf16Head.apply(h, w16, weight) if w16 is not None and h.dtype == w16.dtype
-              else logits_of(h, weight))
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
-
-
-def packed_logprobs(model, ids, lens, fp32_head=True, temperature=1.0, chunk=None,
-                    checkpoint_layers=None):
-    """log p(next token) of packed samples -> (N, max(lens) - 1), with grad; the head in
-    checkpointed chunks (memory O(chunk x V))."""
-    states = decoder_states(model, ids, lens, checkpoint_layers)[0, :-1]
-    weight = head_weight(model, fp32_head)
-    w = model.lm_head.weight
-    w16 = w if tensor_core_head(w.device.type, w.dtype, fp32_head) else None
-    targets = ids[1:]
-    chunk = chunk or max(1, LOGITS_BYTES // (weight.size(0) * 4))
-    flat = torch.cat([checkpoint(_chunk_logprobs, model.model.norm, states[a:a + chunk], weight,
-                                 targets[a:a + chunk], temperature, w16, use_reentrant=False)
-                      for a in range(0, len(states), chunk)]
-                     + [states.new_zeros(1, dtype=torch.float32)])
-    # drop each sample's last position
-    return torch.nn.utils.rnn.pad_sequence([r[:-1] for r in flat.split(lens)], batch_first=True)
-
-
-def sequence_logprobs(model, ids, attention_mask=None, fp32_head=True, temperature=1.0,
-                      chunk=None, checkpoint_layers=None):
-    if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
-        raise ValueError("sequence_logprobs needs right-padded rows (real tokens, then padding)")
-    N, T = ids.shape
-    lens = attention_mask.sum(1).tolist() if attention_mask is not None else [T] * N
-    lp = packed_logprobs(model, torch.cat([row[:L] for row, L in zip(ids, lens)]), lens,
-                         fp32_head, temperature, chunk, checkpoint_layers)
-    return F.pad(lp, (0, T - 1 - lp.size(1)))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from data import Prompts, score_samples, special_tokens
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
-from generate import FINISH, Sample, packed_logprobs, sampler
+from generate import FINISH, Sample, sampler
 import generate
 from loss import LengthControl
 from plan import fit_slots, in_flight, peak_gb
@@ -129,7 +129,7 @@ class LocalRollouts:
         return bool(STOP)
 
     def held_out(self, step, trainer, evaluate, stamp):
-        evaluate(trainer.eval_model())
+        evaluate(trainer.whole_model())
 
     def evals_done(self, wait=False):
         return []
@@ -186,7 +186,7 @@ class RemoteRollouts:
     def held_out(self, step, trainer, evaluate, stamp):
         """A held-out eval of `step`: on the generators, or on trainer 0."""
         if not self.on_generators:
-            model = trainer.eval_model(self.ctx.device)
+            model = trainer.whole_model(self.ctx.device)
             return on_trainer0(self.ctx, step, lambda: evaluate(model))
         if self.ctx.rank == 0:
             self.ctx.store.set(f"eval_request/{step}", "1")
@@ -267,45 +267,6 @@ def receive_groups(ctx, step):
     return got, stats
 
 
-class LogProbs(torch.nn.Module):
-    """The trainer's forward as one module, for FSDP2's hooks."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, lens, fp32_head, temperature, checkpoint_layers=None):
-        return packed_logprobs(self.model, ids, lens, fp32_head, temperature,
-                               checkpoint_layers=checkpoint_layers)
-
-
-def shard_trainer(model, trainers, device, dtype=torch.float32):
-    """--fsdp: FSDP2 over the trainers, a unit per layer -> the LogProbs to call."""
-    # imported here: ~1 CPU-s that runs without --fsdp need not pay
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    mesh = DeviceMesh.from_group(trainers, "cuda" if str(device).startswith("cuda") else "cpu")
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    wrapped = LogProbs(model)
-    fully_shard(wrapped, mesh=mesh, mp_policy=mp)
-    for m in wrapped.modules():
-        if isinstance(m, FSDPModule):  # not inherited
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-    return wrapped
-
-
-def sharded_state(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    weights, optimizer = get_state_dict(model, opt)
-    return {"model": weights, "optimizer": optimizer}
-
-
-def set_sharded_state(model, opt, state):
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def drain(ctx, step):

@@ -31,6 +31,20 @@ def device_bytes(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# the trainer's layer recomputation and head chunks (trainer.py): here, where the plan reads them
+CHECKPOINT_ABOVE = 4
+LOGITS_BYTES = 2 ** 28  # the trainer's head: logits per chunk
+
+
+def checkpointing(n_layers, checkpoint_layers=None):
+    """on, off, or auto (above CHECKPOINT_ABOVE layers)."""
+    if checkpoint_layers in (None, "auto"):
+        return n_layers > CHECKPOINT_ABOVE
+    if checkpoint_layers in (True, "on", False, "off"):
+        return checkpoint_layers in (True, "on")
+    raise ValueError(f"checkpoint_layers must be auto, on or off, got {checkpoint_layers!r}")
+
+
 def fsdp_sync_once(n_params, device_bytes):
     """--fsdp: reduce-scatter once a step where float32 gradients fit an eighth of the device."""
     return 4 * n_params <= device_bytes / 8
@@ -84,7 +98,7 @@ def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, lo
     tokens = max(micro_tokens, longest)
     saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
     recomputed = tokens * (ckpt * act["layer"] + 3 * size * s["I"])
-    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * generate.LOGITS_BYTES
+    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * LOGITS_BYTES
     reduce_scatter = fsdp * 2 * (size + 4) * layer
     backward = tokens * saved + max(recomputed, head_backward) + reduce_scatter
     return {"weights": (root + 2 * layer) * size if fsdp else P * size,
@@ -215,7 +229,7 @@ class PlanRun:
 def memory_plan(config, run):
     """The bytes each role holds and whether they fit -> {"roles": {role: {..}}, ...}."""
     s, size = plan_shape(config), run.dtype.itemsize
-    ckpt = generate.checkpointing(s["L"], run.ckpt_layers)
+    ckpt = checkpointing(s["L"], run.ckpt_layers)
     max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
                                              [0] * run.phrase_len)
     trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,

@@ -52,12 +52,14 @@ import hub
 import faults
 import generate as gen
 import pipeline
+import plan
 import plots
 import ranks
 from plan import (PlanRun, decoder_bytes, fit_slots, in_flight, kv_bytes_per_token, memory_plan,
                   plan_activations, plan_param_count, plan_shape, plan_trainer, slots_in)
 import runs
 import train
+import trainer
 import loss
 from loss import advantages, length_penalty, policy_loss, zero_variance_keep
 import metrics
@@ -2501,7 +2503,7 @@ def test_sampler_tensor_core_head_gives_the_float32_heads_samples(monkeypatch):
     matmul stands in for CUDA's mm out_dtype), reading the model's own head weight: the same samples as the
     float32 copy's head, log-probs to float32 rounding, and a weight update reaches it without a copy."""
     model, prompts = tiny_model("qwen3", dtype=torch.bfloat16), tiny_prompts(6)
-    monkeypatch.setattr(gen, "_mm32", lambda a, b: a.float() @ b.float())
+    monkeypatch.setattr(gen, "mm32", lambda a, b: a.float() @ b.float())
     out = {}
     for fast in (False, True):
         monkeypatch.setattr(gen, "tensor_core_head", lambda *a: fast)
@@ -2976,7 +2978,7 @@ def test_sequence_logprobs_chunks_equal_full_logsoftmax_values_and_grads():
     model = tiny_model(dtype=torch.float64)
     ids = torch.tensor(tiny_prompts(3, seed=7)[0][:5] * 3).view(3, 5)
     attn = torch.ones_like(ids)
-    lp = gen.sequence_logprobs(model, ids, attn, fp32_head=False, chunk=2)
+    lp = trainer.sequence_logprobs(model, ids, attn, fp32_head=False, chunk=2)
     lp.sum().backward()
     g_chunk = model.model.embed_tokens.weight.grad.clone()
     model.zero_grad()
@@ -3012,16 +3014,16 @@ def test_sequence_logprobs_of_a_right_padded_batch_equal_each_row_alone_with_and
                 lp[i, :L - 1] = model(ids[i:i + 1, :L]).logits[0, :-1].float().log_softmax(-1).gather(
                     -1, ids[i, 1:L, None])[:, 0]
         else:
-            lp = gen.sequence_logprobs(model, ids, attn, checkpoint_layers=ckpt, chunk=5)
+            lp = trainer.sequence_logprobs(model, ids, attn, checkpoint_layers=ckpt, chunk=5)
         (lp * weights).sum().backward()
         grads[ckpt] = (lp.detach() * attn[:, 1:], [p.grad.clone() for p in model.parameters()])
     for ckpt in (True, "slow"):
         assert torch.allclose(grads[False][0], grads[ckpt][0], atol=1e-5), ckpt
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads[False][1], grads[ckpt][1])), ckpt
     with pytest.raises(ValueError, match="right-padded"):
-        gen.sequence_logprobs(model, ids, attn.flip(1))
-    assert gen.checkpointing(gen.CHECKPOINT_ABOVE) is False and gen.checkpointing(gen.CHECKPOINT_ABOVE + 1) is True
-    assert gen.checkpointing(28, "off") is False and gen.checkpointing(2, True) is True
+        trainer.sequence_logprobs(model, ids, attn.flip(1))
+    assert plan.checkpointing(plan.CHECKPOINT_ABOVE) is False and plan.checkpointing(plan.CHECKPOINT_ABOVE + 1) is True
+    assert plan.checkpointing(28, "off") is False and plan.checkpointing(2, True) is True
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -3040,7 +3042,7 @@ def test_packed_logprobs_equal_each_sample_alone_in_values_and_gradients(kind):
     want = [p.grad.clone() for p in model.parameters()]
     for ckpt in (False, True):
         model.zero_grad()
-        lp = gen.packed_logprobs(model, torch.cat(rows), lens, chunk=7, checkpoint_layers=ckpt)
+        lp = trainer.packed_logprobs(model, torch.cat(rows), lens, chunk=7, checkpoint_layers=ckpt)
         assert lp.shape == (5, 29)
         for i, L in enumerate(lens):
             assert torch.allclose(lp[i, :L - 1], alone[i], atol=1e-6) and not lp[i, L - 1:].any()
@@ -3056,18 +3058,18 @@ def test_varlen_attention_kernels_are_called_as_the_exact_path_computes(monkeypa
     lens = [3, 6, 1, 4]
     q, k, v = (torch.randn(14, h, 8, generator=g) for h in (4, 2, 2))
     cu = torch.tensor([0, 3, 9, 10, 14], dtype=torch.int32)
-    want = gen.varlen_attention(q, k, v, lens, cu, 0.3)
+    want = trainer.varlen_attention(q, k, v, lens, cu, 0.3)
 
     def old(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
         assert is_causal and k.size(1) == q.size(1) and max_q == max_k == 6 and torch.equal(cu_q, cu)
-        return gen.varlen_attention(q, k, v, lens, cu, q.size(-1) ** -0.5)
+        return trainer.varlen_attention(q, k, v, lens, cu, q.size(-1) ** -0.5)
 
     def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         assert window_size == (-1, 0) and enable_gqa and k.size(1) == 2
-        return gen.varlen_attention(q, k, v, lens, cu, scale)
+        return trainer.varlen_attention(q, k, v, lens, cu, scale)
     for fake in (old, new):
-        monkeypatch.setattr(gen, "varlen_attn", fake)
-        assert torch.allclose(gen._torch_varlen(q, k, v, cu, 6, 0.3), want, atol=1e-6)
+        monkeypatch.setattr(trainer, "varlen_attn", fake)
+        assert torch.allclose(trainer._torch_varlen(q, k, v, cu, 6, 0.3), want, atol=1e-6)
 
 
 def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_head(monkeypatch):
@@ -3081,10 +3083,10 @@ def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_hea
     ids, lens = torch.randint(4, 40, (40,), generator=torch.Generator().manual_seed(1)), [15, 25]
     out = {}
     for fast in (False, True):
-        monkeypatch.setattr(gen, "tensor_core_head", lambda *a: fast)
-        monkeypatch.setattr(gen, "_mm32", lambda a, b: a.float() @ b.float())
+        monkeypatch.setattr(trainer, "tensor_core_head", lambda *a: fast)
+        monkeypatch.setattr(trainer, "mm32", lambda a, b: a.float() @ b.float())
         model.zero_grad()
-        lp = gen.packed_logprobs(model, ids, lens, chunk=9)
+        lp = trainer.packed_logprobs(model, ids, lens, chunk=9)
         lp.sum().backward()
         out[fast] = lp.detach(), [p.grad.float().clone() for p in model.parameters()]
     assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
@@ -4507,14 +4509,14 @@ def test_a_step_is_the_same_whatever_splits_its_groups_one_process_data_parallel
 
 
 def _fsdp_checkpoint_rank(rank, world, port, out):
-    """One of 2 FSDP2 trainers (pipeline.shard_trainer) of a tiny Qwen3 whose decoder layers are checkpointed (as
+    """One of 2 FSDP2 trainers (trainer.shard_trainer) of a tiny Qwen3 whose decoder layers are checkpointed (as
     a 0.5B-8B model's are by default): the forward and backward of its own rows, packed."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    gen.CHECKPOINT_ABOVE, calls, real = 0, [], gen.checkpoint
-    gen.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
+    plan.CHECKPOINT_ABOVE, calls, real = 0, [], trainer.checkpoint
+    trainer.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
     model = tiny_model("qwen3").train()
-    forward = pipeline.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
+    forward = trainer.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
     ids, attn, lens = right_padded(seed=rank)
     packed = torch.cat([row[:L] for row, L in zip(ids, lens)])
     (forward(packed, lens, True, 1.0) * attn[:, 1:]).sum().backward()
@@ -4534,7 +4536,7 @@ def test_pipeline_fsdp2_trainers_with_checkpointed_layers_sum_the_unsharded_grad
     model = tiny_model("qwen3").train()
     for rank in range(2):
         ids, attn, _ = right_padded(seed=rank)
-        (gen.sequence_logprobs(model, ids, attn, checkpoint_layers=False) * attn[:, 1:]).sum().backward()
+        (trainer.sequence_logprobs(model, ids, attn, checkpoint_layers=False) * attn[:, 1:]).sum().backward()
     assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
 
 
@@ -4590,7 +4592,7 @@ def test_pipeline_fsdp2_bf16_keeps_float32_shards_like_replicated_bf16_trainers(
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-2, abs_tol=1e-4)
     dp = torch.load(tmp_path / "dp" / "ckpt-000003" / "state.pt", weights_only=True)["master"]
     whole = tmp_path / "fsdp.pt"  # the trainers' shards (torch.distributed.checkpoint), made whole
-    dcp_to_torch_save(out / "ckpt-000003" / train.SHARDS, whole)
+    dcp_to_torch_save(out / "ckpt-000003" / trainer.SHARDS, whole)
     fs = torch.load(whole, weights_only=True)["model"]
     start = AutoModelForCausalLM.from_pretrained(toy.toy_model_dir(), dtype=torch.bfloat16)
     names = [name for name, _ in start.named_parameters()]
@@ -4653,10 +4655,10 @@ def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypat
 def step_gradients(model, batch, args, logprobs):
     """train.train_step on a Trainer of `model` whose AdamW step does nothing -> the gradients it would step on
     (summed over the micro-batches of --micro_tokens)."""
-    trainer, grads = train.Trainer(args, model, None, {}), []
-    trainer.logprobs, trainer.opt.step, trainer.sched.step = logprobs, lambda: None, lambda: None
-    trainer.reduce_grads = lambda: grads.extend(p.grad.clone() for p in model.parameters())
-    train.train_step(trainer, batch, args)
+    t, grads = trainer.Trainer(args, model, None, {}), []
+    t.logprobs, t.opt.step, t.sched.step = logprobs, lambda: None, lambda: None
+    t.reduce_grads = lambda: grads.extend(p.grad.clone() for p in model.parameters())
+    train.train_step(t, batch, args)
     return grads
 
 
@@ -4671,12 +4673,12 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         n = 3 + i % 4
         samples.append(gen.Sample(i, list(range(12, 12 + n)), [-1.0 - 0.1 * j for j in range(n)],
                                   [1] * (n - 1) + [0], [0] * n, "eos"))
-    ids, attn, mask, gen_logp, lag = train.collate(prompts, samples, 0, "cpu")
+    ids, attn, mask, gen_logp, lag = trainer.collate(prompts, samples, 0, "cpu")
     assert mask[0, 2:2 + 3].tolist() == [1, 1, 0] and gen_logp[0, 2].item() == -1.0  # aligned with targets
     group = torch.tensor([0, 1, 2, 0, 1, 2])
     adv = torch.tensor([1.0, -1.0, 0.5, -1.0, 1.0, -0.5], dtype=torch.float64)
     lengths = [len(p) + len(s.tokens) for p, s in zip(prompts, samples)]
-    assert len(train.micro_batches(lengths, 1)) == 6 and len(train.micro_batches(lengths, 0)) == 1
+    assert len(trainer.micro_batches(lengths, 1)) == 6 and len(trainer.micro_batches(lengths, 0)) == 1
     for agg in ("prompt", "sample", "token"):
         model.zero_grad()
         logp = model(ids, attention_mask=attn).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -4689,26 +4691,26 @@ def test_train_micro_batches_give_the_full_batch_gradient(toy_dir):
         for budget in (0, 1, 12, 20):
             model.zero_grad()
             args.micro_tokens = budget
-            logprobs = lambda ids, lens: gen.packed_logprobs(model, ids, lens, True, 1.0)
+            logprobs = lambda ids, lens: trainer.packed_logprobs(model, ids, lens, True, 1.0)
             grads = step_gradients(model, batch, args, logprobs)
             worst = max((g - w).abs().max().item() for g, w in zip(grads, want))
             assert worst < 1e-12, (agg, budget, worst)
 
 
 def test_train_micro_batches_pack_rows_up_to_the_budget_and_a_longer_row_alone():
-    """train.micro_batches packs rows into micro-batches of at most the budget (first fit, longest first): each row
+    """trainer.micro_batches packs rows into micro-batches of at most the budget (first fit, longest first): each row
     once, no micro-batch over the budget unless it is one row longer than it, and no two that would fit in one;
-    train.pack concatenates a micro-batch's rows with their lengths."""
+    trainer.pack concatenates a micro-batch's rows with their lengths."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 60, (200,), generator=g).tolist() + [130, 75]
-    parts = train.micro_batches(lengths, 100)
+    parts = trainer.micro_batches(lengths, 100)
     assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
     sizes = [sum(lengths[i] for i in p) for p in parts]
     assert all(s <= 100 or len(p) == 1 for p, s in zip(parts, sizes)) and [130] in [[lengths[i] for i in p] for p in parts]
     assert all(a + min(lengths[i] for i in q) > 100 for a, q in zip(sizes, parts[1:]))  # first fit: a later row did not fit
     assert len(parts) <= sum(lengths) // 100 + 3
     samples = [gen.Sample(0, [7, 8], [0.0] * 2, [1] * 2, [0] * 2, "eos"), gen.Sample(1, [9], [0.0], [1], [0], "eos")]
-    ids, lens = train.pack([[1, 2, 3], [4]], samples, "cpu")
+    ids, lens = trainer.pack([[1, 2, 3], [4]], samples, "cpu")
     assert ids.tolist() == [1, 2, 3, 7, 8, 4, 9] and lens == [5, 2]
 
 
@@ -4734,15 +4736,15 @@ def test_train_peak_saved_bytes_follow_micro_tokens_not_the_group_or_the_sample_
         saved = []
 
         def logprobs(ids, lens):
-            size, out = bench.saved_bytes(lambda: gen.packed_logprobs(model, ids, lens), model)
+            size, out = bench.saved_bytes(lambda: trainer.packed_logprobs(model, ids, lens), model)
             saved.append(size)
             return out
         step_gradients(model, batch, args, logprobs)
         peaks[length] = max(saved)
         if length == 2048:
-            ids, attn, *_ = train.collate(prompts, samples, 0, "cpu")
-            whole = bench.saved_bytes(lambda: gen.sequence_logprobs(model, ids, attn), model)[0]
-    assert len(train.micro_batches([2048] * 16, 4096)) == 8 and len(train.micro_batches([256] * 16, 4096)) == 1
+            ids, attn, *_ = trainer.collate(prompts, samples, 0, "cpu")
+            whole = bench.saved_bytes(lambda: trainer.sequence_logprobs(model, ids, attn), model)[0]
+    assert len(trainer.micro_batches([2048] * 16, 4096)) == 8 and len(trainer.micro_batches([256] * 16, 4096)) == 1
     assert abs(peaks[2048] / peaks[256] - 1) < 0.1, peaks
     assert whole > 6 * peaks[2048], (whole, peaks)
 

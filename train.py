@@ -3,8 +3,8 @@ train.py: the ScaleRL training loop (arXiv 2510.13786). Start at `main`: each st
 `source.get` gives verified groups (pipeline.py), `make_batch` keeps the samples that train and
 computes advantages (loss.py), `train_step` takes the CISPO loss (`loss.policy_loss`) and an AdamW
 step, and `source.publish` sends the weights to the sampler. One process, torchrun and FSDP2 differ
-only in the rollout source and the trainer, chosen at start-up. Every ScaleRL choice is a flag
-(config.py); sizes come from config.RECIPES.
+only in the rollout source and the trainer (trainer.py), chosen at start-up. Every ScaleRL choice is
+a flag (config.py); sizes come from config.RECIPES.
 
     python train.py                            # the embedded toy task and model, on a CPU
     python train.py --loss dapo --no-fp32_head # an ablation: one flag per ScaleRL choice
@@ -33,16 +33,14 @@ import faults
 import pipeline
 import plan
 import ranks
-from generate import packed_logprobs
 from loss import LengthControl, make_batch, policy_loss, row_weights
 from metrics import (alarms, eval_alarms, log_step, micro_stats, new_record, print0, step_metrics,
                      step_stats)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
-                  release_lock, resume_command, resume_point, safe_load_planner, save_checkpoint,
-                  shard_reader)
+                  release_lock, resume_command, resume_point, save_checkpoint)
 from toy import PRESETS, toy_model_dir, toy_task
+from trainer import ShardedTrainer, Trainer, collate, pack
 
-SHARDS = "shards"  # a --fsdp checkpoint's sharded state
 
 
 # -----------------------------------------------------------------------------
@@ -228,43 +226,6 @@ def eval_only(args):
 # the step
 
 
-def collate(prompt_ids, samples, pad_id, device, step=0):
-    """Right-padded rows -> ids, attention, and per target token the loss mask, generator log-probs,
-    lag."""
-    T = max(len(p) + len(s.tokens) for p, s in zip(prompt_ids, samples))
-    N = len(samples)
-    ids = torch.full((N, T), pad_id, dtype=torch.long)
-    attn, lag = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T - 1, dtype=torch.long)
-    mask, gen_logp = torch.zeros(N, T - 1), torch.zeros(N, T - 1)
-    for i, (p, s) in enumerate(zip(prompt_ids, samples)):
-        P, C = len(p), len(s.tokens)
-        ids[i, :P + C] = torch.tensor(p + s.tokens)
-        attn[i, :P + C] = 1
-        mask[i, P - 1:P - 1 + C] = torch.tensor(s.mask, dtype=torch.float)
-        gen_logp[i, P - 1:P - 1 + C] = torch.tensor(s.logps)
-        lag[i, P - 1:P - 1 + C] = step - torch.tensor(s.versions, dtype=torch.long)
-    return ids.to(device), attn.to(device), mask.to(device), gen_logp.to(device), lag.to(device)
-
-
-def pack(prompt_ids, samples, device):
-    rows = [p + s.tokens for p, s in zip(prompt_ids, samples)]
-    return torch.tensor([t for r in rows for t in r], device=device), [len(r) for r in rows]
-
-
-def micro_batches(lengths, budget):
-    """Rows packed first-fit into micro-batches of at most `budget` tokens (0: one) -> positions."""
-    parts, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        j = next((j for j, r in enumerate(room) if not budget or lengths[i] <= r), None)
-        if j is None:
-            parts.append([i])
-            room.append(budget - lengths[i])
-        else:
-            parts[j].append(i)
-            room[j] -= lengths[i]
-    return parts
-
-
 def train_step(trainer, batch, args):
     """ScaleRL's step on this trainer's rows (make_batch chose them): the loss over micro-batches,
     backward, the gradient sum, clip, AdamW. -> (loss, stats)."""
@@ -310,208 +271,6 @@ def train_step(trainer, batch, args):
                       "skipped_bad": trainer.bad_steps > 0, "lr": lr,
                       **({"train_peak_gb": peak} if peak else {})}
 
-
-# -----------------------------------------------------------------------------
-# the trainer
-
-
-def master_weights(model, saved=None):
-    """Half-dtype weights: float32 copies for AdamW (bf16 steps round small updates away), else
-    None."""
-    params = list(model.parameters())
-    if params[0].dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return [torch.nn.Parameter(s.to(p.device) if s is not None else p.detach().float())
-            for p, s in zip(params, saved or [None] * len(params))]
-
-
-class Trainer:
-    """The replicated trainer: AdamW with a linear warm-up on float32 weights; `version` counts its
-    steps."""
-    sharded = False
-    def __init__(self, args, model, ctx, state, ckpt=None, pad_id=0):
-        self.args, self.model, self.ctx, self.ckpt, self.pad_id = args, model, ctx, ckpt, pad_id
-        # None: one process
-        self.ranks_sum = None if ctx is None else self.all_sum
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.master = self.optimized_weights(state)
-        self.opt = torch.optim.AdamW(self.master or model.parameters(), lr=args.lr,
-                                     eps=args.adam_eps, weight_decay=args.weight_decay,
-                                     betas=(0.9, 0.999))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: self.warmup(s))
-        self.version, self.bad_steps = state.get("step", 0), 0
-        if state:
-            self.load_state_dict(state)
-
-    def warmup(self, s):
-        return min(1.0, (s + 1) / self.args.warmup)
-
-    def optimized_weights(self, state):
-        """The float32 weights AdamW steps (None: the model's)."""
-        return master_weights(self.model, state.get("master"))
-
-    def logprobs(self, ids, lens):
-        return packed_logprobs(self.model, ids, lens, self.args.fp32_head, self.args.temperature,
-                               checkpoint_layers=self.args.ckpt_layers)
-
-    def all_sum(self, sums):
-        """Sum a dict over the trainer ranks."""
-        return ranks.all_reduce_stats(self.ctx, sums)[0]
-
-    def any(self, flag):
-        return self.all_sum({"flag": bool(flag)})["flag"] > 0
-
-    def clip_grads(self):
-        """-> the gradient norm before clipping."""
-        stepped = self.master or list(self.model.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(stepped, self.args.grad_clip or float("inf"))
-        return pipeline.whole(norm).item()
-
-    def zero_grad(self):
-        self.opt.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-
-    def micro_batches(self, batch):
-        return micro_batches([len(batch.prompt_ids[r]) + len(batch.samples[r].tokens)
-                              for r in batch.rows], self.args.micro_tokens)
-
-    def accumulate(self):
-        """After each micro-batch's backward: half-dtype gradients move into the float32 copies."""
-        for p, m in zip(self.model.parameters(), self.master or []):
-            if p.grad is not None:
-                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-                p.grad = None
-
-    def reduce_grads(self):
-        """Sum the trainers' gradients."""
-        if self.ctx is not None:
-            ranks.all_reduce_grads(self.ctx, self.master or list(self.model.parameters()))
-
-    def copy_master(self):
-        """The model's weights := the float32 copies."""
-        if self.master:
-            with torch.no_grad():
-                for p, m in zip(self.model.parameters(), self.master):
-                    p.copy_(m)
-
-    def skip_step(self, loss, norm):
-        """No update; --max_bad_steps in a row stop the run."""
-        self.bad_steps += 1
-        print0(f"step {self.version + 1}: loss {loss} / gradient norm {norm}: not finite, "
-               f"optimizer step skipped ({self.bad_steps} in a row, --max_bad_steps "
-               f"{self.args.max_bad_steps})", flush=True)
-        if self.bad_steps >= self.args.max_bad_steps:
-            raise SystemExit(f"error: {self.bad_steps} consecutive steps with a non-finite loss "
-                             f"or gradient (up to step {self.version + 1}); stopping. The last "
-                             "checkpoint holds the last good weights.")
-
-    def eval_model(self, device=None):
-        return self.model
-
-    def save_shards(self, folder):
-        """FSDP2 only."""
-
-    def optimizer_state(self):
-        return {"optimizer": self.opt.state_dict(),
-                "master": [m.detach().cpu() for m in self.master] if self.master else None}
-
-    def state_dict(self):
-        return {**self.optimizer_state(), "scheduler": self.sched.state_dict(),
-                "step": self.version, "torch_rng": torch.get_rng_state()}
-
-    def load_state_dict(self, state):
-        self.load_optimizer(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        # the flags given now apply from here
-        for group in self.opt.param_groups:
-            group.update(lr=self.args.lr * self.warmup(self.sched.last_epoch),
-                         initial_lr=self.args.lr, eps=self.args.adam_eps,
-                         weight_decay=self.args.weight_decay, betas=(0.9, 0.999))
-        self.sched.base_lrs = [self.args.lr] * len(self.opt.param_groups)
-
-    def load_optimizer(self, saved):
-        self.opt.load_state_dict(saved)
-
-
-class ShardedTrainer(Trainer):
-    """--fsdp: model and AdamW state sharded over the trainers (FSDP2); whole weights are gathered a
-    parameter at a time."""
-    sharded = True
-
-    def optimized_weights(self, state):
-        """Shard the model in place (float32 shards)."""
-        model, ctx = self.model, self.ctx
-        self.dtype = dtype = next(model.parameters()).dtype
-        if dtype != torch.float32:
-            model.float()
-        self.forward = pipeline.shard_trainer(model, ctx.trainers, ctx.device, dtype)
-        self.sync_once = plan.fsdp_sync_once(self.n_params, plan.device_bytes(ctx.device))
-        local = sum(p.to_local().numel() for p in model.parameters())
-        print0(f"FSDP2: trainer 0 holds {local} of {self.n_params} parameters (and their AdamW "
-               "state)", flush=True)
-        return None
-
-    def logprobs(self, ids, lens):
-        return self.forward(ids, lens, self.args.fp32_head, self.args.temperature,
-                            self.args.ckpt_layers)
-
-    def micro_batches(self, batch):
-        """A trainer with fewer micro-batches runs empty passes: each is a chain of collectives."""
-        parts = super().micro_batches(batch)
-        self.n_all = int(ranks.all_reduce_stats(self.ctx, {}, {"n": len(parts)})[1]["n"])
-        self.done = 0
-        self.forward.set_requires_gradient_sync(not self.sync_once or self.n_all == 1)
-        for _ in range(len(parts), self.n_all):
-            ids = torch.full((2,), self.pad_id, device=self.ctx.device)
-            (self.logprobs(ids, [2]).sum() * 0).backward()
-            self.accumulate()
-        return parts
-
-    def accumulate(self):
-        """Reduce-scatter after the last micro-batch (or after each: plan.fsdp_sync_once)."""
-        self.done += 1
-        self.forward.set_requires_gradient_sync(not self.sync_once or self.done >= self.n_all - 1)
-
-    def reduce_grads(self):
-        pass  # FSDP2 reduce-scatters the gradients in the backward
-
-    def eval_model(self, device=None):
-        """The whole model in --dtype on trainer 0 (a collective; None elsewhere)."""
-        whole = None
-        if self.ctx.rank == 0:
-            with torch.device("meta"):
-                whole = AutoModelForCausalLM.from_config(self.model.config, dtype=self.dtype)
-            whole.to_empty(device="cpu")
-            whole.tie_weights()  # to_empty leaves a tied head its own tensor
-            for b, ours in zip(whole.buffers(), self.model.buffers()):  # the rotary tables
-                b.copy_(ours)
-        params = dict(whole.named_parameters()) if whole else {}
-        names = (name for name, _ in self.model.named_parameters())
-        with torch.no_grad():
-            for name, full in zip(names, pipeline.whole_weights(self.model, self.dtype)):
-                if whole is not None:
-                    params[name].copy_(full)
-        return whole.to(device) if whole is not None and device else whole
-
-    def save_shards(self, folder):
-        """Each trainer writes its shards and AdamW state."""
-        import torch.distributed.checkpoint as dcp
-        self.any(False)  # a barrier
-        dcp.save(pipeline.sharded_state(self.model, self.opt),
-                 checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
-
-    def optimizer_state(self):
-        return {"optimizer": None, "master": None, "shards": SHARDS}
-
-    def load_optimizer(self, saved):
-        """This trainer's saved shards and their AdamW state."""
-        import torch.distributed.checkpoint as dcp
-        folder = os.path.join(self.ckpt, SHARDS)
-        state = pipeline.sharded_state(self.model, self.opt)
-        dcp.load(state, storage_reader=shard_reader(folder),  # nothing in the folder runs code
-                 process_group=self.ctx.trainers, planner=safe_load_planner())
-        pipeline.set_sharded_state(self.model, self.opt, state)
 
 # -----------------------------------------------------------------------------
 # evals and checkpoints
@@ -567,7 +326,7 @@ def held_out_eval(rec, env, trainer, source):
 
 
 def save(rec, env, trainer, source):
-    model, state = trainer.eval_model(), trainer.state_dict()
+    model, state = trainer.whole_model(), trainer.state_dict()
     state.update(source.state_dict(trainer.version), compute_s=rec.compute_s, flops=rec.flops,
                  empty_steps=rec.empty_steps, args=vars(env.args))
     trainer.save_shards(checkpoint_tmp(env.args.out, trainer.version, fresh=env.rank0))
@@ -676,7 +435,8 @@ def main(args):
     length = LengthControl.from_args(args)  # the length penalty, if any, in make_batch's rewards
     stopped, signaled = None, False
     while trainer.version < args.steps:
-        if trainer.any(source.stop_requested()):  # SIGINT / SIGTERM to any rank: save, then stop
+        # SIGINT / SIGTERM to any rank: save, then stop
+        if trainer.any_rank(source.stop_requested()):
             signaled = True
             break
         # ---- rollouts
@@ -685,7 +445,7 @@ def main(args):
         if groups is None:  # a signal stopped the sampling
             signaled = True
             break
-        if trainer.any(len(groups) < source.share):
+        if trainer.any_rank(len(groups) < source.share):
             stopped = (f"stopping at step {trainer.version}: out of prompts "
                        "(No-Positive-Resampling retired every one)")
             print0(stopped, flush=True)
