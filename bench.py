@@ -39,7 +39,8 @@ from transformers.utils import logging as hf_logging
 
 import config
 from checks import check_supported
-from data import prompt_ids, read_jsonl, score_samples, special_tokens
+from data import prompt_ids, score_samples, special_tokens
+from runs import read_jsonl
 from generate import Decoder, Sample, generate
 from loss import LengthControl, make_batch, policy_loss
 import metrics

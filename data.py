@@ -8,22 +8,16 @@ generator's share of the curriculum).
     python data.py FILE_OR_HUB_ID      # the count and the first problem
 """
 
-import contextlib
 import copy
-import errno
-import json
 import math
 import os
 import random
-import select
-import signal
-import stat
 import sys
-import time
 import weakref
 
-from hub import hub_dataset_spec, load_records, one_line
-from sandbox import CODE_MAX_CASES, split_asserts
+from hub import hub_dataset_spec, load_records
+from runs import read_jsonl
+from sandbox import CODE_MAX_CASES, render_chat_template, split_asserts
 from verify import last_boxed, never_matched, prompt_opens_think, reward, score_problems
 
 INSTRUCTION = "Think inside <think> </think>, then answer in \\boxed{}."
@@ -32,8 +26,6 @@ CODE_INSTRUCTION = ("Think inside <think> </think>, then answer with a Python pr
 # forced in at an interruption (paper 3.2)
 INTERRUPT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a final answer now. "
                     "</think>")
-MAX_LINE_BYTES = 16 << 20  # code tests may be megabytes
-TEMPLATE_SECONDS = 10.0
 PROBLEM_MARK = "\ue000problem\ue000"
 _FRAMES = weakref.WeakKeyDictionary()
 
@@ -104,53 +96,6 @@ def _problem_of(rec, where, key):
     return {"prompt": rec[key], "answer": _answer_of(rec, where), "domain": "math"}
 
 
-def open_regular(path):
-    """path opened if a regular file (a FIFO never ends)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open returns at once
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise OSError(errno.EINVAL, f"not a regular file ({kind}): give a jsonl file")
-    return os.fdopen(fd, "rb")
-
-
-def read_jsonl(path):
-    """(line number, object) pairs; ValueError 'FILE:LINE: why'."""
-    with open_regular(path) as f:
-        lineno = 0
-        while raw := f.readline(MAX_LINE_BYTES + 1):
-            lineno += 1
-            rec = _json_line(raw, f"{path}:{lineno}")
-            if rec is not None:
-                yield lineno, rec
-
-
-def _json_line(raw, where):
-    if len(raw) > MAX_LINE_BYTES:
-        raise ValueError(f"{where}: a line over {MAX_LINE_BYTES >> 20} MiB (one record a line)")
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} "
-                         f"at column {e.start + 1})") from None
-    if not line.strip():
-        return None
-    try:  # an error at the end stays on its line
-        rec = json.loads(line.rstrip("\r\n"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at column "
-                         f"{e.colno})") from None
-    except RecursionError:
-        raise ValueError(f"{where}: invalid JSON (nested too deeply)") from None
-    except ValueError as e:  # past Python's digit limit
-        raise ValueError(f"{where}: invalid JSON ({e})") from None
-    if not isinstance(rec, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    return rec
-
-
 def load_problems(path):
     """A jsonl file -> problems."""
     return problems_of_records(((f"{path}:{lineno}", rec) for lineno, rec in read_jsonl(path)),
@@ -219,48 +164,6 @@ def chat_frame(tokenizer, instruction):
                              "once, as written")
         frames[key] = tuple(text.split(PROBLEM_MARK))
     return frames[key]
-
-
-def render_chat_template(tokenizer, content):
-    """A template is code: it runs in a child killed at the limit."""
-    seconds = TEMPLATE_SECONDS
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: exit without clean-up
-        try:
-            os.close(read)
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-            said = ({"text": text} if isinstance(text, str) else
-                    {"error": f"it renders a {type(text).__name__}, not text"})
-        except BaseException as err:  # a PanicException too
-            said = {"error": f"{type(err).__name__}: {one_line(err)}"}
-        with contextlib.suppress(BaseException):
-            with os.fdopen(write, "w") as f:
-                json.dump(said, f)
-        os._exit(0)
-    os.close(write)
-    deadline, chunks = time.monotonic() + seconds, []
-    try:
-        while (left := deadline - time.monotonic()) > 0 and select.select([read], [], [], left)[0]:
-            if not (chunk := os.read(read, 1 << 20)):
-                break
-            chunks.append(chunk)
-        else:
-            raise ValueError(f"its chat template took over {seconds:g} s to render one prompt "
-                             "(a loop or a huge computation in it?)")
-    finally:
-        os.close(read)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    try:
-        said = json.loads(b"".join(chunks))
-    except ValueError:
-        said = {"error": "its renderer died"}
-    if "text" in said:
-        return said["text"]
-    raise ValueError(f"its chat template fails: {said['error']}")
 
 
 def prompt_ids(tokenizer, problem, domain="math"):

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from scipy.optimize import curve_fit
 
-from data import read_jsonl
+from runs import read_jsonl
 from plots import TRAIN_SERIES, color, draw_curves, figure_name, pyplot, save_figure
 
 FIT_FROM = 0.1       # x the largest C

@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 
@@ -462,3 +463,55 @@ def tracker(args):
 def release_lock():
     while _LOCK:
         _LOCK.pop().close()
+
+# -----------------------------------------------------------------------------
+# one reader for the files a run takes from a folder: regular files only, a line at a time
+
+MAX_LINE_BYTES = 16 << 20  # code tests may be megabytes
+
+
+def open_regular(path):
+    """path opened if a regular file (a FIFO never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open returns at once
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise OSError(errno.EINVAL, f"not a regular file ({kind}): give a jsonl file")
+    return os.fdopen(fd, "rb")
+
+
+def read_jsonl(path):
+    """(line number, object) pairs; ValueError 'FILE:LINE: why'."""
+    with open_regular(path) as f:
+        lineno = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            rec = _json_line(raw, f"{path}:{lineno}")
+            if rec is not None:
+                yield lineno, rec
+
+
+def _json_line(raw, where):
+    if len(raw) > MAX_LINE_BYTES:
+        raise ValueError(f"{where}: a line over {MAX_LINE_BYTES >> 20} MiB (one record a line)")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} "
+                         f"at column {e.start + 1})") from None
+    if not line.strip():
+        return None
+    try:  # an error at the end stays on its line
+        rec = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at column "
+                         f"{e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:  # past Python's digit limit
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    return rec

@@ -6,7 +6,8 @@ Tests: stdin/stdout pairs {"inputs": [...], "outputs": [...]} or asserts. The pa
 outputs and evaluates each assert on the plain-data values of the solution's calls
 (split_asserts): a program cannot forge its reward. Each run: own namespaces and interpreter copy
 (_bwrap_args), a system-call filter (_seccomp_rules), rlimits, a cgroup per sample (cgroup_plan).
-Guarantees and limits: docs/reference.md, "Untrusted inputs".
+A model folder's chat template renders in a child killed at TEMPLATE_SECONDS
+(render_chat_template). Guarantees and limits: docs/reference.md, "Untrusted inputs".
 
     python -c "import sandbox; print(sandbox.bwrap_ready())"  # needs bubblewrap, libseccomp2
 """
@@ -34,6 +35,8 @@ import threading
 import time
 import types
 import zipfile
+
+from hub import one_line
 
 # CPU seconds for all of a sample's runs; x this: its wall-clock cap
 CODE_TIMEOUT = 10.0
@@ -984,3 +987,50 @@ def _remove_tree(folder):
                 if not os.path.islink(path):
                     os.chmod(path, 0o700)
     shutil.rmtree(folder, ignore_errors=True)
+
+# -----------------------------------------------------------------------------
+# a chat template is code too (jinja2): data.chat_frame renders it here, in a child killed at the limit
+
+TEMPLATE_SECONDS = 10.0
+
+
+def render_chat_template(tokenizer, content):
+    """A template is code: it runs in a child killed at the limit."""
+    seconds = TEMPLATE_SECONDS
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: exit without clean-up
+        try:
+            os.close(read)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+            said = ({"text": text} if isinstance(text, str) else
+                    {"error": f"it renders a {type(text).__name__}, not text"})
+        except BaseException as err:  # a PanicException too
+            said = {"error": f"{type(err).__name__}: {one_line(err)}"}
+        with contextlib.suppress(BaseException):
+            with os.fdopen(write, "w") as f:
+                json.dump(said, f)
+        os._exit(0)
+    os.close(write)
+    deadline, chunks = time.monotonic() + seconds, []
+    try:
+        while (left := deadline - time.monotonic()) > 0 and select.select([read], [], [], left)[0]:
+            if not (chunk := os.read(read, 1 << 20)):
+                break
+            chunks.append(chunk)
+        else:
+            raise ValueError(f"its chat template took over {seconds:g} s to render one prompt "
+                             "(a loop or a huge computation in it?)")
+    finally:
+        os.close(read)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    try:
+        said = json.loads(b"".join(chunks))
+    except ValueError:
+        said = {"error": "its renderer died"}
+    if "text" in said:
+        return said["text"]
+    raise ValueError(f"its chat template fails: {said['error']}")

@@ -28,7 +28,7 @@ import time
 import numpy as np
 from scipy import stats
 
-from data import read_jsonl
+from runs import read_jsonl
 from runs import checkpoints, open_run_file, replace_file
 from fit import (NOISE_A, check_points, checked_number, eval_point, finite, fit_sigmoid, plot,
                  sigmoid)

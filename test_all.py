@@ -1934,7 +1934,7 @@ def test_data_reads_regular_files_only_and_every_error_names_file_and_line(tmp_p
              ok + '{"problem": "p", "answer": ' + "9" * 5000 + "}\n": ":2: invalid JSON (Exceeds the limit",
              ok + '{"prompt": "p", "tests": ["assert f(1)' + " + 1" * 100_000 + '"]}\n':
                  ":2: field 'tests': an expression nested too deeply to parse",
-             ok + '{"problem": "' + "x" * data.MAX_LINE_BYTES + '", "answer": "1"}\n': ":2: a line over 16 MiB"}
+             ok + '{"problem": "' + "x" * runs.MAX_LINE_BYTES + '", "answer": "1"}\n': ":2: a line over 16 MiB"}
     assert_load_errors(tmp_path, cases)
     for i in range(len(cases)):
         with pytest.raises(SystemExit) as exit_:
@@ -2272,7 +2272,7 @@ def test_a_chat_template_that_loops_stops_the_run_with_one_line(toy_dir, tmp_pat
     tok = AutoTokenizer.from_pretrained(folder)
     tok.chat_template = LOOPING_TEMPLATE
     tok.save_pretrained(folder)
-    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(sandbox, "TEMPLATE_SECONDS", 1.0, raising=False)
     said, start = {}, time.monotonic()
 
     def evaluate():
@@ -2292,17 +2292,17 @@ def test_a_chat_template_computing_a_huge_power_stops_at_the_limit_with_one_line
     """10 ** (10 ** 8) is one C call holding the GIL: neither the trace deadline nor a thread's join acted, and
     start-up hung (~10 min). The template renders in a child killed at the limit; its errors come back as one line."""
     tok = AutoTokenizer.from_pretrained(toy_dir)
-    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(sandbox, "TEMPLATE_SECONDS", 1.0, raising=False)
     tok.chat_template = "{% for m in messages %}<u>{{ m.content }}{% endfor %}<a>"
-    assert data.render_chat_template(tok, "What is 2+2?") == "<u>What is 2+2?<a>"
+    assert sandbox.render_chat_template(tok, "What is 2+2?") == "<u>What is 2+2?<a>"
     tok.chat_template = "{{ 10 ** (10 ** 8) }}{{ messages[0].content }}"
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^its chat template took over 1 s to render one prompt \(a loop or a huge "):
-        data.render_chat_template(tok, "What is 2+2?")
+        sandbox.render_chat_template(tok, "What is 2+2?")
     assert time.monotonic() - start < 5
     tok.chat_template = "{{ raise_exception('no system role') }}"
     with pytest.raises(ValueError, match=r"^its chat template fails: TemplateError: no system role$"):
-        data.render_chat_template(tok, "What is 2+2?")
+        sandbox.render_chat_template(tok, "What is 2+2?")
 
 
 def test_split_is_seeded_and_disjoint():

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from checks import check_code_rewards, check_supported, context_error
 import config
-from data import (format_prompt, load_source_problems, prompts_ids, read_jsonl, special_tokens,
+from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
                   split_problems)
 import faults
 import pipeline
@@ -36,7 +36,7 @@ import ranks
 from loss import LengthControl, make_batch, policy_loss, row_weights
 from metrics import (alarms, eval_alarms, log_step, micro_stats, new_record, print0, step_metrics,
                      step_stats)
-from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir,
+from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, read_jsonl,
                   release_lock, resume_command, resume_point, save_checkpoint)
 from toy import PRESETS, toy_model_dir, toy_task
 from trainer import ShardedTrainer, Trainer, collate, pack
