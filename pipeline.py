@@ -714,21 +714,6 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
                    fp32_head=args.fp32_head, seed=args.seed, version=version)
 
 
-def sample_all(steps, items, stop=None):
-    """Run a sampler over `items` -> {tag: Sample}; None once stop()."""
-    next(steps)
-    out, new = {}, items
-    while len(out) < len(items):
-        if stop is not None and stop():
-            steps.close()
-            return None
-        finished, _ = steps.send((new, 0))
-        new = []
-        out.update(finished)
-    steps.close()
-    return out
-
-
 def length_control(args):
     """ScaleRL's length control (--length_control) -> (forced interruptions?, length penalty or
     None)."""

@@ -4928,7 +4928,7 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
     for budget in ("16", str(train.get_args([]).answer_budget)):
         args = train.get_args(["--answer_budget", budget])
         steps = pipeline.make_sampler(model, tok, args, len(prompt))
-        done = pipeline.sample_all(steps, [(prompt, i, i) for i in range(16)])
+        done = gen.drive(steps, [(prompt, i, i) for i in range(16)])
         samples = [done[i] for i in range(16)]
         texts, correct, rewards = data.score_samples(tok, samples, problems)
         assert {t.split("</think>")[1][:4] for t in texts} == {" The", "1011"}  # both branches were sampled

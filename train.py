@@ -32,7 +32,7 @@ from data import (format_prompt, load_source_problems, prompts_ids, read_jsonl, 
 import faults
 import pipeline
 import plan
-from generate import check_supported, packed_logprobs
+from generate import check_supported, drive, packed_logprobs
 from loss import (AGGS, EPS_DEFAULTS, NORMS, OBJECTIVES, advantages, agg_counts, clip_eps,
                   drift_by_lag, forgetting, ratio_stats, row_weights, zero_variance_keep)
 from metrics import alarms, eval_alarms, log_step, new_record, print0, step_metrics
@@ -433,8 +433,8 @@ def evaluate(model, tokenizer, val_ids, val, args, most=None):
     items = pipeline.held_out_items(val_ids, args.eval_samples)
     steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
                                   most=min(len(items), most or len(items)))
-    done = pipeline.sample_all(Progress(steps, len(items), "held-out eval"), items,
-                               stop=lambda: bool(faults.STOP))
+    done = drive(Progress(steps, len(items), "held-out eval"), items,
+                 stop=lambda: bool(faults.STOP))
     if done is None:
         return None
     records = pipeline.score_held_out(tokenizer, {i: s for (_, i), s in done.items()}, val,
