@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from data import Curriculum, score_samples, special_tokens
+import evals
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until, watch
 from generate import FINISH, Sample, packed_logprobs, sampler
 import generate
@@ -818,7 +819,7 @@ EVAL_SHARE = 0.5
 def start_eval(gen, version):
     gen.eval_version, gen.eval_done, gen.eval_t0 = version, {}, time.time()
     gen.eval_shown = gen.eval_t0
-    gen.eval_items = held_out_items(gen.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
+    gen.eval_items = evals.held_out_items(gen.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
     gen.eval_want = len(gen.eval_items)
 
 
@@ -840,8 +841,8 @@ def eval_share(gen):
 
 
 def finish_eval(gen):
-    gen.report_eval(gen.eval_version, score_held_out(gen.tokenizer, gen.eval_done, gen.val,
-                                                     gen.args.unsafe_code_exec))
+    gen.report_eval(gen.eval_version, evals.score_held_out(gen.tokenizer, gen.eval_done, gen.val,
+                                                           gen.args.unsafe_code_exec))
     gen.evaluated.add(gen.eval_version)
     gen.eval_version, gen.eval_done = None, {}
     if gen.staged_version > gen.version:
@@ -849,24 +850,6 @@ def finish_eval(gen):
             for p, s in zip((p for _, p in gen.model.named_parameters()), gen.staged):
                 p.copy_(s)
         take_weights(gen, gen.staged_version)
-
-
-EVAL_KEY = 10 ** 12
-
-
-def held_out_items(val_ids, k, g=0, n_gens=1):
-    """Generator g's share of a held-out eval, the same noise at every eval."""
-    n = len(val_ids)
-    return [(val_ids[i % n], EVAL_KEY + i, ("eval", i)) for i in range(n * k)
-            if (i % n) % n_gens == g]
-
-
-def score_held_out(tokenizer, done, val, unsafe_code=False):
-    idx, n = sorted(done), len(val)
-    _, correct, _ = score_samples(tokenizer, [done[i] for i in idx], [val[i % n] for i in idx],
-                                  unsafe_code=unsafe_code)
-    return [[i, c, done[i].finish == "truncated", 0 in done[i].mask, len(done[i].tokens)]
-            for i, c in zip(idx, correct)]
 
 # -----------------------------------------------------------------------------
 # a generator rank's life

@@ -9,6 +9,7 @@ import ast
 import collections
 import contextlib
 import errno
+import functools
 import hashlib
 import inspect
 import ipaddress
@@ -47,6 +48,7 @@ import bench
 import checks
 import data
 from data import INTERRUPT_PHRASE
+import evals
 import hub
 import faults
 import generate as gen
@@ -4228,7 +4230,7 @@ def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their
     _, val = train.load_data(args)
     for step in (2, 4):
         tok, model = train.load_model(str(tmp_path / f"ckpt-{step:06d}"), args, torch.device("cpu"))
-        here = train.evaluate(model, tok, train.tokenize_prompts(tok, val), val, args)
+        here = train.eval_model(model, tok, train.tokenize_prompts(tok, val), val, args)
         assert {k: here[k] for k in ("pass_rate", "trunc", "len", "n")} == \
             {k: evals[step][k] for k in ("pass_rate", "trunc", "len", "n")}, step
 
@@ -4966,7 +4968,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
     curriculum = source.gen.prompts.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
-    result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
+    result = train.eval_model(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
 
 
@@ -5301,7 +5303,7 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
 
 def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, capsys, monkeypatch):
     args = train.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
-    monkeypatch.setattr(train.Progress, "PROGRESS_S", 0)  # a long eval's progress line, at every decode step here
+    monkeypatch.setattr(evals, "Progress", functools.partial(evals.Progress, every=0))  # a long eval's progress line, at every decode step here
     r = train.main(args)
     said = capsys.readouterr().out.strip().splitlines()
     counts = [int(m[1]) for m in map(re.compile(r"held-out eval: (\d+)/18 samples in \d+ s, ").match, said) if m]
