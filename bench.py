@@ -41,7 +41,7 @@ import config
 from checks import check_supported
 from data import prompt_ids, score_samples, special_tokens
 from runs import read_jsonl
-from generate import Decoder, Sample, generate
+from generate import Decoder, Sample, drive, generate
 from loss import LengthControl, make_batch, policy_loss
 import metrics
 import pipeline
@@ -1098,7 +1098,7 @@ def replay_batch(model, version, seed, env):
     items = [(ids[i], seed * 10 ** 6 + 8 * j + k, (j, k))
              for j, i in enumerate(idx) for k in range(8)]
     steps = pipeline.make_sampler(model, tok, args, max(map(len, ids)), version)
-    done = pipeline.sample_all(steps, items)
+    done = drive(steps, items)
     groups = []
     for j, i in enumerate(idx):
         samples = [done[(j, k)] for k in range(8)]
@@ -1147,7 +1147,7 @@ def bench_replay(args):
     gargs = config.get_args([])
     gargs.temperature = 0.0  # greedy
     greedy = pipeline.make_sampler(first, tok, gargs, max(map(len, val_ids)))
-    greedy = pipeline.sample_all(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
+    greedy = drive(greedy, [(p, 0, i) for i, p in enumerate(val_ids)])
     contexts, nexts = [], []
     for i, p in enumerate(val_ids):
         t, cut = greedy[i].tokens, answer_start(greedy[i].tokens, think_end)
@@ -1207,9 +1207,9 @@ def study_step_lengths(seed=0):
     problems = [p for p in toy_problems(10 * args.prompts, seed, "toy-hard")
                 if len(p["steps"]) <= study.MAX_OPS][:args.prompts]
     ids = train.tokenize_prompts(tok, problems)
-    done = pipeline.sample_all(pipeline.make_sampler(model.eval(), tok, args, max(map(len, ids))),
-                               [(p, j * args.samples + k, (j, k)) for j, p in enumerate(ids)
-                                for k in range(args.samples)])
+    done = drive(pipeline.make_sampler(model.eval(), tok, args, max(map(len, ids))),
+                 [(p, j * args.samples + k, (j, k)) for j, p in enumerate(ids)
+                  for k in range(args.samples)])
     return [len(ids[j]) + len(s.tokens) for (j, _), s in done.items()]
 
 

@@ -699,25 +699,33 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
             finished.append((tag, sample))
 
 
-def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None,
-             **settings):
-    """One Sample per prompt, or None once stop() is true. keys: noise keys (default 0..n-1)."""
-    keys = range(len(prompts)) if keys is None else keys
-    results = [None] * len(prompts)
-    max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
-    steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
-                    version=version, **settings)
+def drive(steps, items, version=0, stop=None, progress=None):
+    """Run a sampler not yet started over `items` [(prompt ids, noise key, tag)] until every one
+    is finished -> {tag: Sample}; None once stop() is true. progress(n finished) after each send."""
     next(steps)
-    new, left = list(zip(prompts, keys, range(len(prompts)))), len(prompts)
-    while left:
+    out, new = {}, items
+    while len(out) < len(items):
         if stop is not None and stop():
             steps.close()
             return None
         finished, _ = steps.send((new, version))
-        new, left = [], left - len(finished)
-        for i, s in finished:
-            results[i] = s
-    return results
+        new = []
+        out.update(finished)
+        if progress is not None:
+            progress(len(out))
+    steps.close()
+    return out
+
+
+def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_prompt_len=None,
+             **settings):
+    """One Sample per prompt, or None once stop() is true. keys: noise keys (default 0..n-1)."""
+    keys = range(len(prompts)) if keys is None else keys
+    max_prompt_len = max_prompt_len or max(map(len, prompts), default=1)
+    steps = sampler(model, slots=min(slots, len(prompts)), max_prompt_len=max_prompt_len,
+                    version=version, **settings)
+    done = drive(steps, list(zip(prompts, keys, range(len(prompts)))), version, stop)
+    return None if done is None else [done[i] for i in range(len(prompts))]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """
-metrics.py: what a run reports: the step line, metrics.jsonl's fields, the loss's diagnostics
-(mismatch, drift by lag, forgetting) and the alarms that watch them. Start at step_metrics.
+metrics.py: what a run reports: the step and eval lines, metrics.jsonl's fields, the loss's
+diagnostics (mismatch, drift by lag, forgetting) and the alarms that watch them. Start at step_metrics.
 """
 import json
 import math
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from evals import per_domain
 from loss import LOSSES, clip_eps
 import ranks
 from runs import truncate_metrics, write_file
@@ -205,6 +206,32 @@ def log_step(rec, m):
     rec.log(m)
     if m["step"] % rec.args.log_every == 0 or m["step"] == rec.args.steps:
         print0(log_line(m, rec.args.steps) + progress(rec, m["step"]), flush=True)
+
+
+def log_eval(rec, step, result, stamp):
+    """An eval's live fit, line and alarms."""
+    from fit import predict_final  # scipy loads on rank 0 only
+    args, (compute_s, flops) = rec.args, stamp
+    m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
+    rec.evals.append((compute_s, result["pass_rate"]))
+    rec.eval_intr.append(result["intr"])
+    C, R = np.array(rec.evals).T
+    try:  # the live fit must not stop the run
+        pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
+    except ValueError as err:
+        pred = None
+        print(f"eval step {step}: no live fit ({err})")
+    if pred:
+        m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"],
+                 predicted_final=pred["R_end"])
+    rec.log(m)
+    fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s "
+               f"-> predicted {pred['R_end']:.3f} at step {args.steps}") if pred else ""
+    print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} "
+          f"+- {result['pass_rate_se']:.3f} (mean@{args.eval_samples}, n={result['n']})"
+          f"{per_domain(result)} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}"
+          f"{fit_txt}", flush=True)
+    eval_alarms(rec, step, result)
 
 
 # alarm thresholds

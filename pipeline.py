@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from data import Prompts, score_samples, special_tokens
+import evals
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
 from generate import FINISH, Sample, sampler
 import generate
@@ -311,8 +312,7 @@ class EvalShare:
     version: int = None  # the version under eval; None between evals
     items: list = field(default_factory=list)  # not yet given to the sampler
     want: int = 0
-    t0: float = 0.0
-    shown: float = 0.0
+    progress: object = None  # evals.Progress on generator 0: the count and ETA of its share
     done: dict = field(default_factory=dict)
     evaluated: set = field(default_factory=set)
     report: object = None
@@ -397,21 +397,6 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
                    fp32_head=args.fp32_head, seed=args.seed, version=version)
 
 
-def sample_all(steps, items, stop=None):
-    """Run a sampler over `items` -> {tag: Sample}; None once stop()."""
-    next(steps)
-    out, new = {}, items
-    while len(out) < len(items):
-        if stop is not None and stop():
-            steps.close()
-            return None
-        finished, _ = steps.send((new, 0))
-        new = []
-        out.update(finished)
-    steps.close()
-    return out
-
-
 
 
 def group_items(prompt, gi, G):
@@ -480,20 +465,12 @@ EVAL_SHARE = 0.5  # at most this share of the slots: training groups keep flowin
 
 def start_eval(gen, version):
     e = gen.evals
-    e.version, e.done, e.t0 = version, {}, time.time()
-    e.shown = e.t0
-    e.items = held_out_items(e.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
+    e.version, e.done = version, {}
+    e.items = evals.held_out_items(e.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
     e.want = len(e.items)
-
-
-def eval_progress(gen, v, done, every=10.0):
-    """Every `every` s, the first generator says how far its share of a held-out eval is."""
-    now, e = time.time(), gen.evals
-    if gen.index == 0 and e.version is not None and now - e.shown >= every:
-        e.shown, spent = now, now - e.t0
-        eta = f"ETA {(e.want - done) * spent / done:.0f} s" if done else "none finished yet"
-        print(f"generator 0: held-out eval of step {v}: {done}/{e.want} samples in "
-              f"{spent:.0f} s, {eta}", flush=True)
+    # the first generator speaks for all: their shares are the same size
+    e.progress = (evals.Progress(e.want, f"generator 0: held-out eval of step {version}")
+                  if gen.index == 0 else None)
 
 
 def eval_share(gen):
@@ -506,28 +483,11 @@ def eval_share(gen):
 
 def finish_eval(gen):
     e = gen.evals
-    e.report(e.version, score_held_out(gen.tokenizer, e.done, e.val, gen.args.unsafe_code_exec))
+    e.report(e.version, evals.score_held_out(gen.tokenizer, e.done, e.val,
+                                             gen.args.unsafe_code_exec))
     e.evaluated.add(e.version)
     e.version, e.done = None, {}
     take_staged(gen)
-
-
-EVAL_KEY = 10 ** 12
-
-
-def held_out_items(val_ids, k, g=0, n_gens=1):
-    """Generator g's share of a held-out eval, the same noise at every eval."""
-    n = len(val_ids)
-    return [(val_ids[i % n], EVAL_KEY + i, ("eval", i)) for i in range(n * k)
-            if (i % n) % n_gens == g]
-
-
-def score_held_out(tokenizer, done, val, unsafe_code=False):
-    idx, n = sorted(done), len(val)
-    _, correct, _ = score_samples(tokenizer, [done[i] for i in idx], [val[i % n] for i in idx],
-                                  unsafe_code=unsafe_code)
-    return [[i, c, done[i].finish == "truncated", 0 in done[i].mask, len(done[i].tokens)]
-            for i, c in zip(idx, correct)]
 
 # -----------------------------------------------------------------------------
 # PipelineRL-k: the lag rule
@@ -572,7 +532,8 @@ def generate_pipelined(ctx, gen):
             done = len(e.done)
             set_status(ctx, f"generating; evaluating step {v} ({done}/{e.want})"
                        if e.version is not None else "generating")
-            eval_progress(gen, v, done)
+            if e.progress and e.version is not None:
+                e.progress.update(done)
         return
     if gen.verifier.verifying:
         finish_groups(gen, wait=True)

@@ -9,6 +9,7 @@ import ast
 import collections
 import contextlib
 import errno
+import functools
 import hashlib
 import inspect
 import ipaddress
@@ -48,6 +49,7 @@ import checks
 import config
 import data
 from data import INTERRUPT_PHRASE
+import evals
 import hub
 import faults
 import generate as gen
@@ -4261,7 +4263,7 @@ def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their
     _, val = train.load_data(args)
     for step in (2, 4):
         tok, model = train.load_model(str(tmp_path / f"ckpt-{step:06d}"), args, torch.device("cpu"))
-        here = train.evaluate(model, tok, train.tokenize_prompts(tok, val), val, args)
+        here = train.eval_model(model, tok, train.tokenize_prompts(tok, val), val, args)
         assert {k: here[k] for k in ("pass_rate", "trunc", "len", "n")} == \
             {k: evals[step][k] for k in ("pass_rate", "trunc", "len", "n")}, step
 
@@ -4362,19 +4364,20 @@ def test_pipeline_waits_keep_no_deadline_while_trainer_0_evaluates():
 def test_pipeline_a_generators_held_out_eval_says_its_count_and_eta(capsys, monkeypatch):
     """Under torchrun the first generator prints its share of a long eval: done/total and an ETA
     at the pace so far (here 30 of 120 in 12 s: 36 s left); other generators stay quiet."""
-    gen = types.SimpleNamespace(index=0, evals=pipeline.EvalShare(val_ids=[[1]] * 60), n_gens=1,
-                                args=types.SimpleNamespace(eval_samples=2))
-    monkeypatch.setattr(pipeline.time, "time", lambda: 1000.0)
+    args = types.SimpleNamespace(eval_samples=2)
+    gen = types.SimpleNamespace(index=0, evals=pipeline.EvalShare(val_ids=[[1]] * 60), n_gens=1, args=args)
+    other = types.SimpleNamespace(index=1, evals=pipeline.EvalShare(val_ids=[[1]] * 60), n_gens=2, args=args)
+    monkeypatch.setattr(evals.time, "time", lambda: 1000.0)
     pipeline.start_eval(gen, 4)
-    assert gen.evals.want == 120
-    pipeline.eval_progress(gen, 4, 10)  # under 10 s since the start: nothing yet
-    monkeypatch.setattr(pipeline.time, "time", lambda: 1012.0)
-    pipeline.eval_progress(types.SimpleNamespace(**{**vars(gen), "index": 1}), 4, 30)
+    pipeline.start_eval(other, 4)
+    assert gen.evals.want == 120 and other.evals.progress is None  # the other generators stay quiet
+    gen.evals.progress.update(10)  # under 10 s since the start: nothing yet
+    monkeypatch.setattr(evals.time, "time", lambda: 1012.0)
     assert capsys.readouterr().out == ""
-    pipeline.eval_progress(gen, 4, 30)
+    gen.evals.progress.update(30)
     assert capsys.readouterr().out == ("generator 0: held-out eval of step 4: 30/120 samples in 12 s, "
                                        "ETA 36 s\n")
-    pipeline.eval_progress(gen, 4, 31)  # at most one line every 10 s
+    gen.evals.progress.update(31)  # at most one line every 10 s
     assert capsys.readouterr().out == ""
 
 
@@ -4962,7 +4965,7 @@ def test_rethinking_after_the_answer_tag_is_scored_under_the_default_budgets_not
     for budget in ("16", str(config.get_args([]).answer_budget)):
         args = config.get_args(["--answer_budget", budget])
         steps = pipeline.make_sampler(model, tok, args, len(prompt))
-        done = pipeline.sample_all(steps, [(prompt, i, i) for i in range(16)])
+        done = gen.drive(steps, [(prompt, i, i) for i in range(16)])
         samples = [done[i] for i in range(16)]
         texts, correct, rewards = data.score_samples(tok, samples, problems)
         assert {t.split("</think>")[1][:4] for t in texts} == {" The", "1011"}  # both branches were sampled
@@ -5002,7 +5005,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
     curriculum = source.gen.prompts.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
-    result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
+    result = train.eval_model(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
 
 
@@ -5337,7 +5340,7 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
 
 def test_train_eval_only_is_mean_at_k_of_sampling_and_scoring_by_hand(toy_dir, capsys, monkeypatch):
     args = config.get_args(["--eval_only", "--model", toy_dir, "--val_size", "6", "--eval_samples", "3"])
-    monkeypatch.setattr(train.Progress, "PROGRESS_S", 0)  # a long eval's progress line, at every decode step here
+    monkeypatch.setattr(evals, "Progress", functools.partial(evals.Progress, every=0))  # a long eval's progress line, at every decode step here
     r = train.main(args)
     said = capsys.readouterr().out.strip().splitlines()
     counts = [int(m[1]) for m in map(re.compile(r"held-out eval: (\d+)/18 samples in \d+ s, ").match, said) if m]

@@ -20,13 +20,13 @@ import time
 import traceback
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from checks import check_code_rewards, check_supported, context_error
 import config
+import evals
 from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
                   split_problems)
 import faults
@@ -34,7 +34,7 @@ import pipeline
 import plan
 import ranks
 from loss import LengthControl, make_batch, policy_loss, row_weights
-from metrics import (alarms, eval_alarms, log_step, micro_stats, new_record, print0, step_metrics,
+from metrics import (alarms, log_eval, log_step, micro_stats, new_record, print0, step_metrics,
                      step_stats)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, read_jsonl,
                   release_lock, resume_command, resume_point, save_checkpoint)
@@ -135,65 +135,12 @@ def tokenize_prompts(tokenizer, problems):
                        [p.get("domain") for p in problems])
 
 
-def domain_rates(problems, correct):
-    domains = sorted({p.get("domain", "math") for p in problems})
-    if len(domains) < 2:
-        return {}
-    return {f"pass_rate/{d}": float(np.mean([c for p, c in zip(problems, correct)
-                                             if p.get("domain", "math") == d]))
-            for d in domains}
-
-
-class Progress:
-    """A sampler that prints a long phase's progress and ETA."""
-    PROGRESS_S = 10
-
-    def __init__(self, steps, total, what):
-        self.steps, self.total, self.what, self.done = steps, total, what, 0
-        self.t0 = self.shown = time.time()
-
-    def __next__(self):
-        return next(self.steps)
-
-    def send(self, value):
-        finished, *rest = self.steps.send(value)
-        self.done += len(finished)
-        if time.time() - self.shown >= self.PROGRESS_S:
-            self.shown, spent = time.time(), time.time() - self.t0
-            eta = (f"ETA {(self.total - self.done) * spent / self.done:.0f} s" if self.done else
-                   "no sample finished yet")
-            print0(f"{self.what}: {self.done}/{self.total} samples in {spent:.0f} s, {eta}",
-                   flush=True)
-        return (finished, *rest)
-
-    def close(self):
-        self.steps.close()
-
-
-def evaluate(model, tokenizer, val_ids, val, args, most=None):
-    """Held-out mean@k of `model` -> summarize_eval's dict; None if a signal stopped it."""
-    items = pipeline.held_out_items(val_ids, args.eval_samples)
+def eval_model(model, tokenizer, val_ids, val, args, most=None):
+    """evals.evaluate with the run's sampler: one sequence per sample at most (or `most`)."""
+    n = len(val_ids) * args.eval_samples
     steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
-                                  most=min(len(items), most or len(items)))
-    done = pipeline.sample_all(Progress(steps, len(items), "held-out eval"), items,
-                               stop=lambda: bool(faults.STOP))
-    if done is None:
-        return None
-    records = pipeline.score_held_out(tokenizer, {i: s for (_, i), s in done.items()}, val,
-                                      args.unsafe_code_exec)
-    return summarize_eval(records, val, args.eval_samples)
-
-
-def summarize_eval(records, val, k):
-    """Held-out records -> mean@k pass rate, its standard error, rates."""
-    n = len(val)
-    _, correct, truncated, interrupted, lengths = zip(*sorted(records))
-    per_prompt = np.reshape(np.asarray(correct, dtype=float), (k, n)).mean(0)
-    se = float(per_prompt.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
-    return {"pass_rate": float(np.mean(correct)), "pass_rate_se": se,
-            "trunc": float(np.mean(truncated)), "intr": float(np.mean(interrupted)),
-            "len": float(np.mean(lengths)), "n": len(correct),
-            **domain_rates(val * k, list(correct))}
+                                  most=min(n, most or n))
+    return evals.evaluate(steps, tokenizer, val_ids, val, args.eval_samples, args.unsafe_code_exec)
 
 
 def eval_only(args):
@@ -211,15 +158,11 @@ def eval_only(args):
                                len(special_tokens(tokenizer)["interrupt_ids"]),
                                evaluate=len(val) * args.eval_samples)
     t0 = time.time()
-    r = evaluate(model.eval(), tokenizer, val_ids, val, args)
-    per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in r.items()
-                         if k.startswith("pass_rate/"))
+    r = eval_model(model.eval(), tokenizer, val_ids, val, args)
     held = args.val_data or f"{len(val)} held-out problems of " + \
         (f"--data {args.data}" if args.data else "the toy task")
-    print(f"eval {args.model or model_dir} on {held}: pass rate "
-          f"{r['pass_rate']:.3f} (mean@{args.eval_samples} over {len(val)} problems, "
-          f"{r['n']} samples){per_domain} | trunc {r['trunc']:.3f} | intr {r['intr']:.3f} | "
-          f"len {r['len']:.1f} tokens | {time.time() - t0:.1f} s", flush=True)
+    print(evals.eval_only_line(r, f"eval {args.model or model_dir} on {held}", args.eval_samples,
+                               len(val), time.time() - t0), flush=True)
     return r
 
 # -----------------------------------------------------------------------------
@@ -277,45 +220,16 @@ def train_step(trainer, batch, args):
 
 
 def run_eval(rec, model, env, step, stamp):
-    model.eval()
-    result = evaluate(model, env.tokenizer, env.val_ids, env.val, env.args,
-                      pipeline.sampler_most(env.args, env.ctx))
+    result = eval_model(model.eval(), env.tokenizer, env.val_ids, env.val, env.args,
+                        pipeline.sampler_most(env.args, env.ctx))
     if result is not None:
-        log_eval(rec, env, step, result, stamp)
+        log_eval(rec, step, result, stamp)
 
 
 def log_evals(rec, env, source, wait=False):
     """Log the generators' finished evals."""
     for step, records, stamp in source.evals_done(wait):
-        log_eval(rec, env, step, summarize_eval(records, env.val, env.args.eval_samples), stamp)
-
-
-def log_eval(rec, env, step, result, stamp):
-    """An eval's live fit, line and alarms."""
-    from fit import predict_final  # scipy loads on rank 0 only
-    args, (compute_s, flops) = env.args, stamp
-    m = {"kind": "eval", "step": step, "compute_s": compute_s, "flops": flops, **result}
-    rec.evals.append((compute_s, result["pass_rate"]))
-    rec.eval_intr.append(result["intr"])
-    C, R = np.array(rec.evals).T
-    try:  # the live fit must not stop the run
-        pred = predict_final(C, R, C_end=compute_s / max(step, 1) * args.steps)
-    except ValueError as err:
-        pred = None
-        print(f"eval step {step}: no live fit ({err})")
-    if pred:
-        m.update(fit_A=pred["A"], fit_B=pred["B"], fit_C_mid=pred["C_mid"],
-                 predicted_final=pred["R_end"])
-    rec.log(m)
-    fit_txt = (f" | fit A {pred['A']:.3f} B {pred['B']:.2f} C_mid {pred['C_mid']:.0f} device-s "
-               f"-> predicted {pred['R_end']:.3f} at step {args.steps}") if pred else ""
-    per_domain = "".join(f" | {k.split('/')[1]} {v:.3f}" for k, v in result.items()
-                         if k.startswith("pass_rate/"))
-    print(f"eval step {step} | held-out pass rate {result['pass_rate']:.3f} "
-          f"+- {result['pass_rate_se']:.3f} (mean@{args.eval_samples}, n={result['n']})"
-          f"{per_domain} | trunc {result['trunc']:.3f} | intr {result['intr']:.3f}{fit_txt}",
-          flush=True)
-    eval_alarms(rec, step, result)
+        log_eval(rec, step, evals.summarize_eval(records, env.val, env.args.eval_samples), stamp)
 
 
 def held_out_eval(rec, env, trainer, source):
