@@ -3,7 +3,7 @@ evals.py: the held-out evaluation, mean@k (arXiv 2510.13786: the pass rate over 
 held-out problem, the y-axis of its compute curves; its recipe, appendix A.3: 1,000 problems x 16).
 Start at `evaluate`: the sampler driven over `held_out_items`, each sample scored as in training (a
 truncated sample is wrong), the records summed up by `summarize_eval`. Under PipelineRL the
-generator ranks sample the same items, each its share (pipeline.start_eval), and trainer 0 sums
+generator ranks sample the same items, each its share (EvalShare, from pipeline.poll), and trainer 0 sums
 their records up (train.log_evals); the eval line is metrics.log_eval.
 
     python train.py --eval_only --model runs/toy/ckpt-000150 --eval_samples 16
@@ -11,6 +11,7 @@ their records up (train.log_evals); the eval line is metrics.log_eval.
 """
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -73,6 +74,39 @@ class Progress:
             eta = (f"ETA {(self.total - done) * spent / done:.0f} s" if done else
                    "no sample finished yet")
             print(f"{self.what}: {done}/{self.total} samples in {spent:.0f} s, {eta}", flush=True)
+
+
+EVAL_SHARE = 0.5  # at most this share of the slots: training groups keep flowing during an eval
+
+
+@dataclass
+class EvalShare:
+    """A generator rank's share of the held-out eval of one weights version (pipeline.py)."""
+    val: list = None
+    val_ids: list = None
+    version: int = None  # the version under eval; None between evals
+    items: list = field(default_factory=list)  # not yet given to the sampler
+    want: int = 0
+    progress: object = None  # Progress on generator 0: the count and ETA of its share
+    done: dict = field(default_factory=dict)
+    evaluated: set = field(default_factory=set)
+    report: object = None  # (version, records) -> the store, for trainer 0
+
+    def start(self, version, k, g, n_gens):
+        """The eval of `version`: generator g's share of the items, mean@k."""
+        self.version, self.done = version, {}
+        self.items = held_out_items(self.val_ids, k, g, n_gens)
+        self.want = len(self.items)
+        # the first generator speaks for all: their shares are the same size
+        self.progress = (Progress(self.want, f"generator 0: held-out eval of step {version}")
+                         if g == 0 else None)
+
+    def take(self, slots, free):
+        """The items to start now: at most EVAL_SHARE of the slots in use, within the free ones."""
+        running = self.want - len(self.items) - len(self.done)
+        n = max(0, min(max(1, int(slots * EVAL_SHARE)) - running, free))
+        items, self.items = self.items[:n], self.items[n:]
+        return items
 
 
 def evaluate(steps, tokenizer, val_ids, val, k, unsafe_code=False):

@@ -25,57 +25,14 @@ import torch
 import torch.distributed as dist
 
 from data import Prompts, score_samples, special_tokens
-import evals
+from evals import EvalShare, score_held_out
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
-from generate import FINISH, Sample, sampler
+from generate import sampler
 import generate
 from loss import LengthControl
 from plan import fit_slots, in_flight, peak_gb
-from ranks import busy_metrics, on_trainer0, part, weight_buckets
-
-# gen rank, gi, prompt index, prompt len, completion len, correct, reward, finish
-HEADER = 8
-
-# -----------------------------------------------------------------------------
-# data plane
-
-
-def trainer_of(gi, prompts, n_trainers):
-    """The trainer that trains group gi."""
-    return (gi % prompts) % n_trainers
-
-
-def pack_group(gen_rank, group, length):
-    """A group -> float32 rows: header | ids | log-probs | mask | versions."""
-    prompt, samples = group["prompt"], group["samples"]
-    rows = torch.zeros(len(samples), HEADER + 4 * length)
-    for row, s, c, r in zip(rows, samples, group["correct"], group["rewards"]):
-        n, P = len(s.tokens), len(prompt)
-        if P + n > length or max(prompt + s.tokens) >= 2 ** 24:
-            raise ValueError(f"cannot pack: {P}+{n} tokens > {length} or a token id >= 2**24")
-        row[:HEADER] = torch.tensor([gen_rank, group["gi"], group["index"], P, n, float(c), r,
-                                     FINISH.index(s.finish)])
-        body = row[HEADER:].view(4, length)
-        body[0, :P + n] = torch.tensor(prompt + s.tokens, dtype=torch.float)
-        body[1, :n], body[2, :n], body[3, :n] = (torch.tensor(x, dtype=torch.float)
-                                                 for x in (s.logps, s.mask, s.versions))
-    return rows
-
-
-def unpack_group(rows):
-    length = (rows.size(1) - HEADER) // 4
-    gen_rank, gi, index, P = (int(x) for x in rows[0, :4].tolist())
-    samples = []
-    for row in rows:
-        n, f = int(row[4]), int(row[7])
-        body = row[HEADER:].view(4, length)
-        samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()],
-                              body[1, :n].tolist(), [int(x) for x in body[2, :n].tolist()],
-                              [int(x) for x in body[3, :n].tolist()], FINISH[f]))
-    return {"gen_rank": gen_rank, "gi": gi, "index": index,
-            "prompt": [int(x) for x in rows[0, HEADER:HEADER + P].tolist()], "samples": samples,
-            "correct": [bool(c) for c in rows[:, 5].tolist()], "rewards": rows[:, 6].tolist()}
-
+from ranks import (busy_metrics, drain, on_trainer0, pack_group, part, receive_rows, unpack_group,
+                   weight_buckets)
 
 
 # -----------------------------------------------------------------------------
@@ -233,11 +190,9 @@ class RemoteRollouts:
 # the trainers' side
 
 
-def _receive_one(ctx):
-    rows = torch.empty(ctx.samples, HEADER + 4 * ctx.length)
-    dist.irecv(rows, src=None, group=ctx.rollouts, tag=1).wait(timedelta(seconds=ctx.timeout))
-    ctx.live.received += 1
-    return rows
+def trainer_of(gi, prompts, n_trainers):
+    """The trainer that trains group gi."""
+    return (gi % prompts) % n_trainers
 
 
 def receive_groups(ctx, step):
@@ -254,7 +209,7 @@ def receive_groups(ctx, step):
                                       f"(groups {missing[0]}..{missing[-1]})")
         if get_int(ctx, f"sent/{rank}") <= ctx.live.received:
             break
-        group = unpack_group(_receive_one(ctx))
+        group = unpack_group(receive_rows(ctx))
         ctx.store.add(f"received_from/{group['gen_rank']}/{rank}", 1)
         stats["received"] += 1
         stats["gen_tokens"] += sum(len(group["prompt"]) + len(s.tokens) for s in group["samples"])
@@ -267,17 +222,6 @@ def receive_groups(ctx, step):
     set_status(ctx, f"training step {step + 1}")
     return got, stats
 
-
-
-
-def drain(ctx, step):
-    """After the last step: stop the generators, take the groups in flight."""
-    if ctx.rank == 0:
-        ctx.store.set("last_step", str(step))
-        ctx.store.set("stop", "1")
-    wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx.n_gens, "the generators to stop")
-    while get_int(ctx, f"sent/{ctx.rank}") > ctx.live.received:
-        _receive_one(ctx)
 
 # -----------------------------------------------------------------------------
 # a generator: its state, one small dataclass per role, then sampling, verifying and evals
@@ -302,20 +246,6 @@ class Verifier:
     send: object  # a verified group -> its trainer (or the one-process batch)
     verifying: list = field(default_factory=list)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
-
-
-@dataclass
-class EvalShare:
-    """This generator's share of the held-out eval of one weights version."""
-    val: list = None
-    val_ids: list = None
-    version: int = None  # the version under eval; None between evals
-    items: list = field(default_factory=list)  # not yet given to the sampler
-    want: int = 0
-    progress: object = None  # evals.Progress on generator 0: the count and ETA of its share
-    done: dict = field(default_factory=dict)
-    evaluated: set = field(default_factory=set)
-    report: object = None
 
 
 @dataclass
@@ -397,8 +327,6 @@ def make_sampler(model, tokenizer, args, max_prompt_len, version=0, cap=None, sa
                    fp32_head=args.fp32_head, seed=args.seed, version=version)
 
 
-
-
 def group_items(prompt, gi, G):
     """Group gi's items: sample j's noise key is gi * 1024 + j, whoever samples it."""
     return [(prompt, gi * 1024 + j, (gi, j)) for j in range(G)]
@@ -420,10 +348,10 @@ def admit(gen, gis):
     return items
 
 
-def sampler_step(gen, items, version, evals=()):
+def sampler_step(gen, items, version, share=()):
     """One sampler step; completed groups go to the verifier."""
     s, e = gen.sampling, gen.evals
-    finished, s.free = s.steps.send((list(evals) + items, version))
+    finished, s.free = s.steps.send((list(share) + items, version))
     for (gi, j), sample in finished:
         s.tokens += len(sample.tokens)
         if gi == "eval":
@@ -460,31 +388,10 @@ def finish_groups(gen, wait=False):
                 "correct": correct, "rewards": rewards})
 
 
-EVAL_SHARE = 0.5  # at most this share of the slots: training groups keep flowing during an eval
-
-
-def start_eval(gen, version):
-    e = gen.evals
-    e.version, e.done = version, {}
-    e.items = evals.held_out_items(e.val_ids, gen.args.eval_samples, gen.index, gen.n_gens)
-    e.want = len(e.items)
-    # the first generator speaks for all: their shares are the same size
-    e.progress = (evals.Progress(e.want, f"generator 0: held-out eval of step {version}")
-                  if gen.index == 0 else None)
-
-
-def eval_share(gen):
-    e = gen.evals
-    running = e.want - len(e.items) - len(e.done)
-    n = max(0, min(max(1, int(gen.sampling.slots * EVAL_SHARE)) - running, gen.sampling.free))
-    items, e.items = e.items[:n], e.items[n:]
-    return items
-
-
 def finish_eval(gen):
+    """A finished share: scored, reported, then the weights that waited for it."""
     e = gen.evals
-    e.report(e.version, evals.score_held_out(gen.tokenizer, e.done, e.val,
-                                             gen.args.unsafe_code_exec))
+    e.report(e.version, score_held_out(gen.tokenizer, e.done, e.val, gen.args.unsafe_code_exec))
     e.evaluated.add(e.version)
     e.version, e.done = None, {}
     take_staged(gen)
@@ -519,14 +426,14 @@ def generate_pipelined(ctx, gen):
     """PipelineRL-k, one round: new weights, admit what the lag rule allows, sample."""
     s, e = gen.sampling, gen.evals
     version = poll(ctx, gen)
-    evals = eval_share(gen)
-    free = s.free - len(evals)
+    share = e.take(s.slots, s.free)
+    free = s.free - len(share)
     items = (admit_ranked(ctx, gen, next_groups(ctx, gen, math.ceil(free / gen.args.samples),
                                                 version))
              if free > 0 else [])
-    if items or evals or s.free < s.slots:
+    if items or share or s.free < s.slots:
         done, v = len(e.done), e.version
-        sampler_step(gen, items, version, evals)
+        sampler_step(gen, items, version, share)
         if v is not None and len(e.done) != done:  # restarts the trainers' deadlines
             ctx.store.add("eval_progress", 1)
             done = len(e.done)
@@ -724,7 +631,7 @@ def poll(ctx, gen, apply=True):
         update_weights(ctx, gen, version)
     if (e.version is None and w.version not in e.evaluated
             and ctx.store.check([f"eval_request/{w.version}"])):
-        start_eval(gen, w.version)
+        e.start(w.version, gen.args.eval_samples, gen.index, gen.n_gens)
     publish_stats(ctx, gen)
     return w.version
 

@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from faults import set_status, wait_until, watch
+from faults import get_int, set_status, wait_until, watch
+from generate import FINISH, Sample
 
 
 def default_gen_ranks(world):
@@ -274,3 +275,59 @@ def busy_metrics(ctx, dt, rstats, train_s, sync_s, sync_bytes):
             "epoch": max((s.get("epoch", 0) for s in now), default=0),
             **({"gen_peak_gb": max(s["peak_gb"] for s in now if s.get("peak_gb"))}
                if any(s.get("peak_gb") for s in now) else {})}
+
+
+# -----------------------------------------------------------------------------
+# rollouts on the wire: a verified group as float32 rows, sent point to point to its trainer
+
+# gen rank, gi, prompt index, prompt len, completion len, correct, reward, finish
+HEADER = 8
+
+
+def pack_group(gen_rank, group, length):
+    """A group -> float32 rows: header | ids | log-probs | mask | versions."""
+    prompt, samples = group["prompt"], group["samples"]
+    rows = torch.zeros(len(samples), HEADER + 4 * length)
+    for row, s, c, r in zip(rows, samples, group["correct"], group["rewards"]):
+        n, P = len(s.tokens), len(prompt)
+        if P + n > length or max(prompt + s.tokens) >= 2 ** 24:
+            raise ValueError(f"cannot pack: {P}+{n} tokens > {length} or a token id >= 2**24")
+        row[:HEADER] = torch.tensor([gen_rank, group["gi"], group["index"], P, n, float(c), r,
+                                     FINISH.index(s.finish)])
+        body = row[HEADER:].view(4, length)
+        body[0, :P + n] = torch.tensor(prompt + s.tokens, dtype=torch.float)
+        body[1, :n], body[2, :n], body[3, :n] = (torch.tensor(x, dtype=torch.float)
+                                                 for x in (s.logps, s.mask, s.versions))
+    return rows
+
+
+def unpack_group(rows):
+    length = (rows.size(1) - HEADER) // 4
+    gen_rank, gi, index, P = (int(x) for x in rows[0, :4].tolist())
+    samples = []
+    for row in rows:
+        n, f = int(row[4]), int(row[7])
+        body = row[HEADER:].view(4, length)
+        samples.append(Sample(index, [int(x) for x in body[0, P:P + n].tolist()],
+                              body[1, :n].tolist(), [int(x) for x in body[2, :n].tolist()],
+                              [int(x) for x in body[3, :n].tolist()], FINISH[f]))
+    return {"gen_rank": gen_rank, "gi": gi, "index": index,
+            "prompt": [int(x) for x in rows[0, HEADER:HEADER + P].tolist()], "samples": samples,
+            "correct": [bool(c) for c in rows[:, 5].tolist()], "rewards": rows[:, 6].tolist()}
+
+
+def receive_rows(ctx):
+    rows = torch.empty(ctx.samples, HEADER + 4 * ctx.length)
+    dist.irecv(rows, src=None, group=ctx.rollouts, tag=1).wait(timedelta(seconds=ctx.timeout))
+    ctx.live.received += 1
+    return rows
+
+
+def drain(ctx, step):
+    """After the last step: stop the generators, take the groups in flight."""
+    if ctx.rank == 0:
+        ctx.store.set("last_step", str(step))
+        ctx.store.set("stop", "1")
+    wait_until(ctx, lambda: get_int(ctx, "generators_done") == ctx.n_gens, "the generators to stop")
+    while get_int(ctx, f"sent/{ctx.rank}") > ctx.live.received:
+        receive_rows(ctx)

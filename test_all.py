@@ -4001,15 +4001,15 @@ def test_pipeline_pack_unpack_round_trip():
          gen.Sample(1, [150000, 9], [-0.375, 0.0], [1, 0], [4, 4], "truncated")]
     group = {"gi": 41, "index": 17, "prompt": [1, 2, 3], "samples": s, "correct": [True, False],
              "rewards": [0.75, -1.0]}
-    rows = pipeline.pack_group(3, group, length=8)
-    assert rows.shape == (2, pipeline.HEADER + 4 * 8) and rows.dtype == torch.float32
-    g = pipeline.unpack_group(rows)
+    rows = ranks.pack_group(3, group, length=8)
+    assert rows.shape == (2, ranks.HEADER + 4 * 8) and rows.dtype == torch.float32
+    g = ranks.unpack_group(rows)
     assert (g["gen_rank"], g["gi"], g["index"], g["prompt"], g["correct"], g["rewards"]) == \
         (3, 41, 17, [1, 2, 3], [True, False], [0.75, -1.0])
     for a, b in zip(s, g["samples"]):
         assert (a.tokens, a.logps, a.mask, a.versions, a.finish) == (b.tokens, b.logps, b.mask, b.versions, b.finish)
     with pytest.raises(ValueError, match="cannot pack"):
-        pipeline.pack_group(0, dict(group, prompt=[1] * 7), length=8)
+        ranks.pack_group(0, dict(group, prompt=[1] * 7), length=8)
 
 
 def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
@@ -4365,11 +4365,11 @@ def test_pipeline_a_generators_held_out_eval_says_its_count_and_eta(capsys, monk
     """Under torchrun the first generator prints its share of a long eval: done/total and an ETA
     at the pace so far (here 30 of 120 in 12 s: 36 s left); other generators stay quiet."""
     args = types.SimpleNamespace(eval_samples=2)
-    gen = types.SimpleNamespace(index=0, evals=pipeline.EvalShare(val_ids=[[1]] * 60), n_gens=1, args=args)
-    other = types.SimpleNamespace(index=1, evals=pipeline.EvalShare(val_ids=[[1]] * 60), n_gens=2, args=args)
+    gen = types.SimpleNamespace(index=0, evals=evals.EvalShare(val_ids=[[1]] * 60), n_gens=1, args=args)
+    other = types.SimpleNamespace(index=1, evals=evals.EvalShare(val_ids=[[1]] * 60), n_gens=2, args=args)
     monkeypatch.setattr(evals.time, "time", lambda: 1000.0)
-    pipeline.start_eval(gen, 4)
-    pipeline.start_eval(other, 4)
+    gen.evals.start(4, args.eval_samples, gen.index, gen.n_gens)
+    other.evals.start(4, args.eval_samples, other.index, other.n_gens)
     assert gen.evals.want == 120 and other.evals.progress is None  # the other generators stay quiet
     gen.evals.progress.update(10)  # under 10 s since the start: nothing yet
     monkeypatch.setattr(evals.time, "time", lambda: 1012.0)
