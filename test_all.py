@@ -3077,7 +3077,9 @@ def test_varlen_attention_kernels_are_called_as_the_exact_path_computes(monkeypa
 def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_head(monkeypatch):
     """The float32 head as a bf16 GEMM with float32 output only on CUDA with bf16 weights and --fp32_head; its
     autograd (here with a float32 matmul standing in for CUDA's mm out_dtype) gives the float32 head's log-probs
-    to float32 rounding and its gradients to bf16 rounding of the logits' gradient."""
+    to float32 rounding and its gradients to bf16 rounding of the logits' gradient: about 0.5% of each gradient's
+    norm (bf16 keeps 8 bits), one element at most 2.1% of the tensor's largest on a CPU whose bf16 GEMMs accumulate
+    in bf16 blocks (an AMD EPYC here), hence the two bounds."""
     assert gen.tensor_core_head("cuda", torch.bfloat16, True) == hasattr(torch.ops.aten.mm, "dtype")
     assert not any(gen.tensor_core_head(*a) for a in (("cpu", torch.bfloat16, True), ("cuda", torch.float32, True),
                                                       ("cuda", torch.float16, True), ("cuda", torch.bfloat16, False)))
@@ -3093,7 +3095,8 @@ def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_hea
         out[fast] = lp.detach(), [p.grad.float().clone() for p in model.parameters()]
     assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
     for a, b in zip(out[True][1], out[False][1]):
-        assert (a - b).abs().max() <= 0.02 * b.abs().max() + 1e-6
+        assert (a - b).norm() <= 0.02 * b.norm() + 1e-6
+        assert (a - b).abs().max() <= 0.04 * b.abs().max() + 1e-6
 
 
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
