@@ -300,3 +300,20 @@ def recipe_lines(args, n_val):
              if k not in ("recipe", "out") and getattr(args, k) != v]
     return [f"recipe {args.recipe}: " + recipe_values(args, n_val),
             f"flags that differ from it and the defaults: {' '.join(given) or 'none'}"]
+
+
+def sample_parser(description):
+    """generate.py's flags: a few samples from a model folder."""
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint "
+                    "runs/toy/ckpt-000150, or a Hugging Face Hub id (Qwen/Qwen3-0.6B: downloaded "
+                    "once into the Hugging Face cache); empty = the embedded toy model")
+    ap.add_argument("--prompt", default="", help="a problem; empty = three toy problems")
+    ap.add_argument("--n", type=int, default=1, help="samples per problem")
+    ap.add_argument("--seed", type=int, default=0, help="sampling noise seed")
+    ap.add_argument("--think_budget", type=int, default=48,
+                    help="thinking tokens before the interruption")
+    ap.add_argument("--answer_budget", type=int, default=64, help="answer tokens after </think>")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    return ap

@@ -12,7 +12,6 @@ its slot, batch or restarts.
     python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512
 """
 
-import argparse
 import inspect
 import random
 import sys
@@ -731,23 +730,12 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
 if __name__ == "__main__":
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    import config
     from data import completion_text, prompt_ids, special_tokens
     from toy import toy_model_dir, toy_problems
     from hub import resolve_model
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint "
-                    "runs/toy/ckpt-000150, or a Hugging Face Hub id (Qwen/Qwen3-0.6B: downloaded "
-                    "once into the Hugging Face cache); empty = the embedded toy model")
-    ap.add_argument("--prompt", default="", help="a problem; empty = three toy problems")
-    ap.add_argument("--n", type=int, default=1, help="samples per problem")
-    ap.add_argument("--seed", type=int, default=0, help="sampling noise seed")
-    ap.add_argument("--think_budget", type=int, default=48,
-                    help="thinking tokens before the interruption")
-    ap.add_argument("--answer_budget", type=int, default=64, help="answer tokens after </think>")
-    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    args = ap.parse_args()
+    args = config.sample_parser(__doc__.split("\n\n")[0]).parse_args()
     transformers.utils.logging.disable_progress_bar()
     try:
         path = resolve_model(args.model) if args.model else toy_model_dir()
