@@ -4266,7 +4266,7 @@ def test_pipeline_held_out_evals_run_on_the_generators_with_the_weights_of_their
     _, val = train.load_data(args)
     for step in (2, 4):
         tok, model = train.load_model(str(tmp_path / f"ckpt-{step:06d}"), args, torch.device("cpu"))
-        here = train.eval_model(model, tok, train.tokenize_prompts(tok, val), val, args)
+        here = train.evaluate(model, tok, train.tokenize_prompts(tok, val), val, args)
         assert {k: here[k] for k in ("pass_rate", "trunc", "len", "n")} == \
             {k: evals[step][k] for k in ("pass_rate", "trunc", "len", "n")}, step
 
@@ -5008,7 +5008,7 @@ def test_a_truncated_sample_is_never_correct_in_rewards_npr_and_evals():
     assert [r for g in groups for r in g["rewards"]] == [-1.0] * 8
     curriculum = source.gen.prompts.curriculum
     assert curriculum.history == {0: [0.0], 1: [0.0]} and not curriculum.retired
-    result = train.eval_model(model, tok, [ids_of(tok, "?")], [problem], args)
+    result = train.evaluate(model, tok, [ids_of(tok, "?")], [problem], args)
     assert result["pass_rate"] == 0.0 and result["trunc"] == 1.0
 
 

@@ -135,7 +135,7 @@ def tokenize_prompts(tokenizer, problems):
                        [p.get("domain") for p in problems])
 
 
-def eval_model(model, tokenizer, val_ids, val, args, most=None):
+def evaluate(model, tokenizer, val_ids, val, args, most=None):
     """evals.evaluate with the run's sampler: one sequence per sample at most (or `most`)."""
     n = len(val_ids) * args.eval_samples
     steps = pipeline.make_sampler(model, tokenizer, args, max(map(len, val_ids)),
@@ -158,7 +158,7 @@ def eval_only(args):
                                len(special_tokens(tokenizer)["interrupt_ids"]),
                                evaluate=len(val) * args.eval_samples)
     t0 = time.time()
-    r = eval_model(model.eval(), tokenizer, val_ids, val, args)
+    r = evaluate(model.eval(), tokenizer, val_ids, val, args)
     held = args.val_data or f"{len(val)} held-out problems of " + \
         (f"--data {args.data}" if args.data else "the toy task")
     print(evals.eval_only_line(r, f"eval {args.model or model_dir} on {held}", args.eval_samples,
@@ -220,7 +220,7 @@ def train_step(trainer, batch, args):
 
 
 def run_eval(rec, model, env, step, stamp):
-    result = eval_model(model.eval(), env.tokenizer, env.val_ids, env.val, env.args,
+    result = evaluate(model.eval(), env.tokenizer, env.val_ids, env.val, env.args,
                         pipeline.sampler_most(env.args, env.ctx))
     if result is not None:
         log_eval(rec, step, result, stamp)
