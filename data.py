@@ -15,6 +15,7 @@ import random
 import sys
 import weakref
 
+from faults import printable
 from hub import hub_dataset_spec, load_records
 from runs import read_jsonl
 from sandbox import CODE_MAX_CASES, render_chat_template, split_asserts
@@ -120,7 +121,7 @@ def problems_of_records(records, source):
     if not problems:
         raise ValueError(f"{source}: no problems")
     for note, wheres in notes.items():
-        print(f"{source}: {note.format(n=len(wheres))} (the first at {wheres[0]})",
+        print(printable(f"{source}: {note.format(n=len(wheres))} (the first at {wheres[0]})"),
               file=sys.stderr)
     return problems
 
@@ -336,7 +337,7 @@ if __name__ == "__main__":
     try:
         probs = load_source_problems(cli.file)
     except OSError as err:
-        sys.exit(f"error: {cli.file}: {err.strerror or err}")
+        sys.exit(printable(f"error: {cli.file}: {err.strerror or err}"))
     except ValueError as err:
-        sys.exit(f"error: {err}")
+        sys.exit(printable(f"error: {err}"))
     print(f"{len(probs)} problems; first: {probs[0]}")

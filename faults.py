@@ -1,11 +1,13 @@
 """
 faults.py: nothing hangs or fails silently: clean stops on signals (stop_on_signals), deadlines
-(wait_until), heartbeats (watch), one-line failure reports (report_failure).
+(wait_until), heartbeats (watch), one-line failure reports (report_failure), and printable: what an
+error line quotes from an input, shown without the control characters a terminal would act on.
 """
 
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -14,6 +16,7 @@ import time
 _CURRENT = {}  # for report_failure
 
 STOP = {}  # {"name": "SIGINT", "at": time.time()}
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1: a terminal acts on them
 
 
 class Stopped(Exception):
@@ -119,9 +122,9 @@ def report_failure(err):
                 for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
     except Exception:
         gone = ["the rendezvous store (rank 0 or the launcher)"]
-    line = (f"{role_of(ctx, me)} failed while {ctx.live.status}: {type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}; "
-            f"not responding: {'; '.join(gone) or 'none'}")
+    line = printable(f"{role_of(ctx, me)} failed while {ctx.live.status}: {type(err).__name__}: "
+                     f"{str(err).splitlines()[0] if str(err) else ''}; "
+                     f"not responding: {'; '.join(gone) or 'none'}")
     record_error(line)
     print(f"ERROR: {line}", file=sys.stderr, flush=True)
 
@@ -141,8 +144,15 @@ def record_error(line, later=False, shown=None):
         return False
 
 
+def printable(text):
+    """text as one line a terminal only shows: whitespace controls become spaces, the others \\xNN
+    (an escape sequence in a file name or a template's message clears no screen)."""
+    return CONTROL.sub(lambda m: " " if m[0] in "\t\n\r\v\f" else f"\\x{ord(m[0]):02x}", str(text))
+
+
 def say_error(line):
     """A user error every rank meets, said once: rank 0's is the report's root cause."""
+    line = printable(line)
     if int(os.environ.get("RANK", "0")) != 0:
         record_error("the same error as rank 0 (the root cause, below)", later=True)
     elif not record_error(line, shown="\n" + line):
@@ -150,6 +160,7 @@ def say_error(line):
 
 
 def _die(message):
+    message = printable(message)
     record_error(message)
     print(f"ERROR: {message}; exiting", file=sys.stderr, flush=True)
     os._exit(1)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 from scipy.optimize import curve_fit
 
+from faults import printable
 from runs import read_jsonl
 from plots import TRAIN_SERIES, color, draw_curves, figure_name, pyplot, save_figure
 
@@ -447,7 +448,7 @@ def main(argv=None):
     try:
         runs = [fit_run(d, args) for d in args.run_dirs]
     except ValueError:
-        print(f"wrote {', '.join(curves)}; the fit failed:", file=sys.stderr)
+        print(printable(f"wrote {', '.join(curves)}; the fit failed:"), file=sys.stderr)
         raise
     print_table(runs, args)
     for run in runs:
@@ -481,4 +482,6 @@ if __name__ == "__main__":
         main()
     except (ValueError, OSError) as err:
         # one line, not a traceback
-        sys.exit(f"error: {err}")
+        sys.exit(printable(f"error: {err}"))
+    except SystemExit as err:  # runs.py's lines quote paths
+        sys.exit(printable(err.code) if isinstance(err.code, str) else err.code)

@@ -11,6 +11,8 @@ import os
 import re
 import threading
 
+from faults import printable
+
 HUB_PROBE_SECONDS = 3.0
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")  # a file, not an id
@@ -21,7 +23,8 @@ CONFIG_LISTS = re.compile(r"(?:available configs|Available configs in the cache|
 
 
 def one_line(err):
-    return " ".join(str(err).split())[:400]
+    """An exception quoted in an error line: one line, its control characters shown."""
+    return " ".join(printable(err).split())[:400]
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,8 @@ import stat
 import sys
 import tempfile
 
+from faults import printable
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # rank 0 marks --out as a run, with its trackers
 RUN_MARK = ".train-run.json"
@@ -252,8 +254,8 @@ def intact_checkpoint(out, quiet=False):
             return path, state
         except Exception as err:
             if not quiet:
-                print(f"--resume: skipping {path}, it does not load ({type(err).__name__}: {err})",
-                      flush=True)
+                print(printable(f"--resume: skipping {path}, it does not load "
+                                f"({type(err).__name__}: {err})"), flush=True)
     return None, {}
 
 

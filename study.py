@@ -28,6 +28,7 @@ import time
 import numpy as np
 from scipy import stats
 
+from faults import printable
 from runs import read_jsonl
 from runs import checkpoints, open_run_file, replace_file
 from fit import (NOISE_A, check_points, checked_number, eval_point, finite, fit_sigmoid, plot,
@@ -731,4 +732,6 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, OSError) as err:  # one line, no traceback
-        sys.exit(f"study: error: {err}")
+        sys.exit(printable(f"study: error: {err}"))
+    except SystemExit as err:  # its own and runs.py's lines quote paths
+        sys.exit(printable(err.code) if isinstance(err.code, str) else err.code)

@@ -2307,6 +2307,29 @@ def test_a_chat_template_computing_a_huge_power_stops_at_the_limit_with_one_line
         sandbox.render_chat_template(tok, "What is 2+2?")
 
 
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # a terminal acts on them (\n aside)
+
+
+def test_a_chat_templates_error_message_reaches_the_terminal_with_its_control_characters_shown(toy_dir, tmp_path):
+    """A model folder's template writes raise_exception's message: its escape sequences (clear the screen, retitle
+    the window, a carriage return and a fake last line) reached stderr raw. They are shown as \\xNN in the one
+    error line, and its non-ASCII text is kept."""
+    folder = tmp_path / "model"
+    shutil.copytree(toy_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = ("{{ raise_exception('\\x1b[2J\\x1b]0;pwned\\x07不支持 √2 ≤ π\\r\\ndone in 0.1 min | "
+                         "pass rate 1.000\\x9b\\x7f') }}")
+    tok.save_pretrained(folder)
+    run = Forked(["--eval_only", "--model", str(folder), "--val_size", "4"], {}, tmp_path / "log")
+    assert run.wait(timeout=60) == 2
+    said = run.communicate()[0]
+    assert said.strip().splitlines()[-1] == (
+        f"train.py: error: --model {folder}: its chat template fails: TemplateError: \\x1b[2J\\x1b]0;pwned\\x07"
+        "不支持 √2 ≤ π done in 0.1 min | pass rate 1.000\\x9b\\x7f")
+    assert not CONTROL_CHARACTERS.search(said), said
+    assert hub.one_line(ValueError("a\x1b[2J\tb\r\n\x00c 问题")) == "a\\x1b[2J b \\x00c 问题"
+
+
 def test_split_is_seeded_and_disjoint():
     probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     tr, va = data.split_problems(probs, 20, seed=3)
@@ -5250,6 +5273,53 @@ def test_user_errors_are_one_line_naming_the_flag_and_leave_no_folder(toy_dir, t
     assert (len(train_set), len(val)) == (18, 2)  # the default split of a small data set: a tenth held out
     help_ = Forked(["--help"], {}, tmp_path / "help.log", script="toy.py")
     assert help_.wait(timeout=60) == 0 and "--build" in help_.communicate()[0]
+
+
+def test_error_lines_and_notes_show_the_control_characters_of_paths_and_fields_escaped(toy_dir, tmp_path, capsys):
+    """A folder's name is an input too: with \\x1b]0;...\\x07 in it (it retitles the window) or a carriage return,
+    train.py's, fit.py's, study.py's and data.py's error lines and data.py's loading notes printed it raw; now as
+    \\xNN, in one line, with the field values and non-ASCII text as they were."""
+    odd = tmp_path / "问题\x1b]0;pwned\x07\r"
+    shown = str(tmp_path / "问题\\x1b]0;pwned\\x07 ")
+    odd.mkdir()
+    (odd / "p.jsonl").write_text(json.dumps({"prompt": "x", "answer": "1", "domain": "\x1b[2J"}) + "\n")
+    (odd / "dup.jsonl").write_text(json.dumps({"prompt": "√2 ≤ π?", "answer": "1"}) + "\n" +
+                                   json.dumps({"prompt": "√2 ≤ π?", "answer": "1"}) + "\n")
+    data.load_problems(str(odd / "dup.jsonl"))
+    assert capsys.readouterr().err == (f"{shown}/dup.jsonl: skipped 1 duplicate prompt(s); each is kept where it first "
+                                       f"occurs (the first at {shown}/dup.jsonl:2)\n")
+    ckpt = odd / "ckpt-000001"  # a checkpoint's state.pt names its shards' folder
+    ckpt.mkdir()
+    torch.save({"shards": "\x1b]0;pwned\x07"}, ckpt / "state.pt")
+    (ckpt / "config.json").write_text("{}")
+    shutil.copy(Path(toy_dir) / "model.safetensors", ckpt)
+    assert runs.intact_checkpoint(str(odd)) == (None, {})
+    said = capsys.readouterr().out
+    assert "pwned" in said and not CONTROL_CHARACTERS.search(said.rstrip("\n")), said
+    shutil.rmtree(ckpt)
+    with pytest.raises(SystemExit):  # argparse's message, and did_you_mean's
+        config.get_args(["--temp\x1b]0;pwned\x07", "1"])
+    said = capsys.readouterr().err
+    assert "--temp\\x1b]0;pwned\\x07 1 (--temp" in said and not CONTROL_CHARACTERS.search(said), said
+    (odd / "run").mkdir()
+    (odd / "run" / "metrics.jsonl").write_text('{"kind": "eval", "step": 1, "compute_s": 1, "pass_rate": 2}\n')
+    cases = {"data": (["--data", str(odd / "p.jsonl"), "--out", str(tmp_path / "out")], "train.py",
+                      f"train.py: error: --data: {shown}/p.jsonl:1: field 'domain' must be 'math' or 'code', "
+                      "got '\\x1b[2J'"),
+             "out": (["--out", str(odd / "run")], "train.py",
+                     f"train.py: error: --out {shown}/run holds metrics.jsonl but is not a run of train.py"),
+             "fit": ([str(odd / "run")], "fit.py",
+                     f"error: {shown}/run/metrics.jsonl:1: field 'pass_rate' must be a pass rate in [0, 1], got 2"),
+             "study": (["--report", "--quick", str(odd)], "study.py",
+                       f"study: no variant has all 1 seeds finished in {shown}"),
+             "loader": ([str(odd / "p.jsonl")], "data.py", f"error: {shown}/p.jsonl:1: field 'domain' must be")}
+    started = {name: Forked(argv, {}, tmp_path / f"{name}.log", script=script)
+               for name, (argv, script, _) in cases.items()}
+    for name, run in started.items():
+        assert run.wait(timeout=60) in (1, 2), name
+        said = run.communicate()[0]
+        assert said.rstrip("\n").splitlines()[-1].startswith(cases[name][2]), (name, said)
+        assert not CONTROL_CHARACTERS.search(said), (name, said)
 
 
 def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
