@@ -1,9 +1,10 @@
 """
 checks.py: what guards train.py's flags before anything is loaded or written: each numeric flag's
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
-sandbox, the "did you mean" of a mistyped flag, and what the sampler can run (config_problem on a
-config.json, check_supported on a loaded model). config.get_args calls check_model_dir and
-check_args; each failure is one line.
+sandbox, the "did you mean" of a mistyped flag, what the sampler can run (config_problem on a
+config.json, check_supported on a loaded model), and the state --resume reads back
+(check_resumed_state, check_optimizer_state, check_resumed_curriculum). config.get_args calls
+check_model_dir and check_args; each failure is one line.
 """
 import difflib
 import glob
@@ -18,6 +19,7 @@ import torch
 
 from hub import resolve_model
 from loss import clip_eps
+from runs import check_resume
 from sandbox import bwrap_ready, not_ready_reason
 
 # what each numeric flag may be, besides finite (a negative --temperature once trained to 0.000)
@@ -198,3 +200,196 @@ def closest_flag(typed, flags):
     pool = [f for f in flags if kinship(f) == best] if any(best) else flags
     close = difflib.get_close_matches(typed, pool, 1, cutoff=0.0 if any(best) else 0.6)
     return close[0] if close else None
+
+# -----------------------------------------------------------------------------
+# resumed state (--resume): what a run folder holds is an input like any other
+
+MISSING, WHOLE = object(), "a whole number"
+ADAM = ("step", "exp_avg", "exp_avg_sq")  # AdamW's state per parameter (amsgrad is never on)
+
+
+def check_resumed_state(state, path, step, args, n_train):
+    """state.pt as runs.load_state read it (train.save wrote it), before any rank waits: each value
+    the resume reads, by type and range, and its flags against these (runs.check_resume) -> one
+    line naming the file and field. The optimizer's tensors meet the model in
+    check_optimizer_state."""
+    try:
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds {_a(state)}, expected a dict")
+        _check_args(state.get("args", {}))
+        check_resume(state.get("args", {}), args)  # another data set: said before its curriculum
+        _need(state.get("step", MISSING), "step", WHOLE, lambda v: v == step,
+              f"{step} (the step its folder names)")
+        for name, kind in (("compute_s", float), ("flops", float), ("empty_steps", WHOLE)):
+            if name in state:  # older runs saved none
+                _need(state[name], name, kind, lambda v: v >= 0,
+                      ("a number" if kind is float else kind) + " >= 0")
+        rng = torch.get_rng_state()
+        _need(state.get("torch_rng", MISSING), "torch_rng", torch.Tensor,
+              lambda v: v.dtype == rng.dtype and v.shape == rng.shape,
+              f"torch's RNG state, a {rng.dtype} tensor of shape {tuple(rng.shape)}")
+        _check_scheduler(state.get("scheduler", MISSING), step)
+        if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # train.make_trainer's test
+            _need(state.get("shards", MISSING), "shards", str, lambda v: v == "shards",
+                  "'shards' (a run of --fsdp resumes AdamW from the checkpoint's shards/)")
+        else:
+            _need(state.get("optimizer", MISSING), "optimizer", dict,
+                  what="a dict (a run of --fsdp keeps it in shards/: resume it with --fsdp)")
+        if "curriculum" in state:  # generator ranks save theirs apart
+            _check_curriculum(state["curriculum"], n_train, "curriculum.")
+    except ValueError as err:
+        sys.exit(f"error: --resume: {path}: {err}")
+
+
+def check_resumed_curriculum(saved, path, n):
+    """A generator rank's curriculum-rankN.json for its n prompts -> one line naming the field."""
+    try:
+        _check_curriculum(saved, n)
+    except ValueError as err:
+        sys.exit(f"error: --resume: {path}: {err}")
+
+
+def check_optimizer_state(state, path, model):
+    """check_resumed_state's state against the loaded model: AdamW's state and the float32 master
+    weights hold one tensor of the stepped shape and dtype per parameter -> one line naming the
+    field."""
+    if state.get("optimizer") is None:  # --fsdp: in shards/, which dcp loads against the shards
+        return
+    params = list(model.parameters())
+    n, half = len(params), params[0].dtype in (torch.bfloat16, torch.float16)
+    stepped = [torch.float32 if half else p.dtype for p in params]  # trainer.master_weights
+    try:
+        if half and state.get("master") is not None:
+            _need(state["master"], "master", list, lambda v: len(v) == n,
+                  f"a list of {n} tensors, one per parameter")
+            for i, (p, m) in enumerate(zip(params, state["master"])):
+                _need_tensor(m, f"master.{i}", p.shape, torch.float32)
+        opt = state["optimizer"]
+        groups = _need(opt.get("param_groups", MISSING), "optimizer.param_groups", list,
+                       lambda v: len(v) == 1, "a list of one group (train.py's AdamW)")
+        _need(groups[0], "optimizer.param_groups.0", dict)
+        _need(groups[0].get("params", MISSING), "optimizer.param_groups.0.params", list,
+              lambda v: v == list(range(n)), f"the parameters' indices 0 to {n - 1}")
+        for i, entry in _need(opt.get("state", MISSING), "optimizer.state", dict,
+                              lambda v: set(v) <= set(range(n)),
+                              f"a dict whose keys are parameter indices below {n}").items():
+            name = f"optimizer.state.{i}"
+            _need(entry, name, dict, lambda v: set(v) == set(ADAM),
+                  f"a dict of {', '.join(ADAM)} (AdamW's)")
+            _need_tensor(entry["exp_avg"], f"{name}.exp_avg", params[i].shape, stepped[i])
+            _need_tensor(entry["exp_avg_sq"], f"{name}.exp_avg_sq", params[i].shape, stepped[i])
+            if (entry["exp_avg_sq"] < 0).any():
+                raise ValueError(f"field {name}.exp_avg_sq holds values < 0, expected squares >= 0")
+            _need_tensor(entry["step"], f"{name}.step", (), torch.float32)
+            _need(entry["step"].item(), f"{name}.step", float,
+                  lambda v: v == int(v) and 0 <= v <= state["step"],
+                  f"a count of AdamW's updates in [0, {state['step']}]")
+    except ValueError as err:
+        sys.exit(f"error: --resume: {path}: {err}")
+
+
+def _need(value, name, kind=float, ok=None, what=None):
+    """value -> itself if of kind (float: a finite number, WHOLE: an int, or a type) and ok(value);
+    else ValueError 'field NAME is ..., expected WHAT'."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    typed = (number and math.isfinite(value) if kind is float else
+             number and isinstance(value, int) if kind is WHOLE else isinstance(value, kind))
+    if typed and (ok is None or ok(value)):
+        return value
+    shown = ("missing" if value is MISSING else "None" if value is None else
+             _number(value) if number else _a(value))
+    what = what or ("a number" if kind is float else WHOLE if kind is WHOLE else
+                    f"a {kind.__name__}")
+    raise ValueError(f"field {name} is {shown}, expected {what}")
+
+
+def _a(value):
+    """'a str', 'an int': a value's type, never the value (a control character)."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _number(v):
+    return repr(v) if not isinstance(v, int) or v.bit_length() <= 64 else "a 65+ bit number"
+
+
+def _key(name, k):
+    """NAME.K for a key that is a short identifier (never a control character), else NAME."""
+    return f"{name}.{k}" if isinstance(k, str) and k.isidentifier() and len(k) <= 64 else name
+
+
+def _need_tensor(t, name, shape, dtype):
+    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape):
+        shown = _tensor(t.dtype, t.shape) if isinstance(t, torch.Tensor) else _a(t)
+        raise ValueError(f"field {name} is {shown}, expected {_tensor(dtype, shape)}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"field {name} holds values that are not finite")
+
+
+def _tensor(dtype, shape):
+    return f"a {str(dtype).removeprefix('torch.')} tensor of shape {tuple(shape)}"
+
+
+def _check_args(saved):
+    """The flags the run started with (runs.check_resume compares and prints them)."""
+    _need(saved, "args", dict)
+    for k, v in saved.items():
+        if not isinstance(k, str):
+            raise ValueError(f"field args holds a key that is {_a(k)}, expected flag names")
+        _need(v, _key("args", k), (str, int, float, bool, type(None)),
+              what="a flag's value (a string, number, bool or None)")
+
+
+def _check_scheduler(saved, step):
+    """The warm-up's LambdaLR state: its load copies each key into the scheduler object, so only
+    the keys, and their types, that a LambdaLR of this torch saves."""
+    own = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW([torch.zeros(1)]),
+                                            lambda s: 1.0).state_dict()
+    for k, v in _need(saved, "scheduler", dict).items():
+        name = _key("scheduler", k)
+        if k not in own:
+            raise ValueError(f"field {name} is not a field of torch's LambdaLR ({', '.join(own)})")
+        _need(v, name, type(own[k]))
+    for k in ("base_lrs", "_last_lr"):
+        for v in saved.get(k, []):
+            _need(v, f"scheduler.{k}", float, lambda v: v >= 0, "a list of rates >= 0")
+    if any(f is not None for f in saved.get("lr_lambdas", [])):
+        raise ValueError("field scheduler.lr_lambdas holds values, expected None (train.py's "
+                         "warm-up keeps no state)")
+    _need(saved.get("last_epoch", MISSING), "scheduler.last_epoch", WHOLE,
+          lambda v: 0 <= v <= step, f"a count of AdamW's updates in [0, {step}]")
+
+
+def _check_curriculum(saved, n, at=""):
+    """A data.Curriculum's state_dict over n prompts: its order a permutation of those not retired
+    (and of some retired since), its retired and history among them."""
+    _need(saved, at.rstrip(".") or "curriculum", dict)
+    field = lambda k: saved.get(k, MISSING)  # noqa: E731
+    _need(field("n"), f"{at}n", WHOLE, lambda v: v == n, f"{n} (the prompts it is for)")
+    _need(field("seed"), f"{at}seed", WHOLE)
+    _need(field("npr"), f"{at}npr", bool)
+    _need(field("threshold"), f"{at}threshold", float, lambda v: 0 < v <= 1,
+          "a pass rate in (0, 1]")
+    _need(field("epoch"), f"{at}epoch", WHOLE, lambda v: v >= 0, "a whole number >= 0")
+    for name in ("order", "retired"):
+        seen = set()
+        for i in _need(field(name), f"{at}{name}", list, what="a list of prompt indices"):
+            if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n) or i in seen:
+                shown = _number(i) if isinstance(i, (int, float)) else _a(i)
+                raise ValueError(f"field {at}{name} holds {shown}{' twice' if i in seen else ''}"
+                                 f", expected distinct prompt indices below {n}")
+            seen.add(i)
+    missed = set(range(n)) - set(saved["order"]) - set(saved["retired"])
+    if missed:
+        raise ValueError(f"field {at}order misses {min(missed)} (not retired): expected a "
+                         f"permutation of the {n} prompts' indices")
+    _need(field("pos"), f"{at}pos", WHOLE, lambda v: 0 <= v <= len(saved["order"]),
+          f"a place in order, in [0, {len(saved['order'])}]")
+    for k, rates in _need(field("history"), f"{at}history", dict).items():
+        index = int(k) if isinstance(k, str) and re.fullmatch(r"[0-9]{1,18}", k) else None
+        if index is None or index >= n:
+            held = f"prompt {index}" if index is not None else "a key that is no index"
+            raise ValueError(f"field {at}history holds {held}, expected prompt indices below {n}")
+        name = f"{at}history.{index}"
+        for r in _need(rates, name, list, what="a list of pass rates"):
+            _need(r, name, float, lambda v: 0 <= v <= 1, "pass rates in [0, 1]")

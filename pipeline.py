@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from checks import check_resumed_curriculum
 from data import Prompts, score_samples, special_tokens
 from evals import EvalShare, score_held_out
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
@@ -575,12 +576,14 @@ def take_weights(gen, version):
 def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version,
                   curriculum_path, val, val_ids):
     """A generator rank's whole life, until the trainers say stop."""
-    saved = None
+    saved, g = None, ctx.rank - ctx.n_trainers
     if args.resume and os.path.exists(curriculum_path):
         with open(curriculum_path) as f:
             saved = json.load(f)
-    gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, ctx.rank - ctx.n_trainers,
-                        ctx.n_gens, start_version, lambda group: send_group(ctx, gen, group), saved)
+        # over data.Prompts' share: every n_gens-th prompt from g
+        check_resumed_curriculum(saved, curriculum_path, len(range(g, len(problems), ctx.n_gens)))
+    gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, g, ctx.n_gens, start_version,
+                        lambda group: send_group(ctx, gen, group), saved)
     gen.rank = RankState([0] * ctx.n_trainers, curriculum_path)
     gen.evals = EvalShare(val, val_ids, report=lambda v, records: ctx.store.set(
         f"eval/{v}/{ctx.rank}", json.dumps(records)))

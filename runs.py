@@ -12,6 +12,7 @@ import fcntl
 import glob
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -341,15 +342,17 @@ def safe_load_planner():
     return SafeLoadPlanner()
 
 
-def resume_point(args, quiet):
-    """--resume: the newest intact checkpoint, checked against the flags."""
+def resume_point(args, quiet, n_train):
+    """--resume: the newest intact checkpoint, its state checked (n_train: the prompts its
+    curriculum is for), its flags against these."""
     if not args.resume:
         return None, {}
     ckpt, state = intact_checkpoint(args.out, quiet)
     if ckpt is None and not quiet:
         print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
     if ckpt:
-        check_resume(state.get("args", {}), args)
+        from checks import check_resumed_state  # torch: not for fit.py's imports
+        check_resumed_state(state, os.path.join(ckpt, "state.pt"), step_of(ckpt), args, n_train)
         old = sorted(glob.glob(os.path.join(args.out, "curriculum-rank*.pt")))
         if old:
             sys.exit(f"error: --resume: {old[0]} is a curriculum of an older train.py, a "
@@ -400,15 +403,35 @@ def truncate_metrics(path, step):
     return records
 
 
+def _real(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# the fields a resume reads back (metrics.new_record), each -> (ok, what); older lines lack intr
+RESUMED_FIELDS = {
+    "train": {"kept_prompts": (lambda v: _real(v) and isinstance(v, int) and v >= 0,
+                               "a whole number >= 0"),
+              "forget": (lambda v: v is None or _real(v), "a number or null")},
+    "eval": {"compute_s": (lambda v: _real(v) and v >= 0, "a number >= 0"),
+             "pass_rate": (lambda v: _real(v) and 0 <= v <= 1, "a rate in [0, 1]"),
+             "intr": (lambda v: _real(v) and 0 <= v <= 1, "a rate in [0, 1]")},
+}
+
+
 def metrics_problem(r):
     if not isinstance(r, dict) or r.get("kind") not in ("config", "train", "eval", "stopped"):
         return ("not a metrics record (a JSON object whose kind is config, train, eval or "
                 "stopped)")
     if r["kind"] != "config" and not (isinstance(r.get("step"), int) and r["step"] >= 0):
         return "no whole step number"
-    if r["kind"] == "eval" and not all(isinstance(r.get(k), (int, float))
-                                       for k in ("compute_s", "pass_rate")):
-        return "an eval record without its compute_s and pass_rate numbers"
+    for k, (ok, what) in RESUMED_FIELDS.get(r["kind"], {}).items():
+        v = r.get(k)
+        if (k in r or k != "intr") and not ok(v):
+            shown = ("missing" if k not in r else "null" if v is None else repr(v)
+                     if isinstance(v, float) or type(v) is int and abs(v) < 2 ** 63
+                     else f"a {type(v).__name__}")
+            return (f"{'an' if r['kind'] == 'eval' else 'a'} {r['kind']} record without its {k} "
+                    f"as {what} (field {k} is {shown})")
     return None
 
 

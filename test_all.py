@@ -5680,8 +5680,134 @@ def test_train_resume_unpickles_nothing_that_could_run_code(toy_dir, tmp_path):
     torch.save(RunsCode(str(ran)), out / "curriculum-rank1.pt")  # a generator's curriculum, pickled by an older run
     args = config.get_args(["--model", str(toy_dir), "--out", str(out), "--val_size", "4", "--resume"])
     with pytest.raises(SystemExit, match=r"^error: --resume: .*curriculum-rank1.pt is a curriculum of an older "):
-        runs.resume_point(args, quiet=True)
+        runs.resume_point(args, quiet=True, n_train=len(train.load_data(args)[0]))
     assert not ran.exists()
+
+
+@pytest.fixture(scope="module")
+def resumable(toy_dir, tmp_path_factory):
+    """A run of one step, saved: the resume tests below tamper with copies of it."""
+    out = tmp_path_factory.mktemp("resumable") / "run"
+    run_train(toy_dir, out, "--steps", "1")
+    return out
+
+
+def tampered(resumable, out, edit):
+    """A copy of `resumable` at out whose state.pt `edit` changed -> state.pt's path."""
+    shutil.copytree(resumable, out)
+    path = out / "ckpt-000001" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    return path
+
+
+def test_train_resume_steps_with_the_run_s_own_adamw_whatever_the_saved_optimizer_says(toy_dir, resumable,
+                                                                                       tmp_path):
+    """An optimizer state whose hyperparameters say ascent (maximize), AMSGrad or Adam's L2 decay survives no
+    --resume: the run's own AdamW (its flags) takes the step, the same step as from the honest state."""
+    honest = tmp_path / "honest"
+    shutil.copytree(resumable, honest)
+    recs = run_train(toy_dir, honest, "--resume")
+    out = tmp_path / "run"
+    tampered(resumable, out, lambda s: s["optimizer"]["param_groups"][0].update(
+        maximize=True, amsgrad=True, decoupled_weight_decay=False, lr=1.0, eps=1.0, betas=(0.0, 0.0)))
+    assert strip_timing(run_train(toy_dir, out, "--resume")) == strip_timing(recs)
+    theirs, ours = (AutoModelForCausalLM.from_pretrained(p / "ckpt-000002").state_dict() for p in (honest, out))
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+def _curriculum_edit(**fields):
+    return lambda s: s["curriculum"].update(fields)
+
+
+def _first_adam(key, value):
+    return lambda s: s["optimizer"]["state"][0].update({key: value(s["optimizer"]["state"][0][key])})
+
+
+MALFORMED_STATE = [  # (edit, the field named, what the line says of it)
+    (lambda s: s.update(args=["--lr", "1"]), "args", "is a list, expected a dict"),
+    (lambda s: s.update(compute_s="12.5"), "compute_s", "is a str, expected a number"),
+    (lambda s: s["curriculum"]["order"].__setitem__(4, 10 ** 6), "curriculum.order", "holds 1000000"),
+    (lambda s: s.update(flops=None), "flops", "is None, expected a number"),
+    (lambda s: s.update(compute_s=float("nan")), "compute_s", "is nan, expected a number"),
+    (lambda s: s.update(empty_steps=-1), "empty_steps", "is -1"),
+    (lambda s: s.update(step=7), "step", "is 7, expected 1"),
+    (lambda s: s.pop("step"), "step", "is missing"),
+    (lambda s: s.update(torch_rng=torch.zeros(3)), "torch_rng", "expected"),
+    (lambda s: s.pop("optimizer"), "optimizer", "is missing"),
+    (lambda s: s.update(optimizer=None), "optimizer", "resume it with --fsdp"),  # a --fsdp run's state
+    (lambda s: s["scheduler"].update(last_epoch="1"), "scheduler.last_epoch", "is a str"),
+    (lambda s: s["scheduler"].update(optimizer={}), "scheduler.optimizer", "not a field"),
+    (lambda s: s["args"].update(lr=torch.ones(2)), "args.lr", "is a Tensor"),
+    (_curriculum_edit(n=5), "curriculum.n", "is 5, expected 2200"),
+    (_curriculum_edit(epoch="0"), "curriculum.epoch", "is a str"),
+    (_curriculum_edit(retired=[2200]), "curriculum.retired", "holds 2200"),
+    (_curriculum_edit(pos=10 ** 6), "curriculum.pos", "is 1000000"),
+    (lambda s: s["curriculum"]["order"].pop(), "curriculum.order", "misses"),
+    (_curriculum_edit(history={"2200": [0.5]}), "curriculum.history", "2200"),
+    (_first_adam("exp_avg", lambda t: t[:2]), "optimizer.state.0.exp_avg", "expected a float32 tensor of shape"),
+    (_first_adam("exp_avg_sq", lambda t: -t - 1), "optimizer.state.0.exp_avg_sq", ">= 0"),
+    (_first_adam("step", lambda t: t + 5), "optimizer.state.0.step", "is 6.0"),
+    (lambda s: s["optimizer"]["param_groups"][0].update(params=[0, 1]), "optimizer.param_groups.0.params",
+     "expected"),
+]
+
+
+def test_train_resume_refuses_each_malformed_state_value_in_one_line_before_the_run_starts(toy_dir, resumable,
+                                                                                         tmp_path, capsys):
+    """state.pt is an input like any other: a value of the wrong type or out of range (arguments as a list, no
+    step, compute_s a string, a curriculum order past the data set, AdamW moments of another shape...) stops
+    --resume with one line naming the file and the field, before any step runs and before metrics.jsonl is
+    touched; nothing ends in a traceback, now or steps later."""
+    for i, (edit, field, why) in enumerate(MALFORMED_STATE):
+        out = tmp_path / f"run{i}"
+        path = tampered(resumable, out, edit)
+        before = (out / "metrics.jsonl").read_bytes()
+        with pytest.raises(SystemExit) as exit_:
+            run_train(toy_dir, out, "--resume")
+        line = str(exit_.value.code)
+        assert line.startswith(f"error: --resume: {path}: field {field} ") and why in line and "\n" not in line, \
+            (field, line)
+        assert "step 2/" not in capsys.readouterr().out and (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_train_resume_refuses_a_metrics_line_without_a_field_the_resume_reads(toy_dir, resumable, tmp_path,
+                                                                               capsys):
+    """The metrics lines a resume reads back (the alarms' windows) are checked for each field it reads: a train
+    line without kept_prompts, a forget or intr that is no number stop --resume with one line naming the line and
+    field, before any step."""
+    for i, (kind, field, value) in enumerate((("train", "kept_prompts", None), ("train", "forget", "0.1"),
+                                              ("eval", "intr", [0.5]), ("eval", "pass_rate", 2.0))):
+        out = tmp_path / f"run{i}"
+        shutil.copytree(resumable, out)
+        lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        at = next(n for n, r in enumerate(lines) if r["kind"] == kind)
+        lines[at].pop(field) if value is None else lines[at].update({field: value})
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        with pytest.raises(SystemExit, match=rf"^error: .*metrics.jsonl:{at + 1}: .*field {field} [^\n]*$"):
+            run_train(toy_dir, out, "--resume")
+        assert "step 2/" not in capsys.readouterr().out
+
+
+def test_pipeline_generator_refuses_a_malformed_saved_curriculum_in_one_line(tmp_path):
+    """A generator rank's curriculum-rankN.json is resumed state too, checked by the same code as state.pt's: an
+    order past its prompts, a missing field or a pass rate out of range stop it with one line naming file and
+    field, before it samples."""
+    args = config.get_args(["--out", str(tmp_path), "--val_size", "4", "--resume"])
+    problems = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
+    ctx = types.SimpleNamespace(rank=2, n_trainers=1, n_gens=2)  # generator 1 of 2: prompts 1, 3, 5, 7, 9
+    honest = data.Prompts(10, 1, 2, args.prompts, args.seed, True).curriculum.state_dict()
+    path = tmp_path / "curriculum-rank2.json"
+    for key, value, field, why in (("order", [0, 1, 2, 3, 5], "order", "holds 5"), ("n", 10, "n", "is 10, expected 5"),
+                                   ("retired", None, "retired", "is missing"),
+                                   ("history", {"1": [1.5]}, "history.1", "is 1.5")):
+        saved = {k: v for k, v in honest.items() if k != key}
+        path.write_text(json.dumps({**saved, **({key: value} if value is not None else {})}))
+        with pytest.raises(SystemExit) as exit_:
+            pipeline.run_generator(ctx, args, None, None, problems, None, 0, str(path), [], [])
+        line = str(exit_.value.code)
+        assert line.startswith(f"error: --resume: {path}: field {field} ") and why in line and "\n" not in line, line
 
 
 def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from checks import check_code_rewards, check_supported, context_error
+from checks import check_code_rewards, check_optimizer_state, check_supported, context_error
 import config
 import evals
 from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
@@ -280,13 +280,15 @@ def start(args):
     prepare_out_dir(args)
     log = metrics_log(args, rank0)  # checks --wandb/--tensorboard before ranks wait
     note_toy_model(args, args.data, "--data", "trains")
-    ckpt, state = resume_point(args, quiet=not rank0)
+    ckpt, state = resume_point(args, quiet=not rank0, n_train=len(train))
     ctx = ranks.setup(args)
     if ctx is None and pick_device(args).type == "cpu":
         print(f"torch threads: {pick_threads()} of {os.cpu_count()} cores", flush=True)
     torch.manual_seed(args.seed)
     model_dir = ckpt or args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args, ctx))
+    if ckpt:  # every rank, before they meet
+        check_optimizer_state(state, os.path.join(ckpt, "state.pt"), model)
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
     phrase_len = len(special_tokens(tokenizer)["interrupt_ids"])
     if (why := context_error(args, getattr(model.config, "max_position_embeddings", None),

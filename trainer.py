@@ -312,14 +312,14 @@ class Trainer:
                 "step": self.version, "torch_rng": torch.get_rng_state()}
 
     def load_state_dict(self, state):
+        """A checkpoint's state (checks.check_resumed_state checked it); AdamW's hyperparameters
+        stay this run's own, from its flags: a saved maximize or amsgrad would change the step."""
+        own = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         self.load_optimizer(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
-        # the flags given now apply from here
-        for group in self.opt.param_groups:
-            group.update(lr=self.args.lr * self.warmup(self.sched.last_epoch),
-                         initial_lr=self.args.lr, eps=self.args.adam_eps,
-                         weight_decay=self.args.weight_decay, betas=(0.9, 0.999))
+        for group, hyper in zip(self.opt.param_groups, own):
+            group.update(hyper, lr=self.args.lr * self.warmup(self.sched.last_epoch))
         self.sched.base_lrs = [self.args.lr] * len(self.opt.param_groups)
 
     def load_optimizer(self, saved):
