@@ -2,11 +2,12 @@
 runs.py: the run folder (--out): its checks and lock, atomic checkpoints, resume, metrics.
 
 Start at prepare_out_dir, then save_checkpoint and resume_point. A run writes only its own names
-(RUN_NAME), never through a link (open_run_file), and unpickles nothing but plain data
-(load_state, check_shards).
+(RUN_NAME), into the folder it opened (hold, _parent), never through a link, FIFO or hard link
+(open_run_file), and unpickles nothing but plain data (load_state, check_shards).
 
   python -m pytest -q test_all.py -k "run_folder or resume or symlink or source_tree or checkpoints"
 """
+import contextlib
 import errno
 import fcntl
 import glob
@@ -16,12 +17,12 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shlex
 import shutil
 import socket
 import stat
 import sys
-import tempfile
 
 from faults import printable
 
@@ -32,6 +33,10 @@ RUN_MARK = ".train-run.json"
 RUN_NAME = re.compile(r"metrics\.jsonl|ckpt-\d{6,}(\.tmp)?|curriculum-rank\d+\.(json|pt)(\.tmp)?")
 SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git")
 _LOCK = []
+# --out's path -> its folder's handle, opened once (hold): the run writes into that folder only
+_HELD = {}
+# a path -> (device, inode) of the file replace_file wrote there (copy_written)
+_WRITTEN = {}
 
 
 def run_names(out):
@@ -90,11 +95,13 @@ def prepare_out_dir(args, need_mb=100):
     if problem:
         sys.exit(f"error: {problem}")
     try:
-        os.makedirs(out, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")  # a new file: never a link
-        os.write(fd, b"x")
-        os.close(fd)
-        os.remove(probe)
+        hold(out)
+        with _parent(os.path.join(out, f".write-test-{secrets.token_hex(8)}")) as (folder, probe):
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                         dir_fd=folder)  # a new file: never a link
+            os.write(fd, b"x")
+            os.close(fd)
+            os.unlink(probe, dir_fd=folder)
     except OSError as err:
         sys.exit(f"error: --out {out} is not writable: {err}")
     free_mb = shutil.disk_usage(out).free / 2 ** 20
@@ -121,34 +128,137 @@ def prepare_out_dir(args, need_mb=100):
                            "wandb": mark.get("wandb") or bool(args.wandb)}))
 
 
-def open_run_file(path, mode, new=False):
-    """Open for writing, never through a symlink."""
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
-             | (os.O_APPEND if "a" in mode else os.O_TRUNC) | (os.O_EXCL if new else 0))
+def hold(out):
+    """--out made if new and opened once, never through a link: every write of the run goes into
+    this folder, and a folder put at its path later stops the run (_parent)."""
+    release_lock()  # tests call main again
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    _HELD[os.path.abspath(out)] = open_folder(out, "--out ", make=True)
+
+
+def open_folder(path, what="", make=False):
+    """A folder's handle, opened without following a link at its name (make: made if new)."""
+    name = os.path.abspath(path)  # "LINK/" would follow the link
+    if make:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name)  # never through a link
     try:
-        return open(path, mode, opener=lambda p, _: os.open(p, flags, 0o644))
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        if os.path.islink(name):
+            sys.exit(f"error: {what}{path} is a symlink: a run or study writes into its own folders "
+                     "only, never through a link (give or make the folder itself)")
+        raise
+
+
+@contextlib.contextmanager
+def _parent(path):
+    """-> (path's folder's handle, path's name): --out's held handle while the folder is still at
+    its path, else the folder opened without following a link."""
+    folder, name = os.path.split(os.path.abspath(path))
+    held = _HELD.get(folder)
+    if held is None:
+        fd = open_folder(folder)
+        try:
+            yield fd, name
+        finally:
+            os.close(fd)
+        return
+    if not _same(held, folder):
+        sys.exit(f"error: {folder} was renamed or replaced while the run wrote into it (does someone "
+                 "else write there?): the run stops and writes nothing elsewhere; "
+                 "its files are in the folder it opened")
+    yield held, name
+
+
+def _ident(st):
+    return st.st_dev, st.st_ino
+
+
+def _same(fd, name, folder=None):
+    """Whether name (in folder) is still the file or folder open as fd."""
+    try:
+        return _ident(os.stat(name, dir_fd=folder, follow_symlinks=False)) == _ident(os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
+def open_run_file(path, mode, new=False):
+    """Open for writing (mode w, a or r+) a regular file of the folder's own: never through a
+    symlink, never a FIFO, device or file with another hard link."""
+    with _parent(path) as (folder, name):
+        return _open_at(folder, name, mode, new, path)
+
+
+def _open_at(folder, name, mode, new, path):
+    flags = (os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO's open: at once
+             | (os.O_RDWR if "+" in mode else os.O_WRONLY) | (os.O_APPEND if "a" in mode else 0)
+             | (os.O_EXCL if new else 0))
+    fd = None
+    try:
+        fd = os.open(name, flags, 0o644, dir_fd=folder)
+        st = os.fstat(fd)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.EEXIST):
             sys.exit(f"error: {path} is a symlink{' or was made again' if new else ''}: a run "
                      "writes its own files only, never through a link")
-        raise
+        if err.errno not in (errno.ENXIO, errno.EISDIR):  # a FIFO nobody reads, a folder
+            raise
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    problem = (f"is not a regular file ({file_kind(st.st_mode)})" if not stat.S_ISREG(st.st_mode)
+               else f"has {st.st_nlink} hard links (one to a file elsewhere?)" if st.st_nlink > 1
+               else None)
+    if problem:
+        if fd is not None:
+            os.close(fd)
+        sys.exit(f"error: {path} {problem}: a run writes its own files only; remove it")
+    os.set_blocking(fd, True)
+    if "w" in mode:
+        os.ftruncate(fd, 0)  # only now: a hard-linked file elsewhere is never truncated
+    return open(path, mode, opener=lambda *_: fd)
 
 
 def replace_file(path, write, mode="w"):
-    """Write path whole or not at all, via PATH.tmp."""
-    tmp = path + ".tmp"
-    remove(tmp)
-    with open_run_file(tmp, mode, new=True) as f:
-        write(f)
-    os.replace(tmp, path)
+    """Write path whole or not at all, via PATH.tmp, in its folder's handle."""
+    with _parent(path) as (folder, name):
+        _remove_at(folder, name + ".tmp")
+        with _open_at(folder, name + ".tmp", mode, True, path + ".tmp") as f:
+            write(f)
+            written = _ident(os.fstat(f.fileno()))
+        os.replace(name + ".tmp", name, src_dir_fd=folder, dst_dir_fd=folder)
+    _WRITTEN[os.path.abspath(path)] = written
+
+
+def copy_written(src, dst):
+    """dst made a copy of the file replace_file wrote at src, never of a file put there since."""
+    with _parent(src) as (folder, name):
+        try:
+            f = open(src, "rb", opener=lambda *_: os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder))
+        except OSError:  # a link, or nothing
+            f = None
+    with f or contextlib.nullcontext():
+        if f is None or _ident(os.fstat(f.fileno())) != _WRITTEN.get(os.path.abspath(src)):
+            sys.exit(f"error: {src} was replaced since it was written (does someone else write "
+                     f"there?): not copied to {dst}")
+        replace_file(dst, lambda out: shutil.copyfileobj(f, out), "wb")
 
 
 def remove(path):
     """Delete a file, folder or link (never its target)."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
+    with _parent(path) as (folder, name):
+        _remove_at(folder, name)
+
+
+def _remove_at(folder, name):
+    try:
+        mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(name, dir_fd=folder)
+    else:
+        os.unlink(name, dir_fd=folder)
 
 
 def write_file(path, text):
@@ -157,15 +267,11 @@ def write_file(path, text):
 
 
 def lock_run(out):
-    release_lock()  # tests call main again
     path = os.path.join(out, ".lock")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        f = open_run_file(path, "r+")
     except OSError as err:
-        symlink = err.errno == errno.ELOOP
-        why = "a symlink: the lock is never taken through a link" if symlink else err
-        sys.exit(f"error: {path}: {why}")
-    f = os.fdopen(fd, "r+")
+        sys.exit(f"error: {path}: {err.strerror or err}")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -181,22 +287,54 @@ def lock_run(out):
 
 def disk_error(path, err, out):
     """A failed write: one line naming the last good checkpoint."""
+    return SystemExit(f"error: writing {path} failed: {err.strerror or err}; {last_good(out)}")
+
+
+def last_good(out):
     ckpt = (checkpoints(out) or [None])[-1]
-    return SystemExit(f"error: writing {path} failed: {err.strerror or err}; "
-                      f"the last good checkpoint is {ckpt or 'none (no checkpoint yet)'}")
+    return f"the last good checkpoint is {ckpt or 'none (no checkpoint yet)'}"
 
 
 def checkpoint_tmp(out, step, fresh=True):
     """Where ckpt-STEP is written (fresh: made anew)."""
     tmp = os.path.join(out, f"ckpt-{step:06d}.tmp")
     if fresh:
-        remove(tmp)
-        try:
-            os.mkdir(tmp)  # fails if made since: never a link
-        except FileExistsError:
-            sys.exit(f"error: {tmp} was made again while the run writes it: a run writes its own "
-                     "files only, never through a link")
+        with _parent(tmp) as (folder, name):
+            _remove_at(folder, name)
+            try:  # fails if made since: never a link; 0o755: nobody else writes in it
+                os.mkdir(name, 0o755, dir_fd=folder)
+            except FileExistsError:
+                sys.exit(f"error: {tmp} was made again while the run writes it: a run writes its "
+                         "own files only, never through a link")
     return tmp
+
+
+@contextlib.contextmanager
+def _made_folder(tmp):
+    """ckpt-STEP.tmp's handle, if it is the folder this run made (rank 0's, for --fsdp)."""
+    with _parent(tmp) as (folder, name):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=folder)
+        except OSError:
+            fd = None
+    st = None if fd is None else os.fstat(fd)
+    if st is None or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        if fd is not None:
+            os.close(fd)
+        sys.exit(f"error: {tmp} is not the folder this run made (a symlink?): a run writes its "
+                 "own files only, never through a link")
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def private_folder(tmp):
+    """-> a path to ckpt-STEP.tmp that no rename or link mid-save redirects (--fsdp's shards)."""
+    with _made_folder(tmp) as fd:
+        yield f"/proc/self/fd/{fd}"  # this folder, wherever it is moved
 
 
 def save_checkpoint(out, step, model, tokenizer, state, keep, fresh=True):
@@ -204,19 +342,31 @@ def save_checkpoint(out, step, model, tokenizer, state, keep, fresh=True):
     import torch
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = checkpoint_tmp(out, step, fresh)
-    if os.path.islink(tmp) or not os.path.isdir(tmp):  # rank 0 made it (--fsdp)
-        sys.exit(f"error: {tmp} is not the folder this run made (a symlink?): a run writes its "
-                 "own files only, never through a link")
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        with open_run_file(os.path.join(tmp, "state.pt"), "wb") as f:
-            torch.save(state, f)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise disk_error(tmp, err, out) from None
-    remove(final)
-    os.replace(tmp, final)
+    with _made_folder(tmp) as made:
+        where = f"/proc/self/fd/{made}"  # save_pretrained writes by path: this folder's own
+        try:
+            model.save_pretrained(where)
+            tokenizer.save_pretrained(where)
+            with _open_at(made, "state.pt", "wb", True, os.path.join(tmp, "state.pt")) as f:
+                torch.save(state, f)
+        except OSError as err:
+            with _parent(tmp) as (folder, name):
+                if _same(made, name, folder):
+                    shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
+            raise disk_error(tmp, err, out) from None
+        moved = lambda path: SystemExit(  # noqa: E731
+            f"error: {path} was renamed or replaced while the run wrote it (does someone else "
+            f"write in {out}?): the run stops and wrote nothing elsewhere; {last_good(out)}")
+        with _parent(final) as (folder, name):
+            if not _same(made, name + ".tmp", folder):
+                raise moved(tmp)
+            _remove_at(folder, name)
+            try:
+                os.replace(name + ".tmp", name, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError as err:
+                raise disk_error(final, err, out) from None
+            if not _same(made, name, folder):
+                raise moved(final)
     older = [p for p in checkpoints(out) if step_of(p) < step]
     for old in older[:max(0, len(older) - (keep - 1))]:
         remove(old)
@@ -486,8 +636,11 @@ def tracker(args):
 
 
 def release_lock():
+    """--out is free again: its lock and handle closed."""
     while _LOCK:
         _LOCK.pop().close()
+    while _HELD:
+        os.close(_HELD.popitem()[1])
 
 # -----------------------------------------------------------------------------
 # one reader for the files a run takes from a folder: regular files only, a line at a time
@@ -501,10 +654,13 @@ def open_regular(path):
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise OSError(errno.EINVAL, f"not a regular file ({kind}): give a jsonl file")
+        raise OSError(errno.EINVAL, f"not a regular file ({file_kind(mode)}): give a jsonl file")
     return os.fdopen(fd, "rb")
+
+
+def file_kind(mode):
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device")
 
 
 def read_jsonl(path):

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from scipy import stats
 
 from faults import printable
 from runs import read_jsonl
-from runs import checkpoints, open_run_file, replace_file
+from runs import checkpoints, copy_written, open_folder, open_run_file, replace_file
 from fit import (NOISE_A, check_points, checked_number, eval_point, finite, fit_sigmoid, plot,
                  sigmoid)
 from plots import color, save_figure
@@ -106,9 +105,10 @@ def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
     """The study's problem files (train, held-out), made once -> their paths."""
     folder = os.path.join(out, "problems")
     paths = os.path.join(folder, "train.jsonl"), os.path.join(folder, "val.jsonl")
+    os.makedirs(out, exist_ok=True)
+    os.close(open_folder(folder, make=True))  # never a link planted there
     if all(os.path.exists(p) for p in paths):
         return paths
-    os.makedirs(folder, exist_ok=True)
     distinct = {}
     for p in toy_problems(20000, 777, "toy-hard"):
         if len(p["steps"]) <= max_ops:
@@ -121,7 +121,12 @@ def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
 
 
 def run_dir(out, name, seed):
-    return os.path.join(out, f"{name}-s{seed}")
+    """out/NAME-sSEED, never a link planted there (train.py refuses one as --out too)."""
+    path = os.path.join(out, f"{name}-s{seed}")
+    if os.path.islink(path):
+        sys.exit(f"study: error: {path} is a symlink: the study's run folders are its own, never "
+                 "links; remove it")
+    return path
 
 
 def run_minutes(path):
@@ -720,10 +725,8 @@ def main(argv=None):
     written = ["report.md", "study_report.json", "study.png", "study_extrap.png"]
     if args.assets:
         os.makedirs(args.assets, exist_ok=True)
-        for name in written[1:]:
-            with open(os.path.join(args.out, name), "rb") as src:
-                replace_file(os.path.join(args.assets, name), lambda f: shutil.copyfileobj(src, f),
-                             "wb")
+        for name in written[1:]:  # what was written, not a file put there since
+            copy_written(os.path.join(args.out, name), os.path.join(args.assets, name))
     print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}" +
           (f"; copied the last three to {args.assets}" if args.assets else ""))
 

@@ -3947,6 +3947,32 @@ def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
     assert not (tmp_path / "study").exists()  # refused before anything ran
 
 
+def test_study_assets_copies_the_report_it_wrote_never_a_file_swapped_in_since(tmp_path, monkeypatch):
+    """--assets re-opened study_report.json by path after plotting: a link swapped in meanwhile copied a private key
+    stand-in into assets/study_report.json. What is copied is the file the study wrote, or one line naming it."""
+    folder, assets, secret = tmp_path / "study", tmp_path / "assets", tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    monkeypatch.setattr(study, "finished", lambda path, steps: True)
+    monkeypatch.setattr(study, "run_minutes", lambda path: 1.0)
+    swaps = [False, True]
+
+    def write_report(out, *args):  # the report's files, then (the first time) the swap, as while it plotted
+        for name in ("report.md", "study_report.json", "study.png", "study_extrap.png"):
+            runs.replace_file(os.path.join(out, name), lambda f: f.write(f"{name} as written"))
+        if swaps.pop():
+            os.rename(folder / "study_report.json", folder / "moved.json")
+            (folder / "study_report.json").symlink_to(secret)
+        return "report"
+    monkeypatch.setattr(study, "write_report", write_report)
+    with pytest.raises(SystemExit, match=rf"^error: {folder}/study_report.json was replaced since it was written"
+                                         r"[^\n]*$"):
+        study.main([str(folder), "--report", "--assets", str(assets)])
+    assert "PRIVATE KEY" not in "".join(p.read_text() for p in assets.iterdir())
+    study.main([str(folder), "--report", "--assets", str(assets)])
+    assert {p.name: p.read_text() for p in assets.iterdir()} == {
+        name: f"{name} as written" for name in ("study_report.json", "study.png", "study_extrap.png")}
+
+
 def fake_study_runs(monkeypatch, minutes):
     """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
     and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
@@ -5594,6 +5620,118 @@ def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_d
         runs.prepare_out_dir(args)
     finally:
         runs.release_lock()
+    assert snapshot() == before
+
+
+def test_runs_a_checkpoint_folder_renamed_mid_save_writes_nothing_outside(toy_dir, tmp_path):
+    """ckpt-STEP.tmp was checked once, then save_pretrained, the tokenizer and state.pt wrote into it by path:
+    renamed away mid-save and replaced by a link to another model folder, that folder's files were overwritten and
+    ckpt-STEP became the link, exit 0. Now every byte lands in the folder the run made, wherever it was moved, and
+    the run stops with one line naming it; --fsdp's shards (rank 0 makes the folder) likewise."""
+    out = tmp_path / "run"
+    out.mkdir()
+    snapshot = planted(tmp_path)
+    before = snapshot()
+    model, tok = AutoModelForCausalLM.from_pretrained(toy_dir), AutoTokenizer.from_pretrained(toy_dir)
+    real = tok.save_pretrained
+
+    def racing(path, **kw):  # after the weights, before the tokenizer and state.pt
+        os.rename(out / "ckpt-000002.tmp", out / "moved")
+        (out / "ckpt-000002.tmp").symlink_to(tmp_path / "victim")
+        return real(path, **kw)
+    tok.save_pretrained = racing
+    with pytest.raises(SystemExit) as stop:
+        runs.save_checkpoint(str(out), 2, model, tok, {"step": 2}, keep=2)
+    assert re.fullmatch(rf"error: {out}/ckpt-000002\.tmp was renamed or replaced while the run wrote it [^\n]*"
+                        r"the last good checkpoint is none \(no checkpoint yet\)", str(stop.value.code))
+    assert snapshot() == before and not os.path.lexists(out / "ckpt-000002")
+    assert {"model.safetensors", "config.json", "tokenizer_config.json", "state.pt"} <= set(os.listdir(out / "moved"))
+    tmp = runs.checkpoint_tmp(str(out), 3)  # --fsdp: each trainer writes its shards into the folder rank 0 made
+    with runs.private_folder(tmp) as where:
+        os.rename(tmp, out / "moved3")
+        os.symlink(tmp_path / "victim", tmp)
+        torch.distributed.checkpoint.save({"w": torch.ones(2)}, checkpoint_id=os.path.join(where, "shards"))
+    assert snapshot() == before and (out / "moved3" / "shards" / ".metadata").exists()
+
+
+def in_time(call, *args, seconds=10):
+    """What call(*args) raised, from a thread (a FIFO's open can wait forever: the test ends anyway)."""
+    said = {}
+
+    def run():
+        try:
+            call(*args)
+        except BaseException as err:  # noqa: B036 (SystemExit is the answer)
+            said["raised"] = err
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"no answer in {seconds} s"
+    return said.get("raised")
+
+
+def test_runs_hard_links_and_fifos_at_the_lock_marker_and_metrics_are_refused_in_one_line(toy_dir, tmp_path):
+    """.lock, .train-run.json and metrics.jsonl hard-linked to a file elsewhere had that file overwritten; .lock as a
+    FIFO ended in io.UnsupportedOperation, .train-run.json as a FIFO waited in its open forever. Each is one line
+    naming the file, and the file elsewhere is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text('{"tb": false, "wandb": false}')
+    before = victim.read_bytes()
+    for name in (".lock", ".train-run.json"):
+        out = tmp_path / name
+        out.mkdir()
+        os.link(victim, out / name)
+        with pytest.raises(SystemExit, match=rf"^error: {out}/{re.escape(name)} has \d hard links [^\n]*$"):
+            run_train(toy_dir, out)
+        assert victim.read_bytes() == before
+    out = tmp_path / "run"
+    run_train(toy_dir, out)
+    victim.write_bytes((out / "metrics.jsonl").read_bytes())
+    before = victim.read_bytes()
+    (out / "metrics.jsonl").unlink()
+    os.link(victim, out / "metrics.jsonl")
+    with pytest.raises(SystemExit, match=r"^error: .*metrics\.jsonl has \d hard links [^\n]*$"):
+        run_train(toy_dir, out, "--resume", "--steps", "3")
+    assert victim.read_bytes() == before
+    for name in (".lock", ".train-run.json"):
+        out = tmp_path / f"fifo{name}"
+        out.mkdir()
+        os.mkfifo(out / name)
+        args = config.get_args(["--model", str(toy_dir), "--out", str(out)])
+        try:
+            raised = in_time(runs.prepare_out_dir, args)
+        finally:
+            runs.release_lock()
+        assert isinstance(raised, SystemExit) and re.fullmatch(
+            rf"error: {out}/{re.escape(name)} is not a regular file \(a FIFO\)[^\n]*", str(raised.code))
+
+
+def test_study_planted_links_at_its_problems_and_run_folders_are_refused(toy_dir, tmp_path, monkeypatch):
+    """STUDY/problems linked to someone's dataset folder had its train.jsonl replaced; STUDY/scalerl-s0 linked
+    elsewhere got the run's lock, marker and metrics (train.py's --out) and the study's minutes. Each is one line
+    naming the link, before anything is written or a run starts, and the folder it points to is untouched."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "train.jsonl").write_text("precious\n")
+    snapshot = lambda: {p.name: p.read_bytes() for p in theirs.iterdir()}  # noqa: E731
+    before, folder = snapshot(), tmp_path / "study"
+    folder.mkdir()
+    (folder / "problems").symlink_to(theirs)
+    monkeypatch.setattr(study, "TRAIN", 20)
+    with pytest.raises(SystemExit, match=rf"^error: {folder}/problems is a symlink[^\n]*$"):
+        study.make_problems(str(folder), held_out=5)
+    assert snapshot() == before
+    (folder / "problems").unlink()
+    run = folder / "scalerl-s0"
+    run.symlink_to(theirs)
+    with pytest.raises(SystemExit, match=rf"^error: {run} is a symlink[^\n]*$"):
+        study.save_minutes({"path": str(run)}, 1.0)
+    for given in (run, f"{run}/"):
+        with pytest.raises(SystemExit, match=rf"^error: --out {given} is a symlink[^\n]*$"):
+            run_train(toy_dir, given, "--overwrite")
+    monkeypatch.setattr(study.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit, match=rf"^study: error: {run} is a symlink[^\n]*$"):
+        study.main([str(folder), "--quick"])
     assert snapshot() == before
 
 

@@ -22,7 +22,7 @@ from metrics import print0
 import pipeline
 import ranks
 import plan
-from runs import safe_load_planner, shard_reader
+from runs import private_folder, safe_load_planner, shard_reader
 
 try:  # attention within each packed sample on CUDA
     from flash_attn import flash_attn_varlen_func
@@ -436,9 +436,10 @@ class ShardedTrainer(Trainer):
     def save_shards(self, folder):
         """Each trainer writes its shards and AdamW state."""
         import torch.distributed.checkpoint as dcp
-        self.any_rank(False)  # a barrier
-        dcp.save(sharded_state(self.model, self.opt),
-                 checkpoint_id=os.path.join(folder, SHARDS), process_group=self.ctx.trainers)
+        self.any_rank(False)  # a barrier: rank 0 made the folder
+        with private_folder(folder) as where:  # that folder, even if renamed mid-save
+            dcp.save(sharded_state(self.model, self.opt),
+                     checkpoint_id=os.path.join(where, SHARDS), process_group=self.ctx.trainers)
 
     def optimizer_state(self):
         return {"optimizer": None, "master": None, "shards": SHARDS}
