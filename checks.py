@@ -9,7 +9,6 @@ check_model_dir and check_args; each failure is one line.
 import difflib
 import glob
 import itertools
-import json
 import math
 import os
 import re
@@ -19,7 +18,7 @@ import torch
 
 from hub import resolve_model
 from loss import clip_eps
-from runs import check_resume
+from runs import check_model_files, check_resume, read_json
 from sandbox import bwrap_ready, not_ready_reason
 
 # what each numeric flag may be, besides finite (a negative --temperature once trained to 0.000)
@@ -53,8 +52,8 @@ def check_args(args, error):
     if args.resume and args.overwrite:
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        with open(os.path.join(args.model_dir, "config.json")) as f:
-            context = json.load(f).get("max_position_embeddings")
+        context = read_json(os.path.join(args.model_dir, "config.json")).get(
+            "max_position_embeddings")
         if (why := context_error(args, context)):
             error(why)
 
@@ -144,6 +143,11 @@ def check_model_dir(path, error):
         error(f"--model {err}")
         return ""
     name = path if folder == path else f"{path} ({folder})"
+    try:
+        check_model_files(folder)
+    except OSError as err:
+        error(f"--model {name}: {err}")
+        return folder
     if not os.path.isfile(os.path.join(folder, "config.json")):
         error(f"--model {name}: no config.json there (a Hugging Face model folder is expected)")
         return folder
@@ -151,8 +155,7 @@ def check_model_dir(path, error):
             glob.glob(os.path.join(folder, "*.bin"))):
         error(f"--model {name}: no weights (*.safetensors or *.bin) in the folder")
     try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
+        config = read_json(os.path.join(folder, "config.json"))
     except (OSError, ValueError) as err:
         config = {"model_type": f"unreadable ({type(err).__name__}: {err})"}
     model_type = config.get("model_type") if isinstance(config, dict) else None

@@ -11,12 +11,12 @@ The start-up prints the values in force and each flag that differs (`recipe_line
 """
 
 import argparse
-import json
 import os
 
 from checks import check_args, check_model_dir, did_you_mean
 import faults
 from loss import AGGS, EPS_DEFAULTS, NORMS
+from runs import read_json
 from toy import PRESETS
 
 # -----------------------------------------------------------------------------
@@ -269,8 +269,7 @@ def apply_recipe(args):
     if args.recipe == "auto":
         task = ""
         if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
-            with open(os.path.join(args.model_dir, "config.json")) as f:
-                task = json.load(f).get("scalerl_task", "")
+            task = read_json(os.path.join(args.model_dir, "config.json")).get("scalerl_task", "")
         args.recipe = "toy" if not args.model_dir or task in PRESETS else "paper"
     for name, value in RECIPES[args.recipe].items():
         if getattr(args, name) is None:

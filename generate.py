@@ -734,12 +734,14 @@ if __name__ == "__main__":
     from data import completion_text, prompt_ids, special_tokens
     from toy import toy_model_dir, toy_problems
     from hub import resolve_model
+    from runs import check_model_files
 
     args = config.sample_parser(__doc__.split("\n\n")[0]).parse_args()
     transformers.utils.logging.disable_progress_bar()
     try:
         path = resolve_model(args.model) if args.model else toy_model_dir()
-    except ValueError as err:
+        check_model_files(path)
+    except (ValueError, OSError) as err:
         sys.exit(f"error: --model {err}")
     tokenizer, model = (AutoTokenizer.from_pretrained(path, trust_remote_code=False),
                         AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval())

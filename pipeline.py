@@ -34,6 +34,7 @@ from loss import LengthControl
 from plan import fit_slots, in_flight, peak_gb
 from ranks import (busy_metrics, drain, on_trainer0, pack_group, part, receive_rows, unpack_group,
                    weight_buckets)
+from runs import LARGE_BYTES, read_json, replace_file
 
 
 # -----------------------------------------------------------------------------
@@ -578,8 +579,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     """A generator rank's whole life, until the trainers say stop."""
     saved, g = None, ctx.rank - ctx.n_trainers
     if args.resume and os.path.exists(curriculum_path):
-        with open(curriculum_path) as f:
-            saved = json.load(f)
+        saved = read_json(curriculum_path, LARGE_BYTES)
         # over data.Prompts' share: every n_gens-th prompt from g
         check_resumed_curriculum(saved, curriculum_path, len(range(g, len(problems), ctx.n_gens)))
     gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, g, ctx.n_gens, start_version,
@@ -668,5 +668,4 @@ def send_group(ctx, gen, group):
 
 
 def _save_curriculum(curriculum, path):
-    from runs import replace_file
     replace_file(path, lambda f: json.dump(curriculum.state_dict(), f))

@@ -1,15 +1,19 @@
 """
-runs.py: the run folder (--out): its checks and lock, atomic checkpoints, resume, metrics.
+runs.py: the run folder (--out): its checks and lock, atomic checkpoints, resume, metrics; and the
+one reader of files taken from a folder.
 
 Start at prepare_out_dir, then save_checkpoint and resume_point. A run writes only its own names
 (RUN_NAME), into the folder it opened (hold, _parent), never through a link, FIFO or hard link
-(open_run_file), and unpickles nothing but plain data (load_state, check_shards).
+(open_run_file), reads only regular files within a size cap (open_regular, check_model_files), and
+unpickles nothing but plain data (load_state, check_shards).
 
-  python -m pytest -q test_all.py -k "run_folder or resume or symlink or source_tree or checkpoints"
+  python -m pytest -q test_all.py -k "run_folder or resume or symlink or source_tree or checkpoints
+  or regular_files"
 """
 import contextlib
 import errno
 import fcntl
+import fnmatch
 import glob
 import io
 import json
@@ -25,6 +29,7 @@ import stat
 import sys
 
 from faults import printable
+from hub import MODEL_FILES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # rank 0 marks --out as a run, with its trackers
@@ -51,8 +56,7 @@ def read_mark(out):
     if not os.path.isfile(path) or os.path.islink(path):
         return {}
     try:
-        with open(path) as f:
-            mark = json.load(f)
+        mark = read_json(path)
     except (OSError, ValueError):
         return {}
     return mark if isinstance(mark, dict) else {}
@@ -61,8 +65,8 @@ def read_mark(out):
 def legacy_run(out):
     """Written before RUN_MARK existed."""
     try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            first = json.loads(f.readline())
+        with open_regular(os.path.join(out, "metrics.jsonl")) as f:
+            first = json.loads(f.readline(MAX_LINE_BYTES))
         return isinstance(first, dict) and first.get("kind") == "config" and "ran" in first
     except (OSError, ValueError):
         return False
@@ -390,12 +394,13 @@ def intact_checkpoint(out, quiet=False):
     from safetensors import safe_open
     for path in reversed(checkpoints(out)):
         try:
-            state = load_state(os.path.join(path, "state.pt"))
-            with open(os.path.join(path, "config.json")) as f:
-                json.load(f)
+            check_model_files(path)  # read when the run loads it
             weights = glob.glob(os.path.join(path, "*.safetensors"))
             if not weights:
                 raise FileNotFoundError("no *.safetensors")
+            state = load_state(os.path.join(path, "state.pt"), LARGE_BYTES + STATE_PER_WEIGHT_BYTE
+                               * sum(os.path.getsize(w) for w in weights))
+            read_json(os.path.join(path, "config.json"))
             for w in weights:
                 with safe_open(w, "pt"):
                     pass
@@ -410,16 +415,19 @@ def intact_checkpoint(out, quiet=False):
     return None, {}
 
 
-def load_state(path):
-    """state.pt as plain data only: unpickling anything else runs code."""
+def load_state(path, cap):
+    """state.pt as plain data only: unpickling anything else runs code. One open file: what
+    loads is what was checked."""
     import torch
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    if unsafe:
-        sys.exit(f"error: --resume: {path} holds objects other than tensors and plain data "
-                 f"({', '.join(unsafe[:3])}): it is not loaded, since loading them could run code "
-                 "from the file (a checkpoint of an older train.py, or not written by train.py); "
-                 "start another --out")
-    return torch.load(path, weights_only=True)
+    with open_regular(path, cap) as f:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+        if unsafe:
+            sys.exit(f"error: --resume: {path} holds objects other than tensors and plain data "
+                     f"({', '.join(unsafe[:3])}): it is not loaded, since loading them could run "
+                     "code from the file (a checkpoint of an older train.py, or not written by "
+                     "train.py); start another --out")
+        f.seek(0)
+        return torch.load(f, weights_only=True)
 
 
 # what torch 2.13's .metadata names: exact pairs
@@ -447,8 +455,7 @@ def check_shards(folder):
 
     path = os.path.join(folder, ".metadata")
     try:
-        with open(path, "rb") as f:
-            metadata = Unpickler(io.BytesIO(f.read())).load()
+        metadata = Unpickler(io.BytesIO(read_file(path, LARGE_BYTES))).load()
         if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_data, dict)
                 and isinstance(metadata.storage_meta, (StorageMeta, type(None)))):
             raise ValueError(f"it holds a {type(metadata).__name__}, not a Metadata")
@@ -531,8 +538,12 @@ def truncate_metrics(path, step):
     """Drop metrics lines after the checkpoint, and a half-written last one."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = [ln for ln in f.read().split("\n") if ln.strip()]
+    try:
+        text = read_file(path, LARGE_BYTES)
+    except OSError as err:
+        sys.exit(f"error: --resume: {path}: {err.strerror}: a run writes its metrics as a file; "
+                 "move this one away, or start another --out")
+    lines = [ln for ln in text.decode().split("\n") if ln.strip()]
     records = []
     for i, ln in enumerate(lines):
         try:
@@ -643,18 +654,49 @@ def release_lock():
         os.close(_HELD.popitem()[1])
 
 # -----------------------------------------------------------------------------
-# one reader for the files a run takes from a folder: regular files only, a line at a time
+# the one reader of files taken from a folder (run, study, checkpoint, model, --data): regular files
+# only, their size checked before the first byte is read
 
 MAX_LINE_BYTES = 16 << 20  # code tests may be megabytes
+JSON_BYTES = 16 << 20  # a config, a marker, a number of minutes: kilobytes
+MODEL_FILE_BYTES = 256 << 20  # read whole by transformers: Gemma 3's tokenizer.json is 33 MB
+# what grows with the run, the data set or the model: metrics (~1 KB a step), a curriculum's
+# history, --fsdp's shard index
+LARGE_BYTES = 1 << 30
+# state.pt besides that: AdamW's two moments and float32 master weights, 12 bytes a parameter, are
+# 6x bf16 weights (2x float32 ones)
+STATE_PER_WEIGHT_BYTE = 8
 
 
-def open_regular(path):
-    """path opened if a regular file (a FIFO never ends)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open returns at once
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+class Unreadable(OSError):
+    """A file the reader refuses; str(): 'PATH: why'."""
+
+    def __str__(self):
+        return f"{self.filename}: {self.strerror}"
+
+
+def _refuse(path, st, cap, hint):
+    """Unreadable unless st is a regular file of at most cap bytes (None: any size)."""
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"not a regular file ({file_kind(st.st_mode)})"
+    elif cap is not None and st.st_size > cap:
+        why = f"{st.st_size:,} bytes, over the {cap:,} such a file may hold"
+    if why:
+        raise Unreadable(errno.EINVAL, why + (f": {hint}" if hint else ""), path)
+
+
+def open_regular(path, cap=None, hint=""):
+    """path opened for reading if a regular file of at most cap bytes: a FIFO never ends, a link
+    to /dev/zero never stops. Checked before the open and on what was opened."""
+    _refuse(path, os.stat(path), cap, hint)  # a device is not even opened
+    # O_NONBLOCK: a FIFO swapped in since returns at once
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        _refuse(path, os.fstat(fd), cap, hint)
+    except OSError:
         os.close(fd)
-        raise OSError(errno.EINVAL, f"not a regular file ({file_kind(mode)}): give a jsonl file")
+        raise
     return os.fdopen(fd, "rb")
 
 
@@ -663,9 +705,37 @@ def file_kind(mode):
             else "a socket" if stat.S_ISSOCK(mode) else "a device")
 
 
+def read_file(path, cap):
+    """path's bytes, through open_regular."""
+    with open_regular(path, cap) as f:
+        data = f.read(min(os.fstat(f.fileno()).st_size, cap) + 1)  # a buffer of the file's size
+    if len(data) > cap:  # grown since the check
+        raise Unreadable(errno.EFBIG, f"over the {cap:,} bytes such a file may hold", path)
+    return data
+
+
+def read_json(path, cap=JSON_BYTES):
+    """path's JSON value, through read_file; ValueError when it is not JSON."""
+    try:
+        return json.loads(read_file(path, cap))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def check_model_files(folder):
+    """Every file from_pretrained may read from folder (hub's MODEL_FILES): a regular file within
+    its cap, or Unreadable naming it. transformers opens them by name later: checked, not held."""
+    for name in sorted(os.listdir(folder)):
+        if not any(fnmatch.fnmatch(name, p) for p in MODEL_FILES + ["*.bin"]):
+            continue
+        weights = name.endswith((".safetensors", ".bin"))  # any size: the memory plan's business
+        path = os.path.join(folder, name)
+        _refuse(path, os.stat(path), None if weights else MODEL_FILE_BYTES, "")
+
+
 def read_jsonl(path):
     """(line number, object) pairs; ValueError 'FILE:LINE: why'."""
-    with open_regular(path) as f:
+    with open_regular(path, hint="give a jsonl file") as f:
         lineno = 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
             lineno += 1

@@ -28,8 +28,8 @@ import numpy as np
 from scipy import stats
 
 from faults import printable
-from runs import read_jsonl
-from runs import checkpoints, copy_written, open_folder, open_run_file, replace_file
+from runs import (checkpoints, copy_written, open_folder, open_run_file, read_json, read_jsonl,
+                  replace_file)
 from fit import (NOISE_A, check_points, checked_number, eval_point, finite, fit_sigmoid, plot,
                  sigmoid)
 from plots import color, save_figure
@@ -130,22 +130,21 @@ def run_dir(out, name, seed):
 
 
 def run_minutes(path):
-    """A run's machine-minutes as train_all measured them, else 0."""
+    """A run's machine-minutes as train_all measured them, else 0 (OSError if not a file)."""
     try:
-        with open(os.path.join(path, "study_minutes.json")) as f:
-            minutes = json.load(f)
-    except (OSError, ValueError):
+        minutes = read_json(os.path.join(path, "study_minutes.json"))
+    except (FileNotFoundError, ValueError):
         return 0.0
     return float(minutes) if finite(minutes) and minutes >= 0 else 0.0
 
 
 def finished(path, steps):
-    """Whether a run holds its last step's eval, or train.py stopped it."""
+    """Whether a run holds its last step's eval, or train.py stopped it (OSError if not a file)."""
     try:
         records = read_jsonl(os.path.join(path, "metrics.jsonl"))
         return any(r.get("kind") == "stopped" or
                    (r.get("kind") == "eval" and r.get("step") == steps) for _, r in records)
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return False
 
 
@@ -705,11 +704,9 @@ def main(argv=None):
         seeds, steps, held_out = (0,), 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
     report = os.path.join(args.assets, "study_report.json")
-    if args.quick and args.assets and os.path.exists(report):
-        with open(report) as f:
-            if "note" not in json.load(f):
-                sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
-                         "give --quick another --assets")
+    if args.quick and args.assets and os.path.exists(report) and "note" not in read_json(report):
+        sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
+                 "give --quick another --assets")
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
         again = shlex.join(["python", sys.argv[0] if argv is None else "study.py",

@@ -3939,6 +3939,25 @@ def test_study_a_failed_run_is_named_when_the_other_has_no_folder_yet(tmp_path, 
     assert not (tmp_path / "batch32-s0").exists()
 
 
+def test_study_reads_only_regular_files_and_names_the_one_that_is_not(tmp_path):
+    """A run's study_minutes.json linked to /dev/zero was read without end, and as a FIFO hung the study (its
+    report, and a continued run's start, read it); its metrics.jsonl as a FIFO read as "not finished". Each stops
+    the study in one line naming the file, before a byte of it is read."""
+    for name in ("scalerl", "batch32"):  # --quick's runs, finished
+        steps = np.arange(7.0)
+        write_run(tmp_path / f"{name}-s0", steps, 0.3 + 0.05 * steps, steps=steps)
+    run = tmp_path / "scalerl-s0"
+    for name, kind in (("study_minutes.json", "a device"), ("study_minutes.json", "a FIFO"),
+                       ("metrics.jsonl", "a FIFO")):
+        kept = (run / name).read_bytes() if (run / name).is_file() else b"1.5"
+        special_file(run / name, kind)
+        code, said = run_capped([tmp_path, "--quick", "--report"], tmp_path / "study.log", script="study.py")
+        assert code == 1 and said.strip().splitlines()[-1].startswith(
+            f"study: error: {run / name}: not a regular file ({kind})"), said[-600:]
+        os.remove(run / name)
+        (run / name).write_bytes(kept)
+
+
 def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
     (tmp_path / "assets").mkdir()
     shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
@@ -5258,6 +5277,30 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
         config.get_args(["--resume", "--overwrite"])
 
 
+def test_train_model_folder_files_are_regular_and_bounded_before_transformers_reads_them(toy_dir, tmp_path, capsys):
+    """transformers reads a model folder's files by name: its tokenizer_config.json or weights as a FIFO hung the
+    load, a generation_config.json linked to /dev/zero was read without end (train.py and generate.py). Every file
+    it may read (hub's MODEL_FILES) is checked first, before any is read: a regular file, within its cap
+    (weights: any size)."""
+    for name, kind in (("tokenizer_config.json", "a FIFO"), ("model.safetensors", "a FIFO"),
+                       ("generation_config.json", "a device"), ("tokenizer.json", "over")):
+        model = tmp_path / name / "model"
+        shutil.copytree(toy_dir, model)
+        if kind == "over":  # sparse: no byte written
+            os.truncate(model / name, runs.MODEL_FILE_BYTES + 1)
+        else:
+            special_file(model / name, kind)
+        with pytest.raises(SystemExit):
+            config.get_args(["--model", str(model), "--out", str(tmp_path / "run")])
+        why = (f"{runs.MODEL_FILE_BYTES + 1:,} bytes, over the {runs.MODEL_FILE_BYTES:,} such a file may hold"
+               if kind == "over" else f"not a regular file ({kind})")
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"train.py: error: --model {model}: {model / name}: {why} (--help lists the flags)"], name
+        code, said = run_capped(["--model", model], tmp_path / "generate.log", script="generate.py")
+        assert code == 1 and said.strip().splitlines()[-1] == f"error: --model {model / name}: {why}", said[-600:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_number_flags_must_be_finite_and_in_range_before_anything_is_made(tmp_path, capsys):
     """nan, inf and negative values went through (`--temperature -1` trained silently to 0.000): each is one line
     naming the flag, at parsing, before --out exists."""
@@ -5946,6 +5989,71 @@ def test_pipeline_generator_refuses_a_malformed_saved_curriculum_in_one_line(tmp
             pipeline.run_generator(ctx, args, None, None, problems, None, 0, str(path), [], [])
         line = str(exit_.value.code)
         assert line.startswith(f"error: --resume: {path}: field {field} ") and why in line and "\n" not in line, line
+
+
+def capped_run(argv, log, script):
+    """run_train_py with at most 1 GiB more data memory: a file read without end fails at once here instead of
+    taking the machine (/dev/zero read whole: 2.5 GB in 10 s)."""
+    import resource
+    limit = bench._proc_status("VmData") + (1 << 30)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    run_train_py(argv, {}, log, script=script)
+
+
+def run_capped(argv, log, script="train.py", timeout=60):
+    """`python SCRIPT *argv` forked, memory capped (capped_run) -> (exit code, output); still running at the
+    timeout (a hang): killed, and the test fails."""
+    proc = FORKS.Process(target=capped_run, args=([str(a) for a in argv], str(log), script))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        pytest.fail(f"{script} {' '.join(map(str, argv))}: still running after {timeout} s (a hang): "
+                    f"{Path(log).read_text()[-600:]}")
+    return proc.exitcode, Path(log).read_text()
+
+
+def special_file(path, kind):
+    """path made a FIFO, or a link to /dev/zero (a device that never ends)."""
+    if os.path.lexists(path):
+        os.remove(path)
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    else:
+        os.symlink("/dev/zero", path)
+
+
+def test_train_resume_reads_only_regular_files_and_names_the_one_that_is_not(toy_dir, tmp_path):
+    """--resume read metrics.jsonl linked to /dev/zero without end (2.5 GB in 10 s, no line) and hung on it as a
+    FIFO, and on a checkpoint's state.pt as a FIFO; a checkpoint's config.json linked to /dev/zero was read without
+    end. Each is refused before a byte is read: the run's metrics.jsonl stops --resume in one line naming it; a
+    checkpoint with such a file is skipped with a line naming the file, and the run goes on from the one before."""
+    out = tmp_path / "run"
+    flags = ["--steps", "3", "--save_every", "1", "--keep", "3", "--eval_every", "3"]
+    run_train(toy_dir, out, *flags)
+    argv = ["--model", toy_dir, "--out", out, "--prompts", "4", "--samples", "4", "--val_size", "4",
+            "--eval_samples", "1", *flags, "--resume"]
+    metrics = out / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    for kind in ("a device", "a FIFO"):
+        special_file(metrics, kind)
+        code, said = run_capped(argv, tmp_path / "resume.log")
+        assert code == 2 and said.strip().splitlines()[-1] == (
+            f"train.py: error: --resume: {metrics}: not a regular file ({kind}): a run writes its metrics as a "
+            "file; move this one away, or start another --out"), said[-600:]
+    metrics.unlink()
+    metrics.write_bytes(kept)
+    special_file(out / "ckpt-000003" / "state.pt", "a FIFO")
+    special_file(out / "ckpt-000002" / "config.json", "a device")
+    code, said = run_capped(argv, tmp_path / "resume.log")
+    assert code == 0, said[-600:]
+    assert (f"--resume: skipping {out}/ckpt-000003, it does not load (Unreadable: {out}/ckpt-000003/state.pt: "
+            "not a regular file (a FIFO))") in said
+    assert (f"--resume: skipping {out}/ckpt-000002, it does not load (Unreadable: {out}/ckpt-000002/"
+            "config.json: not a regular file (a device))") in said
+    assert f"resumed from {out}/ckpt-000001 at step 1" in said
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"] == [1, 2, 3]
 
 
 def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
