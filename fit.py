@@ -271,6 +271,8 @@ def finite(v):
 
 def checked_number(rec, key, where):
     """rec[key] as a float, or ValueError 'WHERE: ...'."""
+    if key not in rec:
+        raise ValueError(f"{where}: missing field '{key}'")
     v = rec[key]
     if not finite(v):
         text = repr(v) if len(repr(v)) < 40 else f"{repr(v)[:20]}... ({len(repr(v))} characters)"

@@ -3958,6 +3958,22 @@ def test_study_reads_only_regular_files_and_names_the_one_that_is_not(tmp_path):
         (run / name).write_bytes(kept)
 
 
+def test_study_report_names_the_file_line_and_field_of_a_missing_number(tmp_path):
+    """An eval line without "flops", or a config line without "prompts", ended the report in a KeyError traceback:
+    each is one line naming file:line and the field."""
+    names = write_synthetic_study(tmp_path)
+    path = tmp_path / "scalerl-s10" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    first_eval = next(i for i, ln in enumerate(lines) if json.loads(ln)["kind"] == "eval")
+    for i, field in ((0, "prompts"), (first_eval, "flops"), (first_eval, "step")):
+        rec = json.loads(lines[i])
+        del rec[field]
+        path.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
+        with pytest.raises(ValueError) as err:
+            study.write_report(str(tmp_path), names, study.SEEDS, 200)
+        assert str(err.value) == f"{path}:{i + 1}: missing field '{field}'"
+
+
 def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
     (tmp_path / "assets").mkdir()
     shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
