@@ -21,6 +21,7 @@ import contextlib
 import copy
 import ctypes
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -55,6 +56,9 @@ from trainer import (LogProbs, collate, micro_batches, packed_logprobs, sequence
 
 # -----------------------------------------------------------------------------
 # flags
+
+FIGURES = ("1", "2", "3", "4", "5", "6", "7", "memory", "efficiency", "stability", "replay",
+           "plan_rss")
 
 SIZE_FLAGS = [
     ("repeats", 3, "timed runs of each side; the best is reported"),
@@ -101,8 +105,7 @@ def get_args(argv=None):
     ap.add_argument("--size", default="small", choices=list(SIZES),
                     help="the random-weight Qwen2 config (besides the toy)")
     ap.add_argument("--figures", default="1,2,3,4,5",
-                    help="comma-separated figures to run: 1 to 7, memory, efficiency, "
-                         "stability, replay, plan_rss")
+                    help=f"comma-separated figures to run: {', '.join(FIGURES)}")
     ap.add_argument("--fsdp_size", default="medium", choices=list(SIZES),
                     help="figure 7: the Qwen2 config trained")
     for flag, default, help_ in SIZE_FLAGS:
@@ -116,7 +119,12 @@ def get_args(argv=None):
                          "and exit")
     ap.add_argument("--json", action="store_true",
                     help="print every figure as one JSON dict, last line")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = set(args.figures.split(",")) - set(FIGURES)
+    if unknown:
+        ap.error(f"--figures: no figure {', '.join(sorted(unknown))} (the figures: "
+                 f"{', '.join(FIGURES)})")
+    return args
 
 # -----------------------------------------------------------------------------
 # models (random weights, no download)
@@ -405,7 +413,8 @@ def bench_trainer_memory(args):
          "naive_peak_gb": naive["peak_bytes"] / 1e9, "chunked_peak_gb": chunked["peak_bytes"] / 1e9,
          "naive_tok_s": tokens / naive["seconds"], "chunked_tok_s": tokens / chunked["seconds"],
          "max_abs_logp_diff": diff}
-    r["peak_ratio"] = r["naive_peak_gb"] / r["chunked_peak_gb"]
+    r["peak_ratio"] = (r["naive_peak_gb"] / r["chunked_peak_gb"] if chunked["peak_bytes"]
+                       else math.inf)  # under a page, at the smallest sizes
     print(f"2 memory    | vocab {args.mem_vocab}, hidden 64, {args.mem_seqs} x {args.mem_len} "
           f"tokens (naive fp32 logits {r['logits_fp32_gb']:.2f} GB) | "
           f"peak naive {r['naive_peak_gb']:.2f} GB | chunked ({args.chunk}) "
@@ -696,7 +705,8 @@ def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
         for step in range(args.fsdp_steps):
             ids = random_ids(args.fsdp_seqs, args.fsdp_len, config["vocab_size"],
                              10 * step + rank, "cpu")
-            result["losses"].append(cispo_backward(forward(ids, torch.ones_like(ids), True, 1.0)))
+            logp = forward(ids.flatten(), [args.fsdp_len] * args.fsdp_seqs, True, 1.0)  # packed
+            result["losses"].append(cispo_backward(logp))
             opt.step()
             opt.zero_grad(set_to_none=True)
         result["ok"] = True
@@ -947,6 +957,10 @@ def bench_plan_rss(args, seconds=40):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOG = [sys.executable, "-c", "while True: pass"]
+# the README's torchrun form: the launcher's rendezvous a file, the ranks' store on 127.0.0.1 alone
+LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
+                     "--local-addr", "127.0.0.1"]
+LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 # toy-hard: the fifth study design's task
@@ -972,7 +986,7 @@ def stability_run(cmd, out, hogs=()):
     try:
         with open(out + ".log", "w") as log:
             done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
-                                  env=dict(os.environ, **study.LOOPBACK_ENV))
+                                  env=dict(os.environ, **LOOPBACK_ENV))
     finally:
         for h in beside:
             h.kill()
@@ -992,7 +1006,7 @@ def stability_seed(args, seed, folder, flags):
             for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))):
         stability_run([sys.executable, "train.py", "--out", one, *common], one)
     ranks = os.path.join(folder, f"{args.stability_load}-s{seed}")
-    launch = [sys.executable, "-m", "torch.distributed.run", *study.LOOPBACK_TORCHRUN,
+    launch = [sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN,
               "--nproc_per_node", "2"]
     pinned = args.stability_load == "pinned"
     train_cmd = ["train.py", "--out", ranks, *common] + (["--micro_tokens", "1"] if pinned else [])

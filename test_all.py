@@ -6217,6 +6217,115 @@ def test_bench_prints_its_figures_and_no_progress_bars(capsys):
     assert "5 roofline" in out and "Loading weights" not in err
 
 
+class FirstLaunch(Exception):
+    """A figure's first launch of train.py: its command checked by train.py's and torchrun's parsers, not run."""
+
+
+def launched_train_args(cmd):
+    """bench.py's command of train.py (alone, under torchrun, or torchrun's `--no-python sh -c`) -> (train.py's
+    parsed flags, torchrun's or None)."""
+    words, launch = [str(w) for w in cmd], None
+    if "torch.distributed.run" in words:
+        launch = torch.distributed.run.get_args_parser().parse_args(words[words.index("torch.distributed.run") + 1:])
+        words = [launch.training_script, *launch.training_script_args]
+        if launch.no_python:
+            words = shlex.split(words[-1])
+    script = next(i for i, w in enumerate(words) if w.endswith("train.py"))
+    return config.get_args(words[script + 1:]), launch
+
+
+def first_launch(cmd, *_, env=None, **__):
+    """subprocess.run / bench.peak_rss as a figure's first launch: FirstLaunch(train.py's flags, torchrun's, env)."""
+    raise FirstLaunch(*launched_train_args(cmd), env)
+
+
+def forkserver_spawn(fn, args=(), nprocs=1, join=True, **_):
+    """torch.multiprocessing.spawn from the preloaded server: ~5 CPU-s of imports less a process."""
+    return torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def in_fork(fn, *args):
+    with FORKS.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def replay_run(folder, step):
+    """A run folder with one checkpoint at `step`: the toy model and its AdamW state after a step."""
+    ckpt = folder / f"ckpt-{step:06d}"
+    shutil.copytree(toy.toy_model_dir(), ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    opt = torch.optim.AdamW(model.parameters())
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    torch.save({"optimizer": opt.state_dict()}, ckpt / "state.pt")
+
+
+# bench.py's figures at their smallest: Qwen2 configs 32 wide (--size, --fsdp_size), the published shapes 64
+# wide (one for figure memory), the study's task 2 x 2 samples of 8 + 8 tokens and the 8k mix 2 samples
+# (figure efficiency); every process forked from the preloaded server
+BENCH_TINY = ["--repeats", "1", "--batch", "2", "--prompt_len", "2", "--new_tokens", "2", "--task_prompts", "2",
+              "--task_new_tokens", "2", "--train_seqs", "2", "--train_len", "8", "--mem_vocab", "64", "--mem_seqs",
+              "1", "--mem_len", "8", "--chunk", "4", "--bcast_mb", "1", "--agree_seqs", "2", "--pipeline_steps", "1",
+              "--fsdp_steps", "1", "--fsdp_seqs", "2", "--fsdp_len", "8", "--stability_seeds", "0",
+              "--replay_steps", "2"]
+TINY_QWEN2 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, vocab_size=256, tie_word_embeddings=False)
+NARROW = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+              vocab_size=512)
+# what each figure prints once it measured (a pattern); the figures that launch train.py (pipelines of several
+# ranks, a process's peak RSS over 40 s) stop at their first launch, checked: FirstLaunch
+BENCH_SAYS = {"1": r"1 sampler   \| toy task", "2": r"2 memory .* max \|logp diff\|", "3": r"3 broadcast \| 1 MB",
+              "4": r"4 agreement \| qwen2-small bfloat16 fp32_head=False", "5": r"5 roofline", "6": FirstLaunch,
+              "7": r"FSDP2 rank 1 of 2 holds \S+ params \| cap none \| peak \S+ GB \| losses \d",
+              "memory": r"memory \| the README's 8-GPU command", "efficiency": r"efficiency \| trainer, 8k step",
+              "stability": FirstLaunch, "replay": r"replay \| step 2 \| log-odds", "plan_rss": FirstLaunch}
+
+
+@pytest.mark.parametrize("figure", BENCH_SAYS)
+def test_bench_every_figure_runs_at_its_smallest_size(figure, tmp_path, monkeypatch, capsys):
+    """`bench.py --figures stability` stopped at once (study.LOOPBACK_ENV had moved away), figure 7's trainers all
+    failed (the trainer's forward takes packed rows now), and no test ran either: each figure runs here at its
+    smallest, to its printed line; a figure that launches train.py, to its first launch, whose flags train.py and
+    torchrun parse (stability's: the README's loopback form)."""
+    real_shape = bench.shape_config
+    for module, name, value in (
+            (bench, "shape_config", lambda shape, **kw: real_shape(shape, **{**NARROW, **kw})),
+            (bench, "PLAN_SHAPES", bench.PLAN_SHAPES[:1]),
+            (study, "TASK", [*study.TASK, "--prompts", "2", "--samples", "2", "--think_budget", "8",
+                             "--answer_budget", "8"]),
+            (bench, "budget_8k_lengths", functools.partial(bench.budget_8k_lengths, prompts=1, samples=2)),
+            (bench, "in_fresh_process", in_fork), (torch.multiprocessing, "spawn", forkserver_spawn),
+            (bench.subprocess, "run", first_launch), (bench, "peak_rss", first_launch),
+            (bench.subprocess, "Popen", lambda cmd, **_: types.SimpleNamespace(kill=lambda: None)),  # CPU hogs
+            (tempfile, "tempdir", str(tmp_path))):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setitem(bench.SIZES, "small", TINY_QWEN2)
+    monkeypatch.setitem(bench.SIZES, "medium", TINY_QWEN2)
+    runs_dir = tmp_path / "stability"
+    if figure == "stability":  # a finished one-process run, reused: the first launch is torchrun's
+        (runs_dir / "toy-one" / "one-s0").mkdir(parents=True)
+        (runs_dir / "toy-one" / "one-s0" / "metrics.jsonl").write_text(
+            '{"kind": "config", "steps": 2}\n{"kind": "eval", "step": 2, "pass_rate": 0.5}\n')
+    if figure == "replay":
+        replay_run(tmp_path / "run", 2)
+    args = bench.get_args(["--figures", figure, *BENCH_TINY, "--stability_dir", str(runs_dir),
+                           "--replay_run", str(tmp_path / "run")])
+    if BENCH_SAYS[figure] is FirstLaunch:
+        with pytest.raises(FirstLaunch) as launched:
+            bench.main(args)
+        train_args, torchrun, env = launched.value.args
+        assert train_args.model_dir if figure == "plan_rss" else train_args.out.startswith(str(tmp_path))
+        if figure == "stability":
+            assert (torchrun.rdzv_backend, torchrun.rdzv_conf, torchrun.local_addr, torchrun.nproc_per_node) == (
+                "c10d", "store_type=file", "127.0.0.1", "2")
+            assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and train_args.seed == 0
+    else:
+        bench.main(args)
+        out = capsys.readouterr().out
+        assert re.search(BENCH_SAYS[figure], out), out
+    assert set(BENCH_SAYS) == set(bench.FIGURES)  # every figure bench.py has
+
+
 def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equal():
     vocab, seqs, length, chunk = 32000, 1, 1024, 32
     logits_bytes = seqs * (length - 1) * vocab * 4  # the naive path's (N, T-1, V) float32 logits: 131 MB
