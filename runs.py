@@ -499,17 +499,15 @@ def safe_load_planner():
     return SafeLoadPlanner()
 
 
-def resume_point(args, quiet, n_train):
-    """--resume: the newest intact checkpoint, its state checked (n_train: the prompts its
-    curriculum is for), its flags against these."""
+def resume_point(args, quiet):
+    """--resume: the newest intact checkpoint -> (its folder, its state); checks.check_resumed_state
+    checks that state's values."""
     if not args.resume:
         return None, {}
     ckpt, state = intact_checkpoint(args.out, quiet)
     if ckpt is None and not quiet:
         print(f"--resume: no intact checkpoint in {args.out}, starting from scratch")
     if ckpt:
-        from checks import check_resumed_state  # torch: not for fit.py's imports
-        check_resumed_state(state, os.path.join(ckpt, "state.pt"), step_of(ckpt), args, n_train)
         old = sorted(glob.glob(os.path.join(args.out, "curriculum-rank*.pt")))
         if old:
             sys.exit(f"error: --resume: {old[0]} is a curriculum of an older train.py, a "

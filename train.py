@@ -24,7 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from checks import check_code_rewards, check_optimizer_state, check_supported, context_error
+from checks import (check_code_rewards, check_optimizer_state, check_resumed_state, check_supported,
+                    context_error)
 import config
 import evals
 from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
@@ -37,7 +38,7 @@ from loss import LengthControl, make_batch, policy_loss, row_weights
 from metrics import (alarms, log_eval, log_step, micro_stats, new_record, print0, step_metrics,
                      step_stats)
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, read_jsonl,
-                  release_lock, resume_command, resume_point, save_checkpoint)
+                  release_lock, resume_command, resume_point, save_checkpoint, step_of)
 from toy import PRESETS, toy_model_dir, toy_task
 from trainer import ShardedTrainer, Trainer, collate, pack
 
@@ -280,7 +281,9 @@ def start(args):
     prepare_out_dir(args)
     log = metrics_log(args, rank0)  # checks --wandb/--tensorboard before ranks wait
     note_toy_model(args, args.data, "--data", "trains")
-    ckpt, state = resume_point(args, quiet=not rank0, n_train=len(train))
+    ckpt, state = resume_point(args, quiet=not rank0)
+    if ckpt:  # every value, and the flags against these, before any rank waits
+        check_resumed_state(state, os.path.join(ckpt, "state.pt"), step_of(ckpt), args, len(train))
     ctx = ranks.setup(args)
     if ctx is None and pick_device(args).type == "cpu":
         print(f"torch threads: {pick_threads()} of {os.cpu_count()} cores", flush=True)
