@@ -3,8 +3,8 @@ evals.py: the held-out evaluation, mean@k (arXiv 2510.13786: the pass rate over 
 held-out problem, the y-axis of its compute curves; its recipe, appendix A.3: 1,000 problems x 16).
 Start at `evaluate`: the sampler driven over `held_out_items`, each sample scored as in training (a
 truncated sample is wrong), the records summed up by `summarize_eval`. Under PipelineRL the
-generator ranks sample the same items, each its share (EvalShare, from pipeline.poll), and trainer 0 sums
-their records up (train.log_evals); the eval line is metrics.log_eval.
+generator ranks sample the same items, each its share (EvalShare, from pipeline.poll), and
+trainer 0 sums their records up (train.log_evals); the eval line is metrics.log_eval.
 
     python train.py --eval_only --model runs/toy/ckpt-000150 --eval_samples 16
     python train.py --eval_only --model Qwen/Qwen3-0.6B --val_data HuggingFaceH4/MATH-500

@@ -1,6 +1,7 @@
 """
 metrics.py: what a run reports: the step and eval lines, metrics.jsonl's fields, the loss's
-diagnostics (mismatch, drift by lag, forgetting) and the alarms that watch them. Start at step_metrics.
+diagnostics (mismatch, drift by lag, forgetting) and the alarms that watch them. Start at
+step_metrics.
 """
 import json
 import math

@@ -150,8 +150,8 @@ def open_folder(path, what="", make=False):
         return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         if os.path.islink(name):
-            sys.exit(f"error: {what}{path} is a symlink: a run or study writes into its own folders "
-                     "only, never through a link (give or make the folder itself)")
+            sys.exit(f"error: {what}{path} is a symlink: a run or study writes into its own "
+                     "folders only, never through a link (give or make the folder itself)")
         raise
 
 
@@ -169,8 +169,8 @@ def _parent(path):
             os.close(fd)
         return
     if not _same(held, folder):
-        sys.exit(f"error: {folder} was renamed or replaced while the run wrote into it (does someone "
-                 "else write there?): the run stops and writes nothing elsewhere; "
+        sys.exit(f"error: {folder} was renamed or replaced while the run wrote into it (does "
+                 "someone else write there?): the run stops and writes nothing elsewhere; "
                  "its files are in the folder it opened")
     yield held, name
 
