@@ -177,7 +177,7 @@ def ids_problem(cfg, vocab):
 def window_problem(cfg):
     """Sliding-window attention the sampler and trainer do not run (they attend to every earlier
     token), as transformers reads each model_type's config -> 'FIELD is ...', or None."""
-    kind, layers = cfg.get("model_type"), cfg.get("num_hidden_layers") or 1
+    kind, layers = cfg.get("model_type"), cfg.get("num_hidden_layers")
     if kind == "mistral":  # every layer, MistralConfig's default window 4096
         window, sliding = cfg.get("sliding_window", 4096), True
     elif kind in ("qwen2", "qwen3"):  # layers from max_window_layers on, unless layer_types says
@@ -185,10 +185,11 @@ def window_problem(cfg):
         types = cfg.get("layer_types")
         if types is None:
             above = cfg.get("max_window_layers", 28)
-            sliding = window is not None and (not whole(above) or above < layers)
-        elif not isinstance(types, list) or len(types) != layers:
-            return (f"layer_types has {len(types) if isinstance(types, list) else types!r} "
-                    f"entries, not num_hidden_layers {layers}")
+            sliding = window is not None and not (whole(above) and layers and above >= layers)
+        elif not isinstance(types, list):
+            return f"layer_types is {types!r}, not a list of each layer's attention"
+        elif layers and len(types) != layers:
+            return f"layer_types has {len(types)} entries, not num_hidden_layers {layers}"
         else:
             odd = [(i, t) for i, t in enumerate(types)
                    if t not in ("full_attention", "sliding_attention")]
@@ -363,10 +364,10 @@ def safetensors_elements(folder, name):
     return elements
 
 
-def check_weights(folder, config, dtype, device):
-    """The parameters config.json's sizes make, against the weight files (each .safetensors
-    header checked) and the device's memory, before any layer is built -> ValueError, one line."""
-    import plan  # plan imports generate, which imports this module
+def weight_elements(folder):
+    """The parameters a model folder's weight files hold, each .safetensors header checked ->
+    (count, unit): (elements, "") from safetensors, (bytes, " bytes") from torch pickles, whose
+    size alone is read (a parameter takes at least a byte); ValueError, one line."""
     index = model_json(folder, "model.safetensors.index.json", missing={})
     shards = index.get("weight_map") if index else (
         {"": "model.safetensors"} if os.path.lexists(os.path.join(folder, "model.safetensors"))
@@ -377,21 +378,8 @@ def check_weights(folder, config, dtype, device):
         raise ValueError("model.safetensors.index.json: its weight_map must name files in the "
                          "model folder")
     if files := sorted(set(shards.values())):
-        held, what = sum(safetensors_elements(folder, f) for f in files), ""
-    else:  # torch pickles: their size only, at least a byte a parameter
-        held = sum(os.path.getsize(f) for f in glob.glob(os.path.join(folder, "*.bin")))
-        what = " bytes"
-    shape = plan.plan_shape(config)
-    need = plan.plan_param_count(shape)
-    if need > held:
-        raise ValueError(f"config.json's sizes make {need:,} parameters ({shape['L']} layers of "
-                         f"{plan.plan_params(shape)[0]:,}, vocab_size {shape['V']} x hidden_size "
-                         f"{shape['d']}); the weight files hold {held:,}{what}: a config.json for "
-                         "another model, or weights missing?")
-    if need * dtype.itemsize > (room := plan.device_bytes(device)):
-        raise ValueError(f"its {need:,} parameters take {need * dtype.itemsize / 1e9:.2g} GB in "
-                         f"{str(dtype).removeprefix('torch.')}, more than the device's "
-                         f"{room / 1e9:.2g} GB")
+        return sum(safetensors_elements(folder, f) for f in files), ""
+    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(folder, "*.bin"))), " bytes"
 
 
 def check_code_rewards(args, problems):

@@ -3150,7 +3150,7 @@ def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shap
     assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
 
 
-@pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True)),
+@pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True, mlp_bias=True)),
                                                   ("qwen2", torch.bfloat16, {}),
                                                   ("qwen3", torch.bfloat16, dict(tie_word_embeddings=True))])
 def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, dtype, changes):
@@ -3382,6 +3382,10 @@ def test_a_config_claiming_20000_layers_is_refused_before_a_layer_is_built(toy_d
     assert said == (f"error: --model {folder}: config.json's sizes make 2,954,288,512 parameters (20000 layers of "
                     "147,712, vocab_size 378 x hidden_size 128); the weight files hold 343,936: a config.json for "
                     "another model, or weights missing?")
+    folder = edited_toy(toy_dir, tmp_path / "biased", config={"mlp_bias": True})  # biases it would make up
+    assert one_line_exit(lambda: load_toy(folder)).endswith("parameters (2 layers of 148,352, vocab_size 378 x "
+                                                            "hidden_size 128); the weight files hold 343,936: a "
+                                                            "config.json for another model, or weights missing?")
     monkeypatch.setattr(plan, "device_bytes", lambda device: 1e6)  # the toy's own weights: 1.4 MB in float32
     said = one_line_exit(lambda: load_toy(toy_dir))
     assert said == (f"error: --model {toy_dir}: its 343,936 parameters take 0.0014 GB in float32, more than the "

@@ -24,8 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from checks import (check_code_rewards, check_supported, check_weights, context_error, model_config,
-                    prompt_error)
+from checks import (check_code_rewards, check_supported, context_error, model_config, prompt_error,
+                    weight_elements)
 import config
 import evals
 from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
@@ -113,7 +113,8 @@ def load_model(model_dir, args, device):
     dtype = getattr(torch, args.dtype)
     try:
         cfg = model_config(model_dir)
-        check_weights(model_dir, cfg, dtype, device)
+        if (why := plan.weights_problem(cfg, *weight_elements(model_dir), dtype, device)):
+            raise ValueError(why)
         weights = sum(os.path.getsize(f) for f in
                       glob.glob(os.path.join(model_dir, "*.safetensors")) +
                       glob.glob(os.path.join(model_dir, "*.bin")))
