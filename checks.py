@@ -4,21 +4,27 @@ range, the clipping bounds, the model folder, the budgets against the model's co
 sandbox, the "did you mean" of a mistyped flag, what the sampler can run (config_problem on a
 config.json, check_supported on a loaded model), and the state --resume reads back
 (check_resumed_state, check_optimizer_state, check_resumed_curriculum). config.get_args calls
-check_model_dir and check_args; each failure is one line.
+check_model_dir and check_args; train.load_model calls model_config and weight_elements before a
+layer is built, and prompt_error measures the prompts before they are tokenized; each failure is one
+line.
 """
 import difflib
 import glob
 import itertools
+import json
 import math
 import os
 import re
 import sys
 
 import torch
+from transformers import CONFIG_MAPPING, GenerationConfig
+from transformers.activations import ACT2FN
 
-from hub import resolve_model
+from data import format_prompt
+from hub import one_line, resolve_model
 from loss import clip_eps
-from runs import check_model_files, check_resume, read_json
+from runs import check_model_files, check_resume, open_regular, read_json
 from sandbox import bwrap_ready, not_ready_reason
 
 # what each numeric flag may be, besides finite (a negative --temperature once trained to 0.000)
@@ -52,23 +58,67 @@ def check_args(args, error):
     if args.resume and args.overwrite:
         error("--resume continues the run in --out and --overwrite deletes it: give one of them")
     if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        context = read_json(os.path.join(args.model_dir, "config.json")).get(
-            "max_position_embeddings")
+        try:
+            context = model_json(args.model_dir, "config.json").get("max_position_embeddings")
+        except ValueError:  # check_model_dir said why
+            context = None
         if (why := context_error(args, context)):
             error(why)
 
 
-def context_error(args, context, prompt_len=0, phrase_len=0):
+def context_error(args, context, prompt_len=0, phrase_len=0, prompt=None):
     """The longest prompt, the budgets and the interruption phrase against the model's context
-    -> a one-line error, or None (prompt_len 0: not tokenized yet)."""
+    -> a one-line error, or None (prompt_len 0: not tokenized yet; prompt: what names the prompt,
+    in place of "the longest prompt (N tokens)")."""
     need = prompt_len + args.think_budget + args.answer_budget + phrase_len
     if context is None or need <= context:
         return None
-    prompt = f"the longest prompt ({prompt_len} tokens) + " if prompt_len else ""
+    named = (f"{prompt or f'the longest prompt ({prompt_len} tokens)'} + " if prompt_len else "")
     phrase = f" + the interruption phrase ({phrase_len})" if phrase_len else ""
-    return (f"{prompt}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
+    return (f"{named}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
             f"{phrase} = {need} tokens: more than the model's context (max_position_embeddings "
-            f"{context}); lower the budgets")
+            f"{context}); " + ("shorten or drop that prompt, or lower the budgets" if prompt
+                               else "lower the budgets"))
+
+
+# pre-tokenizers that keep every character of the text (some drop whitespace or a delimiter)
+KEEPING = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts")
+
+
+def token_floor(tokenizer):
+    """-> text -> the fewest tokens the tokenizer can make of it, known without tokenizing it: a
+    token stands for at most as many characters as the longest in the vocabulary, once normalized
+    as the tokenizer does; None where no such floor holds (a pre-tokenizer that drops characters, an
+    unknown-token that swallows a run of them)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or (model.unk_token and model.fuse_unk
+                                         and not model.byte_fallback):
+        return None
+
+    def keeps(pre):
+        if pre.get("type") == "Sequence":
+            return all(map(keeps, pre["pretokenizers"]))
+        return pre.get("type") in KEEPING and pre.get("behavior") not in ("Removed", "removed")
+
+    if backend.pre_tokenizer and not keeps(json.loads(backend.pre_tokenizer.__getstate__())):
+        return None
+    longest, norm = max(map(len, tokenizer.get_vocab())), backend.normalizer
+    return lambda text: -(-len(norm.normalize_str(text) if norm else text) // longest)
+
+
+def prompt_error(args, tokenizer, problems, context, phrase_len):
+    """A prompt that cannot fit the model's context, known from its characters in the chat
+    template before any is tokenized -> one line naming where it was read, or None."""
+    floor = token_floor(tokenizer) if context else None
+    for p in problems if floor else ():
+        text = format_prompt(tokenizer, p["prompt"], p.get("domain"))
+        least, where = floor(text), getattr(p, "where", None)
+        named = (f"the prompt {f'at {where}' if where else repr(p['prompt'][:40])} "
+                 f"({len(text):,} characters with its template: at least {least} tokens)")
+        if (why := context_error(args, context, least, phrase_len, named)):
+            return why
+    return None
 
 
 def check_clip_bounds(args, error):
@@ -87,9 +137,76 @@ ROPE = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_fa
         "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "partial_rotary_factor")
 
 
+def model_json(folder, name, missing=None):
+    """A model folder's JSON file, through the one reader (runs.read_json, capped) -> its object
+    (`missing` if there is none); ValueError 'NAME: why', one line."""
+    path = os.path.join(folder, name)
+    if missing is not None and not os.path.lexists(path):
+        return missing
+    try:
+        obj = read_json(path)
+    except OSError as err:
+        raise ValueError(f"{name}: {err.strerror or err}") from None
+    except ValueError as err:  # UnicodeDecodeError too
+        why = "nested too deeply" if str(err) == "nested too deeply" else one_line(err)
+        raise ValueError(f"{name}: not JSON a model folder holds ({why})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{name}: a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def whole(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def ids_problem(cfg, vocab):
+    """Token ids (a config's, a generation_config's) outside the vocabulary -> 'FIELD is ...'."""
+    for k in ("bos_token_id", "eos_token_id"):
+        ids = cfg.get(k) if isinstance(cfg.get(k), list) else [cfg.get(k)]
+        if any(i is not None and not (whole(i) and 0 <= i < vocab) for i in ids):
+            return f"{k} is {cfg.get(k)!r}, not an id below vocab_size {vocab}"
+    return None
+
+
+def window_problem(cfg):
+    """Sliding-window attention the sampler and trainer do not run (they attend to every earlier
+    token), as transformers reads each model_type's config -> 'FIELD is ...', or None."""
+    kind, layers = cfg.get("model_type"), cfg.get("num_hidden_layers")
+    if kind == "mistral":  # every layer, MistralConfig's default window 4096
+        window, sliding = cfg.get("sliding_window", 4096), True
+    elif kind in ("qwen2", "qwen3"):  # layers from max_window_layers on, unless layer_types says
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        types = cfg.get("layer_types")
+        if types is None:
+            above = cfg.get("max_window_layers", 28)
+            sliding = window is not None and not (whole(above) and layers and above >= layers)
+        elif not isinstance(types, list):
+            return f"layer_types is {types!r}, not a list of each layer's attention"
+        elif layers and len(types) != layers:
+            return f"layer_types has {len(types)} entries, not num_hidden_layers {layers}"
+        else:
+            odd = [(i, t) for i, t in enumerate(types)
+                   if t not in ("full_attention", "sliding_attention")]
+            if odd:
+                return (f"layer_types[{odd[0][0]}] is {odd[0][1]!r}: the sampler and trainer run "
+                        "full_attention (and sliding_attention within its window) only")
+            sliding = "sliding_attention" in types
+    else:
+        return None
+    context = cfg.get("max_position_embeddings")
+    if not sliding or (window is None and kind == "mistral"):
+        return None
+    if not (whole(window) and window >= 1):
+        return f"sliding_window is {window!r}, not a whole number >= 1"
+    if context is None or window < context:
+        return (f"sliding_window {window} is below max_position_embeddings {context}: the sampler "
+                "and trainer attend to every earlier token (full attention); set "
+                f"max_position_embeddings to at most {window} to run it")
+    return None
+
+
 def config_problem(cfg):
     """What in a config.json dict the sampler cannot run -> 'FIELD is ...', or None."""
-    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     for k in SIZES:
         if cfg.get(k) is not None and not (whole(cfg[k]) and cfg[k] >= 1):
             return f"{k} is {cfg[k]!r}, not a whole number >= 1"
@@ -105,12 +222,50 @@ def config_problem(cfg):
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and 0 < v < float("inf")):
                 return f"{prefix}{k} is {v!r}, not a finite number > 0"
-    for k in ("bos_token_id", "eos_token_id"):
-        ids = cfg.get(k) if isinstance(cfg.get(k), list) else [cfg.get(k)]
-        vocab = cfg.get("vocab_size") or float("inf")
-        if any(i is not None and not (whole(i) and 0 <= i < vocab) for i in ids):
-            return f"{k} is {cfg.get(k)!r}, not an id below vocab_size {vocab}"
-    return None
+    if not isinstance(act := cfg.get("hidden_act", "silu"), str) or act not in ACT2FN:
+        return (f"hidden_act is {act!r}, not an activation transformers has "
+                f"({', '.join(sorted(ACT2FN))})")
+    for k in ("dtype", "torch_dtype"):
+        if cfg.get(k) not in (None, "auto") and not (
+                isinstance(cfg[k], str) and isinstance(getattr(torch, cfg[k], None), torch.dtype)):
+            return f"{k} is {cfg[k]!r}, not a torch dtype (bfloat16, float16, float32)"
+    return ids_problem(cfg, cfg.get("vocab_size") or float("inf")) or window_problem(cfg)
+
+
+def generation_problem(gen, vocab):
+    """What in a generation_config.json dict transformers refuses or the sampler cannot use ->
+    'FIELD is ...', or None."""
+    def refusal(fields):
+        try:
+            GenerationConfig.from_dict(fields)
+        except Exception as err:  # its checks raise TypeError, ValueError, ...
+            return one_line(err)
+        return None
+
+    if (problem := ids_problem(gen, vocab)) or not (why := refusal(gen)):
+        return problem
+    field = next((k for k in gen if refusal({k: gen[k]})), None)
+    return f"{field} is {gen[field]!r}: {why}" if field else why
+
+
+def model_config(folder):
+    """config.json and generation_config.json, checked as transformers will read them -> the
+    config the model is built from; ValueError 'FILE: FIELD is ...', one line."""
+    cfg = model_json(folder, "config.json")
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"model_type {model_type!r} is not supported by the sampler "
+                         f"({', '.join(SUPPORTED)})")
+    if problem := config_problem(cfg):
+        raise ValueError(f"config.json: {problem}")
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(cfg)
+    except Exception as err:  # transformers' own checks of each field: several kinds of error
+        raise ValueError(f"config.json: {one_line(err)}") from None
+    gen = model_json(folder, "generation_config.json", missing={})
+    if problem := generation_problem(gen, config.vocab_size):
+        raise ValueError(f"generation_config.json: {problem}")
+    return config
 
 
 def check_supported(model):
@@ -122,10 +277,6 @@ def check_supported(model):
     problem = config_problem(cfg.to_dict())
     if problem:
         raise ValueError(f"config.json: {problem}")
-    if (getattr(cfg, "use_sliding_window", False)
-            or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])):
-        raise ValueError("sliding-window attention is not supported by the sampler "
-                         "(full attention only)")
     rope = model.model.rotary_emb.rope_type
     if "dynamic" in rope or rope == "longrope":  # length-dependent frequencies
         raise ValueError(f"rope_type '{rope}' is not supported by the sampler "
@@ -155,16 +306,79 @@ def check_model_dir(path, error):
             glob.glob(os.path.join(folder, "*.bin"))):
         error(f"--model {name}: no weights (*.safetensors or *.bin) in the folder")
     try:
-        config = read_json(os.path.join(folder, "config.json"))
-    except (OSError, ValueError) as err:
-        config = {"model_type": f"unreadable ({type(err).__name__}: {err})"}
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in SUPPORTED:
-        error(f"--model {name}: model_type {model_type!r} is not supported by the sampler "
-              f"({', '.join(SUPPORTED)})")
-    elif problem := config_problem(config):
-        error(f"--model {name}: config.json: {problem}")
+        model_config(folder)
+    except ValueError as err:
+        error(f"--model {name}: {err}")
     return folder
+
+
+SAFETENSORS_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def safetensors_elements(folder, name):
+    """A .safetensors file's tensor elements, its header read and checked against the file's
+    size (an interrupted copy) -> int; ValueError 'NAME: why', one line."""
+    again = "; copy it again"
+    try:
+        with open_regular(os.path.join(folder, name)) as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            raw = f.read(n) if 8 + n <= size and n <= SAFETENSORS_HEADER_BYTES else None
+    except OSError as err:
+        raise ValueError(f"{name}: {err.strerror or err}") from None
+    if raw is None:
+        raise ValueError(f"{name}: its header is cut short ({size} bytes in all): an interrupted "
+                         f"download?{again}")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError too
+        raise ValueError(f"{name}: its header is not a safetensors header{again}") from None
+    spans, elements = [], 0
+    for key, t in header.items() if isinstance(header, dict) else [("", None)]:
+        if key == "__metadata__":
+            continue
+        shape, span = (t.get("shape"), t.get("data_offsets")) if isinstance(t, dict) else (0, 0)
+        if isinstance(t, dict) and t.get("dtype") not in DTYPE_BYTES:
+            raise ValueError(f"{name}: tensor {key[:80]!r} is {str(t.get('dtype'))[:20]!r}, a "
+                             f"dtype the sampler does not load ({', '.join(DTYPE_BYTES)})")
+        if not (isinstance(shape, list) and all(whole(d) and d >= 0 for d in shape)
+                and isinstance(span, list) and len(span) == 2 and all(map(whole, span))
+                and span[1] - span[0] == math.prod(shape) * DTYPE_BYTES[t["dtype"]]):
+            raise ValueError(f"{name}: tensor {key[:80]!r} in its header has no valid shape and "
+                             f"offsets{again}")
+        spans.append(span)
+        elements += math.prod(shape)
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise ValueError(f"{name}: its tensors overlap or leave gaps{again}")
+        end = stop
+    if end != size - 8 - n:
+        raise ValueError(f"{name}: holds {size - 8 - n:,} bytes of tensor data where its header "
+                         f"lists {end:,}: " + ("cut short (an interrupted download?)"
+                                               if end > size - 8 - n else "bytes past its tensors")
+                         + again)
+    return elements
+
+
+def weight_elements(folder):
+    """The parameters a model folder's weight files hold, each .safetensors header checked ->
+    (count, unit): (elements, "") from safetensors, (bytes, " bytes") from torch pickles, whose
+    size alone is read (a parameter takes at least a byte); ValueError, one line."""
+    index = model_json(folder, "model.safetensors.index.json", missing={})
+    shards = index.get("weight_map") if index else (
+        {"": "model.safetensors"} if os.path.lexists(os.path.join(folder, "model.safetensors"))
+        else {})
+    if not isinstance(shards, dict) or not all(
+            isinstance(f, str) and os.path.basename(f) == f and f not in ("", ".", "..")
+            for f in shards.values()):
+        raise ValueError("model.safetensors.index.json: its weight_map must name files in the "
+                         "model folder")
+    if files := sorted(set(shards.values())):
+        return sum(safetensors_elements(folder, f) for f in files), ""
+    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(folder, "*.bin"))), " bytes"
 
 
 def check_code_rewards(args, problems):

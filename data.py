@@ -86,6 +86,11 @@ def _tests_of(rec, where):
     return tests
 
 
+class Problem(dict):
+    """A problem's fields, and where it was read (FILE:LINE) for a message that names it."""
+    where = None
+
+
 def _problem_of(rec, where, key):
     domain = rec.get("domain", "code" if "tests" in rec else "math")
     if domain not in ("math", "code"):
@@ -93,8 +98,11 @@ def _problem_of(rec, where, key):
     if domain == "code":
         if "tests" not in rec:
             raise ValueError(f"{where}: missing field 'tests' (a code problem)")
-        return {"prompt": rec[key], "tests": _tests_of(rec, where), "domain": "code"}
-    return {"prompt": rec[key], "answer": _answer_of(rec, where), "domain": "math"}
+        problem = Problem(prompt=rec[key], tests=_tests_of(rec, where), domain="code")
+    else:
+        problem = Problem(prompt=rec[key], answer=_answer_of(rec, where), domain="math")
+    problem.where = where
+    return problem
 
 
 def load_problems(path):

@@ -63,7 +63,7 @@ def plan_shape(config):
                 D=generate.head_dim_of(config), I=config.intermediate_size, V=config.vocab_size,
                 tied=bool(get("tie_word_embeddings")), qk_norm=config.model_type == "qwen3",
                 qkv_bias=config.model_type == "qwen2" or bool(get("attention_bias")),
-                o_bias=bool(get("attention_bias")))
+                o_bias=bool(get("attention_bias")), mlp_bias=bool(get("mlp_bias")))
 
 
 def plan_params(s):
@@ -71,13 +71,30 @@ def plan_params(s):
     d, H, K, D = s["d"], s["H"], s["K"], s["D"]
     attn = (d * D * (2 * H + 2 * K) + s["qkv_bias"] * D * (H + 2 * K) + s["o_bias"] * d
             + s["qk_norm"] * 2 * D)
-    return attn + 3 * d * s["I"] + 2 * d, s["V"] * d, (not s["tied"]) * s["V"] * d, d
+    mlp = 3 * d * s["I"] + s["mlp_bias"] * (2 * s["I"] + d)
+    return attn + mlp + 2 * d, s["V"] * d, (not s["tied"]) * s["V"] * d, d
 
 
 def plan_param_count(s):
     """Every parameter of the model."""
     layer, embed, head, norm = plan_params(s)
     return s["L"] * layer + embed + head + norm
+
+
+def weights_problem(config, held, unit, dtype, device):
+    """The parameters config's sizes make, against those its weight files hold (held, in unit:
+    checks.weight_elements) and the device's memory, before any layer is built -> one line, or
+    None."""
+    s = plan_shape(config)
+    need = plan_param_count(s)
+    if need > held:
+        return (f"config.json's sizes make {need:,} parameters ({s['L']} layers of "
+                f"{plan_params(s)[0]:,}, vocab_size {s['V']} x hidden_size {s['d']}); the weight "
+                f"files hold {held:,}{unit}: a config.json for another model, or weights missing?")
+    if need * dtype.itemsize > (room := device_bytes(device)):
+        return (f"its {need:,} parameters take {need * dtype.itemsize / 1e9:.2g} GB in "
+                f"{str(dtype).removeprefix('torch.')}, more than the device's {room / 1e9:.2g} GB")
+    return None
 
 
 def plan_activations(s, size):

@@ -992,10 +992,11 @@ def _remove_tree(folder):
 # a chat template is code too (jinja2): data.chat_frame renders it here, in a child killed at the limit
 
 TEMPLATE_SECONDS = 10.0
+TEMPLATE_CHARS = 1 << 16  # what a template may add around a prompt; every prompt carries it
 
 
 def render_chat_template(tokenizer, content):
-    """A template is code: it runs in a child killed at the limit."""
+    """A template is code: it runs in a child killed at the limit, its text capped in length."""
     seconds = TEMPLATE_SECONDS
     read, write = os.pipe()
     pid = os.fork()
@@ -1004,8 +1005,14 @@ def render_chat_template(tokenizer, content):
             os.close(read)
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-            said = ({"text": text} if isinstance(text, str) else
-                    {"error": f"it renders a {type(text).__name__}, not text"})
+            if not isinstance(text, str):
+                said = {"error": f"it renders a {type(text).__name__}, not text"}
+            elif len(text) - len(content) > TEMPLATE_CHARS:
+                said = {"too long": f"its chat template renders {len(text) - len(content):,} "
+                                    f"characters around one prompt, over the {TEMPLATE_CHARS:,} "
+                                    "a template may add"}
+            else:
+                said = {"text": text}
         except BaseException as err:  # a PanicException too
             said = {"error": f"{type(err).__name__}: {one_line(err)}"}
         with contextlib.suppress(BaseException):
@@ -1033,4 +1040,4 @@ def render_chat_template(tokenizer, content):
         said = {"error": "its renderer died"}
     if "text" in said:
         return said["text"]
-    raise ValueError(f"its chat template fails: {said['error']}")
+    raise ValueError(said.get("too long") or f"its chat template fails: {said['error']}")

@@ -2330,6 +2330,45 @@ def test_a_chat_templates_error_message_reaches_the_terminal_with_its_control_ch
     assert hub.one_line(ValueError("a\x1b[2J\tb\r\n\x00c 问题")) == "a\\x1b[2J b \\x00c 问题"
 
 
+def test_a_chat_template_adding_a_megabyte_around_each_prompt_stops_with_one_line(toy_dir, tmp_path):
+    """A template that adds 1 MB around each message rendered in time, and every prompt carried it (3 GB in 16 s, no
+    line): the rendered text is capped (sandbox.TEMPLATE_CHARS), one line at load."""
+    tok = AutoTokenizer.from_pretrained(toy_dir)
+    tok.chat_template = "{{ 'x' * 1000000 }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^its chat template renders 1,000,0\d\d characters around one prompt, over "
+                                         r"the 65,536 a template may add$"):
+        sandbox.render_chat_template(tok, "What is 2+2?")
+    folder = tmp_path / "model"
+    shutil.copytree(toy_dir, folder)
+    tok.save_pretrained(folder)
+    said = one_line_exit(lambda: load_toy(str(folder)))
+    assert said.startswith(f"error: --model {folder}: its chat template renders 1,000,0")
+    assert time.monotonic() - start < 5
+
+
+def test_a_prompt_longer_than_the_context_is_refused_by_file_and_line_before_tokenizing(toy_dir, tmp_path):
+    """A dataset with 8 MB prompts was tokenized whole before the context check (4 GB in 33 s): each prompt, in its
+    chat template, is measured in characters first (a token stands for at most as many characters as the longest
+    token in the vocabulary), and one too long stops the run with one line naming its file and line."""
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "What is 2+2? " + "x" * 8_000_000, "answer": "4"},
+            {"prompt": "What is 3+3?", "answer": "6"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    said = one_line_exit(lambda: train.eval_only(config.get_args(["--eval_only", "--model", toy_dir,
+                                                                  "--val_data", str(path)])))
+    assert re.fullmatch(rf"error: the prompt at {re.escape(str(path))}:2 \(8,000,\d+ characters with its template: "
+                        r"at least \d+ tokens\) \+ --think_budget \d+ \+ --answer_budget \d+ \+ the interruption "
+                        r"phrase \(\d+\) = \d+ tokens: more than the model's context \(max_position_embeddings 512\); "
+                        r"shorten or drop that prompt, or lower the budgets", said), said
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + [{"prompt": "2 " * 450, "answer": "4"}]))
+    said = one_line_exit(lambda: train.start(config.get_args(["--model", toy_dir, "--data", str(path), "--val_size",
+                                                              "1", "--out", str(tmp_path / "run")])))
+    runs.release_lock()
+    assert re.fullmatch(rf"error: the longest prompt \({re.escape(str(path))}:2, \d+ tokens\) \+ --think_budget .*; "
+                        r"shorten or drop that prompt, or lower the budgets", said), said
+
+
 def test_split_is_seeded_and_disjoint():
     probs = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     tr, va = data.split_problems(probs, 20, seed=3)
@@ -3134,7 +3173,7 @@ def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shap
     assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
 
 
-@pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True)),
+@pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True, mlp_bias=True)),
                                                   ("qwen2", torch.bfloat16, {}),
                                                   ("qwen3", torch.bfloat16, dict(tie_word_embeddings=True))])
 def test_memory_plan_per_token_figures_equal_measurements_on_a_tiny_model(kind, dtype, changes):
@@ -3332,6 +3371,146 @@ def test_generate_a_config_with_nonsense_rope_sizes_or_ids_is_one_line_at_load(t
     monkeypatch.setattr(train.AutoTokenizer, "from_pretrained", panic)
     with pytest.raises(SystemExit, match=r"^error: --model .*: its tokenizer fails: called `Option::unwrap\(\)`"):
         train.load_model(str(toy_dir), config.get_args([]), torch.device("cpu"))
+
+
+def edited_toy(toy_dir, folder, config=None, generation=None):
+    """A copy of the toy model folder with fields of config.json / generation_config.json replaced."""
+    shutil.copytree(toy_dir, folder)
+    for name, edits in (("config.json", config), ("generation_config.json", generation)):
+        path = Path(folder) / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), **(edits or {})}))
+    return str(folder)
+
+
+def one_line_exit(call, seconds=5):
+    """call() -> the one line it exits with, within a few seconds."""
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        call()
+    said = str(exit_.value.code)
+    assert time.monotonic() - start < seconds and "\n" not in said, said
+    return said
+
+
+def load_toy(folder):
+    return train.load_model(folder, config.get_args([]), torch.device("cpu"))
+
+
+def test_a_config_claiming_20000_layers_is_refused_before_a_layer_is_built(toy_dir, tmp_path, monkeypatch):
+    """A 1.4 MB folder whose config.json claims 20,000 layers built them for minutes with no line (the loading line
+    looked only at the weight files' size): the parameters its sizes make are counted before any layer is built,
+    against the weight files and the device's memory."""
+    folder = edited_toy(toy_dir, tmp_path / "deep", config={"num_hidden_layers": 20000})
+    said = one_line_exit(lambda: load_toy(folder))
+    assert said == (f"error: --model {folder}: config.json's sizes make 2,954,288,512 parameters (20000 layers of "
+                    "147,712, vocab_size 378 x hidden_size 128); the weight files hold 343,936: a config.json for "
+                    "another model, or weights missing?")
+    folder = edited_toy(toy_dir, tmp_path / "biased", config={"mlp_bias": True})  # biases it would make up
+    assert one_line_exit(lambda: load_toy(folder)).endswith("parameters (2 layers of 148,352, vocab_size 378 x "
+                                                            "hidden_size 128); the weight files hold 343,936: a "
+                                                            "config.json for another model, or weights missing?")
+    monkeypatch.setattr(plan, "device_bytes", lambda device: 1e6)  # the toy's own weights: 1.4 MB in float32
+    said = one_line_exit(lambda: load_toy(toy_dir))
+    assert said == (f"error: --model {toy_dir}: its 343,936 parameters take 0.0014 GB in float32, more than the "
+                    "device's 0.001 GB")
+
+
+def test_half_a_safetensors_file_is_one_line_before_loading(toy_dir, tmp_path):
+    """Half a model.safetensors (an interrupted copy) ended in a SafetensorError traceback: its header is read and its
+    tensors' offsets checked against the file's size before loading, one line naming the file."""
+    for cut, why in [(0.5, "holds 686,820 bytes of tensor data where its header lists 1,375,744: cut short (an "
+                           "interrupted download?); copy it again"),
+                     (100, "its header is cut short (100 bytes in all): an interrupted download?; copy it again")]:
+        folder = edited_toy(toy_dir, tmp_path / f"cut{cut}")
+        weights = Path(folder) / "model.safetensors"
+        whole = weights.read_bytes()
+        weights.write_bytes(whole[:int(len(whole) * cut) if cut < 1 else cut])
+        assert one_line_exit(lambda: load_toy(folder)) == f"error: --model {folder}: model.safetensors: {why}"
+
+
+def test_a_sliding_window_the_sampler_does_not_run_is_refused_before_loading(toy_dir, tmp_path):
+    """Mistral with sliding_window 8 was accepted while the sampler and trainer attend to every earlier token (17.1
+    nats off the model's own forward): a window shorter than the context, for any supported model_type and however
+    the config asks for it, is one line at --model's check and at load; a window that covers the context is full
+    attention, and runs."""
+    refused = [({"model_type": "mistral", "sliding_window": 8}, "sliding_window 8 is below max_position_embeddings "
+                "512: the sampler and trainer attend to every earlier token (full attention); set "
+                "max_position_embeddings to at most 8 to run it"),
+               ({"model_type": "mistral", "max_position_embeddings": 8192}, "sliding_window 4096 is below "
+                "max_position_embeddings 8192"),  # MistralConfig's default window
+               ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+                "sliding_window 8 is below max_position_embeddings 512"),
+               ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8,
+                 "layer_types": ["full_attention", "sliding_attention"]}, "sliding_window 8 is below"),
+               ({"model_type": "qwen2", "layer_types": ["full_attention", "chunked_attention"]},
+                "layer_types[1] is 'chunked_attention': the sampler and trainer run full_attention"),
+               ({"model_type": "qwen2", "layer_types": ["full_attention"]},
+                "layer_types has 1 entries, not num_hidden_layers 2")]
+    for k, (edits, why) in enumerate(refused):
+        folder, errors = edited_toy(toy_dir, tmp_path / f"window{k}", config=edits), []
+        checks.check_model_dir(folder, errors.append)
+        assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {why}"), errors
+    assert one_line_exit(lambda: load_toy(str(tmp_path / "window0"))).startswith(
+        f"error: --model {tmp_path / 'window0'}: config.json: sliding_window 8 is below")
+    for k, edits in enumerate([{"model_type": "mistral", "sliding_window": 512},
+                               {"model_type": "mistral", "sliding_window": None},
+                               {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 8},
+                               {"model_type": "llama", "sliding_window": 8}]):  # Llama has no window
+        folder, errors = edited_toy(toy_dir, tmp_path / f"full{k}", config=edits), []
+        checks.check_model_dir(folder, errors.append)
+        assert errors == [], edits
+    _, model = load_toy(str(tmp_path / "full0"))
+    assert model.config.model_type == "mistral" and model.config.sliding_window == 512
+
+
+def test_a_config_nested_100000_lists_deep_is_one_line(toy_dir, tmp_path, capsys):
+    """config.json nested 100,000 lists deep ended in a RecursionError traceback: one line naming the file, at
+    --model's check and at load."""
+    for name in ("config.json", "generation_config.json"):
+        folder = edited_toy(toy_dir, tmp_path / name)
+        text = json.loads((Path(folder) / name).read_text())
+        (Path(folder) / name).write_text(json.dumps(text)[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}")
+        errors = []
+        checks.check_model_dir(folder, errors.append)
+        assert errors == [f"--model {folder}: {name}: not JSON a model folder holds (nested too deeply)"]
+        with pytest.raises(SystemExit):
+            config.get_args(["--model", folder])
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"train.py: error: --model {folder}: {name}: not JSON a model folder holds (nested too deeply) "
+            "(--help lists the flags)")
+        assert one_line_exit(lambda: load_toy(folder)) == \
+            f"error: --model {folder}: {name}: not JSON a model folder holds (nested too deeply)"
+
+
+def test_an_eos_token_id_that_is_no_id_in_generation_config_is_one_line(toy_dir, tmp_path):
+    """eos_token_id "abc" in generation_config.json loaded and ended in a TypeError at the sampler's first step: every
+    token id there is checked against the vocabulary, and anything transformers refuses in it is one line."""
+    for k, (edits, why) in enumerate([({"eos_token_id": "abc"}, "eos_token_id is 'abc', not an id below vocab_size "
+                                                                 "378"),
+                                      ({"eos_token_id": [0, 1e300]}, "eos_token_id is [0, 1e+300], not an id"),
+                                      ({"pad_token_id": "abc"}, "pad_token_id is 'abc': '<' not supported"),
+                                      ({"max_new_tokens": "abc"}, "")]):
+        folder, errors = edited_toy(toy_dir, tmp_path / f"gen{k}", generation=edits), []
+        checks.check_model_dir(folder, errors.append)
+        assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: generation_config.json: {why}"), errors
+        assert one_line_exit(lambda: load_toy(folder)) == f"error: {errors[0]}"
+
+
+def test_an_unknown_hidden_act_or_a_field_of_the_wrong_type_is_one_line(toy_dir, tmp_path):
+    """hidden_act "nope" loaded until building the MLP raised a KeyError, and transformers' own checks of a field's
+    type (rms_norm_eps "abc", a head count past any size) raised multi-line tracebacks: one line naming config.json
+    and the field, at --model's check and at load."""
+    for k, (edits, why) in enumerate([({"hidden_act": "nope"}, "hidden_act is 'nope', not an activation transformers "
+                                                                "has (gelu, "),
+                                      ({"rms_norm_eps": "abc"}, "Validation error for field 'rms_norm_eps': TypeError"),
+                                      ({"tie_word_embeddings": "abc"}, "Validation error for field 'tie_word_emb"),
+                                      ({"dtype": "abc"}, "dtype is 'abc', not a torch dtype"),
+                                      ({"num_attention_heads": 2 ** 70}, "Class validation error")]):
+        folder, errors = edited_toy(toy_dir, tmp_path / f"cfg{k}", config=edits), []
+        checks.check_model_dir(folder, errors.append)
+        assert len(errors) == 1 and errors[0].startswith(f"--model {folder}: config.json: {why}"), errors
+        assert "\n" not in errors[0]
+        assert one_line_exit(lambda: load_toy(folder)) == f"error: {errors[0]}"
 
 
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16)])

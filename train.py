@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from checks import (check_code_rewards, check_optimizer_state, check_resumed_state, check_supported,
-                    context_error)
+                    context_error, model_config, prompt_error, weight_elements)
 import config
 import evals
 from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
@@ -108,18 +108,24 @@ def pick_device(args, ctx=None):
 
 
 def load_model(model_dir, args, device):
-    """-> (tokenizer, model in --dtype on device); no folder's code runs."""
-    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")) +
-                  glob.glob(os.path.join(model_dir, "*.bin")))
-    if weights > 1e8:
-        print0(f"loading {model_dir} ({weights / 1e9:.1f} GB of weights) onto {device} ...",
-               flush=True)
+    """-> (tokenizer, model in --dtype on device), its config and weight files checked before any
+    layer is built; no folder's code runs."""
+    dtype = getattr(torch, args.dtype)
     try:
+        cfg = model_config(model_dir)
+        if (why := plan.weights_problem(cfg, *weight_elements(model_dir), dtype, device)):
+            raise ValueError(why)
+        weights = sum(os.path.getsize(f) for f in
+                      glob.glob(os.path.join(model_dir, "*.safetensors")) +
+                      glob.glob(os.path.join(model_dir, "*.bin")))
+        if weights > 1e8:
+            print0(f"loading {model_dir} ({weights / 1e9:.1f} GB of weights) onto {device} ...",
+                   flush=True)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         for domain in ("math", "code"):
             format_prompt(tokenizer, "", domain)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, args.dtype), trust_remote_code=False).to(device)
+            model_dir, config=cfg, dtype=dtype, trust_remote_code=False).to(device)
         check_supported(model)
     except ValueError as err:
         sys.exit(f"error: --model {model_dir}: {' '.join(str(err).split())[:400]}")
@@ -134,6 +140,15 @@ def load_model(model_dir, args, device):
 def tokenize_prompts(tokenizer, problems):
     return prompts_ids(tokenizer, [p["prompt"] for p in problems],
                        [p.get("domain") for p in problems])
+
+
+def measure_prompts(args, tokenizer, model, problems):
+    """Each prompt measured against the model's context from its characters, before any is
+    tokenized: one too long exits with one line naming where it was read."""
+    if (why := prompt_error(args, tokenizer, problems,
+                            getattr(model.config, "max_position_embeddings", None),
+                            len(special_tokens(tokenizer)["interrupt_ids"]))):
+        sys.exit(f"error: {why}")
 
 
 def evaluate(model, tokenizer, val_ids, val, args, most=None):
@@ -153,6 +168,7 @@ def eval_only(args):
     note_toy_model(args, args.val_data, "--val_data", "evaluates")
     model_dir = args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
+    measure_prompts(args, tokenizer, model, val)
     val_ids = tokenize_prompts(tokenizer, val)
     plan.print_memory_plan(model.config, args, None, next(model.parameters()).device,
                                max(map(len, val_ids)),
@@ -292,10 +308,13 @@ def start(args):
     tokenizer, model = load_model(model_dir, args, pick_device(args, ctx))
     if ckpt:  # every rank, before they meet
         check_optimizer_state(state, os.path.join(ckpt, "state.pt"), model)
+    measure_prompts(args, tokenizer, model, train + val)
     train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
     phrase_len = len(special_tokens(tokenizer)["interrupt_ids"])
-    if (why := context_error(args, getattr(model.config, "max_position_embeddings", None),
-                             max(map(len, train_ids + val_ids)), phrase_len)):
+    n, where = max(((len(i), getattr(p, "where", None))
+                    for p, i in zip(train + val, train_ids + val_ids)), key=lambda x: x[0])
+    if (why := context_error(args, getattr(model.config, "max_position_embeddings", None), n,
+                             phrase_len, where and f"the longest prompt ({where}, {n} tokens)")):
         sys.exit(f"error: {why}")
     if ctx:  # a packed rollout row's tokens per sample
         ranks.meet(ctx, state.get("step", 0),
