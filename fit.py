@@ -318,7 +318,7 @@ def number(rec, key):
 def train_curves(run_dir):
     """The series curves.png draws -> {name: (steps, values)}."""
     points = {k: [] for k in (*TRAIN_SERIES, "kept", "eval_pass_rate")}
-    for _, rec in read_jsonl(metrics_file(run_dir)):
+    for _, rec in read_jsonl(metrics_file(run_dir), follow=False):
         step, kind = number(rec, "step"), rec.get("kind")
         if step is None or kind not in ("train", "eval"):
             continue

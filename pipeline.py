@@ -579,7 +579,7 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
     """A generator rank's whole life, until the trainers say stop."""
     saved, g = None, ctx.rank - ctx.n_trainers
     if args.resume and os.path.exists(curriculum_path):
-        saved = read_json(curriculum_path, LARGE_BYTES)
+        saved = read_json(curriculum_path, LARGE_BYTES, follow=False)
         # over data.Prompts' share: every n_gens-th prompt from g
         check_resumed_curriculum(saved, curriculum_path, len(range(g, len(problems), ctx.n_gens)))
     gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, g, ctx.n_gens, start_version,

@@ -56,7 +56,7 @@ def read_mark(out):
     if not os.path.isfile(path) or os.path.islink(path):
         return {}
     try:
-        mark = read_json(path)
+        mark = read_json(path, follow=False)
     except (OSError, ValueError):
         return {}
     return mark if isinstance(mark, dict) else {}
@@ -65,7 +65,7 @@ def read_mark(out):
 def legacy_run(out):
     """Written before RUN_MARK existed."""
     try:
-        with open_regular(os.path.join(out, "metrics.jsonl")) as f:
+        with open_regular(os.path.join(out, "metrics.jsonl"), follow=False) as f:
             first = json.loads(f.readline(MAX_LINE_BYTES))
         return isinstance(first, dict) and first.get("kind") == "config" and "ran" in first
     except (OSError, ValueError):
@@ -385,8 +385,9 @@ def checkpoints(out):
     """A run's ckpt-NNNNNN folders, oldest first."""
     names = ([n for n in os.listdir(out) if re.fullmatch(r"ckpt-\d{6,}", n)]
              if os.path.isdir(out) else [])
-    return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))),
-                  key=step_of)
+    # a planted link to another run's folder is no checkpoint of this one
+    return sorted((os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))
+                   and not os.path.islink(os.path.join(out, n))), key=step_of)
 
 
 def intact_checkpoint(out, quiet=False):
@@ -394,13 +395,13 @@ def intact_checkpoint(out, quiet=False):
     from safetensors import safe_open
     for path in reversed(checkpoints(out)):
         try:
-            check_model_files(path)  # read when the run loads it
+            check_model_files(path, follow=False)  # read when the run loads it
             weights = glob.glob(os.path.join(path, "*.safetensors"))
             if not weights:
                 raise FileNotFoundError("no *.safetensors")
             state = load_state(os.path.join(path, "state.pt"), LARGE_BYTES + STATE_PER_WEIGHT_BYTE
                                * sum(os.path.getsize(w) for w in weights))
-            read_json(os.path.join(path, "config.json"))
+            read_json(os.path.join(path, "config.json"), follow=False)
             for w in weights:
                 with safe_open(w, "pt"):
                     pass
@@ -419,7 +420,7 @@ def load_state(path, cap):
     """state.pt as plain data only: unpickling anything else runs code. One open file: what
     loads is what was checked."""
     import torch
-    with open_regular(path, cap) as f:
+    with open_regular(path, cap, follow=False) as f:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(f)
         if unsafe:
             sys.exit(f"error: --resume: {path} holds objects other than tensors and plain data "
@@ -455,7 +456,9 @@ def check_shards(folder):
 
     path = os.path.join(folder, ".metadata")
     try:
-        metadata = Unpickler(io.BytesIO(read_file(path, LARGE_BYTES))).load()
+        if os.path.islink(folder):
+            raise ValueError("its folder is a symlink")
+        metadata = Unpickler(io.BytesIO(read_file(path, LARGE_BYTES, follow=False))).load()
         if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_data, dict)
                 and isinstance(metadata.storage_meta, (StorageMeta, type(None)))):
             raise ValueError(f"it holds a {type(metadata).__name__}, not a Metadata")
@@ -537,7 +540,7 @@ def truncate_metrics(path, step):
     if not os.path.exists(path):
         return []
     try:
-        text = read_file(path, LARGE_BYTES)
+        text = read_file(path, LARGE_BYTES, follow=False)
     except OSError as err:
         sys.exit(f"error: --resume: {path}: {err.strerror}: a run writes its metrics as a file; "
                  "move this one away, or start another --out")
@@ -684,12 +687,20 @@ def _refuse(path, st, cap, hint):
         raise Unreadable(errno.EINVAL, why + (f": {hint}" if hint else ""), path)
 
 
-def open_regular(path, cap=None, hint=""):
+NOT_THROUGH_A_LINK = "a symlink: a run's or study's own files are never read through a link"
+
+
+def open_regular(path, cap=None, hint="", follow=True):
     """path opened for reading if a regular file of at most cap bytes: a FIFO never ends, a link
-    to /dev/zero never stops. Checked before the open and on what was opened."""
-    _refuse(path, os.stat(path), cap, hint)  # a device is not even opened
+    to /dev/zero never stops. Checked before the open and on what was opened. follow=False: a
+    run's or study's own file, never read through a link planted in its place."""
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise Unreadable(errno.ELOOP, NOT_THROUGH_A_LINK, path)
+    _refuse(path, st, cap, hint)  # a device is not even opened
     # O_NONBLOCK: a FIFO swapped in since returns at once
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+                 | (0 if follow else os.O_NOFOLLOW))
     try:
         _refuse(path, os.fstat(fd), cap, hint)
     except OSError:
@@ -703,37 +714,41 @@ def file_kind(mode):
             else "a socket" if stat.S_ISSOCK(mode) else "a device")
 
 
-def read_file(path, cap):
+def read_file(path, cap, follow=True):
     """path's bytes, through open_regular."""
-    with open_regular(path, cap) as f:
+    with open_regular(path, cap, follow=follow) as f:
         data = f.read(min(os.fstat(f.fileno()).st_size, cap) + 1)  # a buffer of the file's size
     if len(data) > cap:  # grown since the check
         raise Unreadable(errno.EFBIG, f"over the {cap:,} bytes such a file may hold", path)
     return data
 
 
-def read_json(path, cap=JSON_BYTES):
+def read_json(path, cap=JSON_BYTES, follow=True):
     """path's JSON value, through read_file; ValueError when it is not JSON."""
     try:
-        return json.loads(read_file(path, cap))
+        return json.loads(read_file(path, cap, follow))
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
 
-def check_model_files(folder):
+def check_model_files(folder, follow=True):
     """Every file from_pretrained may read from folder (hub's MODEL_FILES): a regular file within
-    its cap, or Unreadable naming it. transformers opens them by name later: checked, not held."""
+    its cap, or Unreadable naming it. transformers opens them by name later: checked, not held.
+    follow=False: a run's checkpoint (a Hub cache's snapshot is links to its blobs)."""
     for name in sorted(os.listdir(folder)):
         if not any(fnmatch.fnmatch(name, p) for p in MODEL_FILES + ["*.bin"]):
             continue
         weights = name.endswith((".safetensors", ".bin"))  # any size: the memory plan's business
         path = os.path.join(folder, name)
-        _refuse(path, os.stat(path), None if weights else MODEL_FILE_BYTES, "")
+        st = os.stat(path) if follow else os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise Unreadable(errno.ELOOP, NOT_THROUGH_A_LINK, path)
+        _refuse(path, st, None if weights else MODEL_FILE_BYTES, "")
 
 
-def read_jsonl(path):
+def read_jsonl(path, follow=True):
     """(line number, object) pairs; ValueError 'FILE:LINE: why'."""
-    with open_regular(path, hint="give a jsonl file") as f:
+    with open_regular(path, hint="give a jsonl file", follow=follow) as f:
         lineno = 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
             lineno += 1

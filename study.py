@@ -132,7 +132,7 @@ def run_dir(out, name, seed):
 def run_minutes(path):
     """A run's machine-minutes as train_all measured them, else 0 (OSError if not a file)."""
     try:
-        minutes = read_json(os.path.join(path, "study_minutes.json"))
+        minutes = read_json(os.path.join(path, "study_minutes.json"), follow=False)
     except (FileNotFoundError, ValueError):
         return 0.0
     return float(minutes) if finite(minutes) and minutes >= 0 else 0.0
@@ -141,7 +141,7 @@ def run_minutes(path):
 def finished(path, steps):
     """Whether a run holds its last step's eval, or train.py stopped it (OSError if not a file)."""
     try:
-        records = read_jsonl(os.path.join(path, "metrics.jsonl"))
+        records = read_jsonl(os.path.join(path, "metrics.jsonl"), follow=False)
         return any(r.get("kind") == "stopped" or
                    (r.get("kind") == "eval" and r.get("step") == steps) for _, r in records)
     except (FileNotFoundError, ValueError):
@@ -172,8 +172,8 @@ def pace(minutes, name):
 
 def last_step(path):
     try:
-        return max((r.get("step", 0) for _, r in read_jsonl(os.path.join(path, "metrics.jsonl"))),
-                   default=0)
+        metrics = read_jsonl(os.path.join(path, "metrics.jsonl"), follow=False)
+        return max((r.get("step", 0) for _, r in metrics), default=0)
     except (OSError, ValueError):
         return 0
 
@@ -324,7 +324,7 @@ def run_logs(path):
     # checked: finite, or ValueError file:line
     records = [{k: checked_number(r, k, f"{file}:{i}")
                 if k in NUMBERS and r.get("kind") in ("train", "eval") else v
-                for k, v in r.items()} for i, r in read_jsonl(file)]
+                for k, v in r.items()} for i, r in read_jsonl(file, follow=False)]
     evals = [r for r in records if r.get("kind") == "eval"]
     train = [r for r in records if r.get("kind") == "train"]
     nan = float("nan")
@@ -344,7 +344,7 @@ def run_series(path):
     samples per prompt, the protocol's compute axis."""
     file = os.path.join(path, "metrics.jsonl")
     per_step, series = None, []
-    for i, r in read_jsonl(file):
+    for i, r in read_jsonl(file, follow=False):
         where = f"{file}:{i}"
         if r.get("kind") == "config":
             per_step = checked_number(r, "prompts", where) * checked_number(r, "samples", where)

@@ -4131,8 +4131,9 @@ def test_study_reads_only_regular_files_and_names_the_one_that_is_not(tmp_path):
         kept = (run / name).read_bytes() if (run / name).is_file() else b"1.5"
         special_file(run / name, kind)
         code, said = run_capped([tmp_path, "--quick", "--report"], tmp_path / "study.log", script="study.py")
-        assert code == 1 and said.strip().splitlines()[-1].startswith(
-            f"study: error: {run / name}: not a regular file ({kind})"), said[-600:]
+        # a link to /dev/zero is refused as a link (a study's own file), before its target is looked at
+        why = runs.NOT_THROUGH_A_LINK if (run / name).is_symlink() else f"not a regular file ({kind})"
+        assert code == 1 and said.strip().splitlines()[-1].startswith(f"study: error: {run / name}: {why}"), said[-600:]
         os.remove(run / name)
         (run / name).write_bytes(kept)
 
@@ -6078,6 +6079,45 @@ def tampered(resumable, out, edit):
     return path
 
 
+def test_runs_files_planted_as_links_in_a_run_or_study_folder_are_never_read_through(resumable, tmp_path):
+    """Nothing outside a run or study folder is read by following a link planted inside it: a resume reads the
+    run's own metrics.jsonl, state.pt, config.json and shard metadata, a study its runs' minutes and metrics, a
+    generator its curriculum; a link in their place (here to another run's intact files, which would load) is
+    one line or a skipped checkpoint, and a planted checkpoint folder is no checkpoint of this run."""
+    out, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(resumable, out)
+    shutil.copytree(resumable, outside)
+    assert runs.intact_checkpoint(str(out), quiet=True)[0] == str(out / "ckpt-000001")
+
+    def plant(name, target):
+        (out / name).unlink()
+        (out / name).symlink_to(target)
+    plant("metrics.jsonl", outside / "metrics.jsonl")
+    assert "a symlink" in one_line_exit(lambda: runs.truncate_metrics(str(out / "metrics.jsonl"), 1))
+    assert not runs.legacy_run(str(out))
+    for name in ("state.pt", "config.json", "model.safetensors"):  # each: the checkpoint is skipped
+        shutil.rmtree(out / "ckpt-000001")
+        shutil.copytree(outside / "ckpt-000001", out / "ckpt-000001")
+        plant(f"ckpt-000001/{name}", outside / "ckpt-000001" / name)
+        assert runs.intact_checkpoint(str(out), quiet=True) == (None, {}), name
+    (out / "ckpt-000007").symlink_to(outside / "ckpt-000001", target_is_directory=True)
+    assert runs.checkpoints(str(out)) == [str(out / "ckpt-000001")]
+    (out / "shards").mkdir()
+    (out / "linked").symlink_to(out / "shards", target_is_directory=True)
+    assert "its folder is a symlink" in one_line_exit(lambda: runs.check_shards(str(out / "linked")))
+    (outside / "curriculum-rank1.json").write_text("{}")
+    (out / "curriculum-rank1.json").symlink_to(outside / "curriculum-rank1.json")
+    with pytest.raises(OSError, match="a symlink"):
+        runs.read_json(str(out / "curriculum-rank1.json"), follow=False)
+    (outside / "study_minutes.json").write_text("12.5")
+    (out / "study_minutes.json").symlink_to(outside / "study_minutes.json")
+    with pytest.raises(OSError, match="a symlink"):
+        study.run_minutes(str(out))
+    with pytest.raises(OSError, match="a symlink"):
+        study.finished(str(out), 1)
+    assert runs.read_json(str(outside / "study_minutes.json")) == 12.5  # a file given by its own path: read
+
+
 def test_train_resume_steps_with_the_run_s_own_adamw_whatever_the_saved_optimizer_says(toy_dir, resumable,
                                                                                        tmp_path):
     """An optimizer state whose hyperparameters say ascent (maximize), AMSGrad or Adam's L2 decay survives no
@@ -6234,9 +6274,11 @@ def test_train_resume_reads_only_regular_files_and_names_the_one_that_is_not(toy
     for kind in ("a device", "a FIFO"):
         special_file(metrics, kind)
         code, said = run_capped(argv, tmp_path / "resume.log")
+        # a link to /dev/zero is refused as a link (a run's own file), before its target is looked at
+        why = runs.NOT_THROUGH_A_LINK if metrics.is_symlink() else f"not a regular file ({kind})"
         assert code == 2 and said.strip().splitlines()[-1] == (
-            f"train.py: error: --resume: {metrics}: not a regular file ({kind}): a run writes its metrics as a "
-            "file; move this one away, or start another --out"), said[-600:]
+            f"train.py: error: --resume: {metrics}: {why}: a run writes its metrics as a file; move this one "
+            "away, or start another --out"), said[-600:]
     metrics.unlink()
     metrics.write_bytes(kept)
     special_file(out / "ckpt-000003" / "state.pt", "a FIFO")
@@ -6246,7 +6288,7 @@ def test_train_resume_reads_only_regular_files_and_names_the_one_that_is_not(toy
     assert (f"--resume: skipping {out}/ckpt-000003, it does not load (Unreadable: {out}/ckpt-000003/state.pt: "
             "not a regular file (a FIFO))") in said
     assert (f"--resume: skipping {out}/ckpt-000002, it does not load (Unreadable: {out}/ckpt-000002/"
-            "config.json: not a regular file (a device))") in said
+            f"config.json: {runs.NOT_THROUGH_A_LINK})") in said
     assert f"resumed from {out}/ckpt-000001 at step 1" in said
     assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"] == [1, 2, 3]
 

@@ -451,7 +451,7 @@ def summary(args, seconds):
     if int(os.environ.get("RANK", "0")) != 0:
         return
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    evals = [r for _, r in read_jsonl(metrics_path) if r.get("kind") == "eval"]
+    evals = [r for _, r in read_jsonl(metrics_path, follow=False) if r.get("kind") == "eval"]
     print(f"done in {seconds / 60:.1f} min | held-out pass rate {evals[0]['pass_rate']:.3f} -> "
           f"{evals[-1]['pass_rate']:.3f} (step {evals[0]['step']} -> {evals[-1]['step']})"
           if evals else f"done in {seconds / 60:.1f} min (no eval)")
