@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import tokenize
 import types
 
 import numpy as np
@@ -270,6 +271,40 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum(c.startswith("torchrun") for c in ran) >= 2, ran
     assert "a Hub id: no network here" in skipped
+
+
+def code_lines(path):
+    """Lines holding code: not blank, not only a comment, not part of a docstring (the README's "code lines")."""
+    src = Path(path).read_text()
+    docs = set()
+    for node in ast.walk(ast.parse(src)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docs.update(range(first.lineno, first.end_lineno + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type not in skip:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - docs)
+
+
+def test_readme_files_table_names_every_file_with_its_lines_and_code_lines():
+    """The README's file table lists every top-level .py file once, with the line and code-line counts it has now, and
+    the algorithm's total (the design card's seven files) is the table's sum."""
+    text = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+\.py)` \| ([\d,]+) \| ([\d,]+) \|", text, re.M)
+    assert sorted(name for name, _, _ in rows) == sorted(p.name for p in ROOT.glob("*.py"))
+    for name, lines, code in rows:
+        path = ROOT / name
+        assert (int(lines.replace(",", "")), int(code.replace(",", ""))) == (
+            len(path.read_text().splitlines()), code_lines(path)), name
+    core = ["train.py", "loss.py", "pipeline.py", "generate.py", "data.py", "verify.py", "fit.py"]
+    assert [name for name, _, _ in rows[:7]] == core
+    total = sum(code_lines(ROOT / name) for name in core)
+    assert f"fit: {total:,} code lines)" in text
 
 
 def listening_addresses(pids):
