@@ -456,8 +456,9 @@ def check_shards(folder):
 
     path = os.path.join(folder, ".metadata")
     try:
-        if os.path.islink(folder):
-            raise ValueError("its folder is a symlink")
+        if os.path.islink(folder) or any(os.path.islink(os.path.join(folder, n))
+                                         for n in os.listdir(folder)):
+            raise ValueError("its folder, or a file in it, is a symlink")
         metadata = Unpickler(io.BytesIO(read_file(path, LARGE_BYTES, follow=False))).load()
         if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_data, dict)
                 and isinstance(metadata.storage_meta, (StorageMeta, type(None)))):

@@ -6139,7 +6139,9 @@ def test_runs_files_planted_as_links_in_a_run_or_study_folder_are_never_read_thr
     assert runs.checkpoints(str(out)) == [str(out / "ckpt-000001")]
     (out / "shards").mkdir()
     (out / "linked").symlink_to(out / "shards", target_is_directory=True)
-    assert "its folder is a symlink" in one_line_exit(lambda: runs.check_shards(str(out / "linked")))
+    assert "its folder, or a file in it, is a symlink" in one_line_exit(lambda: runs.check_shards(str(out / "linked")))
+    (out / "shards" / "__0_0.distcp").symlink_to(outside / "ckpt-000001" / "model.safetensors")  # data torch reads
+    assert "its folder, or a file in it, is a symlink" in one_line_exit(lambda: runs.check_shards(str(out / "shards")))
     (outside / "curriculum-rank1.json").write_text("{}")
     (out / "curriculum-rank1.json").symlink_to(outside / "curriculum-rank1.json")
     with pytest.raises(OSError, match="a symlink"):
