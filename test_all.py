@@ -2430,7 +2430,6 @@ def test_curriculum_epochs_no_positive_resampling_and_resume():
     assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
 
 
-
 def test_prompts_keep_a_resume_copy_per_batch_that_late_groups_of_earlier_batches_still_reach():
     """data.Prompts, generator 1 of 2 (prompts 1, 3, 5, 7, 9), batches of 2 groups: the copy of batch b is the
     curriculum before b's first pick; a pass rate of a group of batch b' < b that ends after b started goes into

@@ -42,8 +42,6 @@ from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, rea
 from toy import PRESETS, toy_model_dir, toy_task
 from trainer import ShardedTrainer, Trainer, collate, pack
 
-
-
 # -----------------------------------------------------------------------------
 # data, model, evals
 
