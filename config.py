@@ -8,6 +8,8 @@ tokens, lr 5e-7); `toy` and `one_gpu` depart from it in their sizes, and the toy
 A flag given overrides its recipe value: the recipe's flags default to None, and `apply_recipe`
 (--recipe auto: toy for the embedded models, paper for any other) fills only those left None.
 The start-up prints the values in force and each flag that differs (`recipe_lines`).
+
+    python train.py --help                    # every flag, and each recipe's value of it
 """
 
 import argparse

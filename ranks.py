@@ -2,7 +2,10 @@
 ranks.py: the torchrun ranks: who trains and who generates, each rank's device and each group's
 backend, the TCP store bound to MASTER_ADDR (the run's small state: version, stop, status/<rank>,
 genstats/<rank>), the held-out eval handshake on the store, and the collectives over the trainers
-(gradients, step statistics). Start at setup; the data plane (rollouts, weights) is pipeline.py's.
+(gradients, step statistics), and a verified group's wire format (pack_group, receive_rows). Start
+at setup; which group goes where and when, and the weight exchange, are pipeline.py's.
+
+    torchrun $LOCAL --nproc_per_node 2 train.py     # LOCAL: README, "Generator and trainer ranks"
 """
 
 import ipaddress

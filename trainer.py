@@ -7,6 +7,9 @@ FSDP2 sharding over the trainer ranks (--fsdp).
 Start at `Trainer` (train.make_trainer makes it; `ShardedTrainer` with --fsdp): train.train_step
 calls its `micro_batches`, `logprobs` (packed_logprobs), `accumulate`, `reduce_grads`,
 `clip_grads`, then steps its AdamW.
+
+    torchrun $LOCAL --nproc_per_node 4 train.py --gen_ranks 2 --fsdp   # 2 trainers, sharded
+    python -m pytest -q test_all.py -k "fsdp or micro_batches or packed_logprobs"
 """
 
 import inspect
