@@ -197,7 +197,8 @@ def train_step(trainer, batch, args):
     adv = batch.adv.to(device)
     tokens = torch.tensor([sum(batch.samples[r].mask) for r in rows])
     group = batch.group[rows]
-    # each row's weight in the whole batch's loss
+    # each row's weight in the whole batch's loss (--agg, prompt average: section 3.2), so that
+    # micro-batches and trainers sum to the one loss of the whole batch, however its rows split
     weights = row_weights(group, tokens, args.agg, batch.sums).to(device)
     loss_sum, stats = 0.0, []
     for part in trainer.micro_batches(batch):
@@ -206,6 +207,7 @@ def train_step(trainer, batch, args):
         _, _, mask, gen_logp, lag = collate(prompts, samples, 0, device, trainer.version)
         logp = trainer.logprobs(*pack(prompts, samples, device))
         at = torch.tensor(part, device=device)
+        # CISPO by default (section 4): sg(min(rho, 4)) A log p, rho against the sampler's log-probs
         loss = policy_loss(logp, gen_logp, adv[at], mask, group[part], kind=args.loss,
                            agg=args.agg, eps_low=args.eps_low, eps_high=args.eps_high,
                            weights=weights[at], neg_trust=args.neg_trust or None)
@@ -365,28 +367,31 @@ def main(args):
     trainer, source = make_trainer(env), rollout_source(env)
     rec = new_record(env, trainer)
     describe(env, trainer)
-    if trainer.version == 0:
+    if trainer.version == 0:  # the base model's pass rate: the compute curve's first point
         held_out_eval(rec, env, trainer, source)
     rec.saved = rec.evaluated = trainer.version  # step 0 is evaluated; a resumed step was saved
     length = LengthControl.from_args(args)  # the length penalty, if any, in make_batch's rewards
     stopped, signaled = None, False
     while trainer.version < args.steps:
-        # SIGINT / SIGTERM to any rank: save, then stop
+        # SIGINT / SIGTERM to any rank: save, then stop (every trainer agrees, or one waits alone)
         if trainer.any_rank(source.stop_requested()):
             signaled = True
             break
-        # ---- rollouts
+        # ---- rollouts: batch `version`'s groups, sampled by weights at most k versions older
+        # (PipelineRL-k, section 3.1; one process: on-policy), already verified
         t0 = time.time()
         groups, rstats = source.get(trainer.version)
         if groups is None:  # a signal stopped the sampling
             signaled = True
             break
+        # No-Positive-Resampling (section 3.2) may retire every prompt: a short batch ends the run
         if trainer.any_rank(len(groups) < source.share):
             stopped = (f"stopping at step {trainer.version}: out of prompts "
                        "(No-Positive-Resampling retired every one)")
             print0(stopped, flush=True)
             break
-        # ---- the batch, one step, the new weights out
+        # ---- the batch, one step, the new weights out. The batch is loss.py's recipe: truncated
+        # samples out (A.15), zero-variance groups out, batch-normalized advantages (section 3.2)
         batch = make_batch(groups, length=length, keep_truncated=args.keep_truncated,
                            zero_var_filter=args.zero_var_filter, adv_norm=args.adv_norm,
                            all_sum=trainer.ranks_sum)
@@ -394,10 +399,11 @@ def main(args):
         loss, stats = train_step(trainer, batch, args)
         t_train = time.time() - t_train
         eval_now = trainer.version % args.eval_every == 0 or trainer.version == args.steps
+        # the eval is asked for with the weights it must use: generators evaluate exactly this step
         sync_s, sync_bytes = source.publish(trainer, trainer.version == args.steps, eval_now)
         # ---- accounting, logging, alarms
         dt = time.time() - t0
-        # every device; not the generators' evals
+        # the fit's compute axis (Eq. 1's C): every device's seconds but the held-out evals'
         rec.compute_s += (dt - source.uncounted()) * rec.world
         m = step_metrics(rec, trainer, batch, groups, rstats, env.train, loss, stats, dt)
         log_step(rec, m | source.busy(dt, rstats, t_train, sync_s, sync_bytes))
