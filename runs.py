@@ -40,6 +40,7 @@ SOURCE_DIRS = ("toy_model", "toy_model_hard", "fixtures", "assets", ".ci", ".git
 _LOCK = []
 # --out's path -> its folder's handle, opened once (hold): the run writes into that folder only
 _HELD = {}
+_TRACKED = []  # --tensorboard's folder, held while its writer lives
 # a path -> (device, inode) of the file replace_file wrote there (copy_written)
 _WRITTEN = {}
 
@@ -634,12 +635,16 @@ def tracker(args):
         if args.wandb:
             name = "wandb"
             import wandb
+            # its folder made here, never through a planted link (the library writes by path)
+            os.close(open_folder(os.path.join(args.out, "wandb"), "--wandb's ", make=True))
             run = wandb.init(project=args.wandb, dir=args.out, config=vars(args))
             sinks.append(lambda m: run.log(numbers(m), step=m["step"]))
         if args.tensorboard:
             name = "tensorboard"
             from torch.utils.tensorboard import SummaryWriter
-            writer = SummaryWriter(os.path.join(args.out, "tb"))
+            # the library writes by path: it gets this folder's own, which no rename redirects
+            _TRACKED.append(open_folder(os.path.join(args.out, "tb"), "--tensorboard's ", make=True))
+            writer = SummaryWriter(f"/proc/self/fd/{_TRACKED[-1]}")
             sinks.append(lambda m: ([writer.add_scalar(k, v, m["step"])
                                      for k, v in numbers(m).items()], writer.flush()))
     except ImportError as err:

@@ -5747,8 +5747,8 @@ def test_train_wandb_and_tensorboard_get_every_logged_number(toy_dir, tmp_path, 
     assert got["wandb"] == expected and "eval/pass_rate" in got["wandb"][0][1] and "train/loss" in got["wandb"][1][1]
 
     class Writer:
-        def __init__(self, path):
-            assert path in (str(tmp_path / "t" / "tb"), str(tmp_path / "both" / "tb"))
+        def __init__(self, path):  # the folder's own handle: a link put at tb/ later redirects nothing
+            assert os.path.realpath(path) in (str(tmp_path / "t" / "tb"), str(tmp_path / "both" / "tb"))
         add_scalar = lambda self, k, v, step: got["tb"].append((step, k, v))
         flush = lambda self: None
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
@@ -5764,6 +5764,27 @@ def test_train_wandb_and_tensorboard_get_every_logged_number(toy_dir, tmp_path, 
     with pytest.raises(SystemExit, match="--wandb needs a package that is not installed.*pip install wandb"):
         run_train(toy_dir, tmp_path / "n", "--wandb", "proj")
     assert not (tmp_path / "n" / "metrics.jsonl").exists()
+
+
+def test_train_tracker_folders_planted_as_links_are_refused_and_nothing_outside_is_written(toy_dir, tmp_path,
+                                                                                          monkeypatch):
+    """--tensorboard and --wandb write their folders (tb/, wandb/) by path, in their libraries' code: a link planted
+    at either name is refused in one line before the library runs, and the folder it points to stays empty."""
+    opened = []
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda project, dir, config: opened.append(
+        dir)))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(
+        SummaryWriter=lambda path: opened.append(path)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for flag, name in (("--tensorboard", "tb"), ("--wandb", "wandb")):
+        out = tmp_path / name
+        out.mkdir()
+        (out / name).symlink_to(elsewhere, target_is_directory=True)
+        said = one_line_exit(lambda: run_train(toy_dir, out, flag, *(["proj"] if flag == "--wandb" else [])))
+        assert said.startswith(f"error: {flag}'s {out / name} is a symlink"), said
+    assert opened == [] and list(elsewhere.iterdir()) == []
+    runs.release_lock()
 
 
 def test_train_run_folders_are_never_silently_mixed_or_erased(toy_dir, tmp_path):
