@@ -36,16 +36,17 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
-from transformers.utils import logging as hf_logging
 
 import config
 from checks import check_supported
 from data import prompt_ids, score_samples, special_tokens
 from runs import read_jsonl
 from generate import Decoder, Sample, drive, generate
+from hub import hide_progress_bars
 from loss import LengthControl, make_batch, policy_loss
 import metrics
 import pipeline
+import ranks
 from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, plan_lines,
                   plan_param_count, plan_shape, plan_trainer)
 import study
@@ -682,7 +683,7 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
 def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
     """One trainer rank, unsharded or FSDP2, under RLIMIT_DATA (cap_bytes)."""
     import resource
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    ranks.pick_threads(world)
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -1273,7 +1274,8 @@ def efficiency_trainer(micro_tokens=8192):
 
 
 def main(args):
-    hf_logging.disable_progress_bar()  # no progress bars
+    hide_progress_bars()
+    ranks.pick_threads()
     if args.write_model:
         return write_model(args)
     t_start = time.perf_counter()

@@ -1,16 +1,14 @@
 """
 checks.py: what guards train.py's flags before anything is loaded or written: each numeric flag's
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
-sandbox, the "did you mean" of a mistyped flag, what the sampler can run (config_problem on a
+sandbox, what the sampler can run (config_problem on a
 config.json, check_supported on a loaded model), and the state --resume reads back
 (check_resumed_state, check_optimizer_state, check_resumed_curriculum). config.get_args calls
 check_model_dir and check_args; train.load_model calls model_config and weight_elements before a
-layer is built, and prompt_error measures the prompts before they are tokenized; each failure is one
-line.
+layer is built, and every entry point's checked_prompt_ids measures the prompts against the context
+before they are tokenized and after; each failure is one line.
 """
-import difflib
 import glob
-import itertools
 import json
 import math
 import os
@@ -21,7 +19,7 @@ import torch
 from transformers import CONFIG_MAPPING, GenerationConfig
 from transformers.activations import ACT2FN
 
-from data import format_prompt
+from data import format_prompt, prompts_ids, special_tokens
 from hub import one_line, resolve_model
 from loss import clip_eps
 from runs import check_model_files, check_resume, open_regular, read_json
@@ -69,16 +67,23 @@ def check_args(args, error):
 def context_error(args, context, prompt_len=0, phrase_len=0, prompt=None):
     """The longest prompt, the budgets and the interruption phrase against the model's context
     -> a one-line error, or None (prompt_len 0: not tokenized yet; prompt: what names the prompt,
-    in place of "the longest prompt (N tokens)")."""
+    in place of "the longest prompt (N tokens)"). A prompt that leaves no room for a token of each
+    budget is named alone: no budget would make it fit."""
     need = prompt_len + args.think_budget + args.answer_budget + phrase_len
     if context is None or need <= context:
         return None
-    named = (f"{prompt or f'the longest prompt ({prompt_len} tokens)'} + " if prompt_len else "")
+    model = f"the model's context (max_position_embeddings {context})"
+    named = prompt or f"the longest prompt ({prompt_len} tokens)"
     phrase = f" + the interruption phrase ({phrase_len})" if phrase_len else ""
-    return (f"{named}--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
-            f"{phrase} = {need} tokens: more than the model's context (max_position_embeddings "
-            f"{context}); " + ("shorten or drop that prompt, or lower the budgets" if prompt
-                               else "lower the budgets"))
+    room = context - prompt_len - phrase_len
+    if prompt_len and room < 2:
+        with_phrase = f" with the interruption phrase ({phrase_len})" if phrase_len else ""
+        return (f"{named} does not fit {model}{with_phrase}, whatever the budgets: shorten or drop "
+                "that prompt")
+    budgets = f"--think_budget {args.think_budget} + --answer_budget {args.answer_budget}"
+    return (f"{named + ' + ' if prompt_len else ''}{budgets}{phrase} = {need} tokens: more than "
+            f"{model}; lower the budgets" + (f" to {room} tokens together at most, or shorten that "
+                                             "prompt" if prompt_len else ""))
 
 
 # pre-tokenizers that keep every character of the text (some drop whitespace or a delimiter)
@@ -113,12 +118,36 @@ def prompt_error(args, tokenizer, problems, context, phrase_len):
     floor = token_floor(tokenizer) if context else None
     for p in problems if floor else ():
         text = format_prompt(tokenizer, p["prompt"], p.get("domain"))
-        least, where = floor(text), getattr(p, "where", None)
-        named = (f"the prompt {f'at {where}' if where else repr(p['prompt'][:40])} "
-                 f"({len(text):,} characters with its template: at least {least} tokens)")
+        least = floor(text)
+        named = (f"{prompt_name(p)} ({len(text):,} characters with its template: at least {least} "
+                 "tokens)")
         if (why := context_error(args, context, least, phrase_len, named)):
             return why
     return None
+
+
+def prompt_name(problem):
+    """'the prompt at FILE:LINE', where it was read, else its first characters (quoted)."""
+    where = getattr(problem, "where", None)
+    return f"the prompt {f'at {where}' if where else repr(problem['prompt'][:40])}"
+
+
+def checked_prompt_ids(args, tokenizer, model, problems):
+    """Every entry point's prompts against the model's context: measured from their characters
+    before any is tokenized (prompt_error), then counted -> their token ids. One that does not fit
+    with the budgets exits with one line naming where it was read."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    phrase_len = len(special_tokens(tokenizer)["interrupt_ids"])
+    if (why := prompt_error(args, tokenizer, problems, context, phrase_len)):
+        sys.exit(f"error: {why}")
+    ids = prompts_ids(tokenizer, [p["prompt"] for p in problems],
+                      [p.get("domain") for p in problems])
+    if ids:
+        n, longest = max(zip(map(len, ids), problems), key=lambda x: x[0])
+        if (why := context_error(args, context, n, phrase_len,
+                                 f"{prompt_name(longest)} ({n} tokens)")):
+            sys.exit(f"error: {why}")
+    return ids
 
 
 def check_clip_bounds(args, error):
@@ -391,32 +420,6 @@ def check_code_rewards(args, problems):
           ("--unsafe_code_exec: resource limits only, no isolation; a program can forge its reward"
            if args.unsafe_code_exec else "each program in its own bwrap sandbox"))
 
-
-def did_you_mean(message, flags):
-    """argparse's message -> " (--x: did you mean --y?)" for each mistyped flag in it, or ""."""
-    typed = (re.findall(r"(--[\w-]+)", message)
-             if message.startswith("unrecognized arguments") else [])
-    return "".join(f" ({t}: did you mean {close}?)" for t in typed
-                   if (close := closest_flag(t, flags)))
-
-
-def closest_flag(typed, flags):
-    """The flag a mistyped one most likely meant, or None: the flags sharing the most leading
-    words (--temp, --temperature), then difflib. Spelling alone would take --lr_rate for
-    --l_cache, not --lr."""
-    def words(flag):
-        return re.split(r"[-_]+", flag.lstrip("-"))
-
-    def kinship(flag):  # (equal leading words, whether the next two begin one another)
-        pairs = list(zip(words(typed), words(flag)))
-        n = len(list(itertools.takewhile(lambda ab: ab[0] == ab[1], pairs)))
-        a, b = sorted(pairs[n], key=len) if n < len(pairs) else ("", "")
-        return n, len(a) >= 3 and b.startswith(a)  # 3 letters at least: "l" begins too much
-
-    best = max(map(kinship, flags), default=(0, False))
-    pool = [f for f in flags if kinship(f) == best] if any(best) else flags
-    close = difflib.get_close_matches(typed, pool, 1, cutoff=0.0 if any(best) else 0.6)
-    return close[0] if close else None
 
 # -----------------------------------------------------------------------------
 # resumed state (--resume): what a run folder holds is an input like any other

@@ -13,11 +13,12 @@ The start-up prints the values in force and each flag that differs (`recipe_line
 """
 
 import argparse
+import difflib
+import itertools
 import os
+import re
 
-from checks import check_args, check_model_dir, did_you_mean
 import faults
-from loss import AGGS, EPS_DEFAULTS, NORMS
 from runs import read_json
 from toy import PRESETS
 
@@ -25,6 +26,9 @@ from toy import PRESETS
 # flags: ScaleRL's choices by default
 
 LENGTH_CONTROLS = ("interrupt", "penalty", "none")
+# loss.py's names, spelt here: the flags are parsed before torch loads (a test holds them equal)
+LOSS_KINDS, AGGS, NORMS = ("cispo", "grpo", "dapo", "gspo"), ("prompt", "sample", "token"), \
+    ("batch", "prompt", "none")
 
 # --recipe's sizes (paper: appendix A.3); a flag given overrides
 RECIPES = {
@@ -51,6 +55,33 @@ class FlagParser(argparse.ArgumentParser):
         faults.say_error(f"{self.prog}: error: {message}{did_you_mean(message, flags)} "
                          "(--help lists the flags)")  # under torchrun: once
         self.exit(2)
+
+
+def did_you_mean(message, flags):
+    """argparse's message -> " (--x: did you mean --y?)" for each mistyped flag in it, or ""."""
+    typed = (re.findall(r"(--[\w-]+)", message)
+             if message.startswith("unrecognized arguments") else [])
+    return "".join(f" ({t}: did you mean {close}?)" for t in typed
+                   if (close := closest_flag(t, flags)))
+
+
+def closest_flag(typed, flags):
+    """The flag a mistyped one most likely meant, or None: the flags sharing the most leading
+    words (--temp, --temperature), then difflib. Spelling alone would take --lr_rate for
+    --l_cache, not --lr."""
+    def words(flag):
+        return re.split(r"[-_]+", flag.lstrip("-"))
+
+    def kinship(flag):  # (equal leading words, whether the next two begin one another)
+        pairs = list(zip(words(typed), words(flag)))
+        n = len(list(itertools.takewhile(lambda ab: ab[0] == ab[1], pairs)))
+        a, b = sorted(pairs[n], key=len) if n < len(pairs) else ("", "")
+        return n, len(a) >= 3 and b.startswith(a)  # 3 letters at least: "l" begins too much
+
+    best = max(map(kinship, flags), default=(0, False))
+    pool = [f for f in flags if kinship(f) == best] if any(best) else flags
+    close = difflib.get_close_matches(typed, pool, 1, cutoff=0.0 if any(best) else 0.6)
+    return close[0] if close else None
 
 
 class RecipeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -81,12 +112,13 @@ def model_flags(g):
                         "(split default test; e.g. openai/gsm8k:main, HuggingFaceH4/MATH-500); "
                         "empty = hold out --val_size problems of --data")
     g.add_argument("--val_size", type=int, default=None,
-                   help="held-out problems (toy: 200, or a tenth of a --data of fewer than 2,000 "
-                        "problems)")
+                   help="held-out problems: split from --data (toy: 200, or a tenth of a --data of "
+                        "fewer than 2,000 problems), or the first of --val_data (default: all)")
     g.add_argument("--out", default=None,
                    help="output folder: metrics.jsonl and checkpoints; None = runs/ and the run's "
-                        "shape: its data, and under torchrun its ranks, mode and --fsdp "
-                        "(runs/toy, runs/toy-2ranks, runs/gsm8k-8ranks-fsdp, ...)")
+                        "--model, data and recipe (but the toy's), and under torchrun its ranks, "
+                        "mode and --fsdp (runs/toy, runs/toy-2ranks, runs/toy-one_gpu, "
+                        "runs/Qwen3-0.6B-gsm8k-paper-8ranks-fsdp, ...)")
     g.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
     g.add_argument("--recipe", default="auto", choices=["auto", *RECIPES],
                    help="the sizes and rates to start from (RECIPES; a flag given overrides its "
@@ -130,7 +162,7 @@ def rollout_flags(g):
 
 
 def loss_flags(g):
-    g.add_argument("--loss", default="cispo", choices=list(EPS_DEFAULTS),
+    g.add_argument("--loss", default="cispo", choices=LOSS_KINDS,
                    help="policy loss: CISPO is ScaleRL's; the others are ablations (loss.py)")
     g.add_argument("--agg", default="prompt", choices=AGGS, help="loss aggregation")
     g.add_argument("--adv_norm", default="batch", choices=NORMS, help="advantage normalization")
@@ -244,7 +276,17 @@ def make_parser():
     return ap
 
 
+def parse_first(parser):
+    """A script's flags parsed before its heavy imports (torch and transformers take seconds):
+    --help and a mistyped flag answered at once, and a start says so at once (rank 0)."""
+    parser.parse_args()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("starting: importing torch and transformers ...", flush=True)
+
+
 def get_args(argv=None):
+    """train.py's flags, parsed and checked (checks.py) -> args."""
+    from checks import check_args, check_model_dir  # imports torch: after parse_first
     ap = make_parser()
     args = ap.parse_args(argv)
     # --resume compares args.model as typed
@@ -256,9 +298,13 @@ def get_args(argv=None):
 
 
 def default_out(args):
-    """runs/ and the run's shape: runs/toy, runs/gsm8k-8ranks-fsdp."""
+    """runs/ and what tells the run apart: its --model, data and recipe (but the toy's), and under
+    torchrun its shape: runs/toy, runs/toy-one_gpu, runs/Qwen3-0.6B-gsm8k-paper-8ranks-fsdp."""
     name = "+".join(os.path.splitext(os.path.basename(p.split(":")[0].rstrip("/")))[0] or p
                     for p in (args.data or "toy").split(","))
+    model = os.path.basename(args.model.rstrip("/"))  # a Hub id's name, a folder's
+    name = (f"{model}-" if model else "") + name + \
+        ("" if args.recipe == "toy" else f"-{args.recipe}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         name += f"-{world}ranks" + ("" if args.mode == "pipeline" else f"-{args.mode}") + \
@@ -273,9 +319,15 @@ def apply_recipe(args):
         if args.model_dir and os.path.isfile(os.path.join(args.model_dir, "config.json")):
             task = read_json(os.path.join(args.model_dir, "config.json")).get("scalerl_task", "")
         args.recipe = "toy" if not args.model_dir or task in PRESETS else "paper"
-    for name, value in RECIPES[args.recipe].items():
+    for name, value in recipe_defaults(args).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def recipe_defaults(args):
+    """The values --recipe gives this run: its --val_size sizes a split of --data, and a --val_data
+    file is held out whole unless --val_size is given."""
+    return RECIPES[args.recipe] | ({"val_size": None} if args.val_data else {})
 
 
 # -----------------------------------------------------------------------------
@@ -295,7 +347,7 @@ def recipe_values(args, n_val):
 
 def recipe_lines(args, n_val):
     """Rank 0's first start-up lines: the recipe's values in force, then each flag that differs."""
-    defaults = vars(make_parser().parse_args([])) | RECIPES[args.recipe]
+    defaults = vars(make_parser().parse_args([])) | recipe_defaults(args)
     flag = lambda k, v: f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
     given = [flag(k, getattr(args, k)) for k, v in defaults.items()
              if k not in ("recipe", "out") and getattr(args, k) != v]

@@ -12,6 +12,10 @@ its slot, batch or restarts.
     python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512
 """
 
+if __name__ == "__main__":  # flags, --help and their errors before torch's seconds of imports
+    import config
+    config.parse_first(config.sample_parser(__doc__.split("\n\n")[0]))
+
 import inspect
 import random
 import sys
@@ -728,16 +732,17 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
 
 
 if __name__ == "__main__":
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import config
-    from data import completion_text, prompt_ids, special_tokens
+    from checks import checked_prompt_ids
+    from data import completion_text, special_tokens
     from toy import toy_model_dir, toy_problems
-    from hub import resolve_model
+    from hub import hide_progress_bars, resolve_model
+    from ranks import pick_threads
     from runs import check_model_files
 
     args = config.sample_parser(__doc__.split("\n\n")[0]).parse_args()
-    transformers.utils.logging.disable_progress_bar()
+    hide_progress_bars()
+    pick_threads()
     try:
         path = resolve_model(args.model) if args.model else toy_model_dir()
         check_model_files(path)
@@ -745,12 +750,13 @@ if __name__ == "__main__":
         sys.exit(f"error: --model {err}")
     tokenizer, model = (AutoTokenizer.from_pretrained(path, trust_remote_code=False),
                         AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval())
-    problems = [args.prompt] if args.prompt else [p["prompt"] for p in toy_problems(3, 0)]
-    problems = [p for p in problems for _ in range(args.n)]
-    try:
-        prompts = [prompt_ids(tokenizer, p) for p in problems]
+    problems = [{"prompt": args.prompt}] if args.prompt else toy_problems(3, 0)
+    try:  # the checks of train.py's prompts
+        ids = checked_prompt_ids(args, tokenizer, model, problems)
     except ValueError as err:
         sys.exit(f"error: --model {path}: {err}")
+    problems, prompts = [p["prompt"] for p in problems for _ in range(args.n)], \
+        [i for i in ids for _ in range(args.n)]
     out = generate(model, prompts, **special_tokens(tokenizer, model),
                    think_budget=args.think_budget, answer_budget=args.answer_budget,
                    temperature=args.temperature, seed=args.seed)

@@ -27,6 +27,13 @@ def one_line(err):
     return " ".join(printable(err).split())[:400]
 
 
+def hide_progress_bars():
+    """transformers' and the Hub's tqdm bars off ("Loading weights"): every entry point prints its
+    own lines."""
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+
+
 @functools.lru_cache(maxsize=None)
 def hub_unreachable(endpoint):
     """Why `endpoint` cannot be reached, or None: one HEAD request per process."""

@@ -74,6 +74,19 @@ class Context:
     live: Live = field(default_factory=Live)
 
 
+def pick_threads(local_world=1):
+    """torch's CPU threads for this process, every entry point's -> their count: under torchrun the
+    cores shared among the machine's ranks (torchrun's OMP_NUM_THREADS=1 overruled); one process
+    half of them unless OMP_NUM_THREADS says (threads on a busy machine's cores wait on each other:
+    BENCHMARKS.md section 9)."""
+    cores = os.cpu_count() or 1
+    if local_world > 1:
+        torch.set_num_threads(max(1, cores // local_world))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // 2)))
+    return torch.get_num_threads()
+
+
 def setup(args):
     """Join torchrun's group -> this rank's Context; None for one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -95,7 +108,7 @@ def setup(args):
     if cuda:
         torch.cuda.set_device(plan["devices"][rank])
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        pick_threads(local_world)
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
                             store=own_store(rank, world, timeout))

@@ -99,6 +99,8 @@ def prepare_out_dir(args, need_mb=100):
     problem = check_out_dir(args)
     if problem:
         sys.exit(f"error: {problem}")
+    if int(os.environ.get("RANK", "0")) == 0:  # the one that logs: a missing library, before --out
+        tracker_libraries(args)
     try:
         hold(out)
         with _parent(os.path.join(out, f".write-test-{secrets.token_hex(8)}")) as (folder, probe):
@@ -626,30 +628,39 @@ def resume_command():
     return " ".join(launcher + [sys.argv[0]] + [shlex.quote(a) for a in flags])
 
 
-def tracker(args):
-    """--wandb / --tensorboard -> track(m)."""
-    numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
-                         if k not in ("kind", "step") and isinstance(v, (int, float))}
-    sinks, name = [], None
+def tracker_libraries(args):
+    """--wandb / --tensorboard's libraries -> (wandb, SummaryWriter), None where not asked for; one
+    not installed exits with one line (prepare_out_dir asks before anything is made in --out)."""
+    wandb = writer = name = None
     try:
         if args.wandb:
             name = "wandb"
             import wandb
-            # its folder made here, never through a planted link (the library writes by path)
-            os.close(open_folder(os.path.join(args.out, "wandb"), "--wandb's ", make=True))
-            run = wandb.init(project=args.wandb, dir=args.out, config=vars(args))
-            sinks.append(lambda m: run.log(numbers(m), step=m["step"]))
         if args.tensorboard:
             name = "tensorboard"
-            from torch.utils.tensorboard import SummaryWriter
-            # the library writes by path: it gets this folder's own, which no rename redirects
-            _TRACKED.append(open_folder(os.path.join(args.out, "tb"), "--tensorboard's ", make=True))
-            writer = SummaryWriter(f"/proc/self/fd/{_TRACKED[-1]}")
-            sinks.append(lambda m: ([writer.add_scalar(k, v, m["step"])
-                                     for k, v in numbers(m).items()], writer.flush()))
+            from torch.utils.tensorboard import SummaryWriter as writer
     except ImportError as err:
         sys.exit(f"error: --{name} needs a package that is not installed ({err}); pip install "
                  f"{name}, or run without the flag")
+    return wandb, writer
+
+
+def tracker(args):
+    """--wandb / --tensorboard -> track(m)."""
+    numbers = lambda m: {f"{m['kind']}/{k}": float(v) for k, v in m.items()
+                         if k not in ("kind", "step") and isinstance(v, (int, float))}
+    sinks, (wandb, SummaryWriter) = [], tracker_libraries(args)
+    if args.wandb:
+        # its folder made here, never through a planted link (the library writes by path)
+        os.close(open_folder(os.path.join(args.out, "wandb"), "--wandb's ", make=True))
+        run = wandb.init(project=args.wandb, dir=args.out, config=vars(args))
+        sinks.append(lambda m: run.log(numbers(m), step=m["step"]))
+    if args.tensorboard:
+        # the library writes by path: it gets this folder's own, which no rename redirects
+        _TRACKED.append(open_folder(os.path.join(args.out, "tb"), "--tensorboard's ", make=True))
+        writer = SummaryWriter(f"/proc/self/fd/{_TRACKED[-1]}")
+        sinks.append(lambda m: ([writer.add_scalar(k, v, m["step"])
+                                 for k, v in numbers(m).items()], writer.flush()))
     return lambda m: [send(m) for send in sinks]
 
 

@@ -2191,10 +2191,11 @@ def test_hub_dataset_ids_load_through_the_datasets_cache_offline(tmp_path, monke
                        "has several configs, name one: org/none:CONFIG (GSM8K's: openai/gsm8k:main)")
     assert no_file == "error: --data fixtures/none.jsonl: No such file or directory"  # a path, not a Hub id
     capsys.readouterr()
+    # the first 4: the 5th's 730 tokens are more than the toy's 512-token context
     train.main(config.get_args(["--eval_only", "--model", "org/toy", "--data", "org/gsm:main", "--val_data",
-                               "org/math500", "--eval_samples", "1"]))
+                               "org/math500", "--val_size", "4", "--eval_samples", "1"]))
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("eval org/toy on org/math500: pass rate ") and "over 5 problems" in last, last
+    assert last.startswith("eval org/toy on org/math500: pass rate ") and "over 4 problems" in last, last
 
 
 def test_hub_ids_without_network_fail_in_seconds_and_cached_ones_load(tmp_path, monkeypatch, capsys):
@@ -2393,15 +2394,83 @@ def test_a_prompt_longer_than_the_context_is_refused_by_file_and_line_before_tok
     said = one_line_exit(lambda: train.eval_only(config.get_args(["--eval_only", "--model", toy_dir,
                                                                   "--val_data", str(path)])))
     assert re.fullmatch(rf"error: the prompt at {re.escape(str(path))}:2 \(8,000,\d+ characters with its template: "
-                        r"at least \d+ tokens\) \+ --think_budget \d+ \+ --answer_budget \d+ \+ the interruption "
-                        r"phrase \(\d+\) = \d+ tokens: more than the model's context \(max_position_embeddings 512\); "
-                        r"shorten or drop that prompt, or lower the budgets", said), said
+                        r"at least \d+ tokens\) does not fit the model's context \(max_position_embeddings 512\) with "
+                        r"the interruption phrase \(\d+\), whatever the budgets: shorten or drop that prompt", said), said
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + [{"prompt": "2 " * 450, "answer": "4"}]))
     said = one_line_exit(lambda: train.start(config.get_args(["--model", toy_dir, "--data", str(path), "--val_size",
                                                               "1", "--out", str(tmp_path / "run")])))
     runs.release_lock()
-    assert re.fullmatch(rf"error: the longest prompt \({re.escape(str(path))}:2, \d+ tokens\) \+ --think_budget .*; "
-                        r"shorten or drop that prompt, or lower the budgets", said), said
+    assert re.fullmatch(rf"error: the prompt at {re.escape(str(path))}:2 \(\d+ tokens\) \+ --think_budget .*; "
+                        r"lower the budgets to \d+ tokens together at most, or shorten that prompt", said), said
+
+
+def long_prompt_file(path, long_at=2, ones=1500):
+    """A jsonl of toy problems whose line `long_at` holds a prompt of about 2 x ones tokens (the toy tokenizer)."""
+    rows = [{"prompt": f"Compute {i}+2.", "answer": str(i + 2)} for i in range(6)]
+    rows[long_at - 1] = {"prompt": "Compute " + "+".join(["1"] * ones) + ".", "answer": str(ones)}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_entry_point_refuses_a_prompt_over_the_context_by_file_and_line(toy_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    """--eval_only scored a 3,024-token prompt on a 512-token model, which training refused in a line that said "lower
+    the budgets" where only the prompt was too long: train, --eval_only and generate.py count the tokens of the prompts
+    they use, a prompt that cannot fit whatever the budgets is named by file and line alone, and one that fits but not
+    with the budgets names it and the budgets' room."""
+    long = long_prompt_file(tmp_path / "long.jsonl")
+    alone = (rf"error: the prompt at {re.escape(str(long))}:2 \(3024 tokens\) does not fit the model's context "
+             r"\(max_position_embeddings 512\) with the interruption phrase \(19\), whatever the budgets: shorten or "
+             r"drop that prompt")
+    said = one_line_exit(lambda: train.eval_only(config.get_args(["--eval_only", "--model", toy_dir, "--val_data",
+                                                                  str(long), "--eval_samples", "1"])))
+    assert re.fullmatch(alone, said), said
+    said = one_line_exit(lambda: train.start(config.get_args(["--model", toy_dir, "--data", str(long), "--val_size",
+                                                              "1", "--out", str(tmp_path / "run")])))
+    runs.release_lock()
+    assert re.fullmatch(alone, said) and "lower the budgets" not in said, said
+    fits = long_prompt_file(tmp_path / "fits.jsonl", long_at=3, ones=200)  # ~420 tokens: room for ~70 of 112
+    n = len(data.prompt_ids(AutoTokenizer.from_pretrained(toy_dir), "Compute " + "+".join(["1"] * 200) + "."))
+    said = one_line_exit(lambda: train.eval_only(config.get_args(["--eval_only", "--model", toy_dir, "--val_data",
+                                                                  str(fits), "--eval_samples", "1"])))
+    assert said == (f"error: the prompt at {fits}:3 ({n} tokens) + --think_budget 48 + --answer_budget 64 + the "
+                    f"interruption phrase (19) = {n + 131} tokens: more than the model's context "
+                    f"(max_position_embeddings 512); lower the budgets to {512 - n - 19} tokens together at most, or "
+                    "shorten that prompt"), said
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["generate.py", "--model", toy_dir, "--prompt", "+".join(["1"] * 1500)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "generate.py"), run_name="__main__")
+    assert re.fullmatch(r"error: the prompt '1\+1\+.*' \(30\d\d tokens\) does not fit the model's context .*: "
+                        r"shorten or drop that prompt", exit_.value.code), exit_.value.code
+
+
+def test_every_entry_point_picks_torch_threads_and_hides_loading_bars_the_same_way(toy_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """--eval_only never capped torch's threads as training does (80 s against 8 s on a busy 2-core machine), and it
+    and generate.py showed transformers' "Loading weights" bar that training hides: every entry point goes through
+    ranks.pick_threads (half the cores unless OMP_NUM_THREADS says) and hub.hide_progress_bars."""
+    from transformers.utils import logging as hf_logging
+    threads, picked = torch.get_num_threads(), []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (picked.append(n), real(n)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2 * threads)  # half the cores: the threads now
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    rows = tmp_path / "val.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Compute {i}+1.", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    hf_logging.enable_progress_bar()  # as a fresh process has it
+    train.eval_only(config.get_args(["--eval_only", "--model", toy_dir, "--val_data", str(rows), "--eval_samples",
+                                     "1"]))
+    out, err = capsys.readouterr()
+    assert picked == [threads] and f"torch threads: {threads} of {2 * threads} cores" in out, (picked, out)
+    assert "Loading weights" not in err, err
+    hf_logging.enable_progress_bar()
+    monkeypatch.setattr(sys, "argv", ["generate.py", "--model", toy_dir, "--n", "1", "--answer_budget", "8"])
+    runpy.run_path(str(ROOT / "generate.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert picked == [threads] * 2 and out.count(" -> [") == 3 and "Loading weights" not in err, (picked, err)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # said: kept
+    assert ranks.pick_threads() == threads and picked == [threads] * 2
 
 
 def test_split_is_seeded_and_disjoint():
@@ -5461,6 +5530,81 @@ def test_drift_by_lag_is_the_mean_abs_log_ratio_per_lag():
     assert by_lag["drift"] == pytest.approx(0.8)
 
 
+# a fresh interpreter running a script whose import of torch ends it, saying so: what it printed before is all
+STOP_AT_TORCH = """import runpy, sys
+class StopAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name in ("torch", "transformers"):
+            print("<" + name + " imported>", flush=True)
+            raise SystemExit(0)
+sys.meta_path.insert(0, StopAtTorch())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_flags_and_their_errors_come_before_torch_is_imported():
+    """Every flag error and --help took 13-24 s on a busy machine (torch and transformers imported first), and a normal
+    start was silent for 15 s: train.py and generate.py parse their flags before those imports, and a start says so
+    first. (config.py imports neither.)"""
+    def run(*argv):
+        done = subprocess.run([sys.executable, "-c", STOP_AT_TORCH, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        return done.returncode, done.stdout, done.stderr
+    code, out, err = run("train.py", "--help")
+    assert code == 0 and "--think_budget" in out and "imported>" not in out, (out, err)
+    code, out, err = run("train.py", "--temprature", "0.5")
+    assert code == 2 and "imported>" not in out and err.strip().splitlines() == [
+        "train.py: error: unrecognized arguments: --temprature 0.5 (--temprature: did you mean --temperature?) (--help "
+        "lists the flags)"], (out, err)
+    code, out, err = run("generate.py", "--help")
+    assert code == 0 and "--think_budget" in out and "imported>" not in out, (out, err)
+    for script in ("train.py", "generate.py"):  # a start: its first line before the heavy imports
+        code, out, err = run(script)
+        assert out.splitlines()[:2] == ["starting: importing torch and transformers ...", "<torch imported>"], out
+    assert (config.LOSS_KINDS, config.AGGS, config.NORMS) == (tuple(loss.LOSSES), loss.AGGS, loss.NORMS)
+
+
+def test_val_size_takes_the_first_of_val_data_and_resume_compares_what_the_run_used(tmp_path, capsys):
+    """--val_size was silently ignored with --val_data (yet listed among the flags that differ), and a resume that
+    dropped it, or changed the recipe, was refused for a value the run never used (--val_size was 8, now 500): it
+    takes the first N held-out problems, the recipe's sizes only a split of --data, and resume compares those used."""
+    rows = tmp_path / "val.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Compute {i}+1.", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    every = train.load_data(config.get_args(["--val_data", str(rows)]))[1]
+    first = train.load_data(config.get_args(["--val_data", str(rows), "--val_size", "3"]))[1]
+    assert [p["prompt"] for p in every] == [f"Compute {i}+1." for i in range(5)] and first == every[:3]
+    with pytest.raises(SystemExit) as exit_:
+        train.load_data(config.get_args(["--val_data", str(rows), "--val_size", "6"]))
+    assert exit_.value.code == (f"error: --val_size 6: --val_data {rows} has 5 problems: give at most 5, or no "
+                                "--val_size for all")
+    budgets = ["--val_data", str(rows), "--think_budget", "48", "--answer_budget", "64"]
+    one_gpu = config.get_args([*budgets, "--recipe", "one_gpu"])
+    assert one_gpu.val_size is None and "--val_size" not in config.recipe_lines(one_gpu, 5)[1]
+    runs.check_resume(vars(one_gpu), config.get_args([*budgets, "--recipe", "paper"]))  # neither used a --val_size
+    assert "--resume: changed since the run started" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # one that was used, dropped: another held-out set
+        runs.check_resume(vars(config.get_args([*budgets, "--val_size", "3"])), config.get_args(budgets))
+    assert exit_.value.code == ("error: --resume: --val_size was 3, now None (start another --out for another run)")
+
+
+def test_default_out_tells_recipes_and_models_apart_and_tracker_errors_leave_no_folder(toy_dir, tmp_path,
+                                                                                      monkeypatch):
+    """The default --out named only the data (a second recipe on it was refused as the same run), and --tensorboard
+    without its package left --out/.lock behind: the default names the model, data and recipe (but the toy's), and a
+    missing tracker library is said before anything is made in --out."""
+    outs = [config.get_args(argv).out for argv in
+            ([], ["--recipe", "one_gpu", "--think_budget", "48", "--answer_budget", "64"], ["--model", toy_dir],
+             ["--model", toy_dir, "--recipe", "paper", "--think_budget", "48", "--answer_budget", "64", "--data",
+              "fixtures/gsm8k_test_sample.jsonl"])]
+    assert outs == ["runs/toy", "runs/toy-one_gpu", "runs/model-toy", "runs/model-gsm8k_test_sample-paper"], outs
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    out = tmp_path / "tb"
+    with pytest.raises(SystemExit, match="--tensorboard needs a package that is not installed"):
+        train.start(config.get_args(["--model", toy_dir, "--tensorboard", "--out", str(out)]))
+    assert not out.exists()
+
+
 def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, capsys):
     for argv, msg in [(["--loss", "ppo"], "invalid choice"), (["--think_budget", "-4"], "must be positive"),
                       (["--model", str(tmp_path)], "no config.json"),
@@ -5493,7 +5637,11 @@ def test_train_rejects_bad_flags_and_folders_before_any_work(toy_dir, tmp_path, 
     assert checks.context_error(args, 112) is None
     assert checks.context_error(args, 112, 30, 8) == (
         "the longest prompt (30 tokens) + --think_budget 48 + --answer_budget 64 + the interruption phrase (8) = "
-        "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets")
+        "150 tokens: more than the model's context (max_position_embeddings 112); lower the budgets to 74 tokens "
+        "together at most, or shorten that prompt")
+    assert checks.context_error(args, 112, 103, 8) == (  # one token left: not one of each budget
+        "the longest prompt (103 tokens) does not fit the model's context (max_position_embeddings 112) with the "
+        "interruption phrase (8), whatever the budgets: shorten or drop that prompt")
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)

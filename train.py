@@ -11,6 +11,11 @@ a flag (config.py); sizes come from config.RECIPES.
     torchrun $LOCAL --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
 """
 
+import config
+
+if __name__ == "__main__":  # flags, --help and their errors before torch's seconds of imports
+    config.parse_first(config.make_parser())
+
 import glob
 import math
 import os
@@ -22,15 +27,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from checks import (check_code_rewards, check_optimizer_state, check_resumed_state, check_supported,
-                    context_error, model_config, prompt_error, weight_elements)
-import config
+                    checked_prompt_ids, model_config, weight_elements)
 import evals
 from data import (format_prompt, load_source_problems, prompts_ids, special_tokens,
                   split_problems)
 import faults
+from hub import hide_progress_bars
 import pipeline
 import plan
 import ranks
@@ -50,7 +54,11 @@ def load_data(args):
     problems = [p for path in (args.data or "toy").split(",")
                 for p in load_source("--data", path, args.seed)]
     if args.val_data:
-        return problems, load_source("--val_data", args.val_data, args.seed)
+        val = load_source("--val_data", args.val_data, args.seed)
+        if (args.val_size or 0) > len(val):
+            sys.exit(f"error: --val_size {args.val_size}: --val_data {args.val_data} has "
+                     f"{len(val)} problems: give at most {len(val)}, or no --val_size for all")
+        return problems, val[:args.val_size]
     if args.val_size is None:
         return split_problems(problems, min(200, max(1, len(problems) // 10)), args.seed)
     if args.val_size >= len(problems):
@@ -90,11 +98,10 @@ def base_model_dir(args):
     return toy_model_dir(preset=args.data if args.data in PRESETS else "toy")
 
 
-def pick_threads():
-    """Half the cores as torch threads unless OMP_NUM_THREADS says (BENCHMARKS.md section 9)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // 2)))
-    return torch.get_num_threads()
+def say_threads(args):
+    """One process on a CPU: ranks.pick_threads, and the line that says its count."""
+    if pick_device(args).type == "cpu":
+        print(f"torch threads: {ranks.pick_threads()} of {os.cpu_count()} cores", flush=True)
 
 
 def pick_device(args, ctx=None):
@@ -140,15 +147,6 @@ def tokenize_prompts(tokenizer, problems):
                        [p.get("domain") for p in problems])
 
 
-def measure_prompts(args, tokenizer, model, problems):
-    """Each prompt measured against the model's context from its characters, before any is
-    tokenized: one too long exits with one line naming where it was read."""
-    if (why := prompt_error(args, tokenizer, problems,
-                            getattr(model.config, "max_position_embeddings", None),
-                            len(special_tokens(tokenizer)["interrupt_ids"]))):
-        sys.exit(f"error: {why}")
-
-
 def evaluate(model, tokenizer, val_ids, val, args, most=None):
     """evals.evaluate with the run's sampler: one sequence per sample at most (or `most`)."""
     n = len(val_ids) * args.eval_samples
@@ -164,10 +162,11 @@ def eval_only(args):
                  "not under torchrun")
     _, val = load_data(args)
     note_toy_model(args, args.val_data, "--val_data", "evaluates")
+    hide_progress_bars()
+    say_threads(args)
     model_dir = args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
-    measure_prompts(args, tokenizer, model, val)
-    val_ids = tokenize_prompts(tokenizer, val)
+    val_ids = checked_prompt_ids(args, tokenizer, model, val)
     plan.print_memory_plan(model.config, args, None, next(model.parameters()).device,
                                max(map(len, val_ids)),
                                len(special_tokens(tokenizer)["interrupt_ids"]),
@@ -290,7 +289,7 @@ class Setup:
 
 def start(args):
     """Every rank's set-up: user errors before anything is made in --out."""
-    hf_logging.disable_progress_bar()
+    hide_progress_bars()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     train, val = load_data(args)
     check_code_rewards(args, train + val)
@@ -301,24 +300,19 @@ def start(args):
     if ckpt:  # every value, and the flags against these, before any rank waits
         check_resumed_state(state, os.path.join(ckpt, "state.pt"), step_of(ckpt), args, len(train))
     ctx = ranks.setup(args)
-    if ctx is None and pick_device(args).type == "cpu":
-        print(f"torch threads: {pick_threads()} of {os.cpu_count()} cores", flush=True)
+    if ctx is None:
+        say_threads(args)
     torch.manual_seed(args.seed)
     model_dir = ckpt or args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args, ctx))
     if ckpt:  # every rank, before they meet
         check_optimizer_state(state, os.path.join(ckpt, "state.pt"), model)
-    measure_prompts(args, tokenizer, model, train + val)
-    train_ids, val_ids = tokenize_prompts(tokenizer, train), tokenize_prompts(tokenizer, val)
-    phrase_len = len(special_tokens(tokenizer)["interrupt_ids"])
-    n, where = max(((len(i), getattr(p, "where", None))
-                    for p, i in zip(train + val, train_ids + val_ids)), key=lambda x: x[0])
-    if (why := context_error(args, getattr(model.config, "max_position_embeddings", None), n,
-                             phrase_len, where and f"the longest prompt ({where}, {n} tokens)")):
-        sys.exit(f"error: {why}")
+    ids = checked_prompt_ids(args, tokenizer, model, train + val)
+    train_ids, val_ids = ids[:len(train)], ids[len(train):]
     if ctx:  # a packed rollout row's tokens per sample
         ranks.meet(ctx, state.get("step", 0),
-                   max(map(len, train_ids)) + args.think_budget + args.answer_budget + phrase_len)
+                   max(map(len, train_ids)) + args.think_budget + args.answer_budget +
+                   len(special_tokens(tokenizer)["interrupt_ids"]))
     return Setup(args, ctx, rank0, log, train, val, train_ids, val_ids, tokenizer, model,
                  model_dir, ckpt, state)
 
