@@ -48,7 +48,7 @@ class FlagParser(argparse.ArgumentParser):
     """argparse: one-line errors, no abbreviations."""
 
     def __init__(self, **kw):
-        super().__init__(allow_abbrev=False, formatter_class=RecipeHelpFormatter, **kw)
+        super().__init__(allow_abbrev=False, **{"formatter_class": RecipeHelpFormatter, **kw})
 
     def error(self, message):
         flags = [o for a in self._actions for o in a.option_strings]
@@ -357,8 +357,8 @@ def recipe_lines(args, n_val):
 
 def sample_parser(description):
     """generate.py's flags: a few samples from a model folder."""
-    ap = argparse.ArgumentParser(description=description,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = FlagParser(prog="generate.py", description=description,
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="", help="HF model folder, e.g. a checkpoint "
                     "runs/toy/ckpt-000150, or a Hugging Face Hub id (Qwen/Qwen3-0.6B: downloaded "
                     "once into the Hugging Face cache); empty = the embedded toy model")

@@ -1669,6 +1669,15 @@ def test_code_without_bwrap_refuses_unless_unsafe(toy_dir, tmp_path, monkeypatch
     assert "--unsafe_code_exec: resource limits only" in capsys.readouterr().out
 
 
+def test_eval_only_refuses_code_problems_without_a_sandbox_as_training_does(toy_dir, monkeypatch):
+    """--eval_only on code problems without bwrap scored every program False (pass rate 0, no word): it refuses, or
+    runs with --unsafe_code_exec, as training does."""
+    monkeypatch.setattr(checks, "bwrap_ready", lambda: False)
+    argv = ["--eval_only", "--model", toy_dir, "--val_data", str(FIXTURES / "code_toy.jsonl"), "--eval_samples", "1"]
+    with pytest.raises(SystemExit, match="apt-get install bubblewrap.*--unsafe_code_exec"):
+        train.eval_only(config.get_args(argv))
+
+
 def test_code_unsafe_path_temp_dir_is_removed_even_when_locked(shared_dir):
     messy = (f"import os\nopen({str(shared_dir / 'cwd')!r}, 'w').write(os.getcwd())\n"
              "os.makedirs('a/b/c')\nopen('a/b/c/f.txt', 'w').write('x')\n"
@@ -5559,6 +5568,9 @@ def test_flags_and_their_errors_come_before_torch_is_imported():
         "lists the flags)"], (out, err)
     code, out, err = run("generate.py", "--help")
     assert code == 0 and "--think_budget" in out and "imported>" not in out, (out, err)
+    code, out, err = run("generate.py", "--nn", "2")  # one line, as train.py's
+    assert code == 2 and "imported>" not in out and err.strip().splitlines() == [
+        "generate.py: error: unrecognized arguments: --nn 2 (--nn: did you mean --n?) (--help lists the flags)"], err
     for script in ("train.py", "generate.py"):  # a start: its first line before the heavy imports
         code, out, err = run(script)
         assert out.splitlines()[:2] == ["starting: importing torch and transformers ...", "<torch imported>"], out

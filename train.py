@@ -161,6 +161,7 @@ def eval_only(args):
         sys.exit("error: --eval_only runs as one process: python train.py --eval_only ..., "
                  "not under torchrun")
     _, val = load_data(args)
+    check_code_rewards(args, val)
     note_toy_model(args, args.val_data, "--val_data", "evaluates")
     hide_progress_bars()
     say_threads(args)
