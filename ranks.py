@@ -74,13 +74,13 @@ class Context:
     live: Live = field(default_factory=Live)
 
 
-def pick_threads(local_world=1):
-    """torch's CPU threads for this process, every entry point's -> their count: under torchrun the
-    cores shared among the machine's ranks (torchrun's OMP_NUM_THREADS=1 overruled); one process
-    half of them unless OMP_NUM_THREADS says (threads on a busy machine's cores wait on each other:
-    BENCHMARKS.md section 9)."""
+def pick_threads(local_world=None):
+    """torch's CPU threads for this process, every entry point's -> their count: the cores shared
+    among a machine's local_world ranks (torchrun's OMP_NUM_THREADS=1 overruled); one process
+    (None) half of them unless OMP_NUM_THREADS says (threads on a busy machine's cores wait on each
+    other: BENCHMARKS.md section 9)."""
     cores = os.cpu_count() or 1
-    if local_world > 1:
+    if local_world:
         torch.set_num_threads(max(1, cores // local_world))
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // 2)))

@@ -2404,7 +2404,8 @@ def test_a_prompt_longer_than_the_context_is_refused_by_file_and_line_before_tok
                                                                   "--val_data", str(path)])))
     assert re.fullmatch(rf"error: the prompt at {re.escape(str(path))}:2 \(8,000,\d+ characters with its template: "
                         r"at least \d+ tokens\) does not fit the model's context \(max_position_embeddings 512\) with "
-                        r"the interruption phrase \(\d+\), whatever the budgets: shorten or drop that prompt", said), said
+                        r"the interruption phrase \(\d+\), whatever the budgets: shorten or drop that prompt",
+                        said), said
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + [{"prompt": "2 " * 450, "answer": "4"}]))
     said = one_line_exit(lambda: train.start(config.get_args(["--model", toy_dir, "--data", str(path), "--val_size",
                                                               "1", "--out", str(tmp_path / "run")])))
@@ -2480,6 +2481,7 @@ def test_every_entry_point_picks_torch_threads_and_hides_loading_bars_the_same_w
     assert picked == [threads] * 2 and out.count(" -> [") == 3 and "Loading weights" not in err, (picked, err)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # said: kept
     assert ranks.pick_threads() == threads and picked == [threads] * 2
+    assert ranks.pick_threads(2) == threads and picked == [threads] * 3  # torchrun's 2 ranks: its OMP_NUM_THREADS=1
 
 
 def test_split_is_seeded_and_disjoint():
