@@ -734,6 +734,7 @@ def generate(model, prompts, *, keys=None, slots=64, version=0, stop=None, max_p
 if __name__ == "__main__":
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from checks import checked_prompt_ids
+    import config
     from data import completion_text, special_tokens
     from toy import toy_model_dir, toy_problems
     from hub import hide_progress_bars, resolve_model
