@@ -3,10 +3,10 @@ checks.py: what guards train.py's flags before anything is loaded or written: ea
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
 sandbox, what the sampler can run (config_problem on a config.json, check_supported on a loaded
 model), and the state --resume reads back (check_resumed_state, check_optimizer_state,
-check_resumed_curriculum). config.get_args calls
-check_model_dir and check_args; train.load_model calls model_config and weight_elements before a
-layer is built, and every entry point's checked_prompt_ids measures the prompts against the context
-before they are tokenized and after; each failure is one line.
+check_resumed_curriculum). config.get_args calls check_model_dir and check_args; train.load_model
+calls model_config and weight_elements before a layer is built, and every entry point's
+checked_prompt_ids measures the prompts against the context before they are tokenized and after;
+each failure is one line.
 """
 import glob
 import json
