@@ -4409,14 +4409,15 @@ def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT
 
 
 def fork_ranks(world, argv, logs, slow=None, record=None, root=ROOT, env=None):
-    """`world` Forked ranks of `train.py *argv`, with `env` (a dict, or rank -> dict) and the environment
-    torchrun gives them (a free port on the loopback interface); their logs: `logs`-rank{r}-{time}.log."""
+    """`world` Forked ranks of `train.py *argv` (argv: a list, or rank -> list), with `env` (a dict, or rank -> dict)
+    and the environment torchrun gives them (a free port on the loopback interface); their logs:
+    `logs`-rank{r}-{time}.log."""
     port = bench.free_port()
     rank_env = lambda r: dict((env(r) if callable(env) else env) or {}, RANK=str(r), WORLD_SIZE=str(world),
                               LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(port))
-    return [Forked(argv, rank_env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow, record, root)
-            for r in range(world)]
+    return [Forked(argv(r) if callable(argv) else argv, rank_env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow,
+                   record, root) for r in range(world)]
 
 
 class ForkedRun:
@@ -4786,6 +4787,26 @@ def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_pat
     dp, fs = runs["dp"][2], runs["fsdp"][2]
     for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder
+
+def test_pipeline_fsdp_a_shard_written_into_another_trainers_out_is_not_saved(tmp_path):
+    """Two --fsdp trainers whose --out differ (each node's own disk: a second line of defence behind the start-up
+    check of a shared --out): trainer 1's shard landed in its own folder, rank 0 wrote .metadata and renamed, and the
+    run printed `saved .../ckpt-000002` and exited 0 with a checkpoint that never loads. Now rank 0 names the shard,
+    the trainer and host that wrote it, and saves nothing."""
+    mine, other = tmp_path / "run", tmp_path / "node1"
+    (other / "ckpt-000002.tmp").mkdir(parents=True)  # as found on the other node: trainer 1 writes into it
+    (other / runs.RUN_MARK).write_text('{"tb": false}')
+    flags = ["--steps", "2", "--save_every", "2", "--gen_ranks", "1", "--mode", "sync", "--fsdp", "--overwrite",
+             "--heartbeat_timeout", "4"]
+    procs = fork_ranks(3, lambda r: ["--out", str(other if r == 1 else mine), *PIPE_FLAGS, *flags], tmp_path / "log")
+    rcs, outs = finish_all(procs, timeout=120)
+    assert rcs[0] == 2 and all(rcs), (rcs, outs)
+    assert re.search(rf"train.py: error: {mine}/ckpt-000002\.tmp/shards/\.metadata lists __1_0\.distcp, which trainer "
+                     rf"rank 1 on host {re.escape(socket.gethostname())} wrote, but rank 0 does not find it there "
+                     r"[^\n]*one shared --out[^\n]*not saved", outs[0]), outs[0]
+    assert "saved " not in outs[0] and not (mine / "ckpt-000002").exists()
+    assert (other / "ckpt-000002.tmp" / "shards" / "__1_0.distcp").exists()
+
 
 def test_a_step_is_the_same_whatever_splits_its_groups_one_process_data_parallel_or_fsdp(tmp_path):
     """The first step of one process taking its whole batch at once, and of 2 data-parallel trainers and 2
@@ -6379,6 +6400,77 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         runs.safe_load_planner().load_bytes(None, value)
     assert not ran.exists() and good
+
+
+def sharded_run(resumable, out):
+    """A copy of `resumable` whose checkpoint keeps its optimizer as --fsdp does, in a real shards/ (one process's
+    torch.distributed.checkpoint) -> (the checkpoint, its shards/ folder)."""
+    import torch.distributed.checkpoint as dcp
+    shutil.copytree(resumable, out)
+    ckpt = out / "ckpt-000001"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    torch.save({**state, "optimizer": None, "master": None, "shards": "shards"}, ckpt / "state.pt")
+    dcp.save({"w": torch.ones(3), "v": torch.zeros(2)}, checkpoint_id=ckpt / "shards")
+    return ckpt, ckpt / "shards"
+
+
+def test_runs_a_checkpoint_whose_metadata_lists_a_missing_shard_is_refused_on_resume_in_one_line(resumable, tmp_path):
+    """A --fsdp checkpoint is whole only with every data file its .metadata lists: one missing (a trainer that wrote
+    into its own node's disk) was taken as intact, and every trainer failed in a CheckpointException traceback. Now
+    --resume stops with one line naming the file and what to do; the whole checkpoint resumes."""
+    ckpt, shards = sharded_run(resumable, tmp_path / "run")
+    args = config.get_args(["--out", str(tmp_path / "run"), "--val_size", "4", "--resume"])
+    assert runs.resume_point(args, quiet=True)[0] == str(ckpt)
+    (shards / "__0_0.distcp").unlink()
+    said = one_line_exit(lambda: runs.resume_point(args, quiet=True))
+    assert said.startswith(f"error: --resume: {shards}/.metadata lists __0_0.distcp, which is not in {shards}") and \
+        f"remove {ckpt} to resume from the checkpoint before it" in said and "copy" in said, said
+
+
+def test_runs_a_checkpoint_is_not_final_while_its_metadata_lists_a_shard_rank0_does_not_see(resumable, tmp_path):
+    """Before ckpt-STEP.tmp becomes ckpt-STEP, rank 0 finds every file the shards' .metadata lists in its own view of
+    the folder: a shard that another trainer wrote onto its own node's disk stops the save with one line naming the
+    file, the rank and host that wrote it and the shared --out it needs; nothing is renamed."""
+    ckpt, shards = sharded_run(resumable, tmp_path / "run")
+    reports = {0: {"host": "node-a", "files": ["__0_0.distcp"]}}
+    runs.check_shards_written(str(shards), reports)  # all there: no exit
+    os.rename(shards / "__0_0.distcp", tmp_path / "elsewhere")
+    said = one_line_exit(lambda: runs.check_shards_written(str(shards), reports))
+    assert said.startswith(f"error: {shards}/.metadata lists __0_0.distcp, which trainer rank 0 on host node-a "
+                           "wrote, but rank 0 does not find it there") and "one shared --out" in said, said
+    assert "not saved" in said
+
+
+def test_runs_a_trainer_that_cannot_see_the_checkpoint_folder_rank0_made_says_so_in_one_line(tmp_path):
+    """A trainer whose --out is not rank 0's (its node's own disk) finds no ckpt-STEP.tmp there: one line naming its
+    host and the shared --out every rank needs, not a "symlink?" guess."""
+    tmp = runs.checkpoint_tmp(str(tmp_path), 4, fresh=False)
+    said = one_line_exit(lambda: runs.private_folder(tmp).__enter__())
+    assert said.startswith(f"error: {tmp}, which rank 0 made for this checkpoint, is not in this rank's --out on "
+                           f"host {socket.gethostname()}") and "shared --out" in said, said
+
+
+def test_runs_leftover_temporary_files_of_the_run_are_pruned_at_resume_and_save(toy_dir, resumable, tmp_path):
+    """A save cut short (a crash, SIGKILL, a full disk) leaves ckpt-STEP.tmp (with its shards) or NAME.tmp in --out,
+    never pruned. Now the resumed run removes every such name of its own (a planted link: the link, never what it
+    points at), and keeps any other file."""
+    out = tmp_path / "run"
+    shutil.copytree(resumable, out)
+    (out / "ckpt-000005.tmp" / "shards").mkdir(parents=True)
+    (out / "ckpt-000005.tmp" / "shards" / "__1_0.distcp").write_bytes(b"x" * 100)
+    (out / "curriculum-rank1.json.tmp").write_text("half")
+    snapshot = planted(tmp_path, out / "ckpt-000002.tmp")
+    before = snapshot()
+    (out / "notes.tmp").write_text("mine")  # not a name the run writes: kept
+    run_train(toy_dir, out, "--steps", "2", "--resume")
+    assert sorted(os.listdir(out)) == [".lock", ".train-run.json", "ckpt-000001", "ckpt-000002", "metrics.jsonl",
+                                       "notes.tmp"]
+    assert snapshot() == before
+    (out / "ckpt-000009.tmp").mkdir()  # a save's leftover appearing mid-run: the next save prunes it
+    fake = dict(model=types.SimpleNamespace(save_pretrained=lambda p: (Path(p) / "config.json").write_text("{}")),
+                tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={"step": 3}, keep=5)
+    runs.save_checkpoint(str(out), 3, **fake)
+    assert not (out / "ckpt-000009.tmp").exists() and (out / "ckpt-000003").is_dir()
 
 
 def shards_and_a_payload(tmp_path):
