@@ -177,7 +177,7 @@ def part(ctx):
     dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------
-# a checkpoint's parts: --fsdp's shards
+# a checkpoint's parts: --fsdp's shards, the generators' curricula
 
 
 def shards_written(ctx, name):
@@ -196,6 +196,22 @@ def shards_written(ctx, name):
             from None
     return {r: json.loads(ctx.store.get(k)) for r, k in keys.items()}
 
+
+def generator_states(ctx, step):
+    """Trainer 0, saving checkpoint `step`: every generator's curriculum at that step, asked for
+    through the store (pipeline.send_state answers) -> {str(rank): its state}."""
+    ctx.store.set("save_request", str(step))
+    keys = {r: f"genstate/{step}/{r}" for r in range(ctx.n_trainers, ctx.world)}
+    try:
+        wait_until(ctx, lambda: ctx.store.check(list(keys.values())),
+                   f"the generators' curricula at step {step}, for its checkpoint")
+    except TimeoutError as err:
+        silent = [role_of(ctx, r) for r, k in keys.items() if not ctx.store.check([k])]
+        raise TimeoutError(f"{err}; none from {', '.join(silent)}") from None
+    states = {str(r): json.loads(ctx.store.get(k)) for r, k in keys.items()}
+    for k in keys.values():
+        ctx.store.delete_key(k)
+    return states
 
 # -----------------------------------------------------------------------------
 # a held-out eval on trainer 0

@@ -4709,10 +4709,11 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     rcs, outs = finish_all(procs)
     assert rcs[0] != 0 and rcs[1] != 0 and time.time() - t_kill < 60
     assert "rank 0" in outs[1] and "ERROR" in outs[1], outs[1]
-    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.json").exists()
-    saved = json.loads((tmp_path / "curriculum-rank1.json").read_text())  # for a resume at step 2 or 4
-    assert saved["epoch"] == 0 and saved["pos"] in (2 * 4, 4 * 4)  # exactly its batches served (not k more),
-    assert sum(map(len, saved["history"].values())) == saved["pos"]  # with every one of their pass rates
+    assert (tmp_path / "ckpt-000002").exists()
+    for ckpt in runs.checkpoints(str(tmp_path)):  # each holds the generator's curriculum at its step
+        saved = torch.load(Path(ckpt) / "state.pt", weights_only=True)["curricula"]["1"]
+        assert saved["epoch"] == 0 and saved["pos"] == runs.step_of(ckpt) * 4  # exactly its batches served (not k
+        assert sum(map(len, saved["history"].values())) == saved["pos"]  # more), with every one of their pass rates
     procs = launch(2, tmp_path, *flags, "--resume")
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0], outs
@@ -4720,6 +4721,31 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert all(r["lag_max"] <= 2 for r in recs)  # the bound holds right after resume too
     assert "resumed from" in outs[0]
+
+
+def test_pipeline_every_checkpoint_holds_each_generators_curriculum_and_an_older_one_resumes_exactly(tmp_path):
+    """Trainer 0 saves every generator's curriculum (and No-Positive-Resampling history) at the checkpoint's step
+    into the checkpoint, sent through the store: a generator wrote its own file into --out when it took new
+    weights (so not during a held-out eval, nor on a node without the shared disk) and only the newest, so a
+    resume from an older checkpoint took a curriculum of later steps. Here each checkpoint holds the state of
+    exactly its batches, and a resume from ckpt-000002 (the newer one damaged) takes steps 3 and 4 as the straight
+    run did."""
+    flags = ["--steps", "4", "--save_every", "2", "--mode", "sync"]
+    rcs, outs = finish_all(launch(2, tmp_path, *flags))
+    assert rcs == [0, 0], outs
+    straight = train_records(tmp_path)
+    for step in (2, 4):
+        saved = torch.load(tmp_path / f"ckpt-{step:06d}" / "state.pt", weights_only=True)["curricula"]["1"]
+        assert saved["epoch"] == 0 and saved["pos"] == step * 4  # 4 prompts a step, all this generator's
+        assert sum(map(len, saved["history"].values())) == step * 4  # and each one's pass rate
+    assert sorted(os.listdir(tmp_path)) == [".lock", ".train-run.json", "ckpt-000002", "ckpt-000004", "metrics.jsonl"]
+    (tmp_path / "ckpt-000004" / "state.pt").unlink()
+    rcs, outs = finish_all(launch(2, tmp_path, *flags, "--resume"))
+    assert rcs == [0, 0] and f"resumed from {tmp_path / 'ckpt-000002'} at step 2" in outs[0], outs
+    again = train_records(tmp_path)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    for a, b in zip(straight, again):
+        assert (a["reward"], a["kept_prompts"], a["loss"]) == (b["reward"], b["kept_prompts"], b["loss"]), a["step"]
 
 
 def worker_pids(launcher_pid):
@@ -5173,7 +5199,9 @@ def test_pipeline_a_signal_to_one_rank_stops_every_rank_with_the_last_step_saved
     assert rcs == [128 + signal.SIGTERM] * 2, out
     done = len(train_records(tmp_path))
     assert f"stopped by a signal after step {done}/40; saved {tmp_path / f'ckpt-{done:06d}'}; continue with: " \
-           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.json").exists()
+           "torchrun --nproc_per_node 2 " in out
+    saved = torch.load(tmp_path / f"ckpt-{done:06d}" / "state.pt", weights_only=True)["curricula"]["1"]
+    assert saved["pos"] == done * 4  # the generator's curriculum at the step saved
     rcs, (out, _) = finish_all(launch(2, tmp_path, "--steps", str(done + 2), "--save_every", "0", "--resume"))
     assert rcs == [0, 0] and f"resumed from {tmp_path / f'ckpt-{done:06d}'} at step {done}" in out, out
     assert [r["step"] for r in train_records(tmp_path)] == list(range(1, done + 3))
@@ -5921,9 +5949,8 @@ def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_d
                        tmp_path / "new" / f".write-test-{os.getpid()}", tmp_path / "study" / "problems" / "train.jsonl.tmp",
                        tmp_path / "study" / "problems" / "val.jsonl")
     before = snapshot()
-    pipeline._save_curriculum(data.Curriculum(10, seed=1), str(out / "curriculum-rank1.json"))
-    assert json.loads((out / "curriculum-rank1.json").read_text()) == data.Curriculum(10, seed=1).state_dict()
-    assert snapshot() == before
+    runs.replace_file(str(out / "curriculum-rank1.json"), lambda f: f.write("{}"))
+    assert (out / "curriculum-rank1.json").read_text() == "{}" and snapshot() == before
     write_eval_lines(out, [{"kind": "eval", "step": i, "compute_s": 1.0 + i, "pass_rate": 0.5} for i in range(3)])
     png = fit.plot_curves(str(out))
     assert snapshot() == before and not os.path.islink(png) and Path(png).read_bytes()[:4] == b"\x89PNG"
@@ -6284,24 +6311,31 @@ def test_train_resume_refuses_a_metrics_line_without_a_field_the_resume_reads(to
         assert "step 2/" not in capsys.readouterr().out
 
 
-def test_pipeline_generator_refuses_a_malformed_saved_curriculum_in_one_line(tmp_path):
-    """A generator rank's curriculum-rankN.json is resumed state too, checked by the same code as state.pt's: an
-    order past its prompts, a missing field or a pass rate out of range stop it with one line naming file and
-    field, before it samples."""
+def test_pipeline_generator_refuses_a_malformed_saved_curriculum_in_one_line(tmp_path, capsys):
+    """A generator rank's curriculum (in its checkpoint's state.pt, curricula.RANK) is resumed state too, checked by
+    the same code as the one process's: an order past its prompts, a missing field or a pass rate out of range stop
+    it with one line naming file and field, before it samples; a checkpoint with none for it says so in one line."""
     args = config.get_args(["--out", str(tmp_path), "--val_size", "4", "--resume"])
     problems = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
     ctx = types.SimpleNamespace(rank=2, n_trainers=1, n_gens=2)  # generator 1 of 2: prompts 1, 3, 5, 7, 9
     honest = data.Prompts(10, 1, 2, args.prompts, args.seed, True).curriculum.state_dict()
-    path = tmp_path / "curriculum-rank2.json"
+    ckpt = tmp_path / "ckpt-000004"
     for key, value, field, why in (("order", [0, 1, 2, 3, 5], "order", "holds 5"), ("n", 10, "n", "is 10, expected 5"),
                                    ("retired", None, "retired", "is missing"),
                                    ("history", {"1": [1.5]}, "history.1", "is 1.5")):
         saved = {k: v for k, v in honest.items() if k != key}
-        path.write_text(json.dumps({**saved, **({key: value} if value is not None else {})}))
+        state = {"step": 4, "curricula": {"2": {**saved, **({key: value} if value is not None else {})}}}
         with pytest.raises(SystemExit) as exit_:
-            pipeline.run_generator(ctx, args, None, None, problems, None, 0, str(path), [], [])
+            pipeline.run_generator(ctx, args, None, None, problems, None, str(ckpt), state, [], [])
         line = str(exit_.value.code)
-        assert line.startswith(f"error: --resume: {path}: field {field} ") and why in line and "\n" not in line, line
+        assert line.startswith(f"error: --resume: {ckpt}/state.pt: field curricula.2.{field} ") and why in line and \
+            "\n" not in line, line
+    assert checks.resumed_curriculum(str(ckpt), {"step": 4, "curricula": {"2": honest}}, 2, 5) == honest
+    assert checks.resumed_curriculum(None, {}, 2, 5) is None and capsys.readouterr().out == ""  # a new run
+    assert checks.resumed_curriculum(str(ckpt), {"step": 4, "curricula": {"3": honest}}, 2, 5) is None
+    assert capsys.readouterr().out == (f"generator rank 2: --resume: {ckpt}/state.pt holds no curriculum of this "
+                                       "generator (saved by an older train.py, or with other --gen_ranks): it starts "
+                                       "a fresh one, with no No-Positive-Resampling history of its prompts\n")
 
 
 def capped_run(argv, log, script):

@@ -444,9 +444,8 @@ def finish(rec, env, trainer, source, stopped, signaled, t_start):
 def serve_rollouts(args):
     """A generator rank's life: pipeline.run_generator until the trainers say stop."""
     env = start(args)
-    path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.json")
     pipeline.run_generator(env.ctx, args, env.model, env.tokenizer, env.train, env.train_ids,
-                           env.state.get("step", 0), path, env.val, env.val_ids)
+                           env.ckpt, env.state, env.val, env.val_ids)
     ranks.part(env.ctx)
 
 
