@@ -5155,6 +5155,38 @@ def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path
     assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
 
 
+def test_train_an_eval_a_signal_cut_short_is_redone_on_resume_and_step_0s_is_kept(toy_dir, tmp_path, monkeypatch):
+    """Ctrl-C while a held-out eval samples (faults.stop_on_signals' flag, raised from inside the eval): the eval
+    logged nothing, the resume went on to the next step and that step's eval never came (evals 0, 2 of 0, 1, 2);
+    during step 0's eval nothing was saved at all. Now the step is saved (step 0 too), its resume evaluates it first,
+    and the evals and steps equal an uninterrupted run's."""
+    evals_of = lambda out: [{k: r[k] for k in ("step", "pass_rate", "n", "trunc", "len")}  # noqa: E731
+                            for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "eval"]
+    flags = ["--steps", "2", "--eval_every", "1"]
+    run_train(toy_dir, tmp_path / "straight", *flags)
+    assert [e["step"] for e in evals_of(tmp_path / "straight")] == [0, 1, 2]
+    real, out = train.evaluate, tmp_path / "cut"
+    for cut, resume in ((1, ()), (2, ("--resume",))):  # step 0's eval; then, resumed, step 1's (after 0's again)
+        calls = []
+
+        def cut_short(*a, **k):
+            calls.append(1)
+            if len(calls) == cut:  # the signal's flag, set while this eval samples
+                faults.STOP.update(name="SIGINT", at=time.time())
+            return real(*a, **k)
+        monkeypatch.setattr(train, "evaluate", cut_short)
+        try:
+            run_train(toy_dir, out, *flags, *resume)
+        finally:
+            faults.STOP.clear()
+        assert [e["step"] for e in evals_of(out)] == [0] * (cut - 1) and (out / f"ckpt-{cut - 1:06d}").is_dir()
+    monkeypatch.setattr(train, "evaluate", real)
+    run_train(toy_dir, out, *flags, "--resume")
+    assert evals_of(out) == evals_of(tmp_path / "straight")
+    assert strip_timing(map(json.loads, open(out / "metrics.jsonl"))) == \
+        strip_timing(map(json.loads, open(tmp_path / "straight" / "metrics.jsonl")))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_continues_exactly(toy_dir, tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM mid-run: the step under way is abandoned, the last finished one saved, one
