@@ -3,7 +3,7 @@ checks.py: what guards train.py's flags before anything is loaded or written: ea
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
 sandbox, the "did you mean" of a mistyped flag, what the sampler can run (config_problem on a
 config.json, check_supported on a loaded model), and the state --resume reads back
-(check_resumed_state, check_optimizer_state, check_resumed_curriculum). config.get_args calls
+(check_resumed_state, check_optimizer_state, resumed_curriculum). config.get_args calls
 check_model_dir and check_args; train.load_model calls model_config and weight_elements before a
 layer is built, and prompt_error measures the prompts before they are tokenized; each failure is one
 line.
