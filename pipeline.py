@@ -185,6 +185,12 @@ class RemoteRollouts:
         return {"curricula": generator_states(self.ctx, version)} if self.ctx.rank == 0 else {}
 
     def close(self, version):
+        """The end; trainer 0 names each eval a signal left unfinished on the generators."""
+        for step, _ in self.pending:
+            print(f"held-out eval of step {step}: cut short by the signal; "
+                  + ("--resume redoes it" if step == version else
+                     f"lost (training went on to step {version}, and the generators no longer hold "
+                     f"the weights of step {step})"), flush=True)
         drain(self.ctx, version)
         part(self.ctx)
 

@@ -4574,7 +4574,8 @@ def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_tra
     """The generator runs the step-0 eval (4,000 samples: about 12 s, past --timeout) beside the training groups,
     in at most EVAL_SHARE of its slots: the trainer takes its steps while it runs (it was queued ahead of them:
     "rank 0 (trainer) waited 5.0 s for rollouts for step 1 (groups 0..3) (--timeout)"). Stopped by a signal after
-    step 2, long before the eval ends: a signal skips the evals."""
+    step 2, long before the eval ends: a signal skips the evals, and trainer 0 says which it cut short (that one
+    is lost: the weights of step 0 are gone from the generators)."""
     procs = launch(2, tmp_path, "--steps", "1000", "--val_size", "500", "--eval_samples", "8", "--timeout", "5")
     wait_for_train_records(tmp_path, 2, procs)
     procs[0].send_signal(signal.SIGINT)
@@ -4582,6 +4583,10 @@ def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_tra
     assert rcs == [128 + signal.SIGINT] * 2, outs
     lines = [(r["kind"], r["step"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "step" in r]
     assert lines[0] == ("train", 1) and ("train", 2) in lines, lines  # step 1 before the eval's line, if any
+    if ("eval", 0) not in lines:
+        done = len([k for k, _ in lines if k == "train"])
+        assert (f"held-out eval of step 0: cut short by the signal; lost (training went on to step {done}, and the "
+                "generators no longer hold the weights of step 0)") in outs[0], outs[0]
 
 
 def test_pipeline_a_held_out_prompt_longer_than_every_training_prompt_is_sampled_on_the_generators(tmp_path):
