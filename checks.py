@@ -3,7 +3,7 @@ checks.py: what guards train.py's flags before anything is loaded or written: ea
 range, the clipping bounds, the model folder, the budgets against the model's context, the code
 sandbox, what the sampler can run (config_problem on a config.json, check_supported on a loaded
 model), and the state --resume reads back (check_resumed_state, check_optimizer_state,
-check_resumed_curriculum). config.get_args calls check_model_dir and check_args; train.load_model
+resumed_curriculum). config.get_args calls check_model_dir and check_args; train.load_model
 calls model_config and weight_elements before a layer is built, and every entry point's
 checked_prompt_ids measures the prompts against the context before they are tokenized and after;
 each failure is one line.
@@ -455,18 +455,31 @@ def check_resumed_state(state, path, step, args, n_train):
         else:
             _need(state.get("optimizer", MISSING), "optimizer", dict,
                   what="a dict (a run of --fsdp keeps it in shards/: resume it with --fsdp)")
-        if "curriculum" in state:  # generator ranks save theirs apart
+        if "curriculum" in state:  # one process; generator ranks': curricula, by rank
             _check_curriculum(state["curriculum"], n_train, "curriculum.")
+        if "curricula" in state:  # each generator checks its own (resumed_curriculum)
+            _need(state["curricula"], "curricula", dict, what="a dict of generators' curricula")
     except ValueError as err:
         sys.exit(f"error: --resume: {path}: {err}")
 
 
-def check_resumed_curriculum(saved, path, n):
-    """A generator rank's curriculum-rankN.json for its n prompts -> one line naming the field."""
+def resumed_curriculum(ckpt, state, rank, n):
+    """A generator rank's curriculum for its n prompts from the checkpoint it resumes (state.pt's
+    curricula, which trainer 0 saved) -> the saved state, checked (one line naming the field); None
+    when there is none, said in one line."""
+    if not ckpt:
+        return None
+    saved = state.get("curricula", {}).get(str(rank))
+    if saved is None:
+        print(f"generator rank {rank}: --resume: {ckpt}/state.pt holds no curriculum of this "
+              "generator (saved by an older train.py, or with other --gen_ranks): it starts a "
+              "fresh one, with no No-Positive-Resampling history of its prompts", flush=True)
+        return None
     try:
-        _check_curriculum(saved, n)
+        _check_curriculum(saved, n, f"curricula.{rank}.")
     except ValueError as err:
-        sys.exit(f"error: --resume: {path}: {err}")
+        sys.exit(f"error: --resume: {ckpt}/state.pt: {err}")
+    return saved
 
 
 def check_optimizer_state(state, path, model):

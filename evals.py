@@ -22,6 +22,11 @@ from generate import drive
 EVAL_KEY = 10 ** 12  # held-out noise keys start here, clear of the training samples'
 
 
+def due(step, args):
+    """Is a held-out eval of `step` in the run's schedule (--eval_every, and the last step)?"""
+    return step % args.eval_every == 0 or step == args.steps
+
+
 def held_out_items(val_ids, k, g=0, n_gens=1):
     """Generator g's share of a held-out eval, the same noise at every eval."""
     n = len(val_ids)

@@ -55,6 +55,7 @@ def new_record(env, trainer):
     if env.rank0 and env.ckpt:
         kept = truncate_metrics(path, trainer.version)
         rec.evals = [(r["compute_s"], r["pass_rate"]) for r in kept if r["kind"] == "eval"]
+        rec.evaluated = max((r["step"] for r in kept if r["kind"] == "eval"), default=-1)
         rec.eval_intr = [r.get("intr", 0.0) for r in kept if r["kind"] == "eval"]
         rec.forgets = [r["forget"] for r in kept if r["kind"] == "train" and r["kept_prompts"]
                        and r.get("forget") is not None][-FORGET_WINDOW:]  # the alarm's window

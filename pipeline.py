@@ -15,7 +15,6 @@ sync: k = 1. Each rule is one section below: "PipelineRL-k: the lag rule", "the 
 
 import json
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from checks import check_resumed_curriculum
+from checks import resumed_curriculum
 from data import Prompts, score_samples, special_tokens
 from evals import EvalShare, score_held_out
 from faults import STOP, Stopped, get_int, set_status, stop_requested, wait_until
@@ -32,9 +31,8 @@ from generate import sampler
 import generate
 from loss import LengthControl
 from plan import fit_slots, in_flight, peak_gb
-from ranks import (busy_metrics, drain, on_trainer0, pack_group, part, receive_rows, unpack_group,
-                   weight_buckets)
-from runs import LARGE_BYTES, read_json, replace_file
+from ranks import (busy_metrics, drain, generator_states, on_trainer0, pack_group, part,
+                   receive_rows, unpack_group, weight_buckets)
 
 
 # -----------------------------------------------------------------------------
@@ -182,9 +180,17 @@ class RemoteRollouts:
         return self.eval_wait
 
     def state_dict(self, version):
-        return {}
+        """Trainer 0: every generator's curriculum at `version`, sent through the store (a
+        generator needs no shared disk)."""
+        return {"curricula": generator_states(self.ctx, version)} if self.ctx.rank == 0 else {}
 
     def close(self, version):
+        """The end; trainer 0 names each eval a signal left unfinished on the generators."""
+        for step, _ in self.pending:
+            print(f"held-out eval of step {step}: cut short by the signal; "
+                  + ("--resume redoes it" if step == version else
+                     f"lost (training went on to step {version}, and the generators no longer hold "
+                     f"the weights of step {step})"), flush=True)
         drain(self.ctx, version)
         part(self.ctx)
 
@@ -260,9 +266,10 @@ class WeightState:
 
 @dataclass
 class RankState:
-    """A generator rank's sends in flight, its curriculum file, and where its time went."""
+    """A generator rank's sends in flight, the checkpoint it last sent its state for, and where its
+    time went."""
     pruned: list  # per trainer: the sends already waited on and forgotten
-    curriculum_path: str
+    sent_state: int = -1
     sends: list = field(default_factory=list)
     t0: float = field(default_factory=time.time)
     idle: float = 0.0
@@ -561,30 +568,24 @@ def take_staged(gen):
 
 
 def take_weights(gen, version):
-    """The model holds `version` now: save the curriculum a resume at a checkpoint passed starts
-    from, forget the older resume copies."""
-    every, before = gen.args.save_every, gen.weights.version
+    """The model holds `version` now: forget the resume copies of older batches (no checkpoint of
+    theirs is asked for any more)."""
     gen.weights.version = version
-    if every and version // every > before // every:
-        b = version // every * every  # versions may step over b
-        _save_curriculum(gen.prompts.state_at(b), gen.rank.curriculum_path)
     gen.prompts.forget_before(version)
 
 # -----------------------------------------------------------------------------
 # a generator rank's life
 
 
-def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_version,
-                  curriculum_path, val, val_ids):
-    """A generator rank's whole life, until the trainers say stop."""
-    saved, g = None, ctx.rank - ctx.n_trainers
-    if args.resume and os.path.exists(curriculum_path):
-        saved = read_json(curriculum_path, LARGE_BYTES, follow=False)
-        # over data.Prompts' share: every n_gens-th prompt from g
-        check_resumed_curriculum(saved, curriculum_path, len(range(g, len(problems), ctx.n_gens)))
+def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, ckpt, state, val, val_ids):
+    """A generator rank's whole life, until the trainers say stop; ckpt, state: the checkpoint it
+    resumes (None, {}: a new run)."""
+    g, start_version = ctx.rank - ctx.n_trainers, state.get("step", 0)
+    # over data.Prompts' share: every n_gens-th prompt from g
+    saved = resumed_curriculum(ckpt, state, ctx.rank, len(range(g, len(problems), ctx.n_gens)))
     gen = new_gen_state(args, model, tokenizer, problems, prompt_ids, g, ctx.n_gens, start_version,
                         lambda group: send_group(ctx, gen, group), saved)
-    gen.rank = RankState([0] * ctx.n_trainers, curriculum_path)
+    gen.rank = RankState([0] * ctx.n_trainers)
     gen.evals = EvalShare(val, val_ids, report=lambda v, records: ctx.store.set(
         f"eval/{v}/{ctx.rank}", json.dumps(records)))
     say = lambda line: print(f"generator rank {ctx.rank}: {line}", flush=True)  # noqa: E731
@@ -595,8 +596,6 @@ def run_generator(ctx, args, model, tokenizer, problems, prompt_ids, start_versi
             generate_round(ctx, gen)
     except Stopped:
         pass
-    last = int(ctx.store.get("last_step"))
-    _save_curriculum(gen.prompts.state_at(last), curriculum_path)
     publish_stats(ctx, gen, force=True)
     ctx.store.add("generators_done", 1)
     set_status(ctx, "waiting for trainers to take the last rollouts")
@@ -629,6 +628,7 @@ def poll(ctx, gen, apply=True):
     stop_requested(ctx)  # first: a stop after a signal exits with the signal's status
     if ctx.store.get("stop") == b"1":
         raise Stopped
+    send_state(ctx, gen)
     version = int(ctx.store.get("version"))
     if apply and version > max(w.version, w.staged_version):
         update_weights(ctx, gen, version)
@@ -637,6 +637,19 @@ def poll(ctx, gen, apply=True):
         e.start(w.version, gen.args.eval_samples, gen.index, gen.n_gens)
     publish_stats(ctx, gen)
     return w.version
+
+
+def send_state(ctx, gen):
+    """A checkpoint under way (trainer 0's save_request): this generator's curriculum at its step,
+    into the store for trainer 0 to save. Every batch before that step is verified and recorded (its
+    groups were trained), and no later weights came yet: the copy held for that step is final."""
+    if not ctx.store.check(["save_request"]):
+        return
+    step = int(ctx.store.get("save_request"))
+    if step != gen.rank.sent_state:
+        ctx.store.set(f"genstate/{step}/{ctx.rank}", json.dumps(gen.prompts.state_at(step)
+                                                                 .state_dict()))
+        gen.rank.sent_state = step
 
 
 def publish_stats(ctx, gen, force=False):
@@ -666,6 +679,3 @@ def send_group(ctx, gen, group):
                 r.sends.remove(x)
                 r.pruned[t] += 1
 
-
-def _save_curriculum(curriculum, path):
-    replace_file(path, lambda f: json.dump(curriculum.state_dict(), f))

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from faults import get_int, set_status, wait_until, watch
+from faults import get_int, role_of, set_status, wait_until, watch
 from generate import FINISH, Sample
 
 
@@ -188,6 +188,43 @@ def part(ctx):
     ctx.live.heartbeat.join(timeout=ctx.timeout)
     dist.barrier(group=ctx.rollouts)
     dist.destroy_process_group()
+
+# -----------------------------------------------------------------------------
+# a checkpoint's parts: --fsdp's shards, the generators' curricula
+
+
+def shards_written(ctx, name):
+    """Each trainer, once its shards of checkpoint `name` are written: its word and host, into the
+    store. -> trainer 0: {rank: {"host": ...}}, once every trainer sent its word; others: None."""
+    ctx.store.set(f"shards/{name}/{ctx.rank}", json.dumps({"host": socket.gethostname()}))
+    if ctx.rank != 0:
+        return None
+    keys = {r: f"shards/{name}/{r}" for r in range(ctx.n_trainers)}
+    try:
+        wait_until(ctx, lambda: ctx.store.check(list(keys.values())),
+                   f"every trainer's word that its shards of {name} are written")
+    except TimeoutError as err:
+        silent = [role_of(ctx, r) for r, k in keys.items() if not ctx.store.check([k])]
+        raise TimeoutError(f"{err}; no word from {', '.join(silent)}: {name} is not saved") \
+            from None
+    return {r: json.loads(ctx.store.get(k)) for r, k in keys.items()}
+
+
+def generator_states(ctx, step):
+    """Trainer 0, saving checkpoint `step`: every generator's curriculum at that step, asked for
+    through the store (pipeline.send_state answers) -> {str(rank): its state}."""
+    ctx.store.set("save_request", str(step))
+    keys = {r: f"genstate/{step}/{r}" for r in range(ctx.n_trainers, ctx.world)}
+    try:
+        wait_until(ctx, lambda: ctx.store.check(list(keys.values())),
+                   f"the generators' curricula at step {step}, for its checkpoint")
+    except TimeoutError as err:
+        silent = [role_of(ctx, r) for r, k in keys.items() if not ctx.store.check([k])]
+        raise TimeoutError(f"{err}; none from {', '.join(silent)}") from None
+    states = {str(r): json.loads(ctx.store.get(k)) for r, k in keys.items()}
+    for k in keys.values():
+        ctx.store.delete_key(k)
+    return states
 
 # -----------------------------------------------------------------------------
 # a held-out eval on trainer 0

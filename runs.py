@@ -129,6 +129,7 @@ def prepare_out_dir(args, need_mb=100):
     lock_run(out)
     for name in held if args.overwrite else []:
         remove(os.path.join(out, name))
+    prune_leftovers(out)  # a resumed run's saves cut short
     mark = {} if args.overwrite else read_mark(out)
     write_file(os.path.join(out, RUN_MARK),
                json.dumps({"tb": mark.get("tb") or args.tensorboard,
@@ -340,6 +341,10 @@ def _made_folder(tmp):
 @contextlib.contextmanager
 def private_folder(tmp):
     """-> a path to ckpt-STEP.tmp that no rename or link mid-save redirects (--fsdp's shards)."""
+    if not os.path.lexists(tmp):  # a trainer whose --out is its node's own disk
+        sys.exit(printable(f"error: {tmp}, which rank 0 made for this checkpoint, is not in this "
+                           f"rank's --out on host {socket.gethostname()}: every rank must write "
+                           "into one shared --out (the same folder on a disk every node mounts)"))
     with _made_folder(tmp) as fd:
         yield f"/proc/self/fd/{fd}"  # this folder, wherever it is moved
 
@@ -377,7 +382,39 @@ def save_checkpoint(out, step, model, tokenizer, state, keep, fresh=True):
     older = [p for p in checkpoints(out) if step_of(p) < step]
     for old in older[:max(0, len(older) - (keep - 1))]:
         remove(old)
+    prune_leftovers(out)
     return final
+
+
+def prune_leftovers(out):
+    """Rank 0 (the one writer): remove what a save or write cut short left in --out, NAME.tmp of the
+    names a run writes (a planted link: the link only)."""
+    for name in os.listdir(out):
+        if name.endswith(".tmp") and RUN_NAME.fullmatch(name):
+            remove(os.path.join(out, name))
+
+
+def check_shards_written(folder, reports, where=None):
+    """Rank 0, before ckpt-STEP.tmp becomes ckpt-STEP: every file --fsdp's .metadata in folder
+    (read at `where`, its private path) lists is there. reports: {trainer rank: {"host": ...}},
+    from ranks.shards_written."""
+    missing = missing_shards(where or folder)
+    if missing:
+        writer = re.match(r"__(\d+)_", missing[0])  # torch.distributed.checkpoint's __RANK_N.distcp
+        rank = int(writer[1]) if writer else None
+        host = reports.get(rank, {}).get("host", "?")
+        sys.exit(printable(
+            f"error: {folder}/.metadata lists {missing[0]}, which trainer rank {rank} on host "
+            f"{host} wrote, but rank 0 does not find it there (on host {socket.gethostname()}): "
+            "every rank must write into one shared --out (the same folder on a disk every node "
+            "mounts); this checkpoint is not saved, "
+            f"{last_good(os.path.dirname(os.path.dirname(folder)))}"))
+
+
+def missing_shards(folder):
+    """The data files --fsdp's .metadata in folder lists that are not regular files there."""
+    names = sorted({info.relative_path for info in check_shards(folder).storage_data.values()})
+    return [n for n in names if not os.path.isfile(os.path.join(folder, n))]
 
 
 def step_of(ckpt):
@@ -411,12 +448,26 @@ def intact_checkpoint(out, quiet=False):
             if state.get("shards") and not os.path.isfile(
                     os.path.join(path, state["shards"], ".metadata")):
                 raise FileNotFoundError(f"no {state['shards']}/.metadata")
+            if state.get("shards"):
+                whole_shards(path, os.path.join(path, state["shards"]))
             return path, state
         except Exception as err:
             if not quiet:
                 print(printable(f"--resume: skipping {path}, it does not load "
                                 f"({type(err).__name__}: {err})"), flush=True)
     return None, {}
+
+
+def whole_shards(ckpt, folder):
+    """--resume: every file the shards' .metadata lists is there, or one line naming the first."""
+    missing = missing_shards(folder)
+    if missing:
+        sys.exit(printable(
+            f"error: --resume: {folder}/.metadata lists {missing[0]}, which is not in {folder} "
+            f"({len(missing)} of its files missing; written onto another node's disk?): copy "
+            f"{'them' if len(missing) > 1 else 'it'} there from the --out of the node that wrote "
+            f"{'them' if len(missing) > 1 else 'it'}, or remove {ckpt} to resume from the "
+            "checkpoint before it"))
 
 
 def load_state(path, cap):

@@ -4489,14 +4489,15 @@ def launch(world, out, *flags, torchrun=False, slow=None, record=None, root=ROOT
 
 
 def fork_ranks(world, argv, logs, slow=None, record=None, root=ROOT, env=None):
-    """`world` Forked ranks of `train.py *argv`, with `env` (a dict, or rank -> dict) and the environment
-    torchrun gives them (a free port on the loopback interface); their logs: `logs`-rank{r}-{time}.log."""
+    """`world` Forked ranks of `train.py *argv` (argv: a list, or rank -> list), with `env` (a dict, or rank -> dict)
+    and the environment torchrun gives them (a free port on the loopback interface); their logs:
+    `logs`-rank{r}-{time}.log."""
     port = bench.free_port()
     rank_env = lambda r: dict((env(r) if callable(env) else env) or {}, RANK=str(r), WORLD_SIZE=str(world),
                               LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(port))
-    return [Forked(argv, rank_env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow, record, root)
-            for r in range(world)]
+    return [Forked(argv(r) if callable(argv) else argv, rank_env(r), f"{logs}-rank{r}-{time.time_ns()}.log", slow,
+                   record, root) for r in range(world)]
 
 
 class ForkedRun:
@@ -4653,7 +4654,8 @@ def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_tra
     """The generator runs the step-0 eval (4,000 samples: about 12 s, past --timeout) beside the training groups,
     in at most EVAL_SHARE of its slots: the trainer takes its steps while it runs (it was queued ahead of them:
     "rank 0 (trainer) waited 5.0 s for rollouts for step 1 (groups 0..3) (--timeout)"). Stopped by a signal after
-    step 2, long before the eval ends: a signal skips the evals."""
+    step 2, long before the eval ends: a signal skips the evals, and trainer 0 says which it cut short (that one
+    is lost: the weights of step 0 are gone from the generators)."""
     procs = launch(2, tmp_path, "--steps", "1000", "--val_size", "500", "--eval_samples", "8", "--timeout", "5")
     wait_for_train_records(tmp_path, 2, procs)
     procs[0].send_signal(signal.SIGINT)
@@ -4661,6 +4663,10 @@ def test_pipeline_a_held_out_eval_longer_than_the_timeout_does_not_stall_the_tra
     assert rcs == [128 + signal.SIGINT] * 2, outs
     lines = [(r["kind"], r["step"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "step" in r]
     assert lines[0] == ("train", 1) and ("train", 2) in lines, lines  # step 1 before the eval's line, if any
+    if ("eval", 0) not in lines:
+        done = len([k for k, _ in lines if k == "train"])
+        assert (f"held-out eval of step 0: cut short by the signal; lost (training went on to step {done}, and the "
+                "generators no longer hold the weights of step 0)") in outs[0], outs[0]
 
 
 def test_pipeline_a_held_out_prompt_longer_than_every_training_prompt_is_sampled_on_the_generators(tmp_path):
@@ -4788,10 +4794,11 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     rcs, outs = finish_all(procs)
     assert rcs[0] != 0 and rcs[1] != 0 and time.time() - t_kill < 60
     assert "rank 0" in outs[1] and "ERROR" in outs[1], outs[1]
-    assert (tmp_path / "ckpt-000002").exists() and (tmp_path / "curriculum-rank1.json").exists()
-    saved = json.loads((tmp_path / "curriculum-rank1.json").read_text())  # for a resume at step 2 or 4
-    assert saved["epoch"] == 0 and saved["pos"] in (2 * 4, 4 * 4)  # exactly its batches served (not k more),
-    assert sum(map(len, saved["history"].values())) == saved["pos"]  # with every one of their pass rates
+    assert (tmp_path / "ckpt-000002").exists()
+    for ckpt in runs.checkpoints(str(tmp_path)):  # each holds the generator's curriculum at its step
+        saved = torch.load(Path(ckpt) / "state.pt", weights_only=True)["curricula"]["1"]
+        assert saved["epoch"] == 0 and saved["pos"] == runs.step_of(ckpt) * 4  # exactly its batches served (not k
+        assert sum(map(len, saved["history"].values())) == saved["pos"]  # more), with every one of their pass rates
     procs = launch(2, tmp_path, *flags, "--resume")
     rcs, outs = finish_all(procs)
     assert rcs == [0, 0], outs
@@ -4799,6 +4806,31 @@ def test_pipeline_sigkill_then_resume_restores_every_rank(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert all(r["lag_max"] <= 2 for r in recs)  # the bound holds right after resume too
     assert "resumed from" in outs[0]
+
+
+def test_pipeline_every_checkpoint_holds_each_generators_curriculum_and_an_older_one_resumes_exactly(tmp_path):
+    """Trainer 0 saves every generator's curriculum (and No-Positive-Resampling history) at the checkpoint's step
+    into the checkpoint, sent through the store: a generator wrote its own file into --out when it took new
+    weights (so not during a held-out eval, nor on a node without the shared disk) and only the newest, so a
+    resume from an older checkpoint took a curriculum of later steps. Here each checkpoint holds the state of
+    exactly its batches, and a resume from ckpt-000002 (the newer one damaged) takes steps 3 and 4 as the straight
+    run did."""
+    flags = ["--steps", "4", "--save_every", "2", "--mode", "sync"]
+    rcs, outs = finish_all(launch(2, tmp_path, *flags))
+    assert rcs == [0, 0], outs
+    straight = train_records(tmp_path)
+    for step in (2, 4):
+        saved = torch.load(tmp_path / f"ckpt-{step:06d}" / "state.pt", weights_only=True)["curricula"]["1"]
+        assert saved["epoch"] == 0 and saved["pos"] == step * 4  # 4 prompts a step, all this generator's
+        assert sum(map(len, saved["history"].values())) == step * 4  # and each one's pass rate
+    assert sorted(os.listdir(tmp_path)) == [".lock", ".train-run.json", "ckpt-000002", "ckpt-000004", "metrics.jsonl"]
+    (tmp_path / "ckpt-000004" / "state.pt").unlink()
+    rcs, outs = finish_all(launch(2, tmp_path, *flags, "--resume"))
+    assert rcs == [0, 0] and f"resumed from {tmp_path / 'ckpt-000002'} at step 2" in outs[0], outs
+    again = train_records(tmp_path)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    for a, b in zip(straight, again):
+        assert (a["reward"], a["kept_prompts"], a["loss"]) == (b["reward"], b["kept_prompts"], b["loss"]), a["step"]
 
 
 def worker_pids(launcher_pid):
@@ -4866,6 +4898,26 @@ def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_pat
     dp, fs = runs["dp"][2], runs["fsdp"][2]
     for (name, p), q in zip(dp.named_parameters(), fs.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name  # rank 0's gathered copy is a from_pretrained folder
+
+def test_pipeline_fsdp_a_shard_written_into_another_trainers_out_is_not_saved(tmp_path):
+    """Two --fsdp trainers whose --out differ (each node's own disk: a second line of defence behind the start-up
+    check of a shared --out): trainer 1's shard landed in its own folder, rank 0 wrote .metadata and renamed, and the
+    run printed `saved .../ckpt-000002` and exited 0 with a checkpoint that never loads. Now rank 0 names the shard,
+    the trainer and host that wrote it, and saves nothing."""
+    mine, other = tmp_path / "run", tmp_path / "node1"
+    (other / "ckpt-000002.tmp").mkdir(parents=True)  # as found on the other node: trainer 1 writes into it
+    (other / runs.RUN_MARK).write_text('{"tb": false}')
+    flags = ["--steps", "2", "--save_every", "2", "--gen_ranks", "1", "--mode", "sync", "--fsdp", "--overwrite",
+             "--heartbeat_timeout", "4"]
+    procs = fork_ranks(3, lambda r: ["--out", str(other if r == 1 else mine), *PIPE_FLAGS, *flags], tmp_path / "log")
+    rcs, outs = finish_all(procs, timeout=120)
+    assert rcs[0] == 2 and all(rcs), (rcs, outs)
+    assert re.search(rf"train.py: error: {mine}/ckpt-000002\.tmp/shards/\.metadata lists __1_0\.distcp, which trainer "
+                     rf"rank 1 on host {re.escape(socket.gethostname())} wrote, but rank 0 does not find it there "
+                     r"[^\n]*one shared --out[^\n]*not saved", outs[0]), outs[0]
+    assert "saved " not in outs[0] and not (mine / "ckpt-000002").exists()
+    assert (other / "ckpt-000002.tmp" / "shards" / "__1_0.distcp").exists()
+
 
 def test_a_step_is_the_same_whatever_splits_its_groups_one_process_data_parallel_or_fsdp(tmp_path):
     """The first step of one process taking its whole batch at once, and of 2 data-parallel trainers and 2
@@ -5188,6 +5240,38 @@ def test_train_sigkill_then_resume_equals_an_uninterrupted_run(toy_dir, tmp_path
     assert strip_timing(records) == strip_timing([json.loads(ln) for ln in open(tmp_path / "full" / "metrics.jsonl")])
 
 
+def test_train_an_eval_a_signal_cut_short_is_redone_on_resume_and_step_0s_is_kept(toy_dir, tmp_path, monkeypatch):
+    """Ctrl-C while a held-out eval samples (faults.stop_on_signals' flag, raised from inside the eval): the eval
+    logged nothing, the resume went on to the next step and that step's eval never came (evals 0, 2 of 0, 1, 2);
+    during step 0's eval nothing was saved at all. Now the step is saved (step 0 too), its resume evaluates it first,
+    and the evals and steps equal an uninterrupted run's."""
+    evals_of = lambda out: [{k: r[k] for k in ("step", "pass_rate", "n", "trunc", "len")}  # noqa: E731
+                            for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "eval"]
+    flags = ["--steps", "2", "--eval_every", "1"]
+    run_train(toy_dir, tmp_path / "straight", *flags)
+    assert [e["step"] for e in evals_of(tmp_path / "straight")] == [0, 1, 2]
+    real, out = train.evaluate, tmp_path / "cut"
+    for cut, resume in ((1, ()), (2, ("--resume",))):  # step 0's eval; then, resumed, step 1's (after 0's again)
+        calls = []
+
+        def cut_short(*a, **k):
+            calls.append(1)
+            if len(calls) == cut:  # the signal's flag, set while this eval samples
+                faults.STOP.update(name="SIGINT", at=time.time())
+            return real(*a, **k)
+        monkeypatch.setattr(train, "evaluate", cut_short)
+        try:
+            run_train(toy_dir, out, *flags, *resume)
+        finally:
+            faults.STOP.clear()
+        assert [e["step"] for e in evals_of(out)] == [0] * (cut - 1) and (out / f"ckpt-{cut - 1:06d}").is_dir()
+    monkeypatch.setattr(train, "evaluate", real)
+    run_train(toy_dir, out, *flags, "--resume")
+    assert evals_of(out) == evals_of(tmp_path / "straight")
+    assert strip_timing(map(json.loads, open(out / "metrics.jsonl"))) == \
+        strip_timing(map(json.loads, open(tmp_path / "straight" / "metrics.jsonl")))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_train_a_signal_saves_the_last_step_says_how_to_resume_and_resume_continues_exactly(toy_dir, tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM mid-run: the step under way is abandoned, the last finished one saved, one
@@ -5232,7 +5316,9 @@ def test_pipeline_a_signal_to_one_rank_stops_every_rank_with_the_last_step_saved
     assert rcs == [128 + signal.SIGTERM] * 2, out
     done = len(train_records(tmp_path))
     assert f"stopped by a signal after step {done}/40; saved {tmp_path / f'ckpt-{done:06d}'}; continue with: " \
-           "torchrun --nproc_per_node 2 " in out and (tmp_path / "curriculum-rank1.json").exists()
+           "torchrun --nproc_per_node 2 " in out
+    saved = torch.load(tmp_path / f"ckpt-{done:06d}" / "state.pt", weights_only=True)["curricula"]["1"]
+    assert saved["pos"] == done * 4  # the generator's curriculum at the step saved
     rcs, (out, _) = finish_all(launch(2, tmp_path, "--steps", str(done + 2), "--save_every", "0", "--resume"))
     assert rcs == [0, 0] and f"resumed from {tmp_path / f'ckpt-{done:06d}'} at step {done}" in out, out
     assert [r["step"] for r in train_records(tmp_path)] == list(range(1, done + 3))
@@ -6062,9 +6148,8 @@ def test_runs_planted_links_at_temp_and_probe_names_change_nothing_outside(toy_d
                        tmp_path / "new" / f".write-test-{os.getpid()}", tmp_path / "study" / "problems" / "train.jsonl.tmp",
                        tmp_path / "study" / "problems" / "val.jsonl")
     before = snapshot()
-    pipeline._save_curriculum(data.Curriculum(10, seed=1), str(out / "curriculum-rank1.json"))
-    assert json.loads((out / "curriculum-rank1.json").read_text()) == data.Curriculum(10, seed=1).state_dict()
-    assert snapshot() == before
+    runs.replace_file(str(out / "curriculum-rank1.json"), lambda f: f.write("{}"))
+    assert (out / "curriculum-rank1.json").read_text() == "{}" and snapshot() == before
     write_eval_lines(out, [{"kind": "eval", "step": i, "compute_s": 1.0 + i, "pass_rate": 0.5} for i in range(3)])
     png = fit.plot_curves(str(out))
     assert snapshot() == before and not os.path.islink(png) and Path(png).read_bytes()[:4] == b"\x89PNG"
@@ -6425,24 +6510,31 @@ def test_train_resume_refuses_a_metrics_line_without_a_field_the_resume_reads(to
         assert "step 2/" not in capsys.readouterr().out
 
 
-def test_pipeline_generator_refuses_a_malformed_saved_curriculum_in_one_line(tmp_path):
-    """A generator rank's curriculum-rankN.json is resumed state too, checked by the same code as state.pt's: an
-    order past its prompts, a missing field or a pass rate out of range stop it with one line naming file and
-    field, before it samples."""
+def test_pipeline_generator_refuses_a_malformed_saved_curriculum_in_one_line(tmp_path, capsys):
+    """A generator rank's curriculum (in its checkpoint's state.pt, curricula.RANK) is resumed state too, checked by
+    the same code as the one process's: an order past its prompts, a missing field or a pass rate out of range stop
+    it with one line naming file and field, before it samples; a checkpoint with none for it says so in one line."""
     args = config.get_args(["--out", str(tmp_path), "--val_size", "4", "--resume"])
     problems = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
     ctx = types.SimpleNamespace(rank=2, n_trainers=1, n_gens=2)  # generator 1 of 2: prompts 1, 3, 5, 7, 9
     honest = data.Prompts(10, 1, 2, args.prompts, args.seed, True).curriculum.state_dict()
-    path = tmp_path / "curriculum-rank2.json"
+    ckpt = tmp_path / "ckpt-000004"
     for key, value, field, why in (("order", [0, 1, 2, 3, 5], "order", "holds 5"), ("n", 10, "n", "is 10, expected 5"),
                                    ("retired", None, "retired", "is missing"),
                                    ("history", {"1": [1.5]}, "history.1", "is 1.5")):
         saved = {k: v for k, v in honest.items() if k != key}
-        path.write_text(json.dumps({**saved, **({key: value} if value is not None else {})}))
+        state = {"step": 4, "curricula": {"2": {**saved, **({key: value} if value is not None else {})}}}
         with pytest.raises(SystemExit) as exit_:
-            pipeline.run_generator(ctx, args, None, None, problems, None, 0, str(path), [], [])
+            pipeline.run_generator(ctx, args, None, None, problems, None, str(ckpt), state, [], [])
         line = str(exit_.value.code)
-        assert line.startswith(f"error: --resume: {path}: field {field} ") and why in line and "\n" not in line, line
+        assert line.startswith(f"error: --resume: {ckpt}/state.pt: field curricula.2.{field} ") and why in line and \
+            "\n" not in line, line
+    assert checks.resumed_curriculum(str(ckpt), {"step": 4, "curricula": {"2": honest}}, 2, 5) == honest
+    assert checks.resumed_curriculum(None, {}, 2, 5) is None and capsys.readouterr().out == ""  # a new run
+    assert checks.resumed_curriculum(str(ckpt), {"step": 4, "curricula": {"3": honest}}, 2, 5) is None
+    assert capsys.readouterr().out == (f"generator rank 2: --resume: {ckpt}/state.pt holds no curriculum of this "
+                                       "generator (saved by an older train.py, or with other --gen_ranks): it starts "
+                                       "a fresh one, with no No-Positive-Resampling history of its prompts\n")
 
 
 def capped_run(argv, log, script):
@@ -6541,6 +6633,77 @@ def test_runs_sharded_checkpoints_load_nothing_that_could_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         runs.safe_load_planner().load_bytes(None, value)
     assert not ran.exists() and good
+
+
+def sharded_run(resumable, out):
+    """A copy of `resumable` whose checkpoint keeps its optimizer as --fsdp does, in a real shards/ (one process's
+    torch.distributed.checkpoint) -> (the checkpoint, its shards/ folder)."""
+    import torch.distributed.checkpoint as dcp
+    shutil.copytree(resumable, out)
+    ckpt = out / "ckpt-000001"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    torch.save({**state, "optimizer": None, "master": None, "shards": "shards"}, ckpt / "state.pt")
+    dcp.save({"w": torch.ones(3), "v": torch.zeros(2)}, checkpoint_id=ckpt / "shards")
+    return ckpt, ckpt / "shards"
+
+
+def test_runs_a_checkpoint_whose_metadata_lists_a_missing_shard_is_refused_on_resume_in_one_line(resumable, tmp_path):
+    """A --fsdp checkpoint is whole only with every data file its .metadata lists: one missing (a trainer that wrote
+    into its own node's disk) was taken as intact, and every trainer failed in a CheckpointException traceback. Now
+    --resume stops with one line naming the file and what to do; the whole checkpoint resumes."""
+    ckpt, shards = sharded_run(resumable, tmp_path / "run")
+    args = config.get_args(["--out", str(tmp_path / "run"), "--val_size", "4", "--resume"])
+    assert runs.resume_point(args, quiet=True)[0] == str(ckpt)
+    (shards / "__0_0.distcp").unlink()
+    said = one_line_exit(lambda: runs.resume_point(args, quiet=True))
+    assert said.startswith(f"error: --resume: {shards}/.metadata lists __0_0.distcp, which is not in {shards}") and \
+        f"remove {ckpt} to resume from the checkpoint before it" in said and "copy" in said, said
+
+
+def test_runs_a_checkpoint_is_not_final_while_its_metadata_lists_a_shard_rank0_does_not_see(resumable, tmp_path):
+    """Before ckpt-STEP.tmp becomes ckpt-STEP, rank 0 finds every file the shards' .metadata lists in its own view of
+    the folder: a shard that another trainer wrote onto its own node's disk stops the save with one line naming the
+    file, the rank and host that wrote it and the shared --out it needs; nothing is renamed."""
+    ckpt, shards = sharded_run(resumable, tmp_path / "run")
+    reports = {0: {"host": "node-a", "files": ["__0_0.distcp"]}}
+    runs.check_shards_written(str(shards), reports)  # all there: no exit
+    os.rename(shards / "__0_0.distcp", tmp_path / "elsewhere")
+    said = one_line_exit(lambda: runs.check_shards_written(str(shards), reports))
+    assert said.startswith(f"error: {shards}/.metadata lists __0_0.distcp, which trainer rank 0 on host node-a "
+                           "wrote, but rank 0 does not find it there") and "one shared --out" in said, said
+    assert "not saved" in said
+
+
+def test_runs_a_trainer_that_cannot_see_the_checkpoint_folder_rank0_made_says_so_in_one_line(tmp_path):
+    """A trainer whose --out is not rank 0's (its node's own disk) finds no ckpt-STEP.tmp there: one line naming its
+    host and the shared --out every rank needs, not a "symlink?" guess."""
+    tmp = runs.checkpoint_tmp(str(tmp_path), 4, fresh=False)
+    said = one_line_exit(lambda: runs.private_folder(tmp).__enter__())
+    assert said.startswith(f"error: {tmp}, which rank 0 made for this checkpoint, is not in this rank's --out on "
+                           f"host {socket.gethostname()}") and "shared --out" in said, said
+
+
+def test_runs_leftover_temporary_files_of_the_run_are_pruned_at_resume_and_save(toy_dir, resumable, tmp_path):
+    """A save cut short (a crash, SIGKILL, a full disk) leaves ckpt-STEP.tmp (with its shards) or NAME.tmp in --out,
+    never pruned. Now the resumed run removes every such name of its own (a planted link: the link, never what it
+    points at), and keeps any other file."""
+    out = tmp_path / "run"
+    shutil.copytree(resumable, out)
+    (out / "ckpt-000005.tmp" / "shards").mkdir(parents=True)
+    (out / "ckpt-000005.tmp" / "shards" / "__1_0.distcp").write_bytes(b"x" * 100)
+    (out / "curriculum-rank1.json.tmp").write_text("half")
+    snapshot = planted(tmp_path, out / "ckpt-000002.tmp")
+    before = snapshot()
+    (out / "notes.tmp").write_text("mine")  # not a name the run writes: kept
+    run_train(toy_dir, out, "--steps", "2", "--resume")
+    assert sorted(os.listdir(out)) == [".lock", ".train-run.json", "ckpt-000001", "ckpt-000002", "metrics.jsonl",
+                                       "notes.tmp"]
+    assert snapshot() == before
+    (out / "ckpt-000009.tmp").mkdir()  # a save's leftover appearing mid-run: the next save prunes it
+    fake = dict(model=types.SimpleNamespace(save_pretrained=lambda p: (Path(p) / "config.json").write_text("{}")),
+                tokenizer=types.SimpleNamespace(save_pretrained=lambda p: None), state={"step": 3}, keep=5)
+    runs.save_checkpoint(str(out), 3, **fake)
+    assert not (out / "ckpt-000009.tmp").exists() and (out / "ckpt-000003").is_dir()
 
 
 def shards_and_a_payload(tmp_path):

@@ -362,9 +362,13 @@ def main(args):
     trainer, source = make_trainer(env), rollout_source(env)
     rec = new_record(env, trainer)
     describe(env, trainer)
-    if trainer.version == 0:  # the base model's pass rate: the compute curve's first point
+    rec.saved = trainer.version if env.ckpt else -1  # a signal during step 0's eval saves step 0
+    # the base model's pass rate (the compute curve's first point), or a resumed step's eval that a
+    # signal cut short (rank 0 read the metrics)
+    if trainer.any_rank(env.rank0 and rec.evaluated != trainer.version
+                        and evals.due(trainer.version, args)):
         held_out_eval(rec, env, trainer, source)
-    rec.saved = rec.evaluated = trainer.version  # step 0 is evaluated; a resumed step was saved
+    rec.evaluated = trainer.version
     length = LengthControl.from_args(args)  # the length penalty, if any, in make_batch's rewards
     stopped, signaled = None, False
     while trainer.version < args.steps:
@@ -393,7 +397,7 @@ def main(args):
         t_train = time.time()
         loss, stats = train_step(trainer, batch, args)
         t_train = time.time() - t_train
-        eval_now = trainer.version % args.eval_every == 0 or trainer.version == args.steps
+        eval_now = evals.due(trainer.version, args)
         # the eval is asked for with the weights it must use: generators evaluate exactly this step
         sync_s, sync_bytes = source.publish(trainer, trainer.version == args.steps, eval_now)
         # ---- accounting, logging, alarms
@@ -439,9 +443,8 @@ def finish(rec, env, trainer, source, stopped, signaled, t_start):
 def serve_rollouts(args):
     """A generator rank's life: pipeline.run_generator until the trainers say stop."""
     env = start(args)
-    path = os.path.join(args.out, f"curriculum-rank{env.ctx.rank}.json")
     pipeline.run_generator(env.ctx, args, env.model, env.tokenizer, env.train, env.train_ids,
-                           env.state.get("step", 0), path, env.val, env.val_ids)
+                           env.ckpt, env.state, env.val, env.val_ids)
     ranks.part(env.ctx)
 
 

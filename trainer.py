@@ -25,7 +25,7 @@ from metrics import print0
 import pipeline
 import ranks
 import plan
-from runs import private_folder, safe_load_planner, shard_reader
+from runs import check_shards_written, private_folder, safe_load_planner, shard_reader
 
 try:  # attention within each packed sample on CUDA
     from flash_attn import flash_attn_varlen_func
@@ -443,6 +443,10 @@ class ShardedTrainer(Trainer):
         with private_folder(folder) as where:  # that folder, even if renamed mid-save
             dcp.save(sharded_state(self.model, self.opt),
                      checkpoint_id=os.path.join(where, SHARDS), process_group=self.ctx.trainers)
+            written = ranks.shards_written(self.ctx, os.path.basename(folder))
+            if written:  # trainer 0: the folder becomes the checkpoint only if whole in its view
+                check_shards_written(os.path.join(folder, SHARDS), written,
+                                     os.path.join(where, SHARDS))
 
     def optimizer_state(self):
         return {"optimizer": None, "master": None, "shards": SHARDS}
