@@ -27,6 +27,7 @@ import shutil
 import socket
 import stat
 import sys
+import time
 
 from faults import printable
 from hub import MODEL_FILES
@@ -130,7 +131,37 @@ def prepare_out_dir(args, need_mb=100):
     mark = {} if args.overwrite else read_mark(out)
     write_file(os.path.join(out, RUN_MARK),
                json.dumps({"tb": mark.get("tb") or args.tensorboard,
-                           "wandb": mark.get("wandb") or bool(args.wandb)}))
+                           "wandb": mark.get("wandb") or bool(args.wandb),
+                           "nonce": secrets.token_hex(8)}))  # this start's: check_same_out
+
+
+def run_facts(args, ckpt):
+    """Rank 0's --out and resume point, for every rank (ranks.share_run)."""
+    return {"ckpt": ckpt and os.path.basename(ckpt), "nonce": read_mark(args.out).get("nonce"),
+            "host": socket.gethostname(), "out": os.path.realpath(args.out)}
+
+
+def check_same_out(args, facts, wait=5.0):
+    """Is --out here the folder rank 0 marked (its nonce, read within `wait` s: a shared disk's cache
+    may show a new file late)? Else exit with one line (faults.fail adds this rank and host)."""
+    deadline = time.time() + wait
+    while read_mark(args.out).get("nonce") != facts["nonce"]:
+        if time.time() > deadline:
+            sys.exit(f"error: --out {args.out} is not the run folder that rank 0 writes "
+                     f"({facts['out']} on {facts['host']}): every node must see one --out, the same "
+                     "path on a shared disk")
+        time.sleep(0.2)
+
+
+def resume_facts(args, facts):
+    """A rank other than 0: the checkpoint rank 0 resumes, loaded here -> (its folder, its state)."""
+    if not facts["ckpt"]:
+        return None, {}
+    ckpt, state = intact_checkpoint(args.out, quiet=True)
+    if ckpt is None or os.path.basename(ckpt) != facts["ckpt"]:
+        sys.exit(f"error: --resume: rank 0 resumes {facts['ckpt']} but {socket.gethostname()} finds "
+                 f"{ckpt or 'no intact checkpoint'} in --out {args.out} (its disk out of step?)")
+    return ckpt, state
 
 
 def hold(out):
