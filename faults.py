@@ -163,9 +163,20 @@ def say_error(line):
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if local != 0:
         record_error(f"the same error as rank {rank - local} (the root cause, below)", later=True)
-        time.sleep(0.5)  # its node's first rank says it first: an exit here would have it stopped
+        _wait_for_first_rank()
     elif not record_error(line, shown="\n" + line):
         print(line, file=sys.stderr, flush=True)
+
+
+def _wait_for_first_rank(limit=5.0):
+    """Until this node's first rank has written its error file (torchrun's attempt_N/<local rank>/
+    error.json), at most `limit` s: torchrun stops the other ranks (SIGTERM) at the first exit, and
+    reports as the root cause what it has seen, which must be that rank's line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    first = path and os.path.join(os.path.dirname(os.path.dirname(path)), "0", "error.json")
+    deadline = time.time() + limit
+    while first and not os.path.exists(first) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 def host():

@@ -647,14 +647,41 @@ def metrics_log(args, rank0):
 
 
 def resume_command():
-    """The command line that resumes this run."""
+    """The command line that resumes this run: under torchrun with the launcher's own flags (its
+    rendezvous among them), as it was started."""
     flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
-    world, local = (int(os.environ.get("WORLD_SIZE", "1")),
-                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    launcher = ["python"] if world == 1 else ["torchrun", "--nproc_per_node", str(local)]
-    if world > local:
-        launcher[1:1] = ["--nnodes", str(world // local), "(and your rendezvous flags)"]
-    return " ".join(launcher + [sys.argv[0]] + [shlex.quote(a) for a in flags])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = ["python"] if world == 1 else ["torchrun", *launcher_flags()]
+    return " ".join([w if w.startswith("(") else shlex.quote(w) for w in launcher] + [sys.argv[0]]
+                    + [shlex.quote(a) for a in flags])
+
+
+def launcher_flags():
+    """torchrun's flags: read from its command line (this process's parent), else rebuilt from the
+    environment it gives its ranks."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            words = f.read().decode().split("\0")[:-1]
+        start = next((i + 1 for i, w in enumerate(words)
+                      if os.path.basename(w) == "torchrun" or w == "torch.distributed.run"), None)
+        if start is not None and sys.argv[0] in words[start:]:
+            return words[start:words.index(sys.argv[0], start)]
+    env = os.environ.get
+    world, local = int(env("WORLD_SIZE", "1")), int(env("LOCAL_WORLD_SIZE", "1"))
+    flags = ["--nnodes", str(world // local)] if world > local else []
+    flags += ["--nproc_per_node", str(local)]
+    where = f"{env('MASTER_ADDR')}:{env('MASTER_PORT')}"
+    if env("TORCHELASTIC_RUN_ID", "none") != "none" and env("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        flags += ["--rdzv-backend", "c10d", "--rdzv-endpoint", where, "--rdzv-id",
+                  env("TORCHELASTIC_RUN_ID")]  # c10d: the launcher's store is the rendezvous'
+    elif env("TORCHELASTIC_RUN_ID") and env("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        flags += ["--master_addr", env("MASTER_ADDR"), "--master_port", env("MASTER_PORT")]
+        flags += ["--node_rank", env("GROUP_RANK", "0")] if world > local else []
+    elif world > local:
+        flags += ["(and your rendezvous flags)"]
+    if int(env("TORCHELASTIC_MAX_RESTARTS", "0")):
+        flags += ["--max-restarts", env("TORCHELASTIC_MAX_RESTARTS")]
+    return flags
 
 
 def tracker(args):

@@ -4840,6 +4840,54 @@ def test_nodes_resume_from_the_first_launch_starts_fresh_and_a_restart_resumes_t
     assert [r["step"] for r in train_records(out)][-1] == 20
 
 
+@NODES
+def test_nodes_ctrl_c_under_torchrun_saves_and_gives_the_resume_line_with_the_rendezvous_flags(tmp_path):
+    """Ctrl-C under torchrun (SIGINT to the launcher and its ranks, as a terminal sends it): the ranks save the
+    last step and rank 0's resume line repeats the launcher's flags, its rendezvous among them (before: `torchrun
+    --nproc_per_node 2 train.py ... --resume`, which run as printed listened on every interface)."""
+    agents = launch_nodes(tmp_path, tmp_path / "run", "--steps", "1000", "--save_every", "0")
+    wait_for_train_records(tmp_path / "run", 2, agents)
+    for a in agents:
+        for pid in [a.pid, *worker_pids(a.pid)]:
+            os.kill(pid, signal.SIGINT)
+    rcs, outs = finish_all(agents, timeout=60)
+    done = len(train_records(tmp_path / "run"))
+    port = re.search(r"--master_port (\d+)", outs[0])
+    assert port, outs[0]
+    assert f"saved {tmp_path / 'run' / f'ckpt-{done:06d}'}; continue with: torchrun --nnodes 2 --nproc_per_node 2 " \
+           f"--master_addr 127.0.0.1 --master_port {port[1]} --node_rank 0 {ROOT / 'train.py'} --out " in outs[0], outs[0]
+    assert (tmp_path / "run" / f"ckpt-{done:06d}").is_dir() and "KeyboardInterrupt" not in "".join(outs)
+
+
+def test_nodes_the_resume_command_repeats_the_launchers_own_flags(monkeypatch):
+    """Under torchrun the resume line's launcher flags are the ones torchrun was started with, read from its command
+    line (the ranks' parent), words with spaces quoted; a parent that is no torchrun: rebuilt from the environment
+    torchrun gives its ranks."""
+    words = ["--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29500",
+             "--rdzv-id", "job 7", "--max-restarts", "1"]
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/venv/bin/torchrun", *words,
+                               "train.py", "--out", "runs/x"])
+    try:
+        monkeypatch.setattr(sys, "argv", ["train.py", "--out", "runs/x"])
+        monkeypatch.setattr(os, "getppid", lambda: parent.pid)
+        for k, v in dict(WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", TORCHELASTIC_RUN_ID="job 7", GROUP_RANK="1",
+                         TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="10.1.2.3", MASTER_PORT="29500",
+                         TORCHELASTIC_MAX_RESTARTS="1").items():
+            monkeypatch.setenv(k, v)
+        t0 = time.time()
+        while "torchrun" not in open(f"/proc/{parent.pid}/cmdline").read():  # until the child has exec'd
+            assert time.time() - t0 < 10
+            time.sleep(0.01)
+        said = runs.resume_command()
+        assert said == "torchrun " + " ".join(map(shlex.quote, words)) + " train.py --out runs/x --resume", said
+    finally:
+        parent.kill()
+        parent.wait()
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    assert runs.resume_command() == ("torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint "
+                                     "10.1.2.3:29500 --rdzv-id 'job 7' --max-restarts 1 train.py --out runs/x --resume")
+
+
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
     """Two trainers with the model sharded (FSDP2), stopped after step 3 and resumed, take the same steps
     as two full replicas that run 5 steps straight (the sharded AdamW state comes back on resume: step 5's
@@ -5775,6 +5823,26 @@ def test_pipeline_torchrun_reports_a_user_error_once_last_as_its_root_cause(tmp_
     said = json.loads((tmp_path / "error.json").read_text())["message"]
     assert said["message"] == said["extraInfo"]["py_callstack"].strip() == (
         "train.py: error: unrecognized arguments: --lr_rate 1 (--lr_rate: did you mean --lr?) (--help lists the flags)")
+
+
+def test_nodes_a_user_error_before_the_ranks_meet_exits_after_its_nodes_first_rank_said_it(tmp_path, monkeypatch):
+    """A flag error meets every rank before they meet: a rank other than its node's first writes its pointer and
+    exits only once that rank's error file exists (torchrun's attempt_N/<local rank>/error.json), so that torchrun,
+    which stops the other ranks at the first exit and reports what it has seen, shows the line, not the first rank
+    stopped by its SIGTERM (`exitcode -15`) as the root cause."""
+    files = [tmp_path / "attempt_0" / str(r) / "error.json" for r in range(2)]
+    for f in files:
+        f.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[1]))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    first = threading.Timer(0.5, lambda: files[0].write_text("{}"))
+    t0 = time.time()
+    first.start()
+    faults.say_error("train.py: error: unrecognized arguments: --lr_rate 1")
+    assert 0.4 < time.time() - t0 < 3 and files[0].exists()
+    said = json.loads(files[1].read_text())["message"]["message"]
+    assert said == "the same error as rank 2 (the root cause, below)"
 
 
 def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):
