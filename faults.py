@@ -159,7 +159,7 @@ def say_error(line):
     as its report's root cause, the others point to it."""
     line = printable(line)
     if _CURRENT.get("ctx") is not None:
-        return fail(_CURRENT["ctx"], line)
+        return fail(_CURRENT["ctx"], line, code=2)
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if local != 0:
         record_error(f"the same error as rank {rank - local} (the root cause, below)", later=True)
@@ -172,8 +172,9 @@ def _wait_for_first_rank(limit=5.0):
     """Until this node's first rank has written its error file (torchrun's attempt_N/<local rank>/
     error.json), at most `limit` s: torchrun stops the other ranks (SIGTERM) at the first exit, and
     reports as the root cause what it has seen, which must be that rank's line."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    first = path and os.path.join(os.path.dirname(os.path.dirname(path)), "0", "error.json")
+    path, local = os.environ.get("TORCHELASTIC_ERROR_FILE", ""), os.environ.get("LOCAL_RANK")
+    first = (os.path.basename(os.path.dirname(path)) == local
+             and os.path.join(os.path.dirname(os.path.dirname(path)), "0", "error.json"))
     deadline = time.time() + limit
     while first and not os.path.exists(first) and time.time() < deadline:
         time.sleep(0.05)
@@ -183,16 +184,17 @@ def host():
     return socket.gethostname()
 
 
-def fail(ctx, line, prefix=""):
-    """This rank fails with `line`. The first rank to fail in the run says it, with its rank and host, as
-    torchrun's root cause (its error file, else stderr); a later one with the same line points to it, another
-    line is said too; every other rank stops on the store within seconds (_stop_after_failure)."""
+def fail(ctx, line, prefix="", code=1):
+    """This rank fails with `line` (and exits with `code`). The first rank to fail in the run says it, with
+    its rank and host, as torchrun's root cause (its error file, else stderr); a later one with the same line
+    points to it, another line is said too; every other rank stops on the store within seconds, with the
+    same exit code (_stop_after_failure)."""
     ctx.live.failing = True
     me, store = f"{role_of(ctx, ctx.rank)} on {host()}", ctx.store
     try:
         first = int(store.add("failed", 1)) == 1
         if first:
-            store.set("failure", json.dumps({"who": me, "line": line, "node": _node()}))
+            store.set("failure", json.dumps({"who": me, "line": line, "node": _node(), "code": code}))
         else:
             store.add("failure_seen", 1)
             root = json.loads(store.get("failure"))
@@ -219,13 +221,14 @@ def _node():
 
 
 def _after_root(ctx, root):
-    """On the failed rank's node, exit only after it (up to 5 s): torchrun reports the failures it has
-    seen when it notices the first, and the first must be the root cause."""
+    """Under torchrun, on the failed rank's node, exit only after it (up to 5 s): torchrun reports the
+    failures it has seen when it notices the first (every 0.1 s), and the first must be the root cause."""
     deadline = time.time() + 5
     with contextlib.suppress(Exception):
-        while root["node"] == _node() and time.time() < deadline:
+        while (os.environ.get("TORCHELASTIC_ERROR_FILE") and root["node"] == _node()
+               and time.time() < deadline):
             if ctx.store.check(["failure_exits"]):
-                time.sleep(0.5)
+                time.sleep(0.3)
                 break
             time.sleep(0.05)
 
@@ -240,7 +243,7 @@ def _stop_after_failure(ctx):
         print(f"ERROR: {line}", file=sys.stderr, flush=True)
     _after_root(ctx, root)
     sys.stdout.flush()
-    os._exit(1)
+    os._exit(root["code"])
 
 
 def _die(message):
