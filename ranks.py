@@ -95,6 +95,10 @@ def setup(args):
     if args.prompts % n_trainers:
         sys.exit(f"error: --prompts {args.prompts} must be a multiple of the {n_trainers} trainer "
                  "ranks")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and not args.resume:
+        sys.exit("error: torchrun --max-restarts restarts the ranks with this same command, which "
+                 "would then find this run in --out and stop: add --resume (with nothing to resume "
+                 "yet, a run starts fresh)")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))

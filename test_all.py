@@ -4859,6 +4859,16 @@ def test_nodes_ctrl_c_under_torchrun_saves_and_gives_the_resume_line_with_the_re
     assert (tmp_path / "run" / f"ckpt-{done:06d}").is_dir() and "KeyboardInterrupt" not in "".join(outs)
 
 
+def test_nodes_max_restarts_without_resume_is_refused_in_one_line(tmp_path):
+    """torchrun --max-restarts restarts the ranks with the same command: without --resume the restarted ranks met
+    their own run in --out and stopped ("already holds a run"); refused at once, before anything is made."""
+    rcs, outs = finish_all(launch(2, tmp_path / "run", "--steps", "2", env={"TORCHELASTIC_MAX_RESTARTS": "1"}))
+    assert rcs == [2, 2] and outs[0].strip() == (
+        "train.py: error: torchrun --max-restarts restarts the ranks with this same command, which would then find "
+        "this run in --out and stop: add --resume (with nothing to resume yet, a run starts fresh)"), outs
+    assert outs[1].strip() == "" and not (tmp_path / "run").exists()
+
+
 def test_nodes_the_resume_command_repeats_the_launchers_own_flags(monkeypatch):
     """Under torchrun the resume line's launcher flags are the ones torchrun was started with, read from its command
     line (the ranks' parent), words with spaces quoted; a parent that is no torchrun: rebuilt from the environment
