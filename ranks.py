@@ -3,7 +3,8 @@ ranks.py: the torchrun ranks: who trains and who generates, each rank's device a
 backend, the TCP store bound to MASTER_ADDR (the run's small state: version, stop, status/<rank>,
 genstats/<rank>), the held-out eval handshake on the store, and the collectives over the trainers
 (gradients, step statistics), and a verified group's wire format (pack_group, receive_rows). Start
-at setup; which group goes where and when, and the weight exchange, are pipeline.py's.
+at setup; which group goes where and when, and the weight exchange, are pipeline.py's. What the ranks
+must agree on (--out, the resume point) rank 0 decides and shares (share_run).
 
     torchrun $LOCAL --nproc_per_node 2 train.py     # LOCAL: README, "Generator and trainer ranks"
 """
@@ -114,9 +115,9 @@ def setup(args):
                   k=1 if args.mode == "sync" else args.max_lag,
                   prompts=args.prompts, samples=args.samples, store=store,
                   weights=None, trainers=None, rollouts=None)
-    watch(ctx, args.heartbeat_timeout)  # from here a rank that fails stops the others (faults.fail)
     dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
                             store=store)
+    watch(ctx, args.heartbeat_timeout)  # all have met: from here one that fails stops the others
     if rank == 0:
         print(plan["line"], flush=True)
     # every rank creates every group, in the same order
@@ -212,7 +213,7 @@ def tcp_store(family, bind, host, port, world, timeout):
             port = server.getsockname()[1]
             listening = server.detach()
     return dist.TCPStore(host, port, world, is_master=bind is not None, timeout=timeout,
-                         master_listen_fd=listening, wait_for_workers=False)
+                         master_listen_fd=listening)
 
 
 def device_plan(world, local_world, n_gpus, trainers, gens):
