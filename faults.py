@@ -4,11 +4,13 @@ faults.py: nothing hangs or fails silently: clean stops on signals (stop_on_sign
 error line quotes from an input, shown without the control characters a terminal would act on.
 """
 
+import contextlib
 import json
 import math
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -84,6 +86,8 @@ def _heartbeat(ctx, limit):
             if int(store.add("finished", 0)):
                 beat[0] = math.inf
                 return  # a clean shutdown
+            if int(store.add("failed", 0)) and not ctx.live.failing:
+                _stop_after_failure(ctx)
             for r, (count, since) in last.items():
                 now = int(store.add(f"heartbeat/{r}", 0))
                 if now != count:
@@ -114,6 +118,7 @@ def report_failure(err):
     if ctx is None:
         return
     store, me = ctx.store, ctx.rank
+    ctx.live.failing = True  # its own failure: not stopped by another's
     try:
         before = {r: int(store.add(f"heartbeat/{r}", 0)) for r in range(ctx.world) if r != me}
         time.sleep(3.0)
@@ -122,11 +127,9 @@ def report_failure(err):
                 for r, n in before.items() if int(store.add(f"heartbeat/{r}", 0)) == n]
     except Exception:
         gone = ["the rendezvous store (rank 0 or the launcher)"]
-    line = printable(f"{role_of(ctx, me)} failed while {ctx.live.status}: {type(err).__name__}: "
-                     f"{str(err).splitlines()[0] if str(err) else ''}; "
-                     f"not responding: {'; '.join(gone) or 'none'}")
-    record_error(line)
-    print(f"ERROR: {line}", file=sys.stderr, flush=True)
+    fail(ctx, f"{role_of(ctx, me)} on {host()} failed while {ctx.live.status}: {type(err).__name__}: "
+              f"{str(err).splitlines()[0] if str(err) else ''}; "
+              f"not responding: {'; '.join(gone) or 'none'}", prefix="ERROR: ")
 
 
 def record_error(line, later=False, shown=None):
@@ -151,12 +154,96 @@ def printable(text):
 
 
 def say_error(line):
-    """A user error every rank meets, said once: rank 0's is the report's root cause."""
+    """A user error, said once. Once the ranks have met (ranks.setup), the first rank to fail says it with
+    its rank and host (fail); before, every rank meets the same one (a flag): each node's first rank says it
+    as its report's root cause, the others point to it."""
     line = printable(line)
-    if int(os.environ.get("RANK", "0")) != 0:
-        record_error("the same error as rank 0 (the root cause, below)", later=True)
+    if _CURRENT.get("ctx") is not None:
+        return fail(_CURRENT["ctx"], line, code=2)
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if local != 0:
+        record_error(f"the same error as rank {rank - local} (the root cause, below)", later=True)
+        _wait_for_first_rank()
     elif not record_error(line, shown="\n" + line):
         print(line, file=sys.stderr, flush=True)
+
+
+def _wait_for_first_rank(limit=5.0):
+    """Until this node's first rank has written its error file (torchrun's attempt_N/<local rank>/
+    error.json), at most `limit` s: torchrun stops the other ranks (SIGTERM) at the first exit, and
+    reports as the root cause what it has seen, which must be that rank's line."""
+    path, local = os.environ.get("TORCHELASTIC_ERROR_FILE", ""), os.environ.get("LOCAL_RANK")
+    first = (os.path.basename(os.path.dirname(path)) == local
+             and os.path.join(os.path.dirname(os.path.dirname(path)), "0", "error.json"))
+    deadline = time.time() + limit
+    while first and not os.path.exists(first) and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def host():
+    return socket.gethostname()
+
+
+def fail(ctx, line, prefix="", code=1):
+    """This rank fails with `line` (and exits with `code`). The first rank to fail in the run says it, with
+    its rank and host, as torchrun's root cause (its error file, else stderr); a later one with the same line
+    points to it, another line is said too; every other rank stops on the store within seconds, with the
+    same exit code (_stop_after_failure)."""
+    ctx.live.failing = True
+    me, store = f"{role_of(ctx, ctx.rank)} on {host()}", ctx.store
+    try:
+        first = int(store.add("failed", 1)) == 1
+        if first:
+            store.set("failure", json.dumps({"who": me, "line": line, "node": _node(), "code": code}))
+        else:
+            store.add("failure_seen", 1)
+            root = json.loads(store.get("failure"))
+    except Exception:  # the store's host is gone: say it here
+        first = True
+    if not first and root["line"] == line:
+        record_error(f"the same error as {root['who']} (the root cause)", later=True)
+        return _after_root(ctx, root)
+    said = printable(line if me in line else f"{line} ({me})")
+    if not record_error(said, later=not first, shown="\n" + said):
+        print(prefix + said, file=sys.stderr, flush=True)
+    if not first:
+        return _after_root(ctx, root)
+    deadline = time.time() + 3  # the store's host waits until the others have read it (or 3 s)
+    with contextlib.suppress(Exception):
+        while int(store.add("failure_seen", 0)) < ctx.world - 1 and time.time() < deadline:
+            time.sleep(0.05)
+        store.set("failure_exits", "1")
+
+
+def _node():
+    """This node's first rank (torchrun numbers a node's ranks in a row)."""
+    return int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _after_root(ctx, root):
+    """Under torchrun, on the failed rank's node, exit only after it (up to 5 s): torchrun reports the
+    failures it has seen when it notices the first (every 0.1 s), and the first must be the root cause."""
+    deadline = time.time() + 5
+    with contextlib.suppress(Exception):
+        while (os.environ.get("TORCHELASTIC_ERROR_FILE") and root["node"] == _node()
+               and time.time() < deadline):
+            if ctx.store.check(["failure_exits"]):
+                time.sleep(0.3)
+                break
+            time.sleep(0.05)
+
+
+def _stop_after_failure(ctx):
+    """Another rank failed (fail): this one stops, naming it (its node's first rank says so)."""
+    ctx.store.add("failure_seen", 1)
+    root = json.loads(ctx.store.get("failure"))
+    line = printable(f"{root['who']} failed (the root cause); {role_of(ctx, ctx.rank)} on {host()} "
+                     f"stops, it was {ctx.live.status}")
+    if not record_error(line, later=True) and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"ERROR: {line}", file=sys.stderr, flush=True)
+    _after_root(ctx, root)
+    sys.stdout.flush()
+    os._exit(root["code"])
 
 
 def _die(message):

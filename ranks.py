@@ -3,25 +3,32 @@ ranks.py: the torchrun ranks: who trains and who generates, each rank's device a
 backend, the TCP store bound to MASTER_ADDR (the run's small state: version, stop, status/<rank>,
 genstats/<rank>), the held-out eval handshake on the store, and the collectives over the trainers
 (gradients, step statistics), and a verified group's wire format (pack_group, receive_rows). Start
-at setup; which group goes where and when, and the weight exchange, are pipeline.py's.
+at setup; which group goes where and when, and the weight exchange, are pipeline.py's. What the ranks
+must agree on (--out, the resume point) rank 0 decides and shares (share_run).
 
     torchrun $LOCAL --nproc_per_node 2 train.py     # LOCAL: README, "Generator and trainer ranks"
 """
 
+import contextlib
 import ipaddress
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+import runs
 from faults import get_int, role_of, set_status, wait_until, watch
 from generate import FINISH, Sample
+
+_BEACON = []  # rank 0's store that proves a start's token (restart_token)
 
 
 def default_gen_ranks(world):
@@ -51,6 +58,7 @@ class Live:
     gen_rates: dict = field(default_factory=lambda: {"gen_busy": 0.0, "gen_tok_s": 0.0})
     heartbeat: threading.Thread = None
     stopping: threading.Event = field(default_factory=threading.Event)
+    failing: bool = False  # this rank's own failure is under way (faults.fail)
 
 
 @dataclass
@@ -101,6 +109,10 @@ def setup(args):
     if args.prompts % n_trainers:
         sys.exit(f"error: --prompts {args.prompts} must be a multiple of the {n_trainers} trainer "
                  "ranks")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and not args.resume:
+        sys.exit("error: torchrun --max-restarts restarts the ranks with this same command, which "
+                 "would then find this run in --out and stop: add --resume (with nothing to resume "
+                 "yet, a run starts fresh)")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
@@ -110,42 +122,110 @@ def setup(args):
     else:
         pick_threads(local_world)
     timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
-                            store=own_store(rank, world, timeout))
-    if rank == 0:
-        print(plan["line"], flush=True)
+    store = own_store(rank, world, timeout)
     ctx = Context(rank=rank, world=world, n_trainers=n_trainers, n_gens=n_gens,
                   device=plan["name"][rank], timeout=args.timeout, mode=args.mode,
                   k=1 if args.mode == "sync" else args.max_lag,
-                  prompts=args.prompts, samples=args.samples,
-                  store=dist.distributed_c10d._get_default_store(),
-                  # every rank creates every group, in the same order
-                  weights=dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"]),
-                  trainers=dist.new_group(trainers, timeout=timeout, backend=plan["trainers"]),
-                  # rollouts are CPU tensors sent point to point: gloo, whatever the default is
-                  rollouts=dist.new_group(backend="gloo", timeout=timeout) if cuda else None)
-    watch(ctx, args.heartbeat_timeout)
+                  prompts=args.prompts, samples=args.samples, store=store,
+                  weights=None, trainers=None, rollouts=None)
+    dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
+                            store=store)
+    watch(ctx, args.heartbeat_timeout)  # all have met: from here one that fails stops the others
+    if rank == 0:
+        print(plan["line"], flush=True)
+    # every rank creates every group, in the same order
+    ctx.weights = dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"])
+    ctx.trainers = dist.new_group(trainers, timeout=timeout, backend=plan["trainers"])
+    # rollouts are CPU tensors sent point to point: gloo, whatever the default is
+    ctx.rollouts = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
     return ctx
 
 
+def agree(ctx, key, value):
+    """Rank 0's value (JSON) for every rank: what the ranks must not judge each on its own."""
+    if ctx.rank == 0:
+        ctx.store.set(f"agreed/{key}", json.dumps(value))
+        return value
+    wait_until(ctx, lambda: ctx.store.check([f"agreed/{key}"]), f"rank 0's {key}")
+    return json.loads(ctx.store.get(f"agreed/{key}"))
+
+
+def share_run(ctx, args, ckpt, state):
+    """Under torchrun: rank 0's --out and resume point (it alone checked, locked and marked --out with
+    a fresh nonce: runs.prepare_out_dir) for every rank, once each node's first rank has proved that its
+    --out is that folder; no rank of a node touches --out before -> (checkpoint or None, its state)."""
+    if ctx is None:
+        return ckpt, state
+    facts = agree(ctx, "run", runs.run_facts(args, ckpt) if ctx.rank == 0 else None)
+    first = ctx.rank - int(os.environ.get("LOCAL_RANK", "0"))  # torchrun numbers a node's ranks in a row
+    if ctx.rank == first:
+        runs.check_same_out(args, facts)
+        ctx.store.set(f"out_seen/{first}", "1")
+    else:
+        wait_until(ctx, lambda: ctx.store.check([f"out_seen/{first}"]), f"rank {first} to find --out")
+    if ctx.rank == 0:
+        return ckpt, state
+    runs.hold(args.out)
+    return runs.resume_facts(args, facts)
+
+
 def own_store(rank, world, timeout):
-    """The TCP store, bound to MASTER_ADDR alone (torch's binds every interface, and whoever
-    reaches a store can stop the run); None if the launcher hosts it."""
+    """The run's TCP store: rank 0's, bound to MASTER_ADDR alone (torch's binds every interface, and
+    whoever reaches a store can stop the run), or torchrun's shared one (the launcher's, its default)
+    under a prefix fresh to this start, which rank 0 draws and proves current (restart_token): a restart
+    (--max-restarts) meets none of the last start's keys, which stopped restarted ranks in gloo's
+    connectFullMesh ("Connection refused")."""
     host, port = os.environ["MASTER_ADDR"].strip("[]"), int(os.environ["MASTER_PORT"])
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     if ipaddress.ip_address(address[0]).is_loopback:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, "lo")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    listening = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return tcp_store(family, address if rank == 0 else None, host, port, world, timeout)
+    launcher = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"train.py/{restart_token(launcher, rank, family, address, timeout)}",
+                            launcher)
+
+
+def restart_token(launcher, rank, family, address, timeout):
+    """This start's token, the same on every rank: rank 0 draws it and announces it in the launcher's
+    store with the address of a small store of its own that holds it; an announcement left by the last
+    start names a store that is gone (or holds another token)."""
     if rank == 0:
-        with socket.socket(family, kind, proto) as server:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet sent: a route looked up
+            probe.connect(address)
+            mine = probe.getsockname()[0]
+        beacon = tcp_store(family, (mine, 0), mine, 0, 1, timeout)
+        _BEACON.append(beacon)  # held while this process lives
+        token = secrets.token_hex(8)
+        beacon.set("token", token)
+        launcher.set("train.py/start", f"{mine} {beacon.port} {token}")
+        return token
+    deadline = time.time() + timeout.total_seconds()
+    while True:
+        mine, at, token = launcher.get("train.py/start").decode().split()
+        with contextlib.suppress(OSError, RuntimeError):  # torch's DistError and its kin
+            socket.create_connection((mine, int(at)), timeout=2).close()  # refused: a stale entry
+            beacon = dist.TCPStore(mine, int(at), 1, is_master=False, timeout=timeout)
+            if beacon.get("token").decode() == token:
+                return token
+        if time.time() > deadline:
+            raise TimeoutError(f"rank {rank} found no announcement of rank 0 in "
+                               f"{timeout.total_seconds():.0f} s (--timeout)")
+        time.sleep(0.2)
+
+
+def tcp_store(family, bind, host, port, world, timeout):
+    """A TCPStore: its server (bind: the address, else a client) on that address alone."""
+    listening = None
+    if bind:
+        with socket.socket(family, socket.SOCK_STREAM) as server:
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(address)
+            server.bind(bind)
             server.listen(world)
+            port = server.getsockname()[1]
             listening = server.detach()
-    return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+    return dist.TCPStore(host, port, world, is_master=bind is not None, timeout=timeout,
                          master_listen_fd=listening)
 
 

@@ -27,6 +27,7 @@ import shutil
 import socket
 import stat
 import sys
+import time
 
 from faults import printable
 from hub import MODEL_FILES
@@ -133,7 +134,37 @@ def prepare_out_dir(args, need_mb=100):
     mark = {} if args.overwrite else read_mark(out)
     write_file(os.path.join(out, RUN_MARK),
                json.dumps({"tb": mark.get("tb") or args.tensorboard,
-                           "wandb": mark.get("wandb") or bool(args.wandb)}))
+                           "wandb": mark.get("wandb") or bool(args.wandb),
+                           "nonce": secrets.token_hex(8)}))  # this start's: check_same_out
+
+
+def run_facts(args, ckpt):
+    """Rank 0's --out and resume point, for every rank (ranks.share_run)."""
+    return {"ckpt": ckpt and os.path.basename(ckpt), "nonce": read_mark(args.out).get("nonce"),
+            "host": socket.gethostname(), "out": os.path.realpath(args.out)}
+
+
+def check_same_out(args, facts, wait=5.0):
+    """Is --out here the folder rank 0 marked (its nonce, read within `wait` s: a shared disk's cache
+    may show a new file late)? Else exit with one line (faults.fail adds this rank and host)."""
+    deadline = time.time() + wait
+    while read_mark(args.out).get("nonce") != facts["nonce"]:
+        if time.time() > deadline:
+            sys.exit(f"error: --out {args.out} is not the run folder that rank 0 writes "
+                     f"({facts['out']} on {facts['host']}): every node must see one --out, the same "
+                     "path on a shared disk")
+        time.sleep(0.2)
+
+
+def resume_facts(args, facts):
+    """A rank other than 0: the checkpoint rank 0 resumes, loaded here -> (its folder, its state)."""
+    if not facts["ckpt"]:
+        return None, {}
+    ckpt, state = intact_checkpoint(args.out, quiet=True)
+    if ckpt is None or os.path.basename(ckpt) != facts["ckpt"]:
+        sys.exit(f"error: --resume: rank 0 resumes {facts['ckpt']} but {socket.gethostname()} finds "
+                 f"{ckpt or 'no intact checkpoint'} in --out {args.out} (its disk out of step?)")
+    return ckpt, state
 
 
 def hold(out):
@@ -669,14 +700,41 @@ def metrics_log(args, rank0):
 
 
 def resume_command():
-    """The command line that resumes this run."""
+    """The command line that resumes this run: under torchrun with the launcher's own flags (its
+    rendezvous among them), as it was started."""
     flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
-    world, local = (int(os.environ.get("WORLD_SIZE", "1")),
-                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    launcher = ["python"] if world == 1 else ["torchrun", "--nproc_per_node", str(local)]
-    if world > local:
-        launcher[1:1] = ["--nnodes", str(world // local), "(and your rendezvous flags)"]
-    return " ".join(launcher + [sys.argv[0]] + [shlex.quote(a) for a in flags])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = ["python"] if world == 1 else ["torchrun", *launcher_flags()]
+    return " ".join([w if w.startswith("(") else shlex.quote(w) for w in launcher] + [sys.argv[0]]
+                    + [shlex.quote(a) for a in flags])
+
+
+def launcher_flags():
+    """torchrun's flags: read from its command line (this process's parent), else rebuilt from the
+    environment it gives its ranks."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            words = f.read().decode().split("\0")[:-1]
+        start = next((i + 1 for i, w in enumerate(words)
+                      if os.path.basename(w) == "torchrun" or w == "torch.distributed.run"), None)
+        if start is not None and sys.argv[0] in words[start:]:
+            return words[start:words.index(sys.argv[0], start)]
+    env = os.environ.get
+    world, local = int(env("WORLD_SIZE", "1")), int(env("LOCAL_WORLD_SIZE", "1"))
+    flags = ["--nnodes", str(world // local)] if world > local else []
+    flags += ["--nproc_per_node", str(local)]
+    where = f"{env('MASTER_ADDR')}:{env('MASTER_PORT')}"
+    if env("TORCHELASTIC_RUN_ID", "none") != "none" and env("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        flags += ["--rdzv-backend", "c10d", "--rdzv-endpoint", where, "--rdzv-id",
+                  env("TORCHELASTIC_RUN_ID")]  # c10d: the launcher's store is the rendezvous'
+    elif env("TORCHELASTIC_RUN_ID") and env("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        flags += ["--master_addr", env("MASTER_ADDR"), "--master_port", env("MASTER_PORT")]
+        flags += ["--node_rank", env("GROUP_RANK", "0")] if world > local else []
+    elif world > local:
+        flags += ["(and your rendezvous flags)"]
+    if int(env("TORCHELASTIC_MAX_RESTARTS", "0")):
+        flags += ["--max-restarts", env("TORCHELASTIC_MAX_RESTARTS")]
+    return flags
 
 
 def tracker_libraries(args):

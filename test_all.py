@@ -122,12 +122,13 @@ AutoModelForCausalLM.from_pretrained(toy.toy_model_dir())
 toy.toy_task(0)  # and the embedded task at the default seed (toy.py keeps it): ~0.1-0.3 CPU-s a run
 
 
-def run_train_py(argv, env, log, slow=None, record=None, root=ROOT, script="train.py"):
+def run_train_py(argv, env, log, slow=None, record=None, root=ROOT, script="train.py", cwd=None):
     """In a forked process: `python train.py *argv` with env added to the environment, output to log;
     slow=(role, seconds): this rank, the last of its role, sleeps that long before each of its steps;
     record: a file that every group's sampler items are appended to (record_groups); root: another copy
     of the project, whose train.py runs on its own modules, imported afresh from it (torch, transformers
-    and the Llama modeling code stay the server's), in that folder; script: another of its scripts."""
+    and the Llama modeling code stay the server's), in that folder; script: another of its scripts; cwd: the
+    working folder, when not root's."""
     if root != ROOT:  # slow_down and record_groups patch the server's modules, which the copy does not use
         assert not (slow or record), "slow and record act on this checkout's modules, not another copy's"
         for name, module in list(sys.modules.items()):
@@ -135,7 +136,7 @@ def run_train_py(argv, env, log, slow=None, record=None, root=ROOT, script="trai
             if path.startswith(str(ROOT) + os.sep) and "site-packages" not in path:
                 del sys.modules[name]
         sys.path.insert(0, str(root))
-    os.chdir(root)
+    os.chdir(cwd or root)
     os.environ.update(env)
     if slow:
         slow_down(*slow)
@@ -175,9 +176,9 @@ class Forked:
     """One forked process of train.py (or another of the project's scripts: run_train_py), with the
     subprocess.Popen calls the tests make."""
 
-    def __init__(self, argv, env, log, slow=None, record=None, root=ROOT, script="train.py"):
+    def __init__(self, argv, env, log, slow=None, record=None, root=ROOT, script="train.py", cwd=None):
         self.log = log
-        self.proc = FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow, record, root, script))
+        self.proc = FORKS.Process(target=run_train_py, args=(argv, env, str(log), slow, record, root, script, cwd))
         self.proc.start()
         self.pid = self.proc.pid
 
@@ -4870,6 +4871,145 @@ def test_pipeline_stalled_trainer_under_torchrun_stops_the_run_and_leaves_no_pro
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
 
 
+# Two nodes simulated on one machine: two torchrun agents (torch.distributed.run forked from the preloaded server,
+# --run-path --start-method fork: their ranks fork from them), 2 ranks each, gloo on the CPU, each agent in its own
+# working folder (nothing on disk is shared unless --out is one absolute path). Under xdist they run one after
+# another: four ranks and two agents each on two cores.
+NODES = pytest.mark.xdist_group("nodes")
+
+
+def launch_nodes(tmp_path, out, *flags, rdzv=None, env=None):
+    """Two agents -> [node 0's, node 1's] (Forked); their working folders tmp_path/node0 and node1, their logs
+    tmp_path/node{n}.log. rdzv: the rendezvous flags (default: static, node 0 at a free port on 127.0.0.1)."""
+    port = bench.free_port()
+    agents = []
+    for n in range(2):
+        (tmp_path / f"node{n}").mkdir(exist_ok=True)
+        how = rdzv or ["--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        agents.append(Forked(["--run-path", "--start-method", "fork", "--nnodes", "2", "--nproc_per_node", "2",
+                              *how, str(ROOT / "train.py"), "--out", str(out), *PIPE_FLAGS, *flags],
+                             env or {}, tmp_path / f"node{n}.log", script=torch.distributed.run.__file__,
+                             cwd=tmp_path / f"node{n}"))
+    return agents
+
+
+@NODES
+def test_nodes_a_run_folder_that_a_node_cannot_see_stops_every_rank_before_step_1_in_one_line(tmp_path):
+    """`--out run` from two working folders is two folders: rank 0 writes a nonce into its --out, node 1's first
+    rank does not find it in its own: every rank on both nodes stops before step 1, and the one line naming that
+    host and rank is said once (node 0's ranks name who failed)."""
+    t0 = time.time()
+    rcs, outs = finish_all(launch_nodes(tmp_path, "run", "--steps", "2"), timeout=120)
+    host, both = socket.gethostname(), "".join(outs)
+    assert rcs[0] != 0 and rcs[1] != 0, outs
+    assert both.count("is not the run folder that rank 0 writes") == 1, both
+    line = next(ln for ln in outs[1].splitlines() if "is not the run folder that rank 0 writes" in ln)
+    assert line.endswith(f"(rank 2 (generator) on {host})") and str(tmp_path / "node0" / "run") in line, line
+    assert f"rank 2 (generator) on {host} failed" in outs[0], outs[0]
+    assert "step 1/" not in both and not (tmp_path / "node1" / "run").exists()
+    assert time.time() - t0 < 60
+
+
+@NODES
+def test_nodes_a_rank_failing_on_node_1_says_its_line_with_its_host_and_node_0_stops_within_seconds(tmp_path):
+    """A --data file that only node 0's working folder holds: node 1's ranks fail, and the first failure is said
+    once, with its rank and host, as node 1's root cause in torchrun's report (the other rank's error file points to
+    it); node 0's ranks stop within seconds, naming the rank and host that failed, not after --timeout (120 s)."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "problems.jsonl").write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]})
+                                                             + "\n" for p in toy.toy_task(0)[:40]))
+    agents = launch_nodes(tmp_path, tmp_path / "run", "--data", "problems.jsonl", "--steps", "2")
+    assert agents[1].wait(timeout=60) != 0
+    t0 = time.time()
+    assert agents[0].wait(timeout=15) != 0 and time.time() - t0 < 15
+    host, (out0, out1) = socket.gethostname(), (Path(a.log).read_text() for a in agents)
+    assert out1.count("problems.jsonl: No such file or directory") == 1, out1
+    line = next(ln for ln in out1.splitlines() if "problems.jsonl: No such file" in ln)
+    rank = re.search(rf"\(rank ([23]) \(generator\) on {host}\)$", line)  # whichever failed first
+    assert rank and out1.split("Root Cause")[1].count(line) == 1, out1  # torchrun's root cause
+    assert f"rank {rank[1]} (generator) on {host} failed" in out0, out0
+
+
+@NODES
+def test_nodes_resume_from_the_first_launch_starts_fresh_and_a_restart_resumes_to_the_end(tmp_path):
+    """The same command with --resume on a first launch starts fresh (one line says so), and under c10d rendezvous
+    with torch's shared store (its default) and --max-restarts 1, a SIGKILLed generator rank is restarted with
+    every other rank, they resume from the last checkpoint and the run finishes (before: the restarted ranks met
+    stale store keys, `Gloo connectFullMesh failed ... Connection refused`)."""
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{bench.free_port()}", "--rdzv-id", "job",
+            "--max-restarts", "1", "--monitor-interval", "0.2"]
+    out = tmp_path / "run"
+    agents = launch_nodes(tmp_path, out, "--steps", "20", "--save_every", "2", "--resume", "--heartbeat_timeout",
+                          "5", rdzv=rdzv)
+    wait_for_train_records(out, 3, agents, timeout=90)
+    log = "".join(Path(a.log).read_text() for a in agents)
+    assert log.count(f"--resume: no intact checkpoint in {out}, starting from scratch") == 1, log
+    victim = next(pid for a in agents for pid in worker_pids(a.pid)[1:])  # a generator (rank 0 trains)
+    os.kill(victim, signal.SIGKILL)
+    rcs, outs = finish_all(agents, timeout=150)
+    assert rcs == [0, 0], outs
+    assert "resumed from" in "".join(outs) and "done in" in "".join(outs)
+    assert [r["step"] for r in train_records(out)][-1] == 20
+
+
+@NODES
+def test_nodes_ctrl_c_under_torchrun_saves_and_gives_the_resume_line_with_the_rendezvous_flags(tmp_path):
+    """Ctrl-C under torchrun (SIGINT to the launcher and its ranks, as a terminal sends it): the ranks save the
+    last step and rank 0's resume line repeats the launcher's flags, its rendezvous among them (before: `torchrun
+    --nproc_per_node 2 train.py ... --resume`, which run as printed listened on every interface)."""
+    agents = launch_nodes(tmp_path, tmp_path / "run", "--steps", "1000", "--save_every", "0")
+    wait_for_train_records(tmp_path / "run", 2, agents)
+    for a in agents:
+        for pid in [a.pid, *worker_pids(a.pid)]:
+            os.kill(pid, signal.SIGINT)
+    rcs, outs = finish_all(agents, timeout=60)
+    done = len(train_records(tmp_path / "run"))
+    port = re.search(r"--master_port (\d+)", outs[0])
+    assert port, outs[0]
+    assert f"saved {tmp_path / 'run' / f'ckpt-{done:06d}'}; continue with: torchrun --nnodes 2 --nproc_per_node 2 " \
+           f"--master_addr 127.0.0.1 --master_port {port[1]} --node_rank 0 {ROOT / 'train.py'} --out " in outs[0], outs[0]
+    assert (tmp_path / "run" / f"ckpt-{done:06d}").is_dir() and "KeyboardInterrupt" not in "".join(outs)
+
+
+def test_nodes_max_restarts_without_resume_is_refused_in_one_line(tmp_path):
+    """torchrun --max-restarts restarts the ranks with the same command: without --resume the restarted ranks met
+    their own run in --out and stopped ("already holds a run"); refused at once, before anything is made."""
+    rcs, outs = finish_all(launch(2, tmp_path / "run", "--steps", "2", env={"TORCHELASTIC_MAX_RESTARTS": "1"}))
+    assert rcs == [2, 2] and outs[0].strip() == (
+        "train.py: error: torchrun --max-restarts restarts the ranks with this same command, which would then find "
+        "this run in --out and stop: add --resume (with nothing to resume yet, a run starts fresh)"), outs
+    assert outs[1].strip() == "" and not (tmp_path / "run").exists()
+
+
+def test_nodes_the_resume_command_repeats_the_launchers_own_flags(monkeypatch):
+    """Under torchrun the resume line's launcher flags are the ones torchrun was started with, read from its command
+    line (the ranks' parent), words with spaces quoted; a parent that is no torchrun: rebuilt from the environment
+    torchrun gives its ranks."""
+    words = ["--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29500",
+             "--rdzv-id", "job 7", "--max-restarts", "1"]
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/venv/bin/torchrun", *words,
+                               "train.py", "--out", "runs/x"])
+    try:
+        monkeypatch.setattr(sys, "argv", ["train.py", "--out", "runs/x"])
+        monkeypatch.setattr(os, "getppid", lambda: parent.pid)
+        for k, v in dict(WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", TORCHELASTIC_RUN_ID="job 7", GROUP_RANK="1",
+                         TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="10.1.2.3", MASTER_PORT="29500",
+                         TORCHELASTIC_MAX_RESTARTS="1").items():
+            monkeypatch.setenv(k, v)
+        t0 = time.time()
+        while "torchrun" not in open(f"/proc/{parent.pid}/cmdline").read():  # until the child has exec'd
+            assert time.time() - t0 < 10
+            time.sleep(0.01)
+        said = runs.resume_command()
+        assert said == "torchrun " + " ".join(map(shlex.quote, words)) + " train.py --out runs/x --resume", said
+    finally:
+        parent.kill()
+        parent.wait()
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    assert runs.resume_command() == ("torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint "
+                                     "10.1.2.3:29500 --rdzv-id 'job 7' --max-restarts 1 train.py --out runs/x --resume")
+
+
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):
     """Two trainers with the model sharded (FSDP2), stopped after step 3 and resumed, take the same steps
     as two full replicas that run 5 steps straight (the sharded AdamW state comes back on resume: step 5's
@@ -5870,12 +6010,16 @@ def test_error_lines_and_notes_show_the_control_characters_of_paths_and_fields_e
 
 
 def test_pipeline_a_user_error_is_one_line_from_rank_0_alone(toy_dir, tmp_path):
+    """Rank 0 alone judges --out, once the ranks have met: its error is its last line, with its rank and host; the
+    other rank stops with the same exit code and says nothing (without torchrun's error files: its node's first
+    rank would name the failed one)."""
     run_train(toy_dir, tmp_path, "--steps", "1")
     rcs, outs = finish_all(launch(2, tmp_path, "--steps", "1"))
     assert rcs == [2, 2]  # as argparse's errors: one prefix, one exit code
-    assert outs[0].strip().splitlines() == [f"train.py: error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): "
-                                            "pass --resume to continue it, --overwrite to start over, or another --out"]
-    assert outs[1].strip() == ""
+    assert outs[0].strip().splitlines()[-1] == (
+        f"train.py: error: --out {tmp_path} already holds a run (ckpt-000001, metrics.jsonl): pass --resume to continue "
+        f"it, --overwrite to start over, or another --out (rank 0 (trainer) on {socket.gethostname()})")
+    assert "".join(outs).count("already holds a run") == 1 and outs[1].strip() == ""
 
 
 def test_a_real_model_gets_the_papers_recipe_and_the_toy_its_own(tmp_path, capsys):
@@ -5941,6 +6085,26 @@ def test_pipeline_torchrun_reports_a_user_error_once_last_as_its_root_cause(tmp_
     said = json.loads((tmp_path / "error.json").read_text())["message"]
     assert said["message"] == said["extraInfo"]["py_callstack"].strip() == (
         "train.py: error: unrecognized arguments: --lr_rate 1 (--lr_rate: did you mean --lr?) (--help lists the flags)")
+
+
+def test_nodes_a_user_error_before_the_ranks_meet_exits_after_its_nodes_first_rank_said_it(tmp_path, monkeypatch):
+    """A flag error meets every rank before they meet: a rank other than its node's first writes its pointer and
+    exits only once that rank's error file exists (torchrun's attempt_N/<local rank>/error.json), so that torchrun,
+    which stops the other ranks at the first exit and reports what it has seen, shows the line, not the first rank
+    stopped by its SIGTERM (`exitcode -15`) as the root cause."""
+    files = [tmp_path / "attempt_0" / str(r) / "error.json" for r in range(2)]
+    for f in files:
+        f.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[1]))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    first = threading.Timer(0.5, lambda: files[0].write_text("{}"))
+    t0 = time.time()
+    first.start()
+    faults.say_error("train.py: error: unrecognized arguments: --lr_rate 1")
+    assert 0.4 < time.time() - t0 < 3 and files[0].exists()
+    said = json.loads(files[1].read_text())["message"]["message"]
+    assert said == "the same error as rank 2 (the root cause, below)"
 
 
 def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir, tmp_path, capsys):

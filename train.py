@@ -292,15 +292,18 @@ def start(args):
     """Every rank's set-up: user errors before anything is made in --out."""
     hide_progress_bars()
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    ctx = ranks.setup(args)  # the ranks meet first: one that fails from here on stops them all
     train, val = load_data(args)
     check_code_rewards(args, train + val)
-    prepare_out_dir(args)
+    ckpt, state = None, {}
+    if rank0:  # rank 0 alone judges --out and what to resume; ranks.share_run gives the others its word
+        prepare_out_dir(args)
+        ckpt, state = resume_point(args, quiet=False)
     log = metrics_log(args, rank0)  # checks --wandb/--tensorboard before ranks wait
     note_toy_model(args, args.data, "--data", "trains")
-    ckpt, state = resume_point(args, quiet=not rank0)
     if ckpt:  # every value, and the flags against these, before any rank waits
         check_resumed_state(state, os.path.join(ckpt, "state.pt"), step_of(ckpt), args, len(train))
-    ctx = ranks.setup(args)
+    ckpt, state = ranks.share_run(ctx, args, ckpt, state)
     if ctx is None:
         say_threads(args)
     torch.manual_seed(args.seed)
