@@ -284,6 +284,13 @@ def lock_run(out):
         f.close()
         sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); "
                  "wait for it to end or choose another --out")
+    except OSError as err:  # Lustre without -o flock, some NFS mounts: the disk has no file locks
+        if err.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+            raise
+        print(f"warning: --out {out}: its filesystem cannot lock files "
+              f"({errno.errorcode[err.errno]}), so nothing stops a second run from writing the "
+              "same --out: start one run per --out (or mount the disk with locks, Lustre: -o flock)",
+              flush=True)
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}")
     f.flush()

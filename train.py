@@ -291,6 +291,7 @@ class Setup:
 def start(args):
     """Every rank's set-up: user errors before anything is made in --out."""
     hf_logging.disable_progress_bar()
+    ranks.check_launcher()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     train, val = load_data(args)
     check_code_rewards(args, train + val)
@@ -318,7 +319,8 @@ def start(args):
         sys.exit(f"error: {why}")
     if ctx:  # a packed rollout row's tokens per sample
         ranks.meet(ctx, state.get("step", 0),
-                   max(map(len, train_ids)) + args.think_budget + args.answer_budget + phrase_len)
+                   max(map(len, train_ids)) + args.think_budget + args.answer_budget + phrase_len,
+                   pipeline.weight_layout(model, args.bucket_mb))
     return Setup(args, ctx, rank0, log, train, val, train_ids, val_ids, tokenizer, model,
                  model_dir, ckpt, state)
 
