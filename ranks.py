@@ -5,7 +5,7 @@ genstats/<rank>), the held-out eval handshake on the store, and the collectives 
 (gradients, step statistics), and a verified group's wire format (pack_group, receive_rows). Start
 at setup; which group goes where and when, and the weight exchange, are pipeline.py's.
 
-    torchrun $LOCAL --nproc_per_node 2 train.py     # LOCAL: README, "Generator and trainer ranks"
+    torchrun_local --nproc_per_node 2 train.py     # torchrun_local: README, "Generator and trainer ranks"
 """
 
 import ipaddress
@@ -135,18 +135,23 @@ def own_store(rank, world, local_world, timeout):
     reaches a store can stop the run); None if the launcher hosts it."""
     host, port = os.environ["MASTER_ADDR"].strip("[]"), int(os.environ["MASTER_PORT"])
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if ipaddress.ip_address(address[0]).is_loopback:
         if world == local_world:  # one machine: the whole run on the loopback interface
             for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(name, "lo")
-        elif not os.environ.get("GLOO_SOCKET_IFNAME"):  # Debian's /etc/hosts: hostname 127.0.1.1
+        elif not (ifname == "lo" or ifname and launcher):
+            # several nodes (Debian's /etc/hosts maps the hostname to 127.0.1.1): the others cannot
+            # reach it, unless the nodes are simulated on one machine (lo), or the launcher's store
+            # listens on every interface and gloo and nccl take the one named
             sys.exit(f"error: rank {rank} on {socket.gethostname()}: MASTER_ADDR {host} resolves to "
                      f"{address[0]}, a loopback address, in a run over several nodes ({world} ranks, "
                      f"{local_world} here): the other nodes cannot reach it; make {host} resolve to "
                      "the address the nodes share (or give torchrun --local-addr with it) and set "
                      "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface (README, "
-                     "\"Several nodes\"; one machine's simulation of nodes: GLOO_SOCKET_IFNAME=lo)")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                     "\"Several nodes\"; nodes simulated on one machine: GLOO_SOCKET_IFNAME=lo)")
+    if launcher:
         return None
     listening = None
     if rank == 0:

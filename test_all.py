@@ -240,30 +240,27 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     commands run the copy's script on its own modules, with the command's arguments and folder, in processes
     forked from the preloaded server (Forked; a torchrun command's ranks with the environment torchrun gives
     them): what that leaves out is ~5 CPU-s of imports per process, and the same launcher again."""
-    clone = tmp_path / "clone"
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    for f in files:
-        (clone / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, clone / f)
+    clone = clone_files(tmp_path / "clone")
     setup, ran, skipped = [], [], []
     for cmd in readme_commands((ROOT / "README.md").read_text()):
         why = next((why for pattern, why in README_SKIP if re.search(pattern, cmd)), None)
         if why:
             skipped.append(why)
             continue
-        if re.match(r"(export )?\w+=", cmd):  # a variable the commands after it use
+        if re.match(r"(export )?\w+=|\w+\(\) \{", cmd):  # a variable or function the commands after it use
             setup.append(cmd)
             continue
         cmd = cmd.replace("ckpt-000150", "ckpt-000004") + (" " + README_SHRINK if "train.py" in cmd else "")
         words, log = shlex.split(cmd), tmp_path / f"command{len(ran)}"
-        if words[0] == "torchrun" and not any(c.startswith("torchrun") for c in ran):
-            real = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
-            rc, out, err, listened = run_listening("; ".join(setup + [real]), clone)
+        if words[0].startswith("torchrun") and not any(c.startswith("torchrun") for c in ran):
+            real = re.sub(r"(?<!\w)torchrun ", f"{sys.executable} -m torch.distributed.run ", "; ".join(setup + [cmd]))
+            rc, out, err, listened = run_listening(real, clone)
             assert rc == 0, f"{cmd}:\n{out[-1500:]}{err[-1500:]}"
+            assert "master_addr is only used" not in err  # the one-machine flags are torchrun's whole story
             assert len(listened) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
                                               for a in listened.values()), (cmd, listened)  # launcher, store, gloo
         else:
-            assert words[0] in ("python", "torchrun") and "&" not in cmd and "|" not in cmd, cmd
+            assert words[0] in ("python", "torchrun", "torchrun_local") and "&" not in cmd and "|" not in cmd, cmd
             rcs, outs = finish_all(fork_command(words, f"{log}.log", root=clone), timeout=300)
             flat = "fit.py" in words and "a flat series" in outs[0]  # a 4-step run has no curve to fit
             assert rcs == [0] * len(rcs) or flat, f"{cmd}:\n" + "\n".join(o[-1500:] for o in outs)
@@ -271,6 +268,70 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum(c.startswith("torchrun") for c in ran) >= 2, ran
     assert "a Hub id: no network here" in skipped
+
+
+def clone_files(clone):
+    """A copy of the repository's files (git ls-files) at `clone` -> clone."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for f in files:
+        (clone / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, clone / f)
+    return clone
+
+
+def readme_sbatch(text):
+    """The README's multi-node batch script (its ```sh block with #SBATCH) -> (the variables it sets, exported
+    or not: {name: value as written}, the words of its srun line)."""
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.S) if "#SBATCH" in b)
+    assigned, srun = {}, None
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.split(" #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("srun "):
+            srun = line
+        else:  # NAME=$(a command), or [export] NAME=value ...
+            words = [line] if "=$(" in line else shlex.split(line.removeprefix("export "))
+            assert all(re.match(r"\w+=", w) for w in words), line
+            assigned.update(w.split("=", 1) for w in words)
+    return assigned, srun
+
+
+def test_readme_multinode_script_runs_as_written_on_two_simulated_nodes(tmp_path):
+    """The README's sbatch script, its variables and srun line as written, on two simulated nodes of two ranks
+    each: SLURM's variables for 2 nodes of 2 GPUs, the rendezvous at 127.0.0.1 (a free port), the site's
+    interfaces lo, --out and HF_HOME one absolute path, the toy in place of the Hub ids and a few steps; two
+    torchrun agents, each started from its own copy of the project. Both finish; the role map names the
+    ranks; --gen_ranks 0.8 of 4 is 3 generators."""
+    assigned, srun = readme_sbatch((ROOT / "README.md").read_text())
+    port = bench.free_port()
+    swap = {"HEAD": "127.0.0.1", "OUT": str(tmp_path / "run"), "HF_HOME": str(tmp_path / "hf"),
+            "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    slurm = {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": f"sim{port}"}
+    assert set(swap) <= set(assigned) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in assigned
+    values = {**assigned, **swap, **slurm}
+    line = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], srun).replace("127.0.0.1:29500", f"127.0.0.1:{port}")
+    words = shlex.split(line)
+    assert words[:2] == ["srun", "torchrun"] and "--max-restarts" in words and "--resume" in words, words
+    script = words.index("train.py")
+    train = words[script + 1:]
+    for flag in ("--model", "--data"):  # Hub ids: the toy here, with no network
+        at = train.index(flag)
+        assert re.fullmatch(r"[\w-]+/[\w.-]+", train[at + 1]), train
+        del train[at:at + 2]
+    env = {k: values[k] for k in assigned if k != "OUT" and k != "HEAD"}  # what the script exports
+    argv = ["--run-path", "--start-method", "fork", *words[2:script], "train.py", *train, *PIPE_FLAGS, "--steps", "3"]
+    node1 = clone_files(tmp_path / "node1")
+    agents = [Forked(argv, env, tmp_path / f"node{n}.log", root=root, script=torch.distributed.run.__file__)
+              for n, root in enumerate((ROOT, node1))]
+    rcs, outs = finish_all(agents, timeout=120)
+    assert rcs == [0, 0], "\n".join(o[-3000:] for o in outs)
+    out = "\n".join(outs)
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2, 3]
+    host = socket.gethostname()
+    assert f"node {host}: 1 trainer(s) (ranks 0), 3 generator(s) (ranks 1-3)" in out, out[-3000:]
+    assert "devices: 4 ranks on the CPU" in out and "done in" in out
+    assert not (node1 / "runs").exists() and not (ROOT / "runs" / "run").exists()
 
 
 def code_lines(path):
@@ -4453,9 +4514,12 @@ def test_ranks_loopback_master_addr_pins_lo_on_one_machine_only(monkeypatch):
                                       "127.0.1.1, a loopback address, in a run over several nodes (16 ranks, 8 here)")
     assert "GLOO_SOCKET_IFNAME" not in os.environ and "\n" not in str(stop.value)
     assert ranks.own_store(0, 8, 8, None) is None and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the launcher's store listens everywhere; gloo, nccl on ib0
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     assert ranks.own_store(2, 16, 8, None) is None and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # but rank 0's own store would listen on 127.0.1.1
+    with pytest.raises(SystemExit, match="MASTER_ADDR head resolves to 127.0.1.1, a loopback address"):
+        ranks.own_store(2, 16, 8, None)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK])

@@ -8,7 +8,7 @@ a flag (config.py); sizes come from config.RECIPES.
 
     python train.py                            # the embedded toy task and model, on a CPU
     python train.py --loss dapo --no-fp32_head # an ablation: one flag per ScaleRL choice
-    torchrun $LOCAL --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
+    torchrun_local --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
 """
 
 import glob
