@@ -4487,6 +4487,7 @@ def _faked_gpu_rank(rank, world, port, out):
 
 
 def test_ranks_a_rank_that_differs_stops_every_rank_at_once_instead_of_hanging(tmp_path):
+    in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
     torch.multiprocessing.start_processes(_faked_gpu_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
                                           start_method="forkserver")
@@ -4522,19 +4523,23 @@ def test_ranks_loopback_master_addr_pins_lo_on_one_machine_only(monkeypatch):
         ranks.own_store(2, 16, 8, None)
 
 
-@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK])
-def test_runs_a_filesystem_without_locks_is_one_line_not_a_traceback(code, tmp_path, monkeypatch, capsys):
-    """Lustre without -o flock answers flock with ENOSYS: the run stopped in a traceback."""
-    def flock(f, how):
-        raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(runs.fcntl, "flock", flock)
-    rows = run_train(toy.toy_model_dir(), tmp_path / "run", "--steps", "1", "--eval_every", "1")
-    out = capsys.readouterr().out
-    said = [ln for ln in out.splitlines() if ln.startswith("warning: --out")]
-    assert said == [f"warning: --out {tmp_path / 'run'}: its filesystem cannot lock files ({errno.errorcode[code]}), "
-                    "so nothing stops a second run from writing the same --out: start one run per --out (or mount "
-                    "the disk with locks, Lustre: -o flock)"], out
-    assert rows[-1]["kind"] == "eval"
+def test_runs_a_filesystem_without_locks_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """Lustre without -o flock answers flock with ENOSYS (others: EOPNOTSUPP, ENOLCK): the run stopped in a
+    traceback. It goes on, saying in one line what that means and what to do."""
+    for code in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+        def flock(f, how, code=code):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(runs.fcntl, "flock", flock)
+        out = tmp_path / errno.errorcode[code]
+        if code == errno.ENOSYS:  # a whole run, to its end
+            assert run_train(toy.toy_model_dir(), out, "--steps", "1", "--eval_every", "1")[-1]["kind"] == "eval"
+        else:
+            runs.prepare_out_dir(config.get_args(["--out", str(out)]))
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "--out" in ln and "lock" in ln]
+        assert said == [f"warning: --out {out}: its filesystem cannot lock files ({errno.errorcode[code]}), so "
+                        "nothing stops a second run from writing the same --out: start one run per --out (or "
+                        "mount the disk with locks, Lustre: -o flock)"], said
+    runs.release_lock()
 
 
 def _layout_rank(rank, world, port, out):
@@ -4566,6 +4571,7 @@ def test_ranks_weight_broadcast_layout_is_checked_once_at_start(tmp_path):
     shorter = dict(sent, params=sent["params"][:-1])
     assert f"parameter {len(shorter['params'])} is lm_head.weight (40, 32) float32 on trainer 0 but nothing here" \
         in ranks.layout_mismatch(sent, shorter)
+    in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
     torch.multiprocessing.start_processes(_layout_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
                                           start_method="forkserver", join=False).join(30)
