@@ -192,8 +192,9 @@ def rank_flags(g):
     g.add_argument("--max_lag", type=int, default=8,
                    help="k: no token trained on is more than k versions old")
     g.add_argument("--gen_ranks", type=count_or_fraction, default=0,
-                   help="generator ranks: a count, or a fraction of the ranks (0.8: 64 generators + "
-                        "16 trainers of 80, the paper's split); 0 = world - max(1, world // 4)")
+                   help="generator ranks: a count, or a fraction of the ranks (0.8: 64 "
+                        "generators + 16 trainers of 80, the paper's split); 0 = world - max(1, "
+                        "world // 4)")
     g.add_argument("--timeout", type=float, default=1800,
                    help="seconds any cross-rank wait may last")
     g.add_argument("--heartbeat_timeout", type=float, default=60,

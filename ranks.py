@@ -5,7 +5,7 @@ genstats/<rank>), the held-out eval handshake on the store, and the collectives 
 (gradients, step statistics), and a verified group's wire format (pack_group, receive_rows). Start
 at setup; which group goes where and when, and the weight exchange, are pipeline.py's.
 
-    torchrun_local --nproc_per_node 2 train.py     # torchrun_local: README, "Generator and trainer ranks"
+    torchrun_local --nproc_per_node 2 train.py    # README, "Generator and trainer ranks"
 """
 
 import ipaddress
@@ -145,12 +145,13 @@ def own_store(rank, world, local_world, timeout):
             # several nodes (Debian's /etc/hosts maps the hostname to 127.0.1.1): the others cannot
             # reach it, unless the nodes are simulated on one machine (lo), or the launcher's store
             # listens on every interface and gloo and nccl take the one named
-            sys.exit(f"error: rank {rank} on {socket.gethostname()}: MASTER_ADDR {host} resolves to "
-                     f"{address[0]}, a loopback address, in a run over several nodes ({world} ranks, "
-                     f"{local_world} here): the other nodes cannot reach it; make {host} resolve to "
-                     "the address the nodes share (or give torchrun --local-addr with it) and set "
-                     "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface (README, "
-                     "\"Several nodes\"; nodes simulated on one machine: GLOO_SOCKET_IFNAME=lo)")
+            sys.exit(f"error: rank {rank} on {socket.gethostname()}: MASTER_ADDR {host} resolves "
+                     f"to {address[0]}, a loopback address, in a run over several nodes ({world} "
+                     f"ranks, {local_world} here): the other nodes cannot reach it; make {host} "
+                     "resolve to the address the nodes share (or give torchrun --local-addr with "
+                     "it) and set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface "
+                     "(README, \"Several nodes\"; nodes simulated on one machine: "
+                     "GLOO_SOCKET_IFNAME=lo)")
     if launcher:
         return None
     listening = None
@@ -183,7 +184,8 @@ def agree(store, rank, world, facts, trainers, gens, timeout):
         store_wait(store, [f"facts/{r}" for r in range(world)], timeout, "every rank's devices")
         every = [json.loads(store.get(f"facts/{r}")) for r in range(world)]
         plan = device_plan(every, trainers, gens)
-        plan["refused"] = {r: why for r, f in enumerate(every) if (why := disagreement(f, every[0]))}
+        plan["refused"] = {r: why for r, f in enumerate(every)
+                           if (why := disagreement(f, every[0]))}
         store.set("plan", json.dumps(plan))
     store_wait(store, ["plan"], timeout, "rank 0's device plan")
     plan = json.loads(store.get("plan"))
@@ -280,7 +282,8 @@ def meet(ctx, version, length, layout):
 
 
 def layout_mismatch(sent, mine):
-    """Trainer 0's weight layout against a generator's -> the first difference (one line), or None."""
+    """Trainer 0's weight layout against a generator's -> the first difference (one line), or
+    None."""
     if sent["bucket_mb"] != mine["bucket_mb"]:
         return (f"--bucket_mb {mine['bucket_mb']} here, {sent['bucket_mb']} on trainer 0: the "
                 "weight broadcast's buckets would differ; start every node with the same flags")

@@ -289,8 +289,8 @@ def lock_run(out):
             raise
         print(f"warning: --out {out}: its filesystem cannot lock files "
               f"({errno.errorcode[err.errno]}), so nothing stops a second run from writing the "
-              "same --out: start one run per --out (or mount the disk with locks, Lustre: -o flock)",
-              flush=True)
+              "same --out: start one run per --out (or mount the disk with locks, Lustre: "
+              "-o flock)", flush=True)
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}")
     f.flush()

@@ -4574,7 +4574,7 @@ def test_ranks_weight_broadcast_layout_is_checked_once_at_start(tmp_path):
     in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
     torch.multiprocessing.start_processes(_layout_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
-                                          start_method="forkserver", join=False).join(30)
+                                          start_method="forkserver")
     ended = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: the weight broadcast does not match: "
                      "parameter 0 is model.embed_tokens.weight (40, 32) float32 on trainer 0 but "
