@@ -4374,7 +4374,7 @@ def test_pipeline_pack_unpack_round_trip():
         ranks.pack_group(0, dict(group, prompt=[1] * 7), length=8)
 
 
-def facts(hosts, devices, gpus=None, cuda=True, gens=1):
+def rank_facts(hosts, devices, gpus=None, cuda=True, gens=1):
     """ranks.local_facts as each rank would report it: its host, device index and GPU identity (by
     default a GPU per (host, device))."""
     gpus = gpus or [f"{h}/{d}" for h, d in zip(hosts, devices)]
@@ -4385,17 +4385,17 @@ def facts(hosts, devices, gpus=None, cuda=True, gens=1):
 def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
     """(Its plan now comes from every rank's facts, gathered by rank 0: host, LOCAL_RANK's device, GPU UUID.)"""
     plan = ranks.device_plan
-    one = plan(facts(["a", "a"], [0, 0]), [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
+    one = plan(rank_facts(["a", "a"], [0, 0]), [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
     assert one["name"] == ["cuda:0", "cuda:0"] and (one["weights"], one["trainers"]) == ("gloo", "nccl")
     assert "share a GPU" in one["line"] and "weight broadcast over gloo" in one["line"]
-    eight = plan(facts(["a"] * 8, range(8)), [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
+    eight = plan(rank_facts(["a"] * 8, range(8)), [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
     assert eight["devices"] == list(range(8)) and {eight["weights"], eight["trainers"]} == {"nccl"}
-    four = plan(facts(["a"] * 4, [0, 1, 0, 1]), [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
+    four = plan(rank_facts(["a"] * 4, [0, 1, 0, 1]), [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
     assert four["devices"] == [0, 1, 0, 1]
     assert (four["trainers"], four["weights"]) == ("nccl", "gloo")  # 0 and 2 share GPU 0
-    nodes = plan(facts(["a", "a", "b", "b"], [0, 0, 0, 0]), [0, 2], [1, 3])  # 2 nodes x 1 GPU: 0 and 2 on different machines
+    nodes = plan(rank_facts(["a", "a", "b", "b"], [0, 0, 0, 0]), [0, 2], [1, 3])  # 2 nodes x 1 GPU: 0 and 2 on different machines
     assert nodes["devices"] == [0, 0, 0, 0] and nodes["trainers"] == "nccl" and nodes["weights"] == "gloo"
-    cpu = plan(facts(["a"] * 3, [0] * 3, cuda=False), [0], [1, 2])
+    cpu = plan(rank_facts(["a"] * 3, [0] * 3, cuda=False), [0], [1, 2])
     assert cpu["name"] == ["cpu"] * 3 and {cpu["weights"], cpu["trainers"]} == {"gloo"}
 
 
@@ -4413,10 +4413,10 @@ def test_ranks_device_from_local_rank_and_slurm_one_gpu_per_task_keeps_nccl(monk
     assert (mine["device"], mine["gpu"], mine["cuda"], mine["host"]) == (3, "GPU-3", True, socket.gethostname())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # SLURM's binding: one GPU visible to each rank
     assert ranks.local_facts(types.SimpleNamespace(device="auto"), 2)["device"] == 0
-    bound = ranks.device_plan(facts(["a"] * 4, [0] * 4, gpus=["GPU-a", "GPU-b", "GPU-c", "GPU-d"]), [0, 1], [2, 3])
+    bound = ranks.device_plan(rank_facts(["a"] * 4, [0] * 4, gpus=["GPU-a", "GPU-b", "GPU-c", "GPU-d"]), [0, 1], [2, 3])
     assert bound["name"] == ["cuda:0"] * 4 and (bound["weights"], bound["trainers"]) == ("nccl", "nccl")
     assert "one GPU per rank" in bound["line"] and "4 GPU(s) over 1 node(s)" in bound["line"]
-    shared = ranks.device_plan(facts(["a"] * 4, [0] * 4, gpus=["GPU-a"] * 4), [0, 1], [2, 3])
+    shared = ranks.device_plan(rank_facts(["a"] * 4, [0] * 4, gpus=["GPU-a"] * 4), [0, 1], [2, 3])
     assert (shared["weights"], shared["trainers"]) == ("gloo", "gloo") and "share a GPU" in shared["line"]
 
 
@@ -4452,18 +4452,18 @@ def test_ranks_role_sizing_reaches_the_papers_64_plus_16_and_the_role_map_has_a_
     assert lines[2] == "node node02: 8 generator(s) (ranks 16-23)" and lines[9].endswith("(ranks 72-79)")
     assert ranks.role_map(["a", "b", "a", "b"], 2) == ["node a: 1 trainer(s) (ranks 0), 1 generator(s) (ranks 2)",
                                                        "node b: 1 trainer(s) (ranks 1), 1 generator(s) (ranks 3)"]
-    assert ranks.device_plan(facts(hosts, [r % 8 for r in range(80)]), list(range(16)), list(range(16, 80)))[
+    assert ranks.device_plan(rank_facts(hosts, [r % 8 for r in range(80)]), list(range(16)), list(range(16, 80)))[
         "roles"] == lines
 
 
 def test_ranks_a_rank_whose_answers_differ_is_named_in_one_line():
     """Each rank decided for itself whether it ran on GPUs and how many generators there were: one that differed
     built other groups than the rest, and they all hung in new_group. Rank 0 decides from every rank's facts."""
-    first = facts(["a", "b"], [0, 0])
+    first = rank_facts(["a", "b"], [0, 0])
     assert ranks.disagreement(first[1], first[0]) is None
     gens = ranks.disagreement(dict(first[1], gens=2), first[0])
     assert gens == "--gen_ranks gives 2 generators here, 1 on rank 0 (a): start every node with the same flags"
-    cpu = ranks.disagreement(facts(["b"], [0], cuda=False)[0], first[0])
+    cpu = ranks.disagreement(rank_facts(["b"], [0], cuda=False)[0], first[0])
     assert cpu.startswith("this rank runs on the CPU, rank 0 (a) on GPUs: every rank must")
 
 
