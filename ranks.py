@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -110,7 +111,7 @@ def setup(args):
                             store=own_store(rank, world, local_world, timeout))
     store = dist.distributed_c10d._get_default_store()
     trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
-    plan = agree(store, rank, world, local_facts(args, n_gens), trainers, gens, args.timeout)
+    plan = decide_plan(store, rank, world, local_facts(args, n_gens), trainers, gens, args.timeout)
     if plan["devices"][rank] is None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     else:
@@ -176,7 +177,7 @@ def local_facts(args, n_gens):
             "gpu": str(torch.cuda.get_device_properties(device).uuid) if gpus else None}
 
 
-def agree(store, rank, world, facts, trainers, gens, timeout):
+def decide_plan(store, rank, world, facts, trainers, gens, timeout):
     """Every rank's facts through the store; rank 0 decides the plan (device_plan) and shares it;
     a rank whose own answers differ from rank 0's stops with one line, the others with it."""
     store.set(f"facts/{rank}", json.dumps(facts))
@@ -190,8 +191,7 @@ def agree(store, rank, world, facts, trainers, gens, timeout):
     store_wait(store, ["plan"], timeout, "rank 0's device plan")
     plan = json.loads(store.get("plan"))
     if plan["refused"]:
-        sys.exit(f"error: rank {rank} on {facts['host']}: {plan['refused'][str(rank)]}"
-                 if str(rank) in plan["refused"] else 2)
+        stop_together(store, rank, world, plan["refused"].get(str(rank)), "plan")
     return plan
 
 
@@ -205,6 +205,16 @@ def disagreement(mine, first):
         return (f"this rank runs {where(mine)}, rank 0 ({first['host']}) {where(first)}: every "
                 "rank must (the same GPUs on every node, or --device cpu everywhere)")
     return None
+
+
+def stop_together(store, rank, world, why, check):
+    """A start-up check failed: a rank it names says why in one line, the others exit 2; rank 0,
+    the store's host, last, once every rank has read the verdict (or 30 s passed: one is gone)."""
+    store.add(f"{check}/read", 1)
+    t0 = time.time()
+    while rank == 0 and int(store.add(f"{check}/read", 0)) < world and time.time() - t0 < 30:
+        time.sleep(0.05)
+    sys.exit(f"error: rank {rank} on {socket.gethostname()}: {why}" if why else 2)
 
 
 def store_wait(store, keys, timeout, what):
@@ -276,8 +286,7 @@ def meet(ctx, version, length, layout):
     store_wait(ctx.store, [f"layout/{r}" for r in gens], ctx.timeout, "the generators' weights")
     refused = {r: ctx.store.get(f"layout/{r}").decode() for r in gens}
     if any(refused.values()):  # the broadcast sends bare bytes: a mismatch is garbage or a hang
-        sys.exit(f"error: rank {ctx.rank} on {socket.gethostname()}: {refused[ctx.rank]}"
-                 if refused.get(ctx.rank) else 2)
+        stop_together(ctx.store, ctx.rank, ctx.world, refused.get(ctx.rank), "layout")
     dist.barrier(group=ctx.rollouts)
 
 
