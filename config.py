@@ -223,8 +223,10 @@ def rank_flags(g):
                         "sync = k of 1")
     g.add_argument("--max_lag", type=int, default=8,
                    help="k: no token trained on is more than k versions old")
-    g.add_argument("--gen_ranks", type=int, default=0,
-                   help="generator ranks; 0 = world - max(1, world // 4)")
+    g.add_argument("--gen_ranks", type=count_or_fraction, default=0,
+                   help="generator ranks: a count, or a fraction of the ranks (0.8: 64 "
+                        "generators + 16 trainers of 80, the paper's split); 0 = world - max(1, "
+                        "world // 4)")
     g.add_argument("--timeout", type=float, default=1800,
                    help="seconds any cross-rank wait may last")
     g.add_argument("--heartbeat_timeout", type=float, default=60,
@@ -234,6 +236,14 @@ def rank_flags(g):
                    help="shard the trainers' model and optimizer state over the trainer ranks "
                         "(FSDP2); no trainer keeps a whole copy, and checkpoints keep the float32 "
                         "shards and AdamW state sharded")
+
+
+def count_or_fraction(text):
+    """--gen_ranks' value: a whole count, or a fraction in (0, 1)."""
+    value = float(text)
+    if not (value.is_integer() or 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor a fraction in (0, 1)")
+    return int(value) if value.is_integer() else value
 
 
 def logging_flags(g):

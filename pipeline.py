@@ -490,6 +490,13 @@ def whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def weight_layout(model, bucket_mb):
+    """What the broadcast moves: each parameter's name, shape and dtype, and the bucket size
+    (checked once at start-up, ranks.meet: the receiver buckets by its own)."""
+    return {"bucket_mb": bucket_mb, "params": [[n, list(p.shape), str(p.dtype).split(".")[-1]]
+                                               for n, p in model.named_parameters()]}
+
+
 @torch.no_grad()
 def send_weights(ctx, model, bucket_mb, dtype):
     """Trainer 0 broadcasts the weights by buckets (--fsdp: every trainer helps make each whole) ->

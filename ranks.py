@@ -6,7 +6,7 @@ genstats/<rank>), the held-out eval handshake on the store, and the collectives 
 at setup; which group goes where and when, and the weight exchange, are pipeline.py's. What the ranks
 must agree on (--out, the resume point) rank 0 decides and shares (share_run).
 
-    torchrun $LOCAL --nproc_per_node 2 train.py     # LOCAL: README, "Generator and trainer ranks"
+    torchrun_local --nproc_per_node 2 train.py    # README, "Generator and trainer ranks"
 """
 
 import contextlib
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import runs
 from faults import get_int, role_of, set_status, wait_until, watch
 from generate import FINISH, Sample
+from hub import one_line
 
 _BEACON = []  # rank 0's store that proves a start's token (restart_token)
 
@@ -36,6 +37,10 @@ def default_gen_ranks(world):
 
 
 def n_generators(gen_ranks, world):
+    """--gen_ranks as a count, a fraction of the ranks (0.8 of 80: the paper's 64 generators and
+    16 trainers; at least one of each), or 0: the default split."""
+    if 0 < gen_ranks < 1:
+        return min(world - 1, max(1, round(gen_ranks * world)))
     return gen_ranks if gen_ranks > 0 else default_gen_ranks(world)
 
 
@@ -95,6 +100,16 @@ def pick_threads(local_world=None):
     return torch.get_num_threads()
 
 
+def check_launcher():
+    """`srun python train.py`: SLURM's tasks without torchrun would each be a one-process run."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if "RANK" not in os.environ and tasks.isdigit() and int(tasks) > 1:
+        sys.exit(f"error: started by srun as task {os.environ.get('SLURM_PROCID', '?')} of {tasks} "
+                 "without torchrun: each task would train alone, a one-process run of its own; "
+                 "run one torchrun per node, `srun --ntasks-per-node 1 torchrun ... train.py ...` "
+                 "(README, \"Several nodes\")")
+
+
 def setup(args):
     """Join torchrun's group -> this rank's Context; None for one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,31 +128,29 @@ def setup(args):
         sys.exit("error: torchrun --max-restarts restarts the ranks with this same command, which "
                  "would then find this run in --out and stop: add --resume (with nothing to resume "
                  "yet, a run starts fresh)")
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
-    plan = device_plan(world, local_world, torch.cuda.device_count() if cuda else 0, trainers, gens)
-    if cuda:
-        torch.cuda.set_device(plan["devices"][rank])
-    else:
-        pick_threads(local_world)
     timeout = timedelta(seconds=args.timeout)
-    store = own_store(rank, world, timeout)
+    store = own_store(rank, world, local_world, timeout)
+    # the default group (rollouts, barriers) is gloo on every rank: nothing in it depends on devices
+    dist.init_process_group("gloo", timeout=timeout, rank=rank, world_size=world, store=store)
+    trainers, gens = list(range(n_trainers)), list(range(n_trainers, world))
+    plan = decide_plan(store, rank, world, local_facts(args, n_gens), trainers, gens, args.timeout)
+    if plan["devices"][rank] is None:
+        pick_threads(local_world)
+    else:
+        torch.cuda.set_device(plan["devices"][rank])
     ctx = Context(rank=rank, world=world, n_trainers=n_trainers, n_gens=n_gens,
                   device=plan["name"][rank], timeout=args.timeout, mode=args.mode,
                   k=1 if args.mode == "sync" else args.max_lag,
                   prompts=args.prompts, samples=args.samples, store=store,
-                  weights=None, trainers=None, rollouts=None)
-    dist.init_process_group(plan["default"], timeout=timeout, rank=rank, world_size=world,
-                            store=store)
+                  # rollouts are CPU tensors sent point to point: the default group, gloo
+                  weights=None, trainers=None, rollouts=dist.group.WORLD)
     watch(ctx, args.heartbeat_timeout)  # all have met: from here one that fails stops the others
     if rank == 0:
-        print(plan["line"], flush=True)
-    # every rank creates every group, in the same order
+        print("\n".join([plan["line"], *plan["roles"]]), flush=True)
+    # every rank creates every group, in the same order, with rank 0's backends
     ctx.weights = dist.new_group([0] + gens, timeout=timeout, backend=plan["weights"])
     ctx.trainers = dist.new_group(trainers, timeout=timeout, backend=plan["trainers"])
-    # rollouts are CPU tensors sent point to point: gloo, whatever the default is
-    ctx.rollouts = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
     return ctx
 
 
@@ -169,22 +182,42 @@ def share_run(ctx, args, ckpt, state):
     return runs.resume_facts(args, facts)
 
 
-def own_store(rank, world, timeout):
+def own_store(rank, world, local_world, timeout):
     """The run's TCP store: rank 0's, bound to MASTER_ADDR alone (torch's binds every interface, and
     whoever reaches a store can stop the run), or torchrun's shared one (the launcher's, its default)
     under a prefix fresh to this start, which rank 0 draws and proves current (restart_token): a restart
     (--max-restarts) meets none of the last start's keys, which stopped restarted ranks in gloo's
     connectFullMesh ("Connection refused")."""
-    host, port = os.environ["MASTER_ADDR"].strip("[]"), int(os.environ["MASTER_PORT"])
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    if ipaddress.ip_address(address[0]).is_loopback:
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(name, "lo")
+    host, port, family, address = store_address(rank, world, local_world)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return tcp_store(family, address if rank == 0 else None, host, port, world, timeout)
-    launcher = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"train.py/{restart_token(launcher, rank, family, address, timeout)}",
-                            launcher)
+    agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"train.py/{restart_token(agent, rank, family, address, timeout)}", agent)
+
+
+def store_address(rank, world, local_world):
+    """MASTER_ADDR resolved -> (host, port, family, address); a loopback address pins gloo and nccl to
+    lo where the whole run is on one machine, and stops a run over several nodes in one line."""
+    host, port = os.environ["MASTER_ADDR"].strip("[]"), int(os.environ["MASTER_PORT"])
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if ipaddress.ip_address(address[0]).is_loopback:
+        if world == local_world:  # one machine: the whole run on the loopback interface
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(name, "lo")
+        elif not (ifname == "lo" or ifname and launcher):
+            # several nodes (Debian's /etc/hosts maps the hostname to 127.0.1.1): the others cannot
+            # reach it, unless the nodes are simulated on one machine (lo), or the launcher's store
+            # listens on every interface and gloo and nccl take the one named
+            sys.exit(f"error: rank {rank} on {socket.gethostname()}: MASTER_ADDR {host} resolves "
+                     f"to {address[0]}, a loopback address, in a run over several nodes ({world} "
+                     f"ranks, {local_world} here): the other nodes cannot reach it; make {host} "
+                     "resolve to the address the nodes share (or give torchrun --local-addr with "
+                     "it) and set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface "
+                     "(README, \"Several nodes\"; nodes simulated on one machine: "
+                     "GLOO_SOCKET_IFNAME=lo)")
+    return host, port, family, address
 
 
 def restart_token(launcher, rank, family, address, timeout):
@@ -229,35 +262,143 @@ def tcp_store(family, bind, host, port, world, timeout):
                          master_listen_fd=listening)
 
 
-def device_plan(world, local_world, n_gpus, trainers, gens):
-    """Each rank's GPU (round-robin) and each group's backend: gloo where ranks share a GPU (nccl
-    cannot join two ranks on one GPU)."""
-    ranks = range(world)
-    if not n_gpus:
-        return {"devices": [None] * world, "name": ["cpu"] * world, "default": "gloo",
-                "weights": "gloo", "trainers": "gloo",
-                "line": f"devices: {world} ranks on the CPU, every group over gloo"}
-    devices = [(r % local_world) % n_gpus for r in ranks]
-    where = [(r // local_world, devices[r]) for r in ranks]
-    backend = lambda group: "nccl" if len({where[r] for r in group}) == len(group) else "gloo"
-    plan = {"devices": devices, "name": [f"cuda:{d}" for d in devices], "default": backend(ranks),
-            "weights": backend([0] + gens), "trainers": backend(trainers)}
-    shared = len(set(where)) < world
-    plan["line"] = (f"devices: {world} ranks on {min(n_gpus, local_world)} GPU(s) per node, "
-                    f"round-robin ({'some ranks share a GPU' if shared else 'one GPU per rank'}); "
-                    f"weight broadcast over {plan['weights']}, gradients over {plan['trainers']}"
-                    + (" (nccl cannot join two ranks on one GPU)"
-                       if "gloo" in plan.values() else ""))
+def local_facts(args, n_gens):
+    """What this rank sees, for rank 0's plan: its host, its device (LOCAL_RANK's GPU among those
+    visible) and that GPU's identity, and its own answers to what every rank must agree on."""
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    gpus = torch.cuda.device_count() if cuda else 0
+    device = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % gpus if gpus else None
+    # SLURM's one GPU per task shows each rank a different cuda:0: the UUID tells GPUs apart
+    return {"host": socket.gethostname(), "cuda": cuda, "gens": n_gens, "device": device,
+            "gpu": str(torch.cuda.get_device_properties(device).uuid) if gpus else None}
+
+
+def decide_plan(store, rank, world, facts, trainers, gens, timeout):
+    """Every rank's facts through the store; rank 0 decides the plan (device_plan) and shares it;
+    a rank whose own answers differ from rank 0's stops with one line, the others with it."""
+    store.set(f"facts/{rank}", json.dumps(facts))
+    if rank == 0:
+        store_wait(store, [f"facts/{r}" for r in range(world)], timeout, "every rank's devices")
+        every = [json.loads(store.get(f"facts/{r}")) for r in range(world)]
+        plan = device_plan(every, trainers, gens)
+        plan["refused"] = {r: why for r, f in enumerate(every)
+                           if (why := disagreement(f, every[0]))}
+        store.set("plan", json.dumps(plan))
+    store_wait(store, ["plan"], timeout, "rank 0's device plan")
+    plan = json.loads(store.get("plan"))
+    if plan["refused"]:
+        stop_together(store, rank, world, plan["refused"].get(str(rank)), "plan")
     return plan
 
 
-def meet(ctx, version, length):
-    """Once the model is loaded: rank 0 publishes the starting version; every rank waits for all."""
+def disagreement(mine, first):
+    """A rank's answers against rank 0's -> what differs (one line), or None."""
+    if mine["gens"] != first["gens"]:
+        return (f"--gen_ranks gives {mine['gens']} generators here, {first['gens']} on rank 0 "
+                f"({first['host']}): start every node with the same flags")
+    if mine["cuda"] != first["cuda"]:
+        where = lambda f: "on GPUs" if f["cuda"] else "on the CPU"  # noqa: E731
+        return (f"this rank runs {where(mine)}, rank 0 ({first['host']}) {where(first)}: every "
+                "rank must (the same GPUs on every node, or --device cpu everywhere)")
+    return None
+
+
+def stop_together(store, rank, world, why, check):
+    """A start-up check failed: a rank it names says why in one line, the others exit 2; rank 0,
+    the store's host, last, once every rank has read the verdict (or 30 s passed: one is gone)."""
+    store.add(f"{check}/read", 1)
+    t0 = time.time()
+    while rank == 0 and int(store.add(f"{check}/read", 0)) < world and time.time() - t0 < 30:
+        time.sleep(0.05)
+    sys.exit(f"error: rank {rank} on {socket.gethostname()}: {why}" if why else 2)
+
+
+def store_wait(store, keys, timeout, what):
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError as err:  # DistStoreError's wait timeout, or the store gone
+        sys.exit(f"error: waited {timeout:g} s (--timeout) for {what}: {one_line(err)}")
+
+
+def device_plan(facts, trainers, gens):
+    """Rank 0's plan from every rank's facts: each rank's device (its LOCAL_RANK's GPU) and each
+    group's backend: gloo where two of its ranks share a GPU (nccl cannot join them), told by host
+    and GPU UUID; and the role map, a line per node."""
+    world = len(facts)
+    where = [(f["host"], f["gpu"]) for f in facts]
+    roles = role_map([f["host"] for f in facts], len(trainers))
+    if not facts[0]["cuda"]:
+        return {"devices": [None] * world, "name": ["cpu"] * world, "weights": "gloo",
+                "trainers": "gloo", "roles": roles,
+                "line": f"devices: {world} ranks on the CPU, every group over gloo"}
+    backend = lambda group: "nccl" if len({where[r] for r in group}) == len(group) else "gloo"
+    devices = [f["device"] for f in facts]
+    plan = {"devices": devices, "name": [f"cuda:{d}" for d in devices], "roles": roles,
+            "weights": backend([0] + gens), "trainers": backend(trainers)}
+    shared = len(set(where)) < world
+    plan["line"] = (f"devices: {world} ranks on {len(set(where))} GPU(s) over "
+                    f"{len({f['host'] for f in facts})} node(s), each its LOCAL_RANK's GPU "
+                    f"({'some ranks share a GPU' if shared else 'one GPU per rank'}); "
+                    f"weight broadcast over {plan['weights']}, gradients over {plan['trainers']}"
+                    + (" (nccl cannot join two ranks on one GPU)"
+                       if "gloo" in (plan["weights"], plan["trainers"]) else ""))
+    return plan
+
+
+def role_map(hosts, n_trainers):
+    """A line per node, in rank order: which ranks train and which generate there."""
+    def spans(ranks):
+        runs = []
+        for r in ranks:
+            if runs and runs[-1][1] == r - 1:
+                runs[-1][1] = r
+            else:
+                runs.append([r, r])
+        return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    lines = []
+    for host in dict.fromkeys(hosts):
+        mine = [r for r, h in enumerate(hosts) if h == host]
+        train, gen = [r for r in mine if r < n_trainers], [r for r in mine if r >= n_trainers]
+        lines.append(f"node {host}: " + ", ".join(
+            [f"{len(train)} trainer(s) (ranks {spans(train)})"] * bool(train) +
+            [f"{len(gen)} generator(s) (ranks {spans(gen)})"] * bool(gen)))
+    return lines
+
+
+def meet(ctx, version, length, layout):
+    """Once the model is loaded: rank 0 publishes the starting version and what its weight
+    broadcast sends (layout); each generator checks it against what it receives into; every rank
+    waits for all."""
     ctx.length = length
     if ctx.rank == 0:
         ctx.store.set("version", str(version))
         ctx.store.set("stop", "0")
+        ctx.store.set("layout", json.dumps(layout))
+    gens = range(ctx.n_trainers, ctx.world)
+    if ctx.rank in gens:
+        store_wait(ctx.store, ["layout"], ctx.timeout, "trainer 0's weight layout")
+        ctx.store.set(f"layout/{ctx.rank}", layout_mismatch(json.loads(ctx.store.get("layout")),
+                                                            layout) or "")
+    store_wait(ctx.store, [f"layout/{r}" for r in gens], ctx.timeout, "the generators' weights")
+    refused = {r: ctx.store.get(f"layout/{r}").decode() for r in gens}
+    if any(refused.values()):  # the broadcast sends bare bytes: a mismatch is garbage or a hang
+        stop_together(ctx.store, ctx.rank, ctx.world, refused.get(ctx.rank), "layout")
     dist.barrier(group=ctx.rollouts)
+
+
+def layout_mismatch(sent, mine):
+    """Trainer 0's weight layout against a generator's -> the first difference (one line), or
+    None."""
+    if sent["bucket_mb"] != mine["bucket_mb"]:
+        return (f"--bucket_mb {mine['bucket_mb']} here, {sent['bucket_mb']} on trainer 0: the "
+                "weight broadcast's buckets would differ; start every node with the same flags")
+    for i, (a, b) in enumerate(zip(sent["params"] + [None], mine["params"] + [None])):
+        if a != b:
+            show = lambda p: f"{p[0]} {tuple(p[1])} {p[2]}" if p else "nothing"  # noqa: E731
+            return (f"the weight broadcast does not match: parameter {i} is {show(a)} on trainer 0 "
+                    f"but {show(b)} here; every rank must load the same --model with the same "
+                    "--dtype")
+    return None
 
 
 def part(ctx):

@@ -318,6 +318,13 @@ def lock_run(out):
         f.close()
         sys.exit(f"error: --out {out} is in use by another run ({holder}, per {out}/.lock); "
                  "wait for it to end or choose another --out")
+    except OSError as err:  # Lustre without -o flock, some NFS mounts: the disk has no file locks
+        if err.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+            raise
+        print(f"warning: --out {out}: its filesystem cannot lock files "
+              f"({errno.errorcode[err.errno]}), so nothing stops a second run from writing the "
+              "same --out: start one run per --out (or mount the disk with locks, Lustre: "
+              "-o flock)", flush=True)
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}")
     f.flush()
@@ -699,13 +706,17 @@ def metrics_log(args, rank0):
     return log
 
 
+FRESH_FILE = '"$(mktemp -u)"'  # the shell names a new rendezvous file when the line is run
+
+
 def resume_command():
     """The command line that resumes this run: under torchrun with the launcher's own flags (its
     rendezvous among them), as it was started."""
     flags = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")] + ["--resume"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     launcher = ["python"] if world == 1 else ["torchrun", *launcher_flags()]
-    return " ".join([w if w.startswith("(") else shlex.quote(w) for w in launcher] + [sys.argv[0]]
+    return " ".join([w if w.startswith("(") or w == FRESH_FILE else shlex.quote(w) for w in launcher]
+                    + [sys.argv[0]]
                     + [shlex.quote(a) for a in flags])
 
 
@@ -718,7 +729,11 @@ def launcher_flags():
         start = next((i + 1 for i, w in enumerate(words)
                       if os.path.basename(w) == "torchrun" or w == "torch.distributed.run"), None)
         if start is not None and sys.argv[0] in words[start:]:
-            return words[start:words.index(sys.argv[0], start)]
+            flags = words[start:words.index(sys.argv[0], start)]
+            if "store_type=file" in flags:  # a file rendezvous refuses a second run: a fresh file
+                flags = [FRESH_FILE if before in ("--rdzv-endpoint", "--rdzv_endpoint") else w
+                         for before, w in zip(["", *flags], flags)]
+            return flags
     env = os.environ.get
     world, local = int(env("WORLD_SIZE", "1")), int(env("LOCAL_WORLD_SIZE", "1"))
     flags = ["--nnodes", str(world // local)] if world > local else []

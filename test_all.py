@@ -241,30 +241,27 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     commands run the copy's script on its own modules, with the command's arguments and folder, in processes
     forked from the preloaded server (Forked; a torchrun command's ranks with the environment torchrun gives
     them): what that leaves out is ~5 CPU-s of imports per process, and the same launcher again."""
-    clone = tmp_path / "clone"
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    for f in files:
-        (clone / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, clone / f)
+    clone = clone_files(tmp_path / "clone")
     setup, ran, skipped = [], [], []
     for cmd in readme_commands((ROOT / "README.md").read_text()):
         why = next((why for pattern, why in README_SKIP if re.search(pattern, cmd)), None)
         if why:
             skipped.append(why)
             continue
-        if re.match(r"(export )?\w+=", cmd):  # a variable the commands after it use
+        if re.match(r"(export )?\w+=|\w+\(\) \{", cmd):  # a variable or function the commands after it use
             setup.append(cmd)
             continue
         cmd = cmd.replace("ckpt-000150", "ckpt-000004") + (" " + README_SHRINK if "train.py" in cmd else "")
         words, log = shlex.split(cmd), tmp_path / f"command{len(ran)}"
-        if words[0] == "torchrun" and not any(c.startswith("torchrun") for c in ran):
-            real = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
-            rc, out, err, listened = run_listening("; ".join(setup + [real]), clone)
+        if words[0].startswith("torchrun") and not any(c.startswith("torchrun") for c in ran):
+            real = re.sub(r"(?<!\w)torchrun ", f"{sys.executable} -m torch.distributed.run ", "; ".join(setup + [cmd]))
+            rc, out, err, listened = run_listening(real, clone)
             assert rc == 0, f"{cmd}:\n{out[-1500:]}{err[-1500:]}"
+            assert "master_addr is only used" not in err  # the one-machine flags are torchrun's whole story
             assert len(listened) >= 2 and all((a.ipv4_mapped if a.version == 6 and a.ipv4_mapped else a).is_loopback
                                               for a in listened.values()), (cmd, listened)  # launcher, store, gloo
         else:
-            assert words[0] in ("python", "torchrun") and "&" not in cmd and "|" not in cmd, cmd
+            assert words[0] in ("python", "torchrun", "torchrun_local") and "&" not in cmd and "|" not in cmd, cmd
             rcs, outs = finish_all(fork_command(words, f"{log}.log", root=clone), timeout=300)
             flat = "fit.py" in words and "a flat series" in outs[0]  # a 4-step run has no curve to fit
             assert rcs == [0] * len(rcs) or flat, f"{cmd}:\n" + "\n".join(o[-1500:] for o in outs)
@@ -272,6 +269,70 @@ def test_every_readme_command_runs_in_order_in_a_fresh_clone(tmp_path):
     assert sum("train.py" in c for c in ran) >= 4 and any("generate.py" in c for c in ran), ran
     assert any("fit.py" in c for c in ran) and sum(c.startswith("torchrun") for c in ran) >= 2, ran
     assert "a Hub id: no network here" in skipped
+
+
+def clone_files(clone):
+    """A copy of the repository's files (git ls-files) at `clone` -> clone."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for f in files:
+        (clone / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, clone / f)
+    return clone
+
+
+def readme_sbatch(text):
+    """The README's multi-node batch script (its ```sh block with #SBATCH) -> (the variables it sets, exported
+    or not: {name: value as written}, the words of its srun line)."""
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.S) if "#SBATCH" in b)
+    assigned, srun = {}, None
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.split(" #")[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("srun "):
+            srun = line
+        else:  # NAME=$(a command), or [export] NAME=value ...
+            words = [line] if "=$(" in line else shlex.split(line.removeprefix("export "))
+            assert all(re.match(r"\w+=", w) for w in words), line
+            assigned.update(w.split("=", 1) for w in words)
+    return assigned, srun
+
+
+def test_readme_multinode_script_runs_as_written_on_two_simulated_nodes(tmp_path):
+    """The README's sbatch script, its variables and srun line as written, on two simulated nodes of two ranks
+    each: SLURM's variables for 2 nodes of 2 GPUs, the rendezvous at 127.0.0.1 (a free port), the site's
+    interfaces lo, --out and HF_HOME one absolute path, the toy in place of the Hub ids and a few steps; two
+    torchrun agents, each started from its own copy of the project. Both finish; the role map names the
+    ranks; --gen_ranks 0.8 of 4 is 3 generators."""
+    assigned, srun = readme_sbatch((ROOT / "README.md").read_text())
+    port = bench.free_port()
+    swap = {"HEAD": "127.0.0.1", "OUT": str(tmp_path / "run"), "HF_HOME": str(tmp_path / "hf"),
+            "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    slurm = {"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": f"sim{port}"}
+    assert set(swap) <= set(assigned) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in assigned
+    values = {**assigned, **swap, **slurm}
+    line = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], srun).replace("127.0.0.1:29500", f"127.0.0.1:{port}")
+    words = shlex.split(line)
+    assert words[:2] == ["srun", "torchrun"] and "--max-restarts" in words and "--resume" in words, words
+    script = words.index("train.py")
+    train = words[script + 1:]
+    for flag in ("--model", "--data"):  # Hub ids: the toy here, with no network
+        at = train.index(flag)
+        assert re.fullmatch(r"[\w-]+/[\w.-]+", train[at + 1]), train
+        del train[at:at + 2]
+    env = {k: values[k] for k in assigned if k != "OUT" and k != "HEAD"}  # what the script exports
+    argv = ["--run-path", "--start-method", "fork", *words[2:script], "train.py", *train, *PIPE_FLAGS, "--steps", "3"]
+    node1 = clone_files(tmp_path / "node1")
+    agents = [Forked(argv, env, tmp_path / f"node{n}.log", root=root, script=torch.distributed.run.__file__)
+              for n, root in enumerate((ROOT, node1))]
+    rcs, outs = finish_all(agents, timeout=120)
+    assert rcs == [0, 0], "\n".join(o[-3000:] for o in outs)
+    out = "\n".join(outs)
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2, 3]
+    host = socket.gethostname()
+    assert f"node {host}: 1 trainer(s) (ranks 0), 3 generator(s) (ranks 1-3)" in out, out[-3000:]
+    assert "devices: 4 ranks on the CPU" in out and "done in" in out
+    assert not (node1 / "runs").exists() and not (ROOT / "runs" / "run").exists()
 
 
 def code_lines(path):
@@ -4394,20 +4455,213 @@ def test_pipeline_pack_unpack_round_trip():
         ranks.pack_group(0, dict(group, prompt=[1] * 7), length=8)
 
 
+def rank_facts(hosts, devices, gpus=None, cuda=True, gens=1):
+    """ranks.local_facts as each rank would report it: its host, device index and GPU identity (by
+    default a GPU per (host, device))."""
+    gpus = gpus or [f"{h}/{d}" for h, d in zip(hosts, devices)]
+    return [{"host": h, "cuda": cuda, "gens": gens, "device": d if cuda else None, "gpu": g if cuda else None}
+            for h, d, g in zip(hosts, devices, gpus)]
+
+
 def test_pipeline_device_plan_round_robin_and_gloo_where_ranks_share_a_gpu():
+    """(Its plan now comes from every rank's facts, gathered by rank 0: host, LOCAL_RANK's device, GPU UUID.)"""
     plan = ranks.device_plan
-    one = plan(2, 2, 1, [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
-    assert one["name"] == ["cuda:0", "cuda:0"] and (one["default"], one["weights"], one["trainers"]) == ("gloo", "gloo", "nccl")
+    one = plan(rank_facts(["a", "a"], [0, 0]), [0], [1])  # one GPU, two ranks: both on it; the weights group must avoid nccl
+    assert one["name"] == ["cuda:0", "cuda:0"] and (one["weights"], one["trainers"]) == ("gloo", "nccl")
     assert "share a GPU" in one["line"] and "weight broadcast over gloo" in one["line"]
-    eight = plan(8, 8, 8, [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
-    assert eight["devices"] == list(range(8)) and {eight["default"], eight["weights"], eight["trainers"]} == {"nccl"}
-    four = plan(4, 4, 2, [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
+    eight = plan(rank_facts(["a"] * 8, range(8)), [0, 1, 2, 3, 4, 5], [6, 7])  # a full node: one GPU each, nccl everywhere
+    assert eight["devices"] == list(range(8)) and {eight["weights"], eight["trainers"]} == {"nccl"}
+    four = plan(rank_facts(["a"] * 4, [0, 1, 0, 1]), [0, 1], [2, 3])  # 4 ranks on 2 GPUs: 0,1,0,1
     assert four["devices"] == [0, 1, 0, 1]
-    assert (four["trainers"], four["weights"], four["default"]) == ("nccl", "gloo", "gloo")  # 0 and 2 share GPU 0
-    nodes = plan(4, 2, 1, [0, 2], [1, 3])  # 2 nodes x 1 GPU: ranks 0 and 2 are on different machines
+    assert (four["trainers"], four["weights"]) == ("nccl", "gloo")  # 0 and 2 share GPU 0
+    nodes = plan(rank_facts(["a", "a", "b", "b"], [0, 0, 0, 0]), [0, 2], [1, 3])  # 2 nodes x 1 GPU: 0 and 2 on different machines
     assert nodes["devices"] == [0, 0, 0, 0] and nodes["trainers"] == "nccl" and nodes["weights"] == "gloo"
-    cpu = plan(3, 3, 0, [0], [1, 2])
-    assert cpu["name"] == ["cpu"] * 3 and {cpu["default"], cpu["weights"], cpu["trainers"]} == {"gloo"}
+    cpu = plan(rank_facts(["a"] * 3, [0] * 3, cuda=False), [0], [1, 2])
+    assert cpu["name"] == ["cpu"] * 3 and {cpu["weights"], cpu["trainers"]} == {"gloo"}
+
+
+def test_ranks_device_from_local_rank_and_slurm_one_gpu_per_task_keeps_nccl(monkeypatch):
+    """A rank's GPU is its LOCAL_RANK's (it was (RANK % LOCAL_WORLD_SIZE) % GPUs: wrong where nodes run different
+    numbers of ranks); under SLURM's one GPU per task every rank sees one GPU, cuda:0, and the plan told that
+    apart from ranks sharing one by nothing: it sent the weights and gradients over gloo. The GPU's UUID tells."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=f"GPU-{d}"))
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # RANK % LOCAL_WORLD_SIZE is 1
+    mine = ranks.local_facts(types.SimpleNamespace(device="auto"), 2)
+    assert (mine["device"], mine["gpu"], mine["cuda"], mine["host"]) == (3, "GPU-3", True, socket.gethostname())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # SLURM's binding: one GPU visible to each rank
+    assert ranks.local_facts(types.SimpleNamespace(device="auto"), 2)["device"] == 0
+    bound = ranks.device_plan(rank_facts(["a"] * 4, [0] * 4, gpus=["GPU-a", "GPU-b", "GPU-c", "GPU-d"]), [0, 1], [2, 3])
+    assert bound["name"] == ["cuda:0"] * 4 and (bound["weights"], bound["trainers"]) == ("nccl", "nccl")
+    assert "one GPU per rank" in bound["line"] and "4 GPU(s) over 1 node(s)" in bound["line"]
+    shared = ranks.device_plan(rank_facts(["a"] * 4, [0] * 4, gpus=["GPU-a"] * 4), [0, 1], [2, 3])
+    assert (shared["weights"], shared["trainers"]) == ("gloo", "gloo") and "share a GPU" in shared["line"]
+
+
+def test_ranks_srun_without_torchrun_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """`srun python train.py` (SLURM's tasks, no torchrun: no RANK) started that many one-process runs, each
+    training alone; now each task stops at once, in one line saying to run torchrun under srun, before --out."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    with pytest.raises(SystemExit) as stop:
+        run_train(toy.toy_model_dir(), tmp_path / "run", "--steps", "1")
+    assert re.fullmatch(r"error: started by srun as task 2 of 4 without torchrun: [^\n]*`srun --ntasks-per-node 1 "
+                        r"torchrun \.\.\. train\.py \.\.\.`[^\n]*", str(stop.value)), stop.value
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # `srun -n 1 python train.py`, and torchrun's ranks: as before
+    ranks.check_launcher()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("RANK", "0")
+    ranks.check_launcher()
+
+
+def test_ranks_role_sizing_reaches_the_papers_64_plus_16_and_the_role_map_has_a_line_per_node():
+    assert ranks.n_generators(0, 80) == 60  # the default split: 60 + 20
+    assert config.get_args(["--gen_ranks", "0.8"]).gen_ranks == 0.8
+    assert [ranks.n_generators(0.8, w) for w in (80, 8, 4, 2)] == [64, 6, 3, 1]  # at least one trainer
+    assert ranks.n_generators(0.01, 8) == 1 and ranks.n_generators(64, 80) == 64
+    with pytest.raises(SystemExit):
+        config.get_args(["--gen_ranks", "2.5"])
+    hosts = [f"node{r // 8:02d}" for r in range(80)]  # ten 8-GPU nodes, the paper's 80 GPUs
+    lines = ranks.role_map(hosts, 80 - ranks.n_generators(0.8, 80))
+    assert len(lines) == 10 and lines[0] == "node node00: 8 trainer(s) (ranks 0-7)"
+    assert lines[1] == "node node01: 8 trainer(s) (ranks 8-15)"
+    assert lines[2] == "node node02: 8 generator(s) (ranks 16-23)" and lines[9].endswith("(ranks 72-79)")
+    assert ranks.role_map(["a", "b", "a", "b"], 2) == ["node a: 1 trainer(s) (ranks 0), 1 generator(s) (ranks 2)",
+                                                       "node b: 1 trainer(s) (ranks 1), 1 generator(s) (ranks 3)"]
+    assert ranks.device_plan(rank_facts(hosts, [r % 8 for r in range(80)]), list(range(16)), list(range(16, 80)))[
+        "roles"] == lines
+
+
+def test_ranks_a_rank_whose_answers_differ_is_named_in_one_line():
+    """Each rank decided for itself whether it ran on GPUs and how many generators there were: one that differed
+    built other groups than the rest, and they all hung in new_group. Rank 0 decides from every rank's facts."""
+    first = rank_facts(["a", "b"], [0, 0])
+    assert ranks.disagreement(first[1], first[0]) is None
+    gens = ranks.disagreement(dict(first[1], gens=2), first[0])
+    assert gens == "--gen_ranks gives 2 generators here, 1 on rank 0 (a): start every node with the same flags"
+    cpu = ranks.disagreement(rank_facts(["b"], [0], cuda=False)[0], first[0])
+    assert cpu.startswith("this rank runs on the CPU, rank 0 (a) on GPUs: every rank must")
+
+
+def _faked_gpu_rank(rank, world, port, out):
+    """A rank of setup where rank 1 sees a GPU (faked) and rank 0 none: -> out/rank{r}.txt, how it ended."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if rank == 1:
+        torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 1)
+        torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(uuid="GPU-x")
+    args = types.SimpleNamespace(gen_ranks=1, prompts=1, samples=1, device="auto", timeout=20, mode="pipeline",
+                                 max_lag=8, heartbeat_timeout=30)
+    try:
+        ranks.setup(args)
+        ended = "joined"
+    except SystemExit as err:
+        ended = f"exit {err.code}"
+    except BaseException as err:
+        ended = f"raised {type(err).__name__}: {err}"
+    Path(out, f"rank{rank}.txt").write_text(ended)
+
+
+def test_ranks_a_rank_that_differs_stops_every_rank_at_once_instead_of_hanging(tmp_path):
+    in_fork(int)  # the fork server started (it imports this file), then the clock
+    t0 = time.time()
+    torch.multiprocessing.start_processes(_faked_gpu_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
+                                          start_method="forkserver")
+    ended = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: this rank runs on GPUs, rank 0 "
+                     f"({socket.gethostname()}) on the CPU: every rank must (the same GPUs on every node, or "
+                     "--device cpu everywhere)"], ended
+    assert time.time() - t0 < 15  # not the 20 s --timeout of a hang
+
+
+def test_ranks_loopback_master_addr_pins_lo_on_one_machine_only(monkeypatch):
+    """The run's store pinned GLOO/NCCL_SOCKET_IFNAME=lo whenever MASTER_ADDR resolved to a loopback address, as the
+    head node's name does under Debian's /etc/hosts (127.0.1.1): a run over several nodes then failed to connect.
+    Now lo only where the whole run is on one machine; on several nodes one line, unless the interface is set."""
+    monkeypatch.setenv("MASTER_ADDR", "head")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the launcher's store: nothing is bound here
+    monkeypatch.setattr(ranks.socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 29500))])
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        ranks.store_address(2, 16, 8)
+    assert str(stop.value).startswith(f"error: rank 2 on {socket.gethostname()}: MASTER_ADDR head resolves to "
+                                      "127.0.1.1, a loopback address, in a run over several nodes (16 ranks, 8 here)")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and "\n" not in str(stop.value)
+    assert ranks.store_address(0, 8, 8) and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the launcher's store listens everywhere; gloo, nccl on ib0
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert ranks.store_address(2, 16, 8) and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # but rank 0's own store would listen on 127.0.1.1
+    with pytest.raises(SystemExit, match="MASTER_ADDR head resolves to 127.0.1.1, a loopback address"):
+        ranks.store_address(2, 16, 8)
+
+
+def test_runs_a_filesystem_without_locks_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """Lustre without -o flock answers flock with ENOSYS (others: EOPNOTSUPP, ENOLCK): the run stopped in a
+    traceback. It goes on, saying in one line what that means and what to do."""
+    for code in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+        def flock(f, how, code=code):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(runs.fcntl, "flock", flock)
+        out = tmp_path / errno.errorcode[code]
+        if code == errno.ENOSYS:  # a whole run, to its end
+            assert run_train(toy.toy_model_dir(), out, "--steps", "1", "--eval_every", "1")[-1]["kind"] == "eval"
+        else:
+            runs.prepare_out_dir(config.get_args(["--out", str(out)]))
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "--out" in ln and "lock" in ln]
+        assert said == [f"warning: --out {out}: its filesystem cannot lock files ({errno.errorcode[code]}), so "
+                        "nothing stops a second run from writing the same --out: start one run per --out (or "
+                        "mount the disk with locks, Lustre: -o flock)"], said
+    runs.release_lock()
+
+
+def _layout_rank(rank, world, port, out):
+    """setup and meet where the generator's model is bfloat16 and trainer 0's float32 -> out/rank{r}.txt."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = types.SimpleNamespace(gen_ranks=1, prompts=1, samples=1, device="cpu", timeout=20, mode="pipeline",
+                                 max_lag=8, heartbeat_timeout=30)
+    ctx = ranks.setup(args)
+    model = tiny_model(dtype=torch.bfloat16 if rank else torch.float32)
+    try:
+        ranks.meet(ctx, 0, 8, pipeline.weight_layout(model, 256))
+        ended = "met"
+    except SystemExit as err:
+        ended = f"exit {err.code}"
+    Path(out, f"rank{rank}.txt").write_text(ended)
+    os._exit(0)  # the heartbeat thread, the group: gone with the process
+
+
+def test_ranks_weight_broadcast_layout_is_checked_once_at_start(tmp_path):
+    """The generator's side of the weight broadcast buckets by its own dtypes with no size check: another model or
+    --dtype on a node was garbage weights (or a hang on nccl). Trainer 0's layout goes through the store once."""
+    model = tiny_model()
+    sent = pipeline.weight_layout(model, 256)
+    assert [n for n, _, _ in sent["params"]] == [n for n, _ in model.named_parameters()]
+    assert sent["params"][0] == ["model.embed_tokens.weight", [40, 32], "float32"]
+    assert ranks.layout_mismatch(sent, pipeline.weight_layout(tiny_model(seed=1), 256)) is None
+    assert ranks.layout_mismatch(sent, dict(sent, bucket_mb=64)).startswith("--bucket_mb 64 here, 256 on trainer 0")
+    shorter = dict(sent, params=sent["params"][:-1])
+    assert f"parameter {len(shorter['params'])} is lm_head.weight (40, 32) float32 on trainer 0 but nothing here" \
+        in ranks.layout_mismatch(sent, shorter)
+    in_fork(int)  # the fork server started (it imports this file), then the clock
+    t0 = time.time()
+    torch.multiprocessing.start_processes(_layout_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
+                                          start_method="forkserver")
+    ended = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: the weight broadcast does not match: "
+                     "parameter 0 is model.embed_tokens.weight (40, 32) float32 on trainer 0 but "
+                     "model.embed_tokens.weight (40, 32) bfloat16 here; every rank must load the same --model with "
+                     "the same --dtype"], ended
+    assert time.time() - t0 < 15
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -5008,6 +5262,30 @@ def test_nodes_the_resume_command_repeats_the_launchers_own_flags(monkeypatch):
     monkeypatch.setattr(os, "getppid", lambda: 1)
     assert runs.resume_command() == ("torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint "
                                      "10.1.2.3:29500 --rdzv-id 'job 7' --max-restarts 1 train.py --out runs/x --resume")
+
+
+def test_nodes_the_resume_command_names_a_fresh_rendezvous_file_for_the_one_machine_launcher(monkeypatch):
+    """The README's one-machine launcher (torchrun_local) gives torchrun a file rendezvous, which refuses a second
+    run once used: the resume line asks the shell for a new file name where the used one was."""
+    words = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file", "--rdzv-endpoint", "/tmp/tmp.used",
+             "--local-addr", "127.0.0.1", "--nproc_per_node", "2"]
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "torchrun", *words, "train.py"])
+    try:
+        monkeypatch.setattr(sys, "argv", ["train.py"])
+        monkeypatch.setattr(os, "getppid", lambda: parent.pid)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        t0 = time.time()
+        while "torchrun" not in open(f"/proc/{parent.pid}/cmdline").read():
+            assert time.time() - t0 < 10
+            time.sleep(0.01)
+        said = runs.resume_command()
+    finally:
+        parent.kill()
+        parent.wait()
+    assert said == ("torchrun --rdzv-backend c10d --rdzv-conf store_type=file --rdzv-endpoint \"$(mktemp -u)\" "
+                    "--local-addr 127.0.0.1 --nproc_per_node 2 train.py --resume"), said
+    echoed = subprocess.run(["bash", "-c", "echo " + said], capture_output=True, text=True).stdout.split()
+    assert echoed[6].startswith("/tmp/") and echoed[6] != "/tmp/tmp.used", echoed
 
 
 def test_pipeline_fsdp2_trainers_equal_data_parallel_trainers_and_resume(tmp_path):

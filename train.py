@@ -8,7 +8,7 @@ a flag (config.py); sizes come from config.RECIPES.
 
     python train.py                            # the embedded toy task and model, on a CPU
     python train.py --loss dapo --no-fp32_head # an ablation: one flag per ScaleRL choice
-    torchrun $LOCAL --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
+    torchrun_local --nproc_per_node 8 train.py --model DIR --data FILE --gen_ranks 6 --fsdp
 """
 
 import config
@@ -291,6 +291,7 @@ class Setup:
 def start(args):
     """Every rank's set-up: user errors before anything is made in --out."""
     hide_progress_bars()
+    ranks.check_launcher()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     ctx = ranks.setup(args)  # the ranks meet first: one that fails from here on stops them all
     train, val = load_data(args)
@@ -316,7 +317,8 @@ def start(args):
     if ctx:  # a packed rollout row's tokens per sample
         ranks.meet(ctx, state.get("step", 0),
                    max(map(len, train_ids)) + args.think_budget + args.answer_budget +
-                   len(special_tokens(tokenizer)["interrupt_ids"]))
+                   len(special_tokens(tokenizer)["interrupt_ids"]),
+                   pipeline.weight_layout(model, args.bucket_mb))
     return Setup(args, ctx, rank0, log, train, val, train_ids, val_ids, tokenizer, model,
                  model_dir, ckpt, state)
 

@@ -8,7 +8,7 @@ Start at `Trainer` (train.make_trainer makes it; `ShardedTrainer` with --fsdp): 
 calls its `micro_batches`, `logprobs` (packed_logprobs), `accumulate`, `reduce_grads`,
 `clip_grads`, then steps its AdamW.
 
-    torchrun $LOCAL --nproc_per_node 4 train.py --gen_ranks 2 --fsdp   # 2 trainers, sharded
+    torchrun_local --nproc_per_node 4 train.py --gen_ranks 2 --fsdp   # 2 trainers, sharded
     python -m pytest -q test_all.py -k "fsdp or micro_batches or packed_logprobs"
 """
 
