@@ -5142,8 +5142,9 @@ def launch_nodes(tmp_path, out, *flags, rdzv=None, env=None):
         how = rdzv or ["--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port)]
         agents.append(Forked(["--run-path", "--start-method", "fork", "--nnodes", "2", "--nproc_per_node", "2",
                               *how, str(ROOT / "train.py"), "--out", str(out), *PIPE_FLAGS, *flags],
-                             env or {}, tmp_path / f"node{n}.log", script=torch.distributed.run.__file__,
-                             cwd=tmp_path / f"node{n}"))
+                             # nodes simulated on one machine: gloo on lo, as the README's note says
+                             {"GLOO_SOCKET_IFNAME": "lo", **(env or {})}, tmp_path / f"node{n}.log",
+                             script=torch.distributed.run.__file__, cwd=tmp_path / f"node{n}"))
     return agents
 
 
