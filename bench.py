@@ -46,8 +46,8 @@ from generate import Decoder, Sample, drive, generate
 from loss import LengthControl, make_batch, policy_loss
 import metrics
 import pipeline
-from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, plan_lines,
-                  plan_param_count, plan_shape, plan_trainer)
+from plan import (LOGITS_BYTES, PlanRun, kv_bytes_per_token, memory_plan, plan_activations,
+                  plan_lines, plan_param_count, plan_shape, plan_trainer)
 import study
 from toy import toy_model_dir, toy_problems
 import train
@@ -72,7 +72,8 @@ SIZE_FLAGS = [
     ("mem_vocab", 151936, "figure 2 memory: vocab (Qwen2's)"),
     ("mem_seqs", 1, "figure 2 memory: sequences"),
     ("mem_len", 1024, "figure 2 memory: tokens per sequence"),
-    ("chunk", 128, "figure 2: sequence_logprobs chunk, positions (its default: by LOGITS_BYTES)"),
+    ("chunk", 8192, "figure 2: sequence_logprobs chunk, vocabulary rows (0: train.py's, by "
+                    "plan.LOGITS_BYTES)"),
     ("bcast_mb", 500, "figure 3: size of the extra broadcast buffer, MB"),
     ("agree_seqs", 8, "figure 4: samples per setting"),
     ("target", 0.9, "figure 6: held-out pass rate to reach"),
@@ -424,14 +425,13 @@ def bench_trainer_memory(args):
     return r
 
 
-def paper_scale_logits(vocab=151936, seqs=768, length=4096, chunk=128):
-    r = {"vocab": vocab, "seqs": seqs, "len": length, "chunk": chunk,
-         "naive_gb": seqs * length * vocab * 4 / 1e9, "naive_per_seq_gb": length * vocab * 4 / 1e9,
-         "chunk_per_seq_gb": chunk * vocab * 4 / 1e9}
+def paper_scale_logits(vocab=151936, seqs=768, length=4096):
+    r = {"vocab": vocab, "seqs": seqs, "len": length, "naive_gb": seqs * length * vocab * 4 / 1e9,
+         "naive_per_seq_gb": length * vocab * 4 / 1e9, "chunked_gb": LOGITS_BYTES / 1e9}
     print(f"2 arithmetic| vocab {vocab}, {seqs} x {length} tokens: naive fp32 logits "
-          f"{r['naive_gb']:.0f} GB ({r['naive_per_seq_gb']:.2f} GB per sequence) | "
-          f"one chunk of {chunk}: {r['chunk_per_seq_gb'] * 1e3:.0f} MB per sequence in the "
-          f"micro-batch (x{length // chunk} less), not measured")
+          f"{r['naive_gb']:.0f} GB ({r['naive_per_seq_gb']:.2f} GB per sequence) | chunked: "
+          f"{r['chunked_gb'] * 1e3:.0f} MB of logits at once per micro-batch (plan.LOGITS_BYTES), "
+          "not measured")
     return r
 
 # -----------------------------------------------------------------------------
@@ -1291,7 +1291,7 @@ def main(args):
     if "2" in figures:
         results["trainer"] = [bench_trainer_speed(name, m, args) for name, m in models]
         results["memory"] = bench_trainer_memory(args)
-        results["paper_logits"] = paper_scale_logits(chunk=args.chunk)
+        results["paper_logits"] = paper_scale_logits()
     if "3" in figures:
         results["broadcast"] = bench_broadcast(args, models)
     if "4" in figures:
