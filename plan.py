@@ -108,6 +108,11 @@ def plan_activations(s, size):
             "head": 2 * b * d + 8 + 4 + 2 * D * b + 8}
 
 
+def head_chunk(tokens):
+    """The trainer's head: vocabulary rows per chunk, LOGITS_BYTES of float32 logits at `tokens`."""
+    return max(1, LOGITS_BYTES // (4 * max(1, tokens)))
+
+
 def head_peak(s, size):
     """The trainer's head in its backward beyond what it saves (trainer._Head): the head's gradient
     in the weights' dtype, and at most 4 chunks' float32 logits and their temporaries."""

@@ -3275,6 +3275,57 @@ def test_trainer_head_peak_is_the_plans_and_makes_no_float32_copy_of_the_weight(
     assert held.peak <= T * plan.plan_activations(s, 2)["head"] + plan.head_peak(s, 2)
 
 
+def test_bench_gpu_figure_without_cuda_exits_with_one_line(monkeypatch, capsys):
+    """`python bench.py --figures gpu` (and one of its parts) on a machine without CUDA: one line saying it needs a
+    GPU, nothing else printed, a non-zero exit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["--figures", "gpu"], ["--figures", "1,gpu"], ["--gpu_part", "trainer"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(bench.get_args(argv))
+        said = str(exit_.value)
+        assert said.startswith("bench.py --figures gpu: needs a CUDA GPU") and "\n" not in said, argv
+        assert capsys.readouterr().out == ""
+
+
+def test_bench_gpu_parts_a_hanging_part_is_timed_out_and_the_next_still_runs(capsys):
+    """bench.run_parts (figure gpu's runner) on fake parts: one that hangs (and started a process of its own) is
+    killed at its timeout with what it printed, one that fails is reported with its exit status, and the last still
+    runs and hands back its JSON figures; the real parts' timeouts fit the figure's 8 minutes."""
+    py = sys.executable
+    hang = ("import subprocess, time; p = subprocess.Popen(['sleep', '60']); print('started', p.pid, flush=True); "
+            "time.sleep(60)")
+    t0 = time.monotonic()
+    out = bench.run_parts([("hang", [py, "-c", hang], 2), ("fails", [py, "-c", "raise SystemExit(3)"], 30),
+                           ("ok", [py, "-c", "print('fine'); print('{\"x\": 1}')"], 30)])
+    printed = capsys.readouterr().out
+    assert time.monotonic() - t0 < 15
+    assert [r["status"] for r in out.values()] == ["TIMED OUT after 2 s", "FAILED (exit 3)", "ok"]
+    assert out["ok"]["figures"] == {"x": 1} and out["hang"]["figures"] is None
+    assert "gpu | hang | started" in printed and "gpu | ok | fine" in printed and '{"x"' not in printed
+    grandchild = int(printed.split("gpu | hang | started ")[1].split()[0])
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < deadline:  # killed with its part
+        with open(f"/proc/{grandchild}/stat") as f:
+            if f.read().split(") ")[1][0] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{grandchild}")
+    parts = bench.gpu_parts()
+    assert [p[0] for p in parts] == ["tests", "kernels", "sampler", "trainer"] and sum(p[2] for p in parts) <= 480
+
+
+def test_bench_gpu_attention_checks_each_decode_path_and_the_trainers_against_sdpa():
+    """Figure gpu's kernel check, run on CPU: every decode path generate.py has is called on rows of 1 to 5 blocks
+    over shuffled block tables (GQA), the dense masked path equals SDPA over each row's own keys, a path that cannot
+    run here (flash-attn absent, varlen off CUDA) is reported, not raised; the trainer's attention equals SDPA per
+    sample."""
+    out = bench.gpu_attention("cpu", torch.float32)
+    assert set(out) == {f"decode_{k}" for k in bench.DECODE_PATHS} | {"trainer_varlen"}
+    assert out["decode_masked"] < 1e-5 and out["trainer_varlen"] < 1e-6
+    assert gen.flash_attn_with_kvcache is not None or out["decode_flash"] is None
+
+
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
     """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
     151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
@@ -6687,7 +6738,7 @@ def test_bench_every_figure_runs_at_its_smallest_size(figure, tmp_path, monkeypa
 
 
 def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equal():
-    vocab, seqs, length, chunk = 32000, 1, 1024, 32
+    vocab, seqs, length, chunk = 32000, 1, 1024, 1024  # chunks of 1,024 vocabulary rows: 4 MB of logits each
     logits_bytes = seqs * (length - 1) * vocab * 4  # the naive path's (N, T-1, V) float32 logits: 131 MB
     common = (vocab, seqs, length, chunk, "cpu", torch.float32)
     with FORKS.Pool(2, maxtasksperchild=1) as pool:  # one fresh (forked) process each:

@@ -173,7 +173,7 @@ def packed_logprobs(model, ids, lens, fp32_head=True, temperature=1.0, chunk=Non
     tensor_core = tensor_core_head(w.device.type, w.dtype, fp32_head)
     dtype = (torch.promote_types(w.dtype, torch.float32) if fp32_head and not tensor_core
              else w.dtype)
-    chunk = chunk or max(1, plan.LOGITS_BYTES // (4 * max(1, len(states))))
+    chunk = chunk or plan.head_chunk(len(states))
     h = checkpoint(model.model.norm, states, use_reentrant=False)
     flat = torch.cat([_Head.apply(h, w, ids[1:], temperature, chunk, dtype, tensor_core),
                       states.new_zeros(1, dtype=torch.float32)])
