@@ -6689,7 +6689,8 @@ BENCH_SAYS = {"1": r"1 sampler   \| toy task", "2": r"2 memory .* max \|logp dif
               "4": r"4 agreement \| qwen2-small bfloat16 fp32_head=False", "5": r"5 roofline", "6": FirstLaunch,
               "7": r"FSDP2 rank 1 of 2 holds \S+ params \| cap none \| peak \S+ GB \| losses \d",
               "memory": r"memory \| the README's 8-GPU command", "efficiency": r"efficiency \| trainer, 8k step",
-              "stability": FirstLaunch, "replay": r"replay \| step 2 \| log-odds", "plan_rss": FirstLaunch}
+              "stability": FirstLaunch, "replay": r"replay \| step 2 \| log-odds", "plan_rss": FirstLaunch,
+              "gpu": r"gpu \| a GPU: parts tests, kernels, sampler, trainer"}
 
 
 @pytest.mark.parametrize("figure", BENCH_SAYS)
@@ -6719,6 +6720,11 @@ def test_bench_every_figure_runs_at_its_smallest_size(figure, tmp_path, monkeypa
             '{"kind": "config", "steps": 2}\n{"kind": "eval", "step": 2, "pass_rate": 0.5}\n')
     if figure == "replay":
         replay_run(tmp_path / "run", 2)
+    if figure == "gpu":  # on any machine: to the parts it would run (test_bench_gpu_parts_* runs the runner)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(bench, "gpu_peaks", lambda: (3.35e12, 989e12, "a GPU"))
+        monkeypatch.setattr(bench, "run_parts", lambda parts: print(
+            f"gpu | a GPU: parts {', '.join(p[0] for p in parts)}") or {})
     args = bench.get_args(["--figures", figure, *BENCH_TINY, "--stability_dir", str(runs_dir),
                            "--replay_run", str(tmp_path / "run")])
     if BENCH_SAYS[figure] is FirstLaunch:
