@@ -7,12 +7,16 @@ Figures (--figures; 1-5 by default): 1 sampler tokens/s against model.generate; 
 and the chunked log-probs' peak memory against full logits; 3 weight broadcast; 4 generator vs
 trainer log-prob agreement; 5 decode roofline (arithmetic); 6 training wall-clock per --mode; 7
 FSDP2 under a memory cap; memory (the memory plan against CPU measurements); efficiency; stability
-(PipelineRL-8 at its worst case, seed by seed); replay; plan_rss.
+(PipelineRL-8 at its worst case, seed by seed); replay; plan_rss; gpu (on a GPU, in 8 minutes, each
+part in its own process under its own timeout: test_all.py's CUDA tests, the kernels against their
+exact references, the 0.5B-shape sampler at batch 64 and 256 and trainer on 8k tokens, with
+tokens/s, the fraction of the HBM roofline and MFU; run it first on a GPU).
 
     python bench.py                            # CPU, about 70 s
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16
     python bench.py --figures memory --json
     python bench.py --figures stability
+    python bench.py --figures gpu --json       # a GPU, under 8 minutes
     python bench.py --write_model runs/qwen2-0.5b --size 0.5b --dtype bfloat16  # for --model
 """
 
@@ -25,6 +29,7 @@ import math
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +38,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
@@ -41,25 +47,28 @@ import config
 from checks import check_supported
 from data import prompt_ids, score_samples, special_tokens
 from runs import read_jsonl
-from generate import Decoder, Sample, drive, generate
+from generate import Decoder, Sample, drive, generate, tensor_core_head
+import generate as gen_module
 from hub import hide_progress_bars
 from loss import LengthControl, make_batch, policy_loss
 import metrics
 import pipeline
 import ranks
-from plan import (PlanRun, kv_bytes_per_token, memory_plan, plan_activations, plan_lines,
-                  plan_param_count, plan_shape, plan_trainer)
+from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, memory_plan,
+                  plan_activations, plan_lines, plan_param_count, plan_params, plan_shape,
+                  plan_trainer)
 import study
 from toy import toy_model_dir, toy_problems
 import train
-from trainer import (LogProbs, collate, micro_batches, packed_logprobs, sequence_logprobs,
+import trainer as trainer_module
+from trainer import (LogProbs, _Head, collate, micro_batches, packed_logprobs, sequence_logprobs,
                      shard_trainer)
 
 # -----------------------------------------------------------------------------
 # flags
 
 FIGURES = ("1", "2", "3", "4", "5", "6", "7", "memory", "efficiency", "stability", "replay",
-           "plan_rss")
+           "plan_rss", "gpu")
 
 SIZE_FLAGS = [
     ("repeats", 3, "timed runs of each side; the best is reported"),
@@ -73,7 +82,8 @@ SIZE_FLAGS = [
     ("mem_vocab", 151936, "figure 2 memory: vocab (Qwen2's)"),
     ("mem_seqs", 1, "figure 2 memory: sequences"),
     ("mem_len", 1024, "figure 2 memory: tokens per sequence"),
-    ("chunk", 128, "figure 2: sequence_logprobs chunk, positions (its default: by LOGITS_BYTES)"),
+    ("chunk", 8192, "figure 2: sequence_logprobs chunk, vocabulary rows (0: train.py's, by "
+                    "plan.LOGITS_BYTES)"),
     ("bcast_mb", 500, "figure 3: size of the extra broadcast buffer, MB"),
     ("agree_seqs", 8, "figure 4: samples per setting"),
     ("target", 0.9, "figure 6: held-out pass rate to reach"),
@@ -118,6 +128,8 @@ def get_args(argv=None):
                     help="save the random-weight --size config (--dtype) with the toy tokenizer "
                          "to DIR, for train.py --model DIR (a real architecture on the toy task), "
                          "and exit")
+    ap.add_argument("--gpu_part", default="", choices=["", *GPU_PART],
+                    help="figure gpu: run this one of its parts here (the figure runs each so)")
     ap.add_argument("--json", action="store_true",
                     help="print every figure as one JSON dict, last line")
     args = ap.parse_args(argv)
@@ -425,14 +437,13 @@ def bench_trainer_memory(args):
     return r
 
 
-def paper_scale_logits(vocab=151936, seqs=768, length=4096, chunk=128):
-    r = {"vocab": vocab, "seqs": seqs, "len": length, "chunk": chunk,
-         "naive_gb": seqs * length * vocab * 4 / 1e9, "naive_per_seq_gb": length * vocab * 4 / 1e9,
-         "chunk_per_seq_gb": chunk * vocab * 4 / 1e9}
+def paper_scale_logits(vocab=151936, seqs=768, length=4096):
+    r = {"vocab": vocab, "seqs": seqs, "len": length, "naive_gb": seqs * length * vocab * 4 / 1e9,
+         "naive_per_seq_gb": length * vocab * 4 / 1e9, "chunked_gb": LOGITS_BYTES / 1e9}
     print(f"2 arithmetic| vocab {vocab}, {seqs} x {length} tokens: naive fp32 logits "
-          f"{r['naive_gb']:.0f} GB ({r['naive_per_seq_gb']:.2f} GB per sequence) | "
-          f"one chunk of {chunk}: {r['chunk_per_seq_gb'] * 1e3:.0f} MB per sequence in the "
-          f"micro-batch (x{length // chunk} less), not measured")
+          f"{r['naive_gb']:.0f} GB ({r['naive_per_seq_gb']:.2f} GB per sequence) | chunked: "
+          f"{r['chunked_gb'] * 1e3:.0f} MB of logits at once per micro-batch (plan.LOGITS_BYTES), "
+          "not measured")
     return r
 
 # -----------------------------------------------------------------------------
@@ -1273,6 +1284,237 @@ def efficiency_trainer(micro_tokens=8192):
     return out
 
 
+# -----------------------------------------------------------------------------
+# figure gpu: one command on a GPU, each part in its own process under its own timeout
+
+
+GPU_PEAKS = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12),
+             ("H100 NVL", 3.9e12, 835e12), ("H100", 3.35e12, 989e12),
+             ("A100", 2.0e12, 312e12))  # datasheets: HBM bytes/s, dense bf16 FLOP/s
+GPU_TESTS = "cuda"  # test_all.py's tests that need CUDA carry it in their names
+DECODE_PATHS = ("flash", "varlen", "masked")  # generate._decode's CUDA paths
+
+
+def gpu_parts(timeouts=(150, 60, 150, 90)):
+    """(name, command, timeout s) of figure gpu: 7.5 min in all, within its 8."""
+    part = lambda name: [sys.executable, os.path.join(HERE, "bench.py"), "--gpu_part", name,
+                         "--json"]
+    commands = ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 os.path.join(HERE, "test_all.py"), "-k", GPU_TESTS],
+                part("kernels"), part("sampler"), part("trainer"))
+    return [(name, cmd, t) for name, cmd, t in
+            zip(("tests", "kernels", "sampler", "trainer"), commands, timeouts)]
+
+
+def run_parts(parts):
+    """Each (name, command, timeout s) in its own process group, its output printed after it: one
+    that fails or hangs (killed at its timeout) is reported and the next still runs -> {name: ..}.
+    """
+    out = {}
+    for name, cmd, timeout in parts:
+        print(f"gpu | {name}: running (timeout {timeout} s)", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            text, timed_out = proc.communicate(timeout=timeout)[0], False
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the part and whatever it started
+            text, timed_out = proc.communicate()[0], True
+        lines = text.splitlines()
+        figures = None
+        if lines and lines[-1].startswith("{"):
+            with contextlib.suppress(ValueError):
+                figures = json.loads(lines.pop())
+        for line in lines:
+            print(f"gpu | {name} | {line}")
+        status = (f"TIMED OUT after {timeout} s" if timed_out else
+                  "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})")
+        out[name] = {"status": status, "seconds": time.perf_counter() - t0, "figures": figures}
+        print(f"gpu | {name}: {status} in {out[name]['seconds']:.0f} s", flush=True)
+    return out
+
+
+def gpu_peaks():
+    """-> (HBM bytes/s, dense bf16 FLOP/s, a line naming them) for this GPU."""
+    name = torch.cuda.get_device_name()
+    key, hbm, flops = next((p for p in GPU_PEAKS if p[0] in name), ("H100", 3.35e12, 989e12))
+    said = "" if key in name else f", an unknown GPU: {key} SXM's assumed"
+    return hbm, flops, (f"{name}: peak HBM {hbm / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} "
+                        f"TFLOP/s dense{said}")
+
+
+def decode_path(kernel, q, k, v, pos, table, scale):
+    """One of DECODE_PATHS on rows at positions pos over their block tables."""
+    plan = ("masked", table.size(1) * k.size(1)) if kernel == "masked" else (kernel,)
+    return gen_module._decode(q, k, v, scale,
+                              gen_module._how(plan, pos, q.dtype, table, k.size(1)))
+
+
+def gpu_kernels():
+    """The CUDA kernels against their exact references: each decode path against SDPA over each
+    row's own keys, the trainer's varlen attention against SDPA per sample in float32, the
+    head (trainer._Head) against the float32 head, its peak against plan.head_peak."""
+    return {**gpu_attention("cuda", torch.bfloat16), **gpu_head("cuda")}
+
+
+def gpu_attention(device, dtype):
+    """Each decode path (DECODE_PATHS) and the trainer's varlen attention against SDPA."""
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)
+    H, K, D, block, out = 14, 2, 64, gen_module.BLOCK, {}
+    lens = [1, block - 1, block + 3, 5 * block, 37, 3 * block]
+    width = -(-max(lens) // block)
+    table = torch.randperm(len(lens) * width, device=device).view(len(lens), width).int() + 1
+    q, k, v = rand(len(lens), 1, H, D), rand(1 + table.numel(), block, K, D), rand(
+        1 + table.numel(), block, K, D)
+
+    def row(r, n):  # SDPA over row r's own n keys, read through its block table
+        keys = (c[table[r].long()].reshape(-1, K, D)[:n].transpose(0, 1)[None].float()
+                for c in (k, v))
+        return F.scaled_dot_product_attention(q[r].transpose(0, 1)[None].float(), *keys,
+                                              scale=D ** -0.5, enable_gqa=True)[0, :, 0]
+    ref = torch.stack([row(r, n) for r, n in enumerate(lens)])
+    chosen = gen_module.decode_kernel(torch.device(device), dtype, D, block)
+    for kernel in DECODE_PATHS:
+        try:
+            got = decode_path(kernel, q, k, v, torch.tensor(lens, device=device) - 1, table,
+                              D ** -0.5)
+            diff = (got.float() - ref).abs().max().item()
+            said = f"max |diff| {diff:.1e} against SDPA over each row's keys"
+        except Exception as err:
+            diff, said = None, f"does not run: {type(err).__name__}: {str(err)[:160]!r}"
+        out[f"decode_{kernel}"] = diff
+        print(f"gpu kernels | decode {kernel}{' (the sampler chooses it)' * (kernel == chosen)}: "
+              f"{said}", flush=True)
+    lens = [1000, 37, 2048, 511]
+    cu = F.pad(torch.tensor(lens, device=device).cumsum(0), (1, 0)).int()
+    q, k, v = rand(sum(lens), H, D), rand(sum(lens), K, D), rand(sum(lens), K, D)
+    got = trainer_module.varlen_attention(q, k, v, lens, cu, D ** -0.5)
+    ref = trainer_module.varlen_attention(q.float(), k.float(), v.float(), lens, cu, D ** -0.5)
+    out["trainer_varlen"] = (got.float() - ref).abs().max().item()
+    kernel = ("flash-attn" if trainer_module.flash_attn_varlen_func is not None else
+              "torch varlen_attn" if trainer_module.varlen_attn is not None else "SDPA per sample")
+    print(f"gpu kernels | trainer attention ({kernel}): max |diff| {out['trainer_varlen']:.1e} "
+          "against SDPA per sample in float32", flush=True)
+    return out
+
+
+def gpu_head(device, T=4096):
+    """trainer._Head at the 0.5B shape against the float32 head; its time, and its peak against
+    the plan's (what it saves, plan.head_peak)."""
+    s = plan_shape(shape_config("Qwen2.5-0.5B"))
+    V, d = s["V"], s["d"]
+    g = torch.Generator(device=device).manual_seed(1)
+    h = torch.randn(T, d, generator=g, device=device).bfloat16().requires_grad_()
+    w = (torch.randn(V, d, generator=g, device=device) / d ** 0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=g, device=device)
+    tc = tensor_core_head("cuda", torch.bfloat16, True)
+    args = (targets, 1.0, head_chunk(T), torch.bfloat16 if tc else torch.float32, tc)
+    for _ in range(2):  # the second timed, after a warm-up
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        lp = _Head.apply(h, w, *args)
+        lp.sum().backward()
+        torch.cuda.synchronize()
+        seconds, peak = time.perf_counter() - t0, torch.cuda.max_memory_allocated() - before
+    h32, w32 = (x.detach().float().requires_grad_() for x in (h, w))
+    want = F.linear(h32, w32).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    want.sum().backward()
+    grad = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+    r = {"head_logp_max_diff": (lp.detach() - want).abs().max().item(),
+         "head_grad_h_rel": grad(h.grad, h32.grad), "head_grad_w_rel": grad(w.grad, w32.grad),
+         "head_peak_gb": peak / 1e9, "head_tflop_s": 8 * V * d * T / seconds / 1e12,
+         "head_plan_gb": (T * plan_activations(s, 2)["head"] + head_peak(s, 2)) / 1e9}
+    print(f"gpu kernels | head ({'tensor cores' if tc else 'float32 GEMMs'}), {T} tokens x vocab "
+          f"{V} x {d}: max |logp diff| {r['head_logp_max_diff']:.1e}, gradient |diff| / |grad| "
+          f"states {r['head_grad_h_rel']:.1e} weight {r['head_grad_w_rel']:.1e} against the "
+          f"float32 head | {seconds * 1e3:.1f} ms forward+backward, {r['head_tflop_s']:.0f} "
+          f"TFLOP/s | peak {r['head_peak_gb']:.2f} GB (the plan's {r['head_plan_gb']:.2f})",
+          flush=True)
+    return r
+
+
+def gpu_model(device="cuda"):
+    """Qwen2.5-0.5B's shape, random bf16 weights (no download)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(shape_config("Qwen2.5-0.5B"),
+                                                 dtype=torch.bfloat16)
+    return model.eval()
+
+
+def matmul_params(config):
+    """Parameters of the model's matrix products (the embedding's lookup is none, a tied head
+    one)."""
+    s = plan_shape(config)
+    return s["L"] * plan_params(s)[0] + s["V"] * s["d"]
+
+
+def gpu_sampler(batches=(64, 256), prompt_len=16, new_tokens=256, device="cuda"):
+    """The 0.5B-shape sampler (float32 head, CUDA graphs) at each batch: tokens/s, the fraction of
+    the HBM roofline (weights and the mean KV read once a step) and MFU."""
+    hbm, flops, peaks = gpu_peaks()
+    print(f"gpu sampler | {peaks}", flush=True)
+    model, out = gpu_model(device), {}
+    s, n = plan_shape(model.config), matmul_params(model.config)
+    for batch in batches:
+        prompts = random_ids(batch, prompt_len, model.config.vocab_size, 0, device).tolist()
+        time_ours(model, prompts, new_tokens, True)  # warm-up: the CUDA graphs
+        tok_s = batch * new_tokens / time_ours(model, prompts, new_tokens, True)
+        context = prompt_len + new_tokens // 2
+        # the tensor-core head reads the bf16 weight, else a float32 copy
+        roof = decode_roofline(model.config.to_dict(), batch, context, hbm,
+                               not tensor_core_head("cuda", torch.bfloat16, True), 2)["tok_s"]
+        mfu = tok_s * (2 * n + 4 * s["L"] * s["H"] * s["D"] * context) / flops
+        out[f"sampler_b{batch}"] = {"tok_s": tok_s, "roofline": tok_s / roof, "mfu": mfu}
+        print(f"gpu sampler | 0.5B shape, bf16, float32 head, batch {batch} x ({prompt_len} + "
+              f"{new_tokens}): {tok_s:,.0f} tok/s | {tok_s / roof:.1%} of the HBM roofline "
+              f"({roof:,.0f} tok/s) | MFU {mfu:.1%}", flush=True)
+    return out
+
+
+def gpu_trainer(tokens=8192, repeats=3, device="cuda"):
+    """The 0.5B-shape trainer's forward+backward of one row of `tokens` (layers checkpointed,
+    float32 head, as train.py runs it): tokens/s, MFU (6 N per token and causal attention, the
+    recomputation not counted) and its peak."""
+    _, flops, peaks = gpu_peaks()
+    print(f"gpu trainer | {peaks}", flush=True)
+    model = gpu_model(device).train()
+    s, n = plan_shape(model.config), matmul_params(model.config)
+    ids = random_ids(1, tokens, model.config.vocab_size, 2, device)[0]
+    times = []
+    for _ in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        packed_logprobs(model, ids, [tokens]).sum().backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    tok_s = tokens / min(times[1:])
+    work = 6 * n * tokens + 6 * s["L"] * s["H"] * s["D"] * tokens ** 2
+    r = {"trainer_tok_s": tok_s, "trainer_mfu": work / min(times[1:]) / flops,
+         "trainer_peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+    print(f"gpu trainer | 0.5B shape, bf16, one row of {tokens} tokens, forward+backward: "
+          f"{tok_s:,.0f} tok/s | MFU {r['trainer_mfu']:.1%} | peak {r['trainer_peak_gb']:.1f} GB "
+          f"(best of {repeats} after a warm-up)", flush=True)
+    return r
+
+
+def bench_gpu():
+    """Figure gpu: the CUDA tests, the kernels, the 0.5B sampler and trainer, each timed out on
+    its own."""
+    print(f"gpu | {gpu_peaks()[2]}", flush=True)
+    return run_parts(gpu_parts())
+
+
+GPU_PART = {"kernels": gpu_kernels, "sampler": gpu_sampler, "trainer": gpu_trainer}
+
+
 def main(args):
     hide_progress_bars()
     ranks.pick_threads()
@@ -1280,20 +1522,30 @@ def main(args):
         return write_model(args)
     t_start = time.perf_counter()
     figures = set(args.figures.split(","))
+    if ("gpu" in figures or args.gpu_part) and not torch.cuda.is_available():
+        sys.exit(f"bench.py --figures gpu: needs a CUDA GPU; torch {torch.__version__} sees none "
+                 "(BENCHMARKS.md lists the GPU figures as not measured)")
+    if args.gpu_part:
+        part = GPU_PART[args.gpu_part]()
+        if args.json:
+            print(json.dumps(part))
+        return
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none"
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
     models = (bench_models(args) if figures - {"memory", "stability", "replay", "efficiency",
-                                               "plan_rss"} else [])
+                                               "plan_rss", "gpu"} else [])
     results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
+    if "gpu" in figures:  # first: the other figures may hold the GPU's memory
+        results["gpu_figures"] = bench_gpu()
     if "1" in figures:
         results["sampler"] = [bench_sampler(name, m, args) for name, m in models]
         results["sampler_task"] = bench_sampler_task(models[0][1], args)
     if "2" in figures:
         results["trainer"] = [bench_trainer_speed(name, m, args) for name, m in models]
         results["memory"] = bench_trainer_memory(args)
-        results["paper_logits"] = paper_scale_logits(chunk=args.chunk)
+        results["paper_logits"] = paper_scale_logits()
     if "3" in figures:
         results["broadcast"] = bench_broadcast(args, models)
     if "4" in figures:

@@ -102,12 +102,24 @@ def plan_activations(s, size):
     d, H, K, D, b = s["d"], s["H"], s["K"], s["D"], size
     norms = 2 * ((4 + 2 * b) * d + 4)
     attn = b * D * (2 * H + 2 * K) + 4 * H + s["qk_norm"] * ((4 + b) * D + 4) * (H + K)
+    # outside the layers: the final norm's input and output, each target and its float32
+    # log-sum-exp (trainer._Head), rope's cos and sin, the positions
     return {"layer": norms + attn + 4 * b * s["I"], "checkpointed": b * d,
-            "head": b * d + 8 + 2 * D * b + 8}
+            "head": 2 * b * d + 8 + 4 + 2 * D * b + 8}
 
 
-def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, longest=0,
-                 sync_once=False):
+def head_chunk(tokens):
+    """The trainer's head: vocabulary rows per chunk, LOGITS_BYTES of float32 logits at `tokens`."""
+    return max(1, LOGITS_BYTES // (4 * max(1, tokens)))
+
+
+def head_peak(s, size):
+    """The trainer's head in its backward beyond what it saves (trainer._Head): the head's gradient
+    in the weights' dtype, and at most 4 chunks' float32 logits and their temporaries."""
+    return size * s["V"] * s["d"] + 4 * LOGITS_BYTES
+
+
+def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, longest=0, sync_once=False):
     """The bytes one trainer rank holds -> {part: bytes}; NCCL's buffers not counted."""
     layer, embed, head, norm = plan_params(s)
     P, root, half, n = plan_param_count(s), embed + head + norm, size < 4, trainers
@@ -115,9 +127,8 @@ def plan_trainer(s, size, micro_tokens, ckpt, fsdp, trainers, fp32_head=True, lo
     tokens = max(micro_tokens, longest)
     saved = s["L"] * (act["checkpointed"] if ckpt else act["layer"]) + act["head"]
     recomputed = tokens * (ckpt * act["layer"] + 3 * size * s["I"])
-    head_backward = (fp32_head and half) * 2 * 4 * s["V"] * s["d"] + 4 * LOGITS_BYTES
     reduce_scatter = fsdp * 2 * (size + 4) * layer
-    backward = tokens * saved + max(recomputed, head_backward) + reduce_scatter
+    backward = tokens * saved + max(recomputed, head_peak(s, size)) + reduce_scatter
     return {"weights": (root + 2 * layer) * size if fsdp else P * size,
             "float32 master": 4 * P / n if fsdp else 4 * P * half,
             "AdamW state": 8 * P / (n if fsdp else 1),
@@ -249,8 +260,7 @@ def memory_plan(config, run):
     ckpt = checkpointing(s["L"], run.ckpt_layers)
     max_len, max_new = generate.cache_length(run.prompt_len, run.think_budget, run.answer_budget,
                                              [0] * run.phrase_len)
-    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, run.fp32_head,
-                           longest=max_len,
+    trainer = plan_trainer(s, size, run.micro_tokens, ckpt, run.fsdp, run.trainers, longest=max_len,
                            sync_once=fsdp_sync_once(plan_param_count(s), run.device_bytes))
     resident = sum(trainer[k] for k in ("weights", "float32 master", "AdamW state"))
     weights = plan_param_count(s) * size

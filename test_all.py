@@ -3337,16 +3337,148 @@ def test_tensor_core_head_is_chosen_on_cuda_bf16_only_and_equals_the_float32_hea
         assert (a - b).abs().max() <= 0.04 * b.abs().max() + 1e-6
 
 
+def float32_head(h, w, targets, temperature):
+    """The plain float32 head: F.linear in float32, log_softmax, gather."""
+    logits = torch.nn.functional.linear(h.float(), w.float())
+    return (logits / temperature).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 40, 64])
+def test_trainer_head_equals_the_float32_head_in_values_and_gradients(monkeypatch, chunk):
+    """trainer._Head (each target's log-prob under the LM head in chunks of vocabulary rows, the backward recomputing
+    each chunk's logits and writing its rows of the weight's gradient once) against the plain float32 head, values
+    and the gradients of the states and the weight, with chunks that divide the 40-row vocabulary, leave a ragged
+    last one (7, 16) or exceed it: in float64 exactly; with bf16 weights as float32 GEMMs to float32 rounding of the
+    values and bf16 rounding of the gradients; on tensor cores (a float32 matmul standing in for CUDA's mm out_dtype)
+    the logits' gradient enters the GEMMs in bf16 (about 0.2% of each gradient's norm)."""
+    monkeypatch.setattr(trainer, "mm32", lambda a, b: a.float() @ b.float())
+    g = torch.Generator().manual_seed(chunk)
+    h, w = torch.randn(23, 32, generator=g), torch.randn(40, 32, generator=g) / 3
+    targets = torch.cat([torch.tensor([0, 39, 35]), torch.randint(0, 40, (20,), generator=g)])
+    weights = torch.rand(23, generator=g)
+    for dtype, gemm, tensor_core, close, grad_close in (
+            (torch.float64, torch.float64, False, 1e-12, 1e-12), (torch.bfloat16, torch.float32, False, 1e-5, 0.005),
+            (torch.bfloat16, torch.bfloat16, True, 1e-5, 0.01)):
+        for temperature in (1.0, 0.7):
+            a, b = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+            lp = trainer._Head.apply(a, b, targets, temperature, chunk, gemm, tensor_core)
+            (lp * weights).sum().backward()
+            ra, rb = (x.detach().to(torch.promote_types(dtype, torch.float32)).requires_grad_() for x in (a, b))
+            want = float32_head(ra, rb, targets, temperature) if dtype != torch.float64 else (
+                (ra @ rb.t() / temperature).log_softmax(-1).gather(-1, targets[:, None])[:, 0])
+            (want * weights).sum().backward()
+            assert lp.dtype == want.dtype and torch.allclose(lp, want, atol=close, rtol=0)
+            for got, ref in ((a.grad, ra.grad), (b.grad, rb.grad)):
+                assert got.dtype == dtype and (got - ref).norm() <= grad_close * ref.norm()
+
+
+def test_trainer_head_peak_is_the_plans_and_makes_no_float32_copy_of_the_weight(monkeypatch):
+    """packed_logprobs' head on bf16 weights with the tensor-core path (a float32 matmul standing in for CUDA's mm
+    out_dtype) under a dispatch mode that follows every tensor the ops create: no float32 tensor the size of the
+    head (vocab x hidden) is ever made, and the most bytes held at once, forward and backward, are within the memory
+    plan: the head's saved bytes per token plus plan.head_peak (its gradient in bf16 and 4 chunks of logits). A
+    float32 copy of the weight and per-chunk float32 gradients summed by autograd took about 3 x 4 V d bytes."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Held(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.held, self.peak, self.float32_head = {}, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)}
+            self.held = {k: v for k, v in self.held.items() if not v[0].expired()}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                    s = t.untyped_storage()
+                    self.held[s.data_ptr()] = StorageWeakRef(s), s.nbytes()
+                    self.float32_head += t.dtype == torch.float32 and t.numel() >= V * d
+            self.peak = max(self.peak, sum(n for _, n in self.held.values()))
+            return out
+
+    V, d, T = 4096, 64, 128
+    config = Qwen2Config(vocab_size=V, hidden_size=d, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).train()
+    for p in model.parameters():
+        p.requires_grad_(p is model.lm_head.weight or p is model.model.norm.weight)
+    monkeypatch.setattr(trainer, "tensor_core_head", lambda *a: True)
+    monkeypatch.setattr(trainer, "mm32", lambda a, b: a.float() @ b.float())
+    monkeypatch.setattr(plan, "LOGITS_BYTES", (T - 1) * 500 * 4)  # chunks of 500 vocabulary rows (of positions before)
+    ids = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(0))
+    with Held() as held:
+        trainer.packed_logprobs(model, ids, [T]).sum().backward()
+    s = plan.plan_shape(config)
+    assert model.lm_head.weight.grad.abs().sum() > 0 and held.float32_head == 0
+    assert held.peak <= T * plan.plan_activations(s, 2)["head"] + plan.head_peak(s, 2)
+
+
+def test_bench_gpu_figure_without_cuda_exits_with_one_line(monkeypatch, capsys):
+    """`python bench.py --figures gpu` (and one of its parts) on a machine without CUDA: one line saying it needs a
+    GPU, nothing else printed, a non-zero exit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["--figures", "gpu"], ["--figures", "1,gpu"], ["--gpu_part", "trainer"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(bench.get_args(argv))
+        said = str(exit_.value)
+        assert said.startswith("bench.py --figures gpu: needs a CUDA GPU") and "\n" not in said, argv
+        assert capsys.readouterr().out == ""
+
+
+def test_bench_gpu_parts_a_hanging_part_is_timed_out_and_the_next_still_runs(capsys):
+    """bench.run_parts (figure gpu's runner) on fake parts: one that hangs (and started a process of its own) is
+    killed at its timeout with what it printed, one that fails is reported with its exit status, and the last still
+    runs and hands back its JSON figures; the real parts' timeouts fit the figure's 8 minutes."""
+    py = sys.executable
+    hang = ("import subprocess, time; p = subprocess.Popen(['sleep', '60']); print('started', p.pid, flush=True); "
+            "time.sleep(60)")
+    t0 = time.monotonic()
+    out = bench.run_parts([("hang", [py, "-c", hang], 2), ("fails", [py, "-c", "raise SystemExit(3)"], 30),
+                           ("ok", [py, "-c", "print('fine'); print('{\"x\": 1}')"], 30)])
+    printed = capsys.readouterr().out
+    assert time.monotonic() - t0 < 15
+    assert [r["status"] for r in out.values()] == ["TIMED OUT after 2 s", "FAILED (exit 3)", "ok"]
+    assert out["ok"]["figures"] == {"x": 1} and out["hang"]["figures"] is None
+    assert "gpu | hang | started" in printed and "gpu | ok | fine" in printed and '{"x"' not in printed
+    grandchild = int(printed.split("gpu | hang | started ")[1].split()[0])
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < deadline:  # killed with its part
+        with open(f"/proc/{grandchild}/stat") as f:
+            if f.read().split(") ")[1][0] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{grandchild}")
+    parts = bench.gpu_parts()
+    assert [p[0] for p in parts] == ["tests", "kernels", "sampler", "trainer"] and sum(p[2] for p in parts) <= 480
+
+
+def test_bench_gpu_attention_checks_each_decode_path_and_the_trainers_against_sdpa():
+    """Figure gpu's kernel check, run on CPU: every decode path generate.py has is called on rows of 1 to 5 blocks
+    over shuffled block tables (GQA), the dense masked path equals SDPA over each row's own keys, a path that cannot
+    run here (flash-attn absent, varlen off CUDA) is reported, not raised; the trainer's attention equals SDPA per
+    sample."""
+    out = bench.gpu_attention("cpu", torch.float32)
+    assert set(out) == {f"decode_{k}" for k in bench.DECODE_PATHS} | {"trainer_varlen"}
+    assert out["decode_masked"] < 1e-5 and out["trainer_varlen"] < 1e-6
+    assert gen.flash_attn_with_kvcache is not None or out["decode_flash"] is None
+
+
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
     """The trainer's forward at Qwen3-0.6B's width (1024, 16 heads, 8 kv heads, head dim 128, MLP 3072, vocab
     151,936, bf16) with its layers checkpointed (the default above CHECKPOINT_ABOVE layers; forced here on 2):
     saved-tensor hooks count what each layer keeps for the backward (its input: 2 KB per token; 72 KB without
-    checkpointing) and what the head keeps (no logits: ~2.6 KB per token, whatever the vocab)."""
+    checkpointing) and what the head keeps (no logits: the final norm's input and output and ~0.5 KB more, 4.6 KB per
+    token, whatever the vocab)."""
     model = bench.two_layer_model("Qwen3-0.6B")
     part = bench.saved_by_part(model, lengths=(16, 32), checkpoint_layers=True)
     plan = plan_activations(plan_shape(bench.shape_config("Qwen3-0.6B")), 2)
     assert part["layer"] <= 4096 and part["layer"] == plan["checkpointed"] == 2048
-    assert part["rest"] == plan["head"] < 4096  # one float32 logit per vocab entry would be 608 KB
+    assert part["rest"] == plan["head"] < 8192  # one float32 logit per vocab entry would be 608 KB
 
 
 @pytest.mark.parametrize("kind, dtype, changes", [("llama", torch.float32, dict(attention_bias=True, mlp_bias=True)),
@@ -5369,7 +5501,8 @@ def _fsdp_checkpoint_rank(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     plan.CHECKPOINT_ABOVE, calls, real = 0, [], trainer.checkpoint
-    trainer.checkpoint = lambda fn, *a, **k: (calls.append(fn.__name__), real(fn, *a, **k))[1]
+    name = lambda fn: getattr(fn, "__name__", type(fn).__name__)  # a module (the final norm) has none
+    trainer.checkpoint = lambda fn, *a, **k: (calls.append(name(fn)), real(fn, *a, **k))[1]
     model = tiny_model("qwen3").train()
     forward = trainer.shard_trainer(model, torch.distributed.group.WORLD, "cpu")
     ids, attn, lens = right_padded(seed=rank)
@@ -7324,7 +7457,8 @@ BENCH_SAYS = {"1": r"1 sampler   \| toy task", "2": r"2 memory .* max \|logp dif
               "4": r"4 agreement \| qwen2-small bfloat16 fp32_head=False", "5": r"5 roofline", "6": FirstLaunch,
               "7": r"FSDP2 rank 1 of 2 holds \S+ params \| cap none \| peak \S+ GB \| losses \d",
               "memory": r"memory \| the README's 8-GPU command", "efficiency": r"efficiency \| trainer, 8k step",
-              "stability": FirstLaunch, "replay": r"replay \| step 2 \| log-odds", "plan_rss": FirstLaunch}
+              "stability": FirstLaunch, "replay": r"replay \| step 2 \| log-odds", "plan_rss": FirstLaunch,
+              "gpu": r"gpu \| a GPU: parts tests, kernels, sampler, trainer"}
 
 
 @pytest.mark.parametrize("figure", BENCH_SAYS)
@@ -7354,6 +7488,11 @@ def test_bench_every_figure_runs_at_its_smallest_size(figure, tmp_path, monkeypa
             '{"kind": "config", "steps": 2}\n{"kind": "eval", "step": 2, "pass_rate": 0.5}\n')
     if figure == "replay":
         replay_run(tmp_path / "run", 2)
+    if figure == "gpu":  # on any machine: to the parts it would run (test_bench_gpu_parts_* runs the runner)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(bench, "gpu_peaks", lambda: (3.35e12, 989e12, "a GPU"))
+        monkeypatch.setattr(bench, "run_parts", lambda parts: print(
+            f"gpu | a GPU: parts {', '.join(p[0] for p in parts)}") or {})
     args = bench.get_args(["--figures", figure, *BENCH_TINY, "--stability_dir", str(runs_dir),
                            "--replay_run", str(tmp_path / "run")])
     if BENCH_SAYS[figure] is FirstLaunch:
@@ -7373,7 +7512,7 @@ def test_bench_every_figure_runs_at_its_smallest_size(figure, tmp_path, monkeypa
 
 
 def test_chunked_logprobs_peak_memory_is_far_below_the_naive_path_and_values_equal():
-    vocab, seqs, length, chunk = 32000, 1, 1024, 32
+    vocab, seqs, length, chunk = 32000, 1, 1024, 1024  # chunks of 1,024 vocabulary rows: 4 MB of logits each
     logits_bytes = seqs * (length - 1) * vocab * 4  # the naive path's (N, T-1, V) float32 logits: 131 MB
     common = (vocab, seqs, length, chunk, "cpu", torch.float32)
     with FORKS.Pool(2, maxtasksperchild=1) as pool:  # one fresh (forked) process each:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
-from generate import head_weight, logits_of, mm32, tensor_core_head
+from generate import mm32, tensor_core_head
 from metrics import print0
 import pipeline
 import ranks
@@ -107,46 +107,76 @@ def _layer(layer, x, cos, sin, pos, packed):
         config._attn_implementation = impl
 
 
-class _Bf16Head(torch.autograd.Function):
-    """h @ w16.T -> float32 logits on tensor cores, the same values; the weight's gradient goes to
-    w32."""
+def _gemm(a, b, dtype, tensor_core):
+    """a @ b with a and b in dtype -> float32 or wider (on tensor cores: float32 output)."""
+    a, b = a.to(dtype), b.to(dtype)
+    return mm32(a, b) if tensor_core else (a @ b).to(torch.promote_types(dtype, torch.float32))
+
+
+class _Head(torch.autograd.Function):
+    """log p(targets) of normed states h (T, d) under the LM head w (V, d), in chunks of `chunk`
+    vocabulary rows (logits O(T x chunk)); the GEMMs' inputs in dtype (float32: section 3.2's
+    float32 head), float32 or wider out. Start at packed_logprobs."""
 
     @staticmethod
-    def forward(ctx, h, w16, w32):
-        ctx.save_for_backward(h, w16)
-        return mm32(h, w16.t())
+    def forward(ctx, h, w, targets, temperature, chunk, dtype, tensor_core):
+        x, lse, picked = h.to(dtype), [], 0
+        for a in range(0, len(w), chunk):
+            logits = _head_logits(x, w[a:a + chunk], temperature, dtype, tensor_core)
+            lse.append(logits.logsumexp(-1))
+            inside, at = _in_chunk(targets, a, logits.size(1))
+            picked = picked + torch.where(inside, logits.gather(1, at[:, None])[:, 0], 0)
+        lse = torch.stack(lse).logsumexp(0)
+        ctx.save_for_backward(h, w, targets, lse)
+        ctx.args = temperature, chunk, dtype, tensor_core
+        return picked - lse
 
     @staticmethod
     def backward(ctx, g):
-        h, w16 = ctx.saved_tensors
-        g = g.to(h.dtype)
-        return mm32(g, w16).to(h.dtype), None, mm32(g.t(), h)
+        h, w, targets, lse = ctx.saved_tensors
+        temperature, chunk, dtype, tensor_core = ctx.args
+        x, scale = h.to(dtype), g / temperature if temperature not in (0, 1) else g
+        grad_h = torch.zeros(h.shape, dtype=lse.dtype, device=h.device)
+        # why: each chunk of w's rows gets its gradient from one GEMM over all T tokens, written
+        # once in w's dtype; no float32 copy of w, no per-chunk V x d gradients to sum
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        for a in range(0, len(w), chunk):
+            logits = _head_logits(x, w[a:a + chunk], temperature, dtype, tensor_core)
+            # d log p(target) / d logits = onehot(target) - softmax
+            p = logits.sub_(lse[:, None]).exp_().mul_(-scale[:, None])
+            inside, at = _in_chunk(targets, a, p.size(1))
+            p = p.scatter_add_(1, at[:, None], torch.where(inside, scale, 0)[:, None]).to(dtype)
+            grad_h += _gemm(p, w[a:a + chunk], dtype, tensor_core)
+            if grad_w is not None:
+                grad_w[a:a + chunk] = _gemm(p.t(), x, dtype, tensor_core)
+        return grad_h.to(h.dtype), grad_w, None, None, None, None, None
 
 
-def _chunk_logprobs(norm, states, weight, targets, temperature, w16=None):
-    h = norm(states)
-    logits = (_Bf16Head.apply(h, w16, weight) if w16 is not None and h.dtype == w16.dtype
-              else logits_of(h, weight))
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+def _head_logits(x, w, temperature, dtype, tensor_core):
+    logits = _gemm(x, w.t(), dtype, tensor_core)
+    return logits / temperature if temperature not in (0, 1) else logits
+
+
+def _in_chunk(targets, a, n):
+    """Which targets fall in vocabulary rows a..a+n, and their column there (0 where not)."""
+    inside = (targets >= a) & (targets < a + n)
+    return inside, torch.where(inside, targets - a, 0)
 
 
 def packed_logprobs(model, ids, lens, fp32_head=True, temperature=1.0, chunk=None,
                     checkpoint_layers=None):
-    """log p(next token) of packed samples -> (N, max(lens) - 1), with grad; the head in
-    checkpointed chunks (memory O(chunk x V))."""
+    """log p(next token) of packed samples -> (N, max(lens) - 1), with grad; the head in chunks of
+    `chunk` vocabulary rows (_Head; memory O(tokens x chunk), by default plan.LOGITS_BYTES)."""
     states = decoder_states(model, ids, lens, checkpoint_layers)[0, :-1]
-    weight = head_weight(model, fp32_head)
     w = model.lm_head.weight
-    # CUDA bf16: the float32 head as a bf16 GEMM with float32 output (the same logits, tensor cores)
-    w16 = w if tensor_core_head(w.device.type, w.dtype, fp32_head) else None
-    targets = ids[1:]
-    chunk = chunk or max(1, plan.LOGITS_BYTES // (weight.size(0) * 4))
-    flat = torch.cat([checkpoint(_chunk_logprobs, model.model.norm, states[a:a + chunk], weight,
-                                 targets[a:a + chunk], temperature, w16, use_reentrant=False)
-                      for a in range(0, len(states), chunk)]
-                     + [states.new_zeros(1, dtype=torch.float32)])
+    # CUDA bf16: the float32 head as bf16 GEMMs with float32 output (the same logits, tensor cores)
+    tensor_core = tensor_core_head(w.device.type, w.dtype, fp32_head)
+    dtype = (torch.promote_types(w.dtype, torch.float32) if fp32_head and not tensor_core
+             else w.dtype)
+    chunk = chunk or plan.head_chunk(len(states))
+    h = checkpoint(model.model.norm, states, use_reentrant=False)
+    flat = torch.cat([_Head.apply(h, w, ids[1:], temperature, chunk, dtype, tensor_core),
+                      states.new_zeros(1, dtype=torch.float32)])
     # drop each sample's last position
     return torch.nn.utils.rnn.pad_sequence([r[:-1] for r in flat.split(lens)], batch_first=True)
 
