@@ -376,10 +376,11 @@ def meet(ctx, version, length, layout):
         ctx.store.set("layout", json.dumps(layout))
     gens = range(ctx.n_trainers, ctx.world)
     if ctx.rank in gens:
-        store_wait(ctx.store, ["layout"], ctx.timeout, "trainer 0's weight layout")
+        # polled: a blocking store wait would hold the store's connection from the heartbeat
+        wait_until(ctx, lambda: ctx.store.check(["layout"]), "trainer 0's weight layout")
         ctx.store.set(f"layout/{ctx.rank}", layout_mismatch(json.loads(ctx.store.get("layout")),
                                                             layout) or "")
-    store_wait(ctx.store, [f"layout/{r}" for r in gens], ctx.timeout, "the generators' weights")
+    wait_until(ctx, lambda: ctx.store.check([f"layout/{r}" for r in gens]), "the generators' weights")
     refused = {r: ctx.store.get(f"layout/{r}").decode() for r in gens}
     if any(refused.values()):  # the broadcast sends bare bytes: a mismatch is garbage or a hang
         stop_together(ctx.store, ctx.rank, ctx.world, refused.get(ctx.rank), "layout")
