@@ -674,9 +674,8 @@ def efficiency_sampler(args, rows=64, max_len=2048):
     plan = dec.attention_plan(lens.tolist())
     out["decode_kernels_per_step"] = kernels_of(lambda: dec._step(rows, plan, dec.off[:rows]),
                                                 device)
-    print(f"efficiency  | sampler decode step, {rows} rows of 64..{max_len} keys, {layers} layers "
-          f"| "
-          + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+    print(f"efficiency  | sampler decode step, {rows} rows of 64..{max_len} keys, {layers} "
+          f"layers | " + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in out.items()))
     return out
 

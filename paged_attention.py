@@ -88,10 +88,10 @@ def exact_kernel(device, dtype, head_dim, block):
 def attention_inputs(plan, pos, dtype, table, block):
     """A step's plan (generate.Decoder.attention_plan) as its kernel's inputs; pos: each row's
     position (its key count - 1)."""
-    lengths = (pos + 1).int()
     if plan[0] in ("flash", "triton"):
-        return plan[0], lengths, table
+        return plan[0], (pos + 1).int(), table
     if plan[0] == "varlen":
+        lengths = (pos + 1).int()
         cu = torch.arange(pos.size(0) + 1, dtype=torch.int32, device=pos.device)
         return "varlen", lengths, table, cu, F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
