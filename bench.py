@@ -676,7 +676,7 @@ def efficiency_sampler(args, rows=64, max_len=2048):
                                                 device)
     print(f"efficiency  | sampler decode step, {rows} rows of 64..{max_len} keys, {layers} "
           f"layers | " + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                       for k, v in out.items()))
+                                    for k, v in out.items()))
     return out
 
 # -----------------------------------------------------------------------------
