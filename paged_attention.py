@@ -154,7 +154,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode(q, k, v, lengths, table, out, scale, q_row, q_head, table_row,
                       BLOCK: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                      GP: tl.constexpr, DP: tl.constexpr, N: tl.constexpr):
+                      GP: tl.constexpr, DP: tl.constexpr, N: tl.constexpr, PRECISION: tl.constexpr):
         row, kv = tl.program_id(0), tl.program_id(1)
         g, d, n = tl.arange(0, GP), tl.arange(0, DP), tl.arange(0, N)
         heads = kv * G + g  # the query heads of KV head kv (rows past G are padding)
@@ -171,16 +171,17 @@ if triton is not None:
             page = tl.load(table + row * table_row + t // BLOCK, mask=inside, other=0).to(tl.int64)
             at = ((page * BLOCK + t % BLOCK) * HKV + kv) * D
             kvmask = inside[:, None] & (d < D)[None, :]
-            # float32 tiles and products: the scores as SDPA's float32 reference computes them
+            # float32 tiles. 16-bit keys and queries are exact in tf32 (10 mantissa bits): the
+            # scores are SDPA's float32 ones, on tensor cores; the weights p round to tf32
             kt = tl.load(k + at[:, None] + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
             vt = tl.load(v + at[:, None] + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            s = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
+            s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * scale
             s = tl.where(inside[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)  # rescales what was summed under the old max
             p = tl.exp(s - m_new[:, None])
             s_sum = s_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
             m = m_new
         o = acc / s_sum[:, None]
         tl.store(out + row * q_row + heads[:, None] * q_head + d[None, :],
@@ -194,7 +195,9 @@ def paged_decode(q, k_cache, v_cache, lengths, table, scale, keys_at_once=64):
     _, block, Hkv, _ = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
+    tf32 = q.dtype in (torch.float16, torch.bfloat16)
     _paged_decode[(R, Hkv)](q, k_cache, v_cache, lengths, table, out, scale, q.stride(0),
                             q.stride(1), table.stride(0), BLOCK=block, HKV=Hkv, G=H // Hkv, D=D,
-                            GP=_pow2(H // Hkv), DP=_pow2(D), N=keys_at_once)
+                            GP=_pow2(H // Hkv), DP=_pow2(D), N=keys_at_once,
+                            PRECISION="tf32" if tf32 else "ieee")
     return out
