@@ -3059,6 +3059,26 @@ def test_paged_triton_kernel_equals_sdpa_over_each_rows_own_keys_under_the_inter
     assert out["chosen"][0] == "triton" and out["chosen"][1][0] == "flash-attn not installed", out["chosen"]
 
 
+@pytest.mark.skipif(pa.triton is None, reason="triton is not installed (requirements.txt installs it on Linux; torch's "
+                    "CUDA build ships it)")
+def test_paged_triton_kernel_compiles_for_a100_and_h100_on_tensor_cores_in_bf16():
+    """The paged decode kernel compiled, as a GPU would compile it, for an H100 (sm_90) in bf16 at the 0.5B's
+    shape (7 query heads a KV head, head_dim 64, blocks of 256) and for an A100 (sm_80) in float32: Triton's
+    compiler and ptxas run without a GPU. In bf16 its products are tensor-core mma instructions (tf32, exact for
+    bf16 values), in float32 none (IEEE)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    for arch, dtype, mma in ((90, "bf16", True), (80, "fp32", False)):
+        args = dict(q=f"*{dtype}", k=f"*{dtype}", v=f"*{dtype}", lengths="*i32", table="*i32", out=f"*{dtype}",
+                    scale="fp32", q_row="i32", q_head="i32", table_row="i32")
+        const = dict(BLOCK=256, HKV=2, G=7, D=64, GP=16, DP=64, N=64, PRECISION="tf32" if mma else "ieee")
+        signature = {**args, **dict.fromkeys(const, "constexpr")}
+        kernel = pa.triton.compile(ASTSource(pa._paged_decode, signature, {(list(signature).index(name),): value
+                                                                           for name, value in const.items()}),
+                                   target=GPUTarget("cuda", arch, 32))
+        assert kernel.asm["cubin"] and bool(re.search(r"\bw?mma", kernel.asm["ptx"])) == mma, (arch, dtype)
+
+
 def test_decode_kernel_is_the_first_paged_kernel_that_matches_sdpa_and_never_a_dense_fallback(monkeypatch):
     """Off CUDA the grouped path; on CUDA the first of flash-attn, torch's varlen_attn and the Triton kernel that
     runs and matches SDPA over each row's own keys (here on CPU, the kernels stood in for): torch's varlen_attn
