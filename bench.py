@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
                           Qwen2ForCausalLM)
 
@@ -52,6 +51,7 @@ import generate as gen_module
 from hub import hide_progress_bars
 from loss import LengthControl, make_batch, policy_loss
 import metrics
+import paged_attention
 import pipeline
 import ranks
 from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, memory_plan,
@@ -61,8 +61,8 @@ import study
 from toy import toy_model_dir, toy_problems
 import train
 import trainer as trainer_module
-from trainer import (LogProbs, _Head, collate, micro_batches, packed_logprobs, sequence_logprobs,
-                     shard_trainer)
+from trainer import (LogProbs, _Head, collate, kernels_line, micro_batches, packed_logprobs,
+                     sequence_logprobs, shard_trainer)
 
 # -----------------------------------------------------------------------------
 # flags
@@ -614,31 +614,47 @@ def decode_roofline(config, batch=64, context=1024, hbm_bytes_s=3.35e12, fp32_he
 # figure efficiency
 
 
-class OpCounter(TorchDispatchMode):
-    n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view
-        return func(*args, **(kwargs or {}))
+NO_KERNEL = {"aten::" + name for name in (  # allocations, metadata and casts to the same dtype
+    "empty", "empty_like", "empty_strided", "new_empty", "resize_", "_unsafe_view", "detach_", "to",
+    "type_as", "lift_fresh", "resolve_conj", "result_type", "promote_types")}
 
 
-def ops_per_step(dec, rows, lens):
-    plan = dec.attention_plan(lens.tolist())
-    with OpCounter() as count:
-        dec._step(rows, plan, dec.off[:rows])
-    return count.n
+def _launches(event):
+    """Kernels under a profiler event on CPU: its innermost ATen ops that compute (views,
+    allocations and casts to the same dtype launch none)."""
+    below = sum(_launches(e) for e in event.cpu_children)
+    if below or not event.name.startswith("aten::") or event.name in NO_KERNEL:
+        return below
+    op = getattr(torch.ops.aten, event.name[6:], None)
+    return int(op is not None and not any(getattr(op, o).is_view for o in op.overloads()))
 
 
-def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
-    """KV bytes a decode step at mixed lengths reads over the rows' own keys (also with the masked
-    kernel), and its ops."""
+def kernels_of(fn, device, steps=2):
+    """Kernels one call of fn launches, counted by torch.profiler: on CUDA its kernels, on CPU the
+    ATen ops that would be (_launches)."""
+    fn()  # warm-up: one-time work is not a call's
+    cuda = torch.device(device).type == "cuda"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                + [torch.profiler.ProfilerActivity.CUDA] * cuda) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    events = prof.events()
+    n = (sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events) if cuda
+         else sum(_launches(e) for e in events if e.cpu_parent is None))
+    return round(n / steps)
+
+
+def efficiency_sampler(args, rows=64, max_len=2048):
+    """KV bytes a decode step at mixed lengths reads over the rows' own keys, the attention kernel
+    that reads them, and the kernels one step launches (a decoder of --size's depth, narrow)."""
     device, dtype = args.device, DTYPES[args.dtype]
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
     lens = torch.randint(64, max_len + 1, (rows,), generator=torch.Generator().manual_seed(0))
 
     def decoder(model):
-        dec = Decoder(model, rows, max_len, steps + 1, eos_id=-1, think_end=[-2],
+        dec = Decoder(model, rows, max_len, 4, eos_id=-1, think_end=[-2],
                       interrupt_ids=[], think_budget=max_len, answer_budget=0, interrupt=False,
                       temperature=1.0, fp32_head=False, seed=0, version=0, graphs=False)
         dec.pos.copy_(lens - 1)  # what is read depends on lengths alone
@@ -654,37 +670,26 @@ def efficiency_sampler(args, rows=64, max_len=2048, steps=3):
     def counted(q, k, v, **kw):
         read[0] += k.numel() * k.element_size() + v.numel() * v.element_size()
         return sdpa(q, k, v, **kw)
-    out = {}
-    for kernel in (dec.kernel, "masked"):
-        dec.kernel, read[0] = kernel, 0
-        plan = dec.attention_plan(lens.tolist())
-        if kernel in ("flash", "varlen"):  # tiles of 128 keys
-            read[0] = int(((lens + 127) // 128 * 128).sum()) * per_token * 2
-        else:
-            torch.nn.functional.scaled_dot_product_attention = counted
-            try:
-                dec._step(rows, plan, dec.off[:rows])
-            finally:
-                torch.nn.functional.scaled_dot_product_attention = sdpa
-            read[0] //= model.config.num_hidden_layers
-        ratio = read[0] / (int(lens.sum()) * per_token)
-        out["decode_kv_read_ratio" + ("_masked" if kernel == "masked" and out else "")] = ratio
-        out.setdefault("decode_kernel", kernel)
-    dec.kernel = out["decode_kernel"]
-    out["decode_ops_per_step"] = ops_per_step(dec, rows, lens)
-    if device == "cuda":
-        dec = decoder(qwen2_model(SIZES[args.size], device, dtype))
-        plan = dec.attention_plan(lens.tolist())
-        dec._step(rows, plan, dec.off[:rows])
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                dec._step(rows, plan, dec.off[:rows])
-            torch.cuda.synchronize()
-        out["decode_kernels_per_step"] = sum(
-            e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) / steps
-    print(f"efficiency  | sampler decode step, {rows} rows of 64..{max_len} keys | "
-          + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                       for k, v in out.items()))
+    if dec.kernel == "groups":
+        torch.nn.functional.scaled_dot_product_attention = counted
+        try:
+            dec._step(rows, dec.attention_plan(lens.tolist()), dec.off[:rows])
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+        read[0] //= model.config.num_hidden_layers
+    else:  # flash-attn's and torch's kernels read tiles of 128 keys; the Triton one masks its loads
+        tile = 1 if dec.kernel == "triton" else 128
+        read[0] = int(((lens + tile - 1) // tile * tile).sum()) * per_token * 2
+    out = {"decode_kernel": dec.kernel,
+           "decode_kv_read_ratio": read[0] / (int(lens.sum()) * per_token)}
+    layers = SIZES[args.size]["num_hidden_layers"]
+    dec = decoder(qwen2_model(dict(tiny, num_hidden_layers=layers), device, dtype))
+    plan = dec.attention_plan(lens.tolist())
+    out["decode_kernels_per_step"] = kernels_of(lambda: dec._step(rows, plan, dec.off[:rows]),
+                                                device)
+    print(f"efficiency  | sampler decode step, {rows} rows of 64..{max_len} keys, {layers} "
+          f"layers | " + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in out.items()))
     return out
 
 # -----------------------------------------------------------------------------
@@ -1292,7 +1297,7 @@ GPU_PEAKS = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12),
              ("H100 NVL", 3.9e12, 835e12), ("H100", 3.35e12, 989e12),
              ("A100", 2.0e12, 312e12))  # datasheets: HBM bytes/s, dense bf16 FLOP/s
 GPU_TESTS = "cuda"  # test_all.py's tests that need CUDA carry it in their names
-DECODE_PATHS = ("flash", "varlen", "masked")  # generate._decode's CUDA paths
+DECODE_PATHS = paged_attention.PAGED  # CUDA's decode attention paths
 
 
 def gpu_parts(timeouts=(150, 60, 150, 90)):
@@ -1347,9 +1352,8 @@ def gpu_peaks():
 
 def decode_path(kernel, q, k, v, pos, table, scale):
     """One of DECODE_PATHS on rows at positions pos over their block tables."""
-    plan = ("masked", table.size(1) * k.size(1)) if kernel == "masked" else (kernel,)
-    return gen_module._decode(q, k, v, scale,
-                              gen_module._how(plan, pos, q.dtype, table, k.size(1)))
+    how = paged_attention.attention_inputs((kernel,), pos, q.dtype, table, k.size(1))
+    return paged_attention.decode_attention(q, k, v, scale, how)
 
 
 def gpu_kernels():
@@ -1376,7 +1380,7 @@ def gpu_attention(device, dtype):
         return F.scaled_dot_product_attention(q[r].transpose(0, 1)[None].float(), *keys,
                                               scale=D ** -0.5, enable_gqa=True)[0, :, 0]
     ref = torch.stack([row(r, n) for r, n in enumerate(lens)])
-    chosen = gen_module.decode_kernel(torch.device(device), dtype, D, block)
+    chosen = paged_attention.decode_kernel(torch.device(device), dtype, D, block)
     for kernel in DECODE_PATHS:
         try:
             got = decode_path(kernel, q, k, v, torch.tensor(lens, device=device) - 1, table,
@@ -1534,9 +1538,12 @@ def main(args):
     print(f"torch {torch.__version__} | device {args.device} ({gpu}) | dtype {args.dtype} | "
           f"threads {torch.get_num_threads()} | 1-min load average before the run "
           f"{os.getloadavg()[0]:.2f}")
+    kernels = kernels_line(Qwen2Config(**SIZES[args.size]), torch.device(args.device),
+                           DTYPES[args.dtype], True)
+    print(kernels)
     models = (bench_models(args) if figures - {"memory", "stability", "replay", "efficiency",
                                                "plan_rss", "gpu"} else [])
-    results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu}
+    results = {"args": vars(args), "torch": torch.__version__, "gpu": gpu, "kernels": kernels}
     if "gpu" in figures:  # first: the other figures may hold the GPU's memory
         results["gpu_figures"] = bench_gpu()
     if "1" in figures:

@@ -16,7 +16,6 @@ if __name__ == "__main__":  # flags, --help and their errors before torch's seco
     import config
     config.parse_first(config.sample_parser(__doc__.split("\n\n")[0]))
 
-import inspect
 import random
 import sys
 from collections import deque
@@ -27,15 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from checks import check_supported
-
-try:  # decode attention over each row's own length
-    from flash_attn import flash_attn_with_kvcache
-except Exception:
-    flash_attn_with_kvcache = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
+from paged_attention import attention_inputs, decode_attention, decode_kernel, flat_positions
 
 FINISH = ("eos", "interrupted", "truncated")  # c > 0 means FINISH[c - 1]
 CPU_SLOTS = 128
@@ -143,40 +134,7 @@ def _attention(attn, x, cos, sin, cache, at, qkv, how):
                                              v.transpose(1, 2), is_causal=True, scale=attn.scaling,
                                              enable_gqa=True)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(R, T, -1))
-    return _linear(attn.o_proj, _decode(q, *cache, attn.scaling, how).reshape(R, 1, -1))
-
-
-def _decode(q, k_cache, v_cache, scale, how):
-    """Decode attention, each row over its own keys through its block table (_how)."""
-    R, _, H, D = q.shape
-    Hkv = k_cache.shape[2]
-    if how[0] == "flash":
-        return flash_attn_with_kvcache(q.contiguous(), k_cache, v_cache, cache_seqlens=how[1],
-                                       block_table=how[2], softmax_scale=scale)[:, 0]
-    if how[0] == "varlen":
-        return varlen_attn(q[:, 0].contiguous(), k_cache, v_cache, how[3], None, 1,
-                           how[2].size(1) * k_cache.size(1), scale=scale, enable_gqa=True,
-                           seqused_k=how[1], block_table=how[2])
-    k_cache, v_cache = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # by flat position
-
-    def sdpa(q, k, v, mask):
-        out = F.scaled_dot_product_attention(q.reshape(-1, Hkv, H // Hkv, D), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=mask, scale=scale)
-        return out.reshape(-1, H, D)
-    if how[0] == "masked":
-        return sdpa(q, k_cache[how[2]], v_cache[how[2]], how[1])
-    out = q.new_empty(R, H, D)
-    for rows, at, mask in how[1]:
-        if isinstance(rows, slice):
-            out[rows] = sdpa(q[rows], k_cache[at], v_cache[at], mask)
-        else:
-            out.index_copy_(0, rows, sdpa(q[rows], k_cache[at], v_cache[at], mask))
-    return out
-
-
-def flat_positions(table, pos, block):
-    """Flat pool positions of tokens pos (R, T) of rows with block tables table (R, W)."""
-    return table.gather(1, pos // block).long() * block + pos % block
+    return _linear(attn.o_proj, decode_attention(q, *cache, attn.scaling, how).reshape(R, 1, -1))
 
 
 def _mlp(mlp, x):
@@ -333,61 +291,6 @@ def row_groups(lengths, cap, slack=1.2):
                  for S, rs in groups)
 
 
-_KERNELS = {}
-
-
-def decode_kernel(device, dtype=torch.bfloat16, head_dim=64, block=BLOCK):
-    """flash-attn, else torch's varlen_attn (each checked once against SDPA, rows of two blocks),
-    else masked; off CUDA groups."""
-    if device.type != "cuda":
-        return "groups"
-    key = (str(device), dtype, head_dim, block)
-    if key not in _KERNELS:
-        g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(3 + 2 * (n > 1), n, h, head_dim, generator=g, device=device,
-                               dtype=dtype)
-                   for n, h in ((1, 4), (block, 2), (block, 2)))  # a pool of 5 blocks
-        pos = torch.tensor([0, block + block // 2, 2 * block - 1], device=device)
-        table = torch.tensor([[2, 4], [3, 1], [4, 2]], dtype=torch.int32, device=device)
-        ref = _decode(q, k, v, 0.125, _how(("masked", 2 * block), pos, dtype, table, block))
-        ok = {"flash": flash_attn_with_kvcache is not None,
-              "varlen": (varlen_attn is not None
-                         and "block_table" in inspect.signature(varlen_attn).parameters)}
-        _KERNELS[key] = "masked"
-        for kernel in [name for name in ("flash", "varlen") if ok[name]]:
-            try:
-                out = _decode(q, k, v, 0.125, _how((kernel,), pos, dtype, table, block))
-            except Exception:
-                continue
-            if torch.allclose(out.float(), ref.float(), atol=2e-2):
-                _KERNELS[key] = kernel
-                break
-    return _KERNELS[key]
-
-
-def _how(plan, pos, dtype, table, block):
-    if plan[0] == "flash":
-        return "flash", (pos + 1).int(), table
-    if plan[0] == "varlen":
-        cu = torch.arange(pos.size(0) + 1, dtype=torch.int32, device=pos.device)
-        return "varlen", (pos + 1).int(), table, cu
-
-    def keys(t, S):  # (n, S) flat positions of the first S keys of rows with tables t
-        return flat_positions(t, torch.arange(S, device=pos.device).expand(t.size(0), S), block)
-
-    def mask(p, S):
-        return torch.zeros(p.size(0), 1, 1, S, dtype=dtype, device=pos.device).masked_fill_(
-            torch.arange(S, device=pos.device) > p[:, None, None, None], float("-inf"))
-    if plan[0] == "masked":
-        return "masked", mask(pos, plan[1]), keys(table, plan[1])
-    groups = []
-    for rows, S in plan[1]:
-        if not isinstance(rows, slice):
-            rows = torch.tensor(rows, device=pos.device)
-        groups.append((rows, keys(table[rows], S), mask(pos[rows], S)))
-    return "groups", groups
-
-
 def prefill_width(length, max_len):
     return min(-(-(length - 1) // 16) * 16, max_len)
 
@@ -522,11 +425,10 @@ class Decoder:
         self.live[rows], self.thinking[rows], self.interrupted[rows] = True, True, False
 
     def attention_plan(self, lengths):
-        """How this step's attention reads each row's keys (_how); with R, a CUDA graph's key."""
+        """How this step's attention reads each row's keys (attention_inputs); with R, a CUDA
+        graph's key."""
         if self.kernel == "groups":
             return "groups", row_groups(lengths, self.max_len)
-        if self.kernel == "masked":
-            return "masked", bucket(int(max(lengths)), bucket_sizes(self.max_len, 64))
         return (self.kernel,)
 
     def step(self, R, lengths):
@@ -550,7 +452,7 @@ class Decoder:
 
     def _step(self, R, plan, live):
         n, pos, limit, interrupted = self.n[:R], self.pos[:R], self.limit[:R], self.interrupted[:R]
-        how = _how(plan, pos, self.cache[0][0].dtype, self.table[:R], self.block)
+        how = attention_inputs(plan, pos, self.cache[0][0].dtype, self.table[:R], self.block)
         hidden = forward(self.model, self.last[:R, None], pos[:, None], self.cache, self.rope,
                          self.qkv, self.table, how=how)[:, 0]
         logits = (mm32(hidden.to(self.w16.dtype), self.w16.t()) if self.w16 is not None

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import importlib.util
 import inspect
 import ipaddress
 import io
@@ -54,6 +55,7 @@ import evals
 import hub
 import faults
 import generate as gen
+import paged_attention as pa
 import pipeline
 import plan
 import plots
@@ -2678,6 +2680,14 @@ def tiny_prompts(n=5, seed=1):
 GEN = dict(eos_id=0, think_end=[1], interrupt_ids=[5, 6, 7], think_budget=12, answer_budget=5)
 
 
+def paged_reference(q, k, v, lengths, table, scale):
+    """What the paged kernels compute, written out: q (R, H, D), each row over its first lengths[r] keys of the
+    pools k, v (blocks, block, Hkv, D) in its block table's order, grouped query heads."""
+    return torch.stack([torch.nn.functional.scaled_dot_product_attention(
+        q[r, :, None], *(x[table[r].long()].flatten(0, 1)[:n].transpose(0, 1) for x in (k, v)), scale=scale,
+        enable_gqa=True)[:, 0] for r, n in enumerate(lengths.tolist())])
+
+
 def uncached_next(model, seq):
     """The slow path: a full forward over the whole sequence, float32 log-softmax of the last position."""
     with torch.no_grad():
@@ -2804,15 +2814,16 @@ def test_decoder_bytes_equal_what_the_decoder_allocates(dtype, fp32_head):
 def test_generate_a_pool_too_small_for_every_row_preempts_and_gives_the_same_samples(monkeypatch):
     """A KV pool of 4-token blocks that holds one row at the full budget and little more: rows wait for blocks,
     the newest give theirs back and restart from their prompts (the same noise key), and every sample equals
-    the one decoded with a block for every token of every slot; through the grouped attention and the CUDA
-    fallback's (every row over the longest row's bucket)."""
+    the one decoded with a block for every token of every slot; through the grouped attention and the paged
+    kernels' inputs (lengths and block tables; the kernel stood in for by what it computes)."""
     model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(8, seed=6)
     cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=2, block=4)
     whole = gen.generate(model, prompts, **cfg)
     assert any(0 in s.mask for s in whole) and {s.finish for s in whole} >= {"eos", "truncated"}
     admitted, admit = [], gen.Decoder.admit
     monkeypatch.setattr(gen.Decoder, "admit", lambda self, slots, *a: admitted.extend(slots) or admit(self, slots, *a))
-    for kernel in ("groups", "masked"):
+    monkeypatch.setattr(pa, "paged_decode", paged_reference)
+    for kernel in ("groups", "triton"):
         monkeypatch.setattr(gen, "decode_kernel", lambda *args, kernel=kernel: kernel)
         admitted.clear()
         small = gen.generate(model, prompts, blocks=1 + 7 + 2, **cfg)  # max_len 28: 7 blocks a row at most
@@ -3090,11 +3101,13 @@ def test_generate_masked_off_warm_up_steps_change_nothing(monkeypatch):
 
 
 def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(monkeypatch):
-    """The decode step's attention (rows grouped by length bucket off CUDA; every row over the longest row's
-    bucket, the CUDA-graph fallback) against each row's softmax over its own keys written out, grouped query
-    heads included; the groups read at most 1.25x the rows' keys where one bucket for all reads ~2x. The
-    CUDA kernels (flash-attn's, torch's varlen_attn) are stood in for by what their docs say they compute. The
-    keys live in a pool of blocks of 50 tokens, each row's blocks scattered over it (its block table)."""
+    """The decode step's attention (rows grouped by length bucket off CUDA; one group of every row over the
+    longest row's length, the kernels' check's reference) against each row's softmax over its own keys written
+    out, grouped query heads included; the groups read at most 1.25x the rows' keys where one bucket for all
+    reads ~2x. The CUDA kernels (flash-attn's, torch's varlen_attn, the Triton one) are stood in for by what
+    their docs say they compute; torch's varlen_attn, as its kernel, needs both cumulative lengths (queries and
+    keys). The keys live in a pool of blocks of 50 tokens, each row's blocks scattered over it (its block
+    table)."""
     g = torch.Generator().manual_seed(0)
     R, H, Hkv, D, max_len, B = 9, 4, 2, 8, 600, 50
     q = torch.randn(R, 1, H, D, generator=g, dtype=torch.float64)
@@ -3112,8 +3125,9 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
     members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S in plan]
     assert sorted(r for rs, _ in members for r in rs) == list(range(R))  # every row in one group
     assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
-    for how in (("groups", plan), ("masked", 600)):
-        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how(how, pos, q.dtype, table, B)), ref, atol=1e-12), how[0]
+    for how in (("groups", plan), ("groups", ((slice(0, R), 600),))):
+        assert torch.allclose(pa.decode_attention(q, k, v, 0.3, pa.attention_inputs(how, pos, q.dtype, table, B)), ref,
+                              atol=1e-12), how
 
     def attend(q, k, v, scale):  # q (H, D) over k, v (n, Hkv, D), grouped heads
         return torch.stack([((q[h] @ k[:, h // 2].T) * scale).softmax(-1) @ v[:, h // 2] for h in range(H)])
@@ -3123,17 +3137,22 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k, block_table):  # as documented
         assert max_q == 1 and max_k == block_table.size(1) * k.size(1) and enable_gqa
+        # torch's kernel: "cumulative_sequence_length_q and ..._k must be both set"; the keys' with seqused_k
+        assert cu_q is not None and cu_k is not None, "cu_seq_q and cu_seq_k must be both set"
+        assert torch.equal(cu_q, torch.arange(len(q) + 1, dtype=torch.int32))
+        assert cu_k.dtype == torch.int32 and cu_k.tolist() == [0, *itertools.accumulate(seqused_k.tolist())]
         return torch.stack([attend(q[i], keys(k, t, n), keys(v, t, n), scale)
                             for i, (t, n) in enumerate(zip(block_table, seqused_k.tolist()))])
 
     def flash(q, k, v, *, cache_seqlens, block_table, softmax_scale):  # flash_attn_with_kvcache: (R, 1, H, D) out
         return torch.stack([attend(q[i, 0], keys(k, t, n), keys(v, t, n), softmax_scale)[None]
                             for i, (t, n) in enumerate(zip(block_table, cache_seqlens.tolist()))])
-    monkeypatch.setattr(gen, "varlen_attn", varlen)
-    monkeypatch.setattr(gen, "flash_attn_with_kvcache", flash)
-    for kernel in ("varlen", "flash"):  # the arguments the CUDA kernels are handed, read as their docs say
-        assert torch.allclose(gen._decode(q, k, v, 0.3, gen._how((kernel,), pos, q.dtype, table, B)), ref,
-                              atol=1e-12), kernel
+    monkeypatch.setattr(pa, "varlen_attn", varlen)
+    monkeypatch.setattr(pa, "flash_attn_with_kvcache", flash)
+    monkeypatch.setattr(pa, "paged_decode", paged_reference)
+    for kernel in pa.PAGED:  # the arguments the CUDA kernels are handed, read as their docs say
+        assert torch.allclose(pa.decode_attention(q, k, v, 0.3, pa.attention_inputs((kernel,), pos, q.dtype, table, B)),
+                              ref, atol=1e-12), kernel
     read = sum(len(rs) * S for rs, S in members)
     assert read <= 1.2 * sum(max(n, 64) for n in lengths) and 600 * R > 1.9 * sum(lengths)
     for seed in range(5):  # rows of 64..2048 keys: the groups read at most 1.25x, one bucket for all ~2x
@@ -3142,6 +3161,153 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
         assert sum(k * S for k, S in sizes) <= 1.25 * sum(n)
     for n in range(1, 5000):  # a group's keys: at most 1/8 more than its longest row's (or 16 under 128)
         assert n <= gen.len_bucket(n, 10 ** 6) <= max(n + 15, n * 9 / 8)
+
+
+TRITON_CHECK = """
+import json, sys, torch
+import paged_attention as pa
+g, worst = torch.Generator().manual_seed(0), {}
+for block, H, Hkv, D, dtype in ((4, 4, 2, 8, torch.float32), (16, 14, 2, 64, torch.bfloat16),
+                                (50, 6, 6, 16, torch.float32), (256, 8, 1, 32, torch.bfloat16)):
+    R, W = 4, 3  # rows of 1 key, of all 3 blocks, and two ragged; blocks scattered over the pool
+    lens = torch.cat([torch.tensor([1, W * block]), torch.randint(2, W * block, (R - 2,), generator=g)]).int()
+    k, v = (torch.randn(1 + R * W, block, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    table = (torch.randperm(R * W, generator=g) + 1).view(R, W).int()
+    q = torch.randn(R, 1, H, D, generator=g).to(dtype)
+    out = pa.decode_attention(q, k, v, 0.3, pa.attention_inputs(("triton",), (lens - 1).long(), dtype, table, block))
+    ref = [torch.nn.functional.scaled_dot_product_attention(  # SDPA over each row's own keys, in float32
+        q[r, 0, :, None].float(), *(x[table[r].long()].flatten(0, 1)[:n].transpose(0, 1).float() for x in (k, v)),
+        scale=0.3, enable_gqa=True)[:, 0] for r, n in enumerate(lens.tolist())]
+    worst[f"{block} {H}/{Hkv} {dtype}"] = max((o.float() - x).abs().max().item() / (x.abs().max().item() if
+                                                  dtype == torch.bfloat16 else 1) for o, x in zip(out, ref))
+print(json.dumps({"worst": worst, "chosen": pa.exact_kernel(torch.device("cpu"), torch.bfloat16, 64, 16)}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (requirements.txt "
+                    "installs it on Linux; torch's CUDA build ships it)")
+def test_paged_triton_kernel_equals_sdpa_over_each_rows_own_keys_under_the_interpreter():
+    """The paged decode kernel of our own (Triton, the CUDA sampler's where flash-attn is absent) run through
+    Triton's interpreter on CPU (TRITON_INTERPRET=1 before triton is imported: a fresh process) against SDPA
+    over each row's own keys: rows of 1 key to a full table, ragged, blocks of 4 to 256 tokens scattered over the
+    pool, grouped query heads (14 over 2, 8 over 1) and none, float32 (to rounding) and bf16 (to its output
+    rounding); and the kernels' check chooses it where flash-attn is absent and torch's varlen_attn does not run."""
+    run = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).parent, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    for case, err in out["worst"].items():
+        assert err < (2 ** -7 if "bfloat16" in case else 1e-5), (case, err)
+    assert out["chosen"][0] == "triton" and out["chosen"][1][0] == "flash-attn not installed", out["chosen"]
+
+
+@pytest.mark.skipif(pa.triton is None, reason="triton is not installed (requirements.txt installs it on Linux; torch's "
+                    "CUDA build ships it)")
+def test_paged_triton_kernel_compiles_for_a100_and_h100_on_tensor_cores_in_bf16():
+    """The paged decode kernel compiled, as a GPU would compile it, for an H100 (sm_90) in bf16 at the 0.5B's
+    shape (7 query heads a KV head, head_dim 64, blocks of 256) and for an A100 (sm_80) in float32: Triton's
+    compiler and ptxas run without a GPU. In bf16 its products are tensor-core mma instructions (tf32, exact for
+    bf16 values), in float32 none (IEEE)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    for arch, dtype, mma in ((90, "bf16", True), (80, "fp32", False)):
+        args = dict(q=f"*{dtype}", k=f"*{dtype}", v=f"*{dtype}", lengths="*i32", table="*i32", out=f"*{dtype}",
+                    scale="fp32", q_row="i32", q_head="i32", table_row="i32")
+        const = dict(BLOCK=256, HKV=2, G=7, D=64, GP=16, DP=64, N=64, PRECISION="tf32" if mma else "ieee")
+        signature = {**args, **dict.fromkeys(const, "constexpr")}
+        kernel = pa.triton.compile(ASTSource(pa._paged_decode, signature, {(list(signature).index(name),): value
+                                                                           for name, value in const.items()}),
+                                   target=GPUTarget("cuda", arch, 32))
+        assert kernel.asm["cubin"] and bool(re.search(r"\bw?mma", kernel.asm["ptx"])) == mma, (arch, dtype)
+
+
+def test_decode_kernel_is_the_first_paged_kernel_that_matches_sdpa_and_never_a_dense_fallback(monkeypatch):
+    """Off CUDA the grouped path; on CUDA the first of flash-attn, torch's varlen_attn and the Triton kernel that
+    runs and matches SDPA over each row's own keys (here on CPU, the kernels stood in for): torch's varlen_attn
+    handed both cumulative lengths as its kernel requires, one that raises or differs passed over with its
+    reason, and none at all a one-line error naming what to install (no dense fallback)."""
+    assert pa.decode_kernel(torch.device("cpu"), torch.float32, 16, 16) == "groups"
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k, block_table):
+        if cu_q is None or cu_k is None:  # torch's flash kernel's own check
+            raise RuntimeError("cumulative_sequence_length_q and cumulative_sequence_length_k must be both set")
+        assert cu_k.tolist() == [0, *itertools.accumulate(seqused_k.tolist())]
+        return paged_reference(q, k, v, seqused_k, block_table, scale)
+    monkeypatch.setattr(pa, "flash_attn_with_kvcache", None)
+    monkeypatch.setattr(pa, "triton", None)
+    monkeypatch.setattr(pa, "varlen_attn", varlen)
+    assert pa.exact_kernel(torch.device("cpu"), torch.float32, 16, 16) == ("varlen", ["flash-attn not installed"])
+    monkeypatch.setattr(pa, "varlen_attn", lambda q, *a, block_table, **kw: q)  # runs, computes something else
+    assert pa.exact_kernel(torch.device("cpu"), torch.float32, 16, 16) == (
+        None, ["flash-attn not installed", "varlen: differs from SDPA", "triton not installed"])
+    monkeypatch.setattr(pa, "varlen_attn", lambda *a, block_table, **kw: 1 / 0)
+    assert pa.exact_kernel(torch.device("cpu"), torch.float32, 16, 16)[1][1] == (
+        "varlen: ZeroDivisionError: division by zero")
+    monkeypatch.setattr(pa, "varlen_attn", lambda q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None: q)  # torch 2.11
+    real = pa.exact_kernel
+    monkeypatch.setattr(pa, "exact_kernel", lambda device, *a: real(torch.device("cpu"), *a))  # CUDA, checked on CPU
+    with pytest.raises(RuntimeError) as err:
+        pa.decode_kernel(torch.device("cuda"), torch.float32, 16, 16)
+    assert str(err.value) == (f"paged_attention.py: no paged decode attention runs on cuda in torch.float32 (flash-attn "
+                              f"not installed; torch {torch.__version__}'s varlen_attn takes no block_table; triton not "
+                              f"installed): pip install triton (torch's CUDA build ships it) or flash-attn")
+    assert not pa._KERNELS  # nothing kept: the next sampler checks again
+
+
+def test_kernels_in_force_are_named_and_no_paged_decode_attention_on_cuda_is_a_one_line_error(monkeypatch,
+                                                                                             capsys):
+    """The start-up line (train.py, and bench.py's header) names the kernels in force, so a fallback shows:
+    the sampler's decode attention, the trainer's packed attention (flash-attn, torch's varlen_attn on CUDA in
+    16 bits, else SDPA per sample) and the head; on CUDA with no paged decode attention the run stops with
+    paged_attention.decode_kernel's line, a user error."""
+    model, args = tiny_model("qwen2"), types.SimpleNamespace(fp32_head=True)
+    train.say_kernels(model, args)
+    assert capsys.readouterr().out == ("kernels: decode attention SDPA per length group | trainer attention SDPA per "
+                                       "sample | head float32\n")
+    assert [trainer.attention_kernel(torch.device(d), t) for d, t in (("cuda", torch.bfloat16), ("cuda", torch.float32),
+                                                                      ("cpu", torch.bfloat16))] == (
+        ["flash" if trainer.flash_attn_varlen_func else "varlen" if trainer.varlen_attn else "sdpa", "sdpa", "sdpa"])
+    monkeypatch.setattr(trainer, "decode_kernel", lambda *a: "triton")
+    monkeypatch.setattr(trainer, "tensor_core_head", lambda *a: True)
+    monkeypatch.setattr(trainer, "attention_kernel", lambda *a: "varlen")
+    line = trainer.kernels_line(model.config, torch.device("cpu"), torch.bfloat16, True)
+    assert line == ("kernels: decode attention Triton paged_decode (paged) | trainer attention torch varlen_attn | head "
+                    "bf16 GEMM, float32 out (tensor cores)")
+    monkeypatch.setattr(trainer, "tensor_core_head", lambda *a: False)
+    assert trainer.kernels_line(model.config, torch.device("cpu"), torch.bfloat16, False).endswith("| head bfloat16")
+
+    def none(*a):
+        raise RuntimeError("paged_attention.py: no paged decode attention runs on cuda in torch.bfloat16 (...): "
+                           "pip install triton (torch's CUDA build ships it) or flash-attn")
+    monkeypatch.setattr(trainer, "decode_kernel", none)
+    with pytest.raises(SystemExit, match=r"^error: paged_attention.py: no paged decode attention .*: pip install triton"):
+        train.say_kernels(model, args)
+
+
+def test_decode_kernels_per_step_counts_what_computes_once_a_call_and_grows_by_a_layers_worth_a_layer():
+    """bench.py's decode_kernels_per_step (figure efficiency): torch.profiler's ops on CPU that would be kernels,
+    a call's (after a warm-up): a GEMM, an in-place op and a reduction are 3, views and a cast to the same dtype
+    none, a cast 1; a decode step of the same rows grows by the same count with each layer."""
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    assert bench.kernels_of(lambda: (x @ y).relu_().view(-1).t().sum(), "cpu") == 3
+    assert bench.kernels_of(lambda: x.to(torch.float32).view(2, 32).reshape(64), "cpu") == 0
+    assert bench.kernels_of(lambda: x.to(torch.float64), "cpu") == 1
+    lens = torch.tensor([5, 17, 9, 30])
+    counts = []
+    for layers in (1, 2, 3):
+        model = tiny_model("qwen2")
+        model.model.layers = torch.nn.ModuleList([model.model.layers[0]] * layers)  # the same layer, repeated
+        model.config.num_hidden_layers = layers
+        dec = gen.Decoder(model, 4, 32, 4, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=32,
+                          answer_budget=0, interrupt=False, temperature=1.0, fp32_head=False, seed=0, version=0,
+                          graphs=False, block=8)
+        dec.pos.copy_(lens - 1)
+        for r, n in enumerate(lens.tolist()):
+            dec.reserve(r, n)
+        dec._tables()
+        plan = dec.attention_plan(lens.tolist())
+        counts.append(bench.kernels_of(lambda: dec._step(4, plan, dec.off[:4]), "cpu"))
+    assert counts[2] - counts[1] == counts[1] - counts[0] > 20, counts  # a layer: 7 projections, norms, attention
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
@@ -3167,15 +3333,17 @@ def test_decoder_new_weights_refresh_the_fused_projections_in_their_storage(kind
             assert norm.size(0) == model.config.num_attention_heads + model.config.num_key_value_heads
 
 
-def test_generate_one_bucket_attention_gives_the_same_samples_as_grouped(monkeypatch):
-    """The CUDA fallback (every row over the longest row's bucket, masked) and the grouped path give the same
-    samples on a float64 model: same tokens, masks and finishes, log-probs to rounding."""
+def test_generate_paged_attention_gives_the_same_samples_as_grouped(monkeypatch):
+    """The CUDA path (a paged kernel handed each row's length and block table; here the kernel stood in for by
+    what it computes) and the grouped path give the same samples on a float64 model: same tokens, masks and
+    finishes, log-probs to rounding."""
     model, prompts = tiny_model("qwen2", torch.float64), tiny_prompts(9, seed=3)
-    cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=5)
+    cfg = dict(GEN, eos_id=3, slots=4, temperature=1.0, seed=5, block=4)
     grouped = gen.generate(model, prompts, **cfg)
-    monkeypatch.setattr(gen, "decode_kernel", lambda *args: "masked")
-    masked = gen.generate(model, prompts, **cfg)
-    for a, b in zip(grouped, masked):
+    monkeypatch.setattr(gen, "decode_kernel", lambda *args: "triton")
+    monkeypatch.setattr(pa, "paged_decode", paged_reference)
+    paged = gen.generate(model, prompts, **cfg)
+    for a, b in zip(grouped, paged):
         assert (a.tokens, a.mask, a.finish) == (b.tokens, b.mask, b.finish)
         assert np.allclose(a.logps, b.logps, atol=1e-12)
 
@@ -6524,6 +6692,8 @@ def test_train_says_what_ran_where_things_are_and_names_flags_in_errors(toy_dir,
     out = capsys.readouterr().out
     assert recs[0]["ran"] == "one process, synchronous"
     assert "held-out pass rate" in out.split("done in")[1] and f"next: python fit.py {tmp_path / 'run'}" in out
+    assert ("kernels: decode attention SDPA per length group | trainer attention SDPA per sample | head float32\n"
+            in out.split("held-out pass rate")[0])  # at start-up, before the first eval
     with pytest.raises(SystemExit, match="--val_size 99999: --data has 2204 problems, and some must be left"):
         run_train(toy_dir, tmp_path / "big", "--val_size", "99999")
     assert not (tmp_path / "big").exists()  # checked before anything is made

@@ -44,7 +44,7 @@ from metrics import (alarms, log_eval, log_step, micro_stats, new_record, print0
 from runs import (checkpoint_tmp, checkpoints, metrics_log, prepare_out_dir, read_jsonl,
                   release_lock, resume_command, resume_point, save_checkpoint, step_of)
 from toy import PRESETS, toy_model_dir, toy_task
-from trainer import ShardedTrainer, Trainer, collate, pack
+from trainer import ShardedTrainer, Trainer, collate, kernels_line, pack
 
 # -----------------------------------------------------------------------------
 # data, model, evals
@@ -155,6 +155,15 @@ def evaluate(model, tokenizer, val_ids, val, args, most=None):
     return evals.evaluate(steps, tokenizer, val_ids, val, args.eval_samples, args.unsafe_code_exec)
 
 
+def say_kernels(model, args):
+    """The kernels in force (a fallback shows); on CUDA none for decode attention: a user error."""
+    p = next(model.parameters())
+    try:
+        print0(kernels_line(model.config, p.device, p.dtype, args.fp32_head), flush=True)
+    except RuntimeError as err:  # no paged decode attention on this CUDA torch: what to install
+        sys.exit(f"error: {err}")
+
+
 def eval_only(args):
     """--eval_only: the held-out mean@k of --model, printed."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -168,6 +177,7 @@ def eval_only(args):
     model_dir = args.model_dir or base_model_dir(args)
     tokenizer, model = load_model(model_dir, args, pick_device(args))
     val_ids = checked_prompt_ids(args, tokenizer, model, val)
+    say_kernels(model, args)
     plan.print_memory_plan(model.config, args, None, next(model.parameters()).device,
                                max(map(len, val_ids)),
                                len(special_tokens(tokenizer)["interrupt_ids"]),
@@ -348,6 +358,7 @@ def describe(env, trainer):
     print0(f"model {env.model_dir} ({trainer.n_params / 1e6:.2f}M params, "
            f"{env.model.config.model_type}) on {device} | {roles} | {len(env.train)} train / "
            f"{len(env.val)} held-out problems")
+    say_kernels(env.model, args)
     if env.rank0:
         plan.print_memory_plan(env.model.config, args, env.ctx, device,
                                    max(map(len, env.train_ids + env.val_ids)),

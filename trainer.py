@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
-from generate import mm32, tensor_core_head
+from generate import BLOCK, head_dim_of, mm32, tensor_core_head
 from metrics import print0
+from paged_attention import decode_kernel
 import pipeline
 import ranks
 import plan
@@ -43,15 +44,26 @@ SHARDS = "shards"  # a --fsdp checkpoint's sharded state
 # the trainer's log-probs
 
 
+def attention_kernel(device, dtype):
+    """varlen_attention's kernel here: flash-attn's, torch's varlen_attn (CUDA, 16-bit), else SDPA
+    per sample."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if flash_attn_varlen_func is not None:
+            return "flash"
+        if varlen_attn is not None:
+            return "varlen"
+    return "sdpa"
+
+
 def varlen_attention(q, k, v, lens, cu, scale):
     """Causal attention within each sample of a packed row: a flash kernel on CUDA, else exact SDPA.
     """
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        if flash_attn_varlen_func is not None:
-            return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                          softmax_scale=scale, causal=True)
-        if varlen_attn is not None:
-            return _torch_varlen(q, k, v, cu, max(lens), scale)
+    kernel = attention_kernel(q.device, q.dtype)
+    if kernel == "flash":
+        return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                      softmax_scale=scale, causal=True)
+    if kernel == "varlen":
+        return _torch_varlen(q, k, v, cu, max(lens), scale)
     t = lambda x: x.transpose(0, 1)[None]
     out = [F.scaled_dot_product_attention(t(a), t(b), t(c), is_causal=True, scale=scale,
                                           enable_gqa=True)[0].transpose(0, 1)
@@ -71,6 +83,26 @@ def _torch_varlen(q, k, v, cu, longest, scale):
     else:
         q = q * (scale * q.size(-1) ** 0.5)
     return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+
+DECODE_NAMES = {"flash": "flash-attn flash_attn_with_kvcache (paged)",
+                "varlen": "torch varlen_attn (paged)", "triton": "Triton paged_decode (paged)",
+                "groups": "SDPA per length group"}
+TRAINER_NAMES = {"flash": "flash-attn flash_attn_varlen_func", "varlen": "torch varlen_attn",
+                 "sdpa": "SDPA per sample"}
+
+
+def kernels_line(config, device, dtype, fp32_head):
+    """The kernels in force for a model of `config` on device in dtype, so that a fallback shows
+    (the start-up line, bench.py): the sampler's decode attention, the trainer's packed attention,
+    the LM head. CUDA with no paged decode attention: decode_kernel's one-line RuntimeError."""
+    decode = decode_kernel(device, dtype, head_dim_of(config), BLOCK)
+    head = ("bf16 GEMM, float32 out (tensor cores)" if tensor_core_head(device.type, dtype,
+                                                                          fp32_head)
+            else str(torch.promote_types(dtype, torch.float32) if fp32_head else dtype))
+    return (f"kernels: decode attention {DECODE_NAMES[decode]} | trainer attention "
+            f"{TRAINER_NAMES[attention_kernel(device, dtype)]} | head "
+            f"{head.removeprefix('torch.')}")
 
 
 def _packed_attention(module, q, k, v, attention_mask, dropout=0.0, scaling=None, packed=None,
