@@ -1297,7 +1297,7 @@ GPU_PEAKS = (("H200", 4.8e12, 989e12), ("H100 PCIe", 2.0e12, 756e12),
              ("H100 NVL", 3.9e12, 835e12), ("H100", 3.35e12, 989e12),
              ("A100", 2.0e12, 312e12))  # datasheets: HBM bytes/s, dense bf16 FLOP/s
 GPU_TESTS = "cuda"  # test_all.py's tests that need CUDA carry it in their names
-DECODE_PATHS = paged_attention.PAGED  # CUDA's decode attention paths
+DECODE_PATHS = (*paged_attention.PAGED, "groups")  # CUDA's paged kernels, and CPU's per length group
 
 
 def gpu_parts(timeouts=(150, 60, 150, 90)):
@@ -1352,7 +1352,8 @@ def gpu_peaks():
 
 def decode_path(kernel, q, k, v, pos, table, scale):
     """One of DECODE_PATHS on rows at positions pos over their block tables."""
-    how = paged_attention.attention_inputs((kernel,), pos, q.dtype, table, k.size(1))
+    plan = ("groups", [(slice(None), table.size(1) * k.size(1))]) if kernel == "groups" else (kernel,)
+    how = paged_attention.attention_inputs(plan, pos, q.dtype, table, k.size(1))
     return paged_attention.decode_attention(q, k, v, scale, how)
 
 

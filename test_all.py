@@ -3627,13 +3627,13 @@ def test_bench_gpu_parts_a_hanging_part_is_timed_out_and_the_next_still_runs(cap
 
 def test_bench_gpu_attention_checks_each_decode_path_and_the_trainers_against_sdpa():
     """Figure gpu's kernel check, run on CPU: every decode path generate.py has is called on rows of 1 to 5 blocks
-    over shuffled block tables (GQA), the dense masked path equals SDPA over each row's own keys, a path that cannot
+    over shuffled block tables (GQA), CPU's grouped path equals SDPA over each row's own keys, a path that cannot
     run here (flash-attn absent, varlen off CUDA) is reported, not raised; the trainer's attention equals SDPA per
     sample."""
     out = bench.gpu_attention("cpu", torch.float32)
     assert set(out) == {f"decode_{k}" for k in bench.DECODE_PATHS} | {"trainer_varlen"}
-    assert out["decode_masked"] < 1e-5 and out["trainer_varlen"] < 1e-6
-    assert gen.flash_attn_with_kvcache is not None or out["decode_flash"] is None
+    assert out["decode_groups"] < 1e-5 and out["trainer_varlen"] < 1e-6
+    assert pa.flash_attn_with_kvcache is not None or out["decode_flash"] is None
 
 
 def test_sequence_logprobs_saves_2_kb_per_token_per_layer_at_the_qwen3_0_6b_shape():
