@@ -8,7 +8,7 @@ FINDINGS and main.
     python study.py runs/study                   # within --budget; Ctrl-C, then again: resumes
     python study.py runs/study --assets assets   # also replace the committed report and figures
     python study.py runs/study --report          # only fit the runs there and write the report
-    python study.py runs/study --quick           # 2 variants x 1 seed x a few steps (the test)
+    python study.py runs/study-quick --quick     # 2 variants x 1 seed x a few steps (the test)
 
 Writes report.md, study_report.json, study.png and study_extrap.png into the study's folder.
 """
@@ -59,6 +59,7 @@ BUDGET = 160
 PROGRESS_S = 60
 # the rules, frozen in PROTOCOL before the runs; a changed file is reported as changed
 PROTOCOL = os.path.join("docs", "protocol.md")
+SETTINGS = "settings.json"  # in the study's folder: the settings its runs were made with
 PROTOCOL_COMMIT = "1b3775dcd3ee9f7fb018dece064a487b41ec7f23"
 PROTOCOL_SHA256 = "ca1e5c06c1a4cd5bd3d21b2f41ffd6948b8976666c83308884a19dd7ba07f881"
 ALPHA = 0.05
@@ -118,6 +119,33 @@ def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
     for path, rows in zip(paths, (problems[held_out:held_out + TRAIN], problems[:held_out])):
         replace_file(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
     return paths
+
+
+def study_settings(quick, variants, seeds, steps, held_out, extra):
+    """What changes a study's runs: a folder holds the runs of one such set."""
+    return dict(quick=quick, seeds=list(seeds), steps=steps, held_out=held_out, train=TRAIN,
+                max_ops=MAX_OPS, task=TASK, extra=list(extra),
+                variants={n: list(f) for n, f in variants.items()})
+
+
+def keep_settings(out, made, write, other):
+    """The folder's settings.json, written once (write) -> SystemExit naming what differs when the
+    folder was made with other settings; `other`: the command for another folder."""
+    path = os.path.join(out, SETTINGS)
+    try:
+        there = read_json(path, follow=False)
+    except FileNotFoundError:
+        if write:
+            replace_file(path, lambda f: json.dump(made, f, indent=1))
+        return
+    if not isinstance(there, dict):
+        raise ValueError(f"{path}: not a JSON object of settings")
+    short = lambda v: str(v) if len(str(v)) <= 24 else "..."  # noqa: E731
+    differs = [f"{k} ({short(there.get(k))} there, {short(made.get(k))} here)"
+               for k in made if there.get(k) != made[k]]
+    if differs:
+        sys.exit(f"study: error: {out} holds a study made with other settings ({path}): "
+                 f"{', '.join(differs)}; run this command in another folder: {other}")
 
 
 def run_dir(out, name, seed):
@@ -707,10 +735,17 @@ def main(argv=None):
     if args.quick and args.assets and os.path.exists(report) and "note" not in read_json(report):
         sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
                  "give --quick another --assets")
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = lambda folder: shlex.join(  # noqa: E731
+        ["python", sys.argv[0] if argv is None else "study.py",
+         *[folder if w == args.out else w for w in words]])
+    other = f"{args.out.rstrip(os.sep)}-{'quick' if args.quick else 'full'}"
+    made = study_settings(args.quick, variants, seeds, steps, held_out, extra)
+    keep_settings(args.out, made, False, command(other))  # refused before anything is made
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
-        again = shlex.join(["python", sys.argv[0] if argv is None else "study.py",
-                            *(sys.argv[1:] if argv is None else argv)])
+        keep_settings(args.out, made, True, command(other))
+        again = command(args.out)
         train_all(args.out, variants, seeds, steps, args.budget, extra, held_out, again)
     names = [n for n in variants
              if all(finished(run_dir(args.out, n, s), steps) for s in seeds)]

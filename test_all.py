@@ -4188,6 +4188,33 @@ def test_study_report_names_the_file_line_and_field_of_a_missing_number(tmp_path
         assert str(err.value) == f"{path}:{i + 1}: missing field '{field}'"
 
 
+
+def test_study_folder_keeps_its_settings_and_refuses_another_command(tmp_path, monkeypatch):
+    """A study folder records the settings it was made with (settings.json, through runs.py's writer); another
+    command on it (the full study on the quick study's folder, which silently ran on its 8 held-out problems) is
+    refused in one line naming the folder, what differs and the command for another folder. The README's two
+    study commands use separate folders."""
+    monkeypatch.setattr(study, "train_all", lambda *a, **k: [])  # nothing runs: the settings alone
+    out = tmp_path / "study"
+    with pytest.raises(SystemExit, match="no variant"):
+        study.main([str(out), "--quick"])
+    made = json.loads((out / "settings.json").read_text())
+    assert made["quick"] is True and made["held_out"] == 8 and made["seeds"] == [0] and made["steps"] == 6
+    with pytest.raises(SystemExit, match="no variant"):  # the same command again: accepted
+        study.main([str(out), "--quick"])
+    for argv, differs in (([str(out)], "quick (True there, False here)"), ([str(out), "--report"], "held_out (8 there, "
+                          "2000 here)")):
+        with pytest.raises(SystemExit) as refused:
+            study.main(argv)
+        line = str(refused.value.code)
+        assert "\n" not in line and line.startswith(f"study: error: {out} holds a study made with other settings")
+        assert differs in line and "another folder: python study.py " in line, line
+    assert json.loads((out / "settings.json").read_text()) == made  # never overwritten by the refused command
+    readme = (ROOT / "README.md").read_text()
+    folders = re.findall(r"^python study\.py (\S+)", readme, re.M)
+    assert len(folders) == 2 and len(set(folders)) == 2, folders
+
+
 def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
     (tmp_path / "assets").mkdir()
     shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
