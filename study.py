@@ -207,10 +207,11 @@ def last_step(path):
 
 
 def stop_runs(running, timeout=120):
-    """SIGINT to every running run, then wait for them."""
+    """SIGTERM to every running run, then wait for them."""
     for r in running:
+        # SIGTERM: a run still starting (no handler yet) ends silently, not in a KeyboardInterrupt
         with contextlib.suppress(OSError, AttributeError):
-            r["proc"].send_signal(signal.SIGINT)
+            r["proc"].send_signal(signal.SIGTERM)
     if running:
         print(f"study: waiting up to {timeout} s for {len(running)} runs to save their last step "
               "(Ctrl-C again: stop at once)", flush=True)
@@ -239,7 +240,8 @@ def start_run(out, name, flags, seed, steps, data, extra, expected):
     cmd = run_command(name, flags, path, seed, steps, data, extra)
     resume = "--resume" in cmd
     log = open_run_file(os.path.join(out, f"{name}-s{seed}.log"), "a" if resume else "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+    # its own session: the terminal's Ctrl-C reaches the study alone, which stops it (stop_runs)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=os.environ | {"OMP_NUM_THREADS": "1"})
     return dict(name=name, seed=seed, path=path, proc=proc, log=log,
                 start=time.time(), expected=expected or 0.0,
@@ -252,9 +254,14 @@ def stop_study(running, used, steps, again, why, code):
     stop_runs(running)
     for r in stopped:
         save_minutes(r, used(r))
-        print(f"study: {r['name']} seed {r['seed']} interrupted at step "
-              f"{last_step(r['path'])}/{steps}; saved: "
-              f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
+        step, saved = last_step(r["path"]), (checkpoints(r["path"])[-1:] or ["nothing yet"])[0]
+        by = "the study's Ctrl-C" if why == "interrupted" else f"the study ({why})"
+        if "log" in r:  # the run's log ends with why, not with a traceback
+            r["log"].write(f"study: {r['name']} seed {r['seed']} stopped by {by} at step "
+                           f"{step}/{steps}; saved: {saved}; the same study command continues it\n")
+            r["log"].close()
+        print(f"study: {r['name']} seed {r['seed']} interrupted at step {step}/{steps}; saved: "
+              f"{saved}", flush=True)
     print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are "
           "kept, interrupted ones continue from their last checkpoint)", flush=True)
     sys.exit(code)
@@ -272,11 +279,19 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
     spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
     used = lambda r: (time.time() - r["start"]) / 60 / PARALLEL + r["before"]
 
+    def projected(r):  # a run's machine-minutes at its end, at its pace so far
+        step = last_step(r["path"])
+        return used(r) * steps / step if step > 0 else None
+
     def eta():
-        paces = [pace(minutes, n) for n, _ in pending]
-        if None in paces:
-            return "an ETA once a run has ended"
-        left = sum(paces) + sum(max(0.0, r["expected"] - used(r)) for r in running)
+        # before a run has ended: the running runs' own pace
+        now = [p for p in map(projected, running) if p is not None]
+        guess = float(np.mean(now)) if now else None
+        paces = [pace(minutes, n) or guess for n, _ in pending]
+        own = [projected(r) or r["expected"] or pace(minutes, r["name"]) or guess for r in running]
+        if None in paces + own:
+            return "an ETA once a run has logged a step"
+        left = sum(paces) + sum(max(0.0, o - used(r)) for r, o in zip(running, own))
         room = budget_min - sum(map(sum, minutes.values())) - sum(map(used, running))
         return f"about {max(0.0, min(left, room)):.0f} min left"
 
@@ -602,9 +617,10 @@ def report_lines(out, table, found, preds, meta):
     main_cut = next(p for p in preds if p["cut"] == CUT)
     proto = meta["protocol"]
     lines = ([QUICK_NOTE, ""] if meta["quick"] else []) + [
-        f"# The confirmatory miniature ScaleRL study: {len(table)} variants x "
-        f"{len(meta['seeds'])} seeds, {len(runs)} runs of {meta['steps']} steps", "",
-        f"Written by `python study.py {out}`" +
+        f"# The {'quick' if meta['quick'] else 'confirmatory miniature ScaleRL'} study: "
+        f"{len(table)} variants x {len(meta['seeds'])} seeds, {len(runs)} runs of {meta['steps']} "
+        "steps", "",
+        f"Written by `python study.py {out}{' --quick' if meta['quick'] else ''}`" +
         (f" after {meta['minutes']:.0f} machine-minutes of runs." if meta["minutes"] else "."),
         f"Protocol: {proto['path']} (frozen at commit {proto['commit'][:12]}; sha256 "
         f"{proto['sha256'][:12]}{'' if proto['frozen'] else ', CHANGED since it was frozen'}). "
@@ -726,6 +742,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="2 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
     args = p.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the runs, in their own sessions, stop too
+        signal.signal(sig, signal.default_int_handler)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
     if args.quick:
         variants = {n: VARIANTS[n] for n in ("scalerl", "batch32")}

@@ -4138,6 +4138,34 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
     assert study.run_minutes(run) > 0
 
 
+def test_study_ctrl_c_leaves_no_traceback_in_a_runs_log_and_ends_it_with_one_line(tmp_path, capsys, monkeypatch):
+    """A run still starting (no signal handler yet, as train.py importing torch) took the terminal's and the study's
+    SIGINT as a KeyboardInterrupt: its log ended in a traceback. Runs start in their own session (the terminal's
+    Ctrl-C reaches the study alone), are stopped by SIGTERM, and their log ends with the study's one line."""
+    popen, kwargs = subprocess.Popen, []
+    # Python's own start-up SIGINT (a shell's background job starts with it ignored)
+    start = "import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nprint('starting', " \
+            "flush=True)\ntime.sleep(60)"
+    monkeypatch.setattr(study, "run_command", lambda *a: [sys.executable, "-c", start])
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, **kw: (kwargs.append(kw), popen(cmd, **kw))[1])
+    out, real_sleep, pressed = tmp_path / "study", time.sleep, []
+
+    def ctrl_c(seconds):  # the terminal's Ctrl-C, once, when the run has started
+        if not pressed and "starting" in (out / "scalerl-s0.log").read_text():
+            pressed.append(time.time())
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+    monkeypatch.setattr(study.time, "sleep", ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        study.train_all(str(out), {"scalerl": []}, (0,), 6, 1000, held_out=8, again="python study.py X")
+    assert stopped.value.code == 130 and kwargs[0].get("start_new_session") is True
+    assert time.time() - pressed[0] < 30  # ended by the study's signal, not killed after its 120 s wait
+    log = (out / "scalerl-s0.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert log.splitlines() == ["starting", "study: scalerl seed 0 stopped by the study's Ctrl-C at step 0/6; saved: "
+                                "nothing yet; the same study command continues it"], log
+
+
 def test_study_a_failed_run_is_named_when_the_other_has_no_folder_yet(tmp_path, capsys):
     """A run that fails at once stops the study with its own message and log, even when the run beside it has
     not made its folder yet (nothing to save there)."""
@@ -4249,20 +4277,25 @@ def test_study_assets_copies_the_report_it_wrote_never_a_file_swapped_in_since(t
         name: f"{name} as written" for name in ("study_report.json", "study.png", "study_extrap.png")}
 
 
-def fake_study_runs(monkeypatch, minutes):
+def fake_study_runs(monkeypatch, minutes, log_steps=False):
     """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
-    and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
+    and then write their last eval (log_steps: a train line per step as they go, at an even pace) -> (the clock,
+    the started runs as (command, start, end), live count)."""
     clock, started = [0.0], []
 
     class FakeRun:
         def __init__(self, cmd, **_):
-            self.cmd, self.end, self.done = cmd, clock[0] + 60 * minutes, False
+            self.cmd, self.start, self.end, self.done = cmd, clock[0], clock[0] + 60 * minutes, False
             started.append([cmd, clock[0], None])
             live = sum(r[2] is None for r in started)
             assert live <= 2  # two cores
 
         def poll(self):
             if clock[0] < self.end:
+                if log_steps:
+                    out, steps = self.cmd[self.cmd.index("--out") + 1], int(self.cmd[self.cmd.index("--steps") + 1])
+                    done = int(steps * (clock[0] - self.start) / (self.end - self.start))
+                    write_eval_lines(out, [{"kind": "train", "step": k} for k in range(1, done + 1)])
                 return None
             if not self.done:
                 out, steps = self.cmd[self.cmd.index("--out") + 1], int(self.cmd[self.cmd.index("--steps") + 1])
@@ -4297,11 +4330,38 @@ def test_study_overall_eta_is_within_2x_of_the_time_it_took(tmp_path, monkeypatc
     variants = {"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": []}
     study.train_all(str(tmp_path), variants, (0, 1, 2), 5, budget_min=1000, held_out=16)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("study: [")]
-    assert len(lines) == 9 and "an ETA once a run has ended" in lines[0]
+    assert len(lines) == 9 and "an ETA once a run has logged a step" in lines[0]
     total = clock[0] / 60
     guesses = [float(a) + float(b) for a, b in
                (re.search(r"\| ([\d.]+) min so far, .* about (\d+) min left", ln).groups() for ln in lines[2:])]
     assert len(guesses) == 7 and all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
+
+
+def test_study_overall_eta_comes_from_the_first_runs_pace_before_any_run_ends(tmp_path, monkeypatch, capsys):
+    """Before any run has ended, the overall ETA comes from the running runs' pace (steps logged against their
+    machine-minutes): every progress line from the first step on says "about N min left", with so far + ETA within
+    2x of the whole study's time; the quick study's shape (every run started at once) said "about 0 min left"."""
+    for variants, seeds in (({"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": []}, (0, 1, 2)),
+                            ({"scalerl": [], "batch32": ["--prompts", "32"]}, (0,))):
+        clock, _ = fake_study_runs(monkeypatch, 20, log_steps=True)
+        study.train_all(str(tmp_path / str(len(seeds))), variants, seeds, 20, budget_min=1000, held_out=16)
+        said, total = capsys.readouterr().out.splitlines(), clock[0] / 60
+        first_end = next(i for i, ln in enumerate(said) if " done in " in ln)
+        progress = [ln for ln in said[:first_end] if re.match(r"study: [\d.]+ min \|", ln)]
+        assert len(progress) >= 10 and all("min left" in ln for ln in progress), said[:first_end]
+        guesses = [float(a) + float(b) for a, b in
+                   (re.search(r"^study: ([\d.]+) min \|.* about (\d+) min left", ln).groups() for ln in progress)]
+        assert all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
+
+
+def test_study_quick_report_says_quick_and_names_its_command(tmp_path):
+    """The quick study's report called itself "The confirmatory ... study" and named the command without --quick."""
+    names = write_synthetic_study(tmp_path, seeds=(0,))[:1]
+    quick = study.write_report(str(tmp_path), names, (0,), 200, quick=True).splitlines()
+    assert quick[0] == study.QUICK_NOTE and quick[2].startswith("# The quick study") and "confirmatory" not in quick[2]
+    assert f"Written by `python study.py {tmp_path} --quick`" in quick[4]
+    full = study.write_report(str(tmp_path), names, (0,), 200).splitlines()
+    assert full[0].startswith("# The confirmatory") and f"Written by `python study.py {tmp_path}`" in full[2]
 
 
 def test_study_one_seed_decides_nothing_and_no_prediction_without_points_before_the_cut(tmp_path):
