@@ -60,8 +60,14 @@ PROGRESS_S = 60
 # the rules, frozen in PROTOCOL before the runs; a changed file is reported as changed
 PROTOCOL = os.path.join("docs", "protocol.md")
 SETTINGS = "settings.json"  # in the study's folder: the settings its runs were made with
-PROTOCOL_COMMIT = "1b3775dcd3ee9f7fb018dece064a487b41ec7f23"
-PROTOCOL_SHA256 = "ca1e5c06c1a4cd5bd3d21b2f41ffd6948b8976666c83308884a19dd7ba07f881"
+# every commit of it, with the SHA-256 of the file as that commit holds it; the last one is in force
+PROTOCOL_CHAIN = (
+    ("1b3775dcd3ee9f7fb018dece064a487b41ec7f23",
+     "2e5c4b86b135508340b516a0996d125f92a3f9ab542f9c00559af38dd18229de", "frozen before any run"),
+    ("8a32913ea6451da06056275391062bf5a4ebc0e6",
+     "ca1e5c06c1a4cd5bd3d21b2f41ffd6948b8976666c83308884a19dd7ba07f881",
+     "amendment 1, before any run had finished: --budget 160"),
+)
 ALPHA = 0.05
 MIN_PAIRS = 5
 NI_MARGIN = 0.02
@@ -226,12 +232,36 @@ def stop_runs(running, timeout=120):
             r["proc"].kill()
 
 
+def run_starts(path):
+    """A run's starts as the study recorded them ([{started, commit, dirty}]), else []."""
+    try:
+        starts = read_json(os.path.join(path, "study_run.json"), follow=False)
+    except (FileNotFoundError, ValueError):
+        return []
+    return starts if isinstance(starts, list) and all(isinstance(s, dict) for s in starts) else []
+
+
+def code_commit():
+    """The code's git commit and whether its tracked files differ from it (None: not a checkout)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head, changed = (subprocess.run(["git", "-C", here, *words], capture_output=True, text=True,
+                                        timeout=30, check=True).stdout.strip()
+                         for words in (["rev-parse", "HEAD"],
+                                       ["status", "--porcelain", "--untracked-files=no"]))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return head, bool(changed)
+
+
 def save_minutes(r, spent):
-    """A run's machine-minutes so far, beside it (a continued run adds its own); none before its
-    folder exists."""
+    """A run's machine-minutes so far and its starts (time, code commit), beside it (a continued
+    run adds its own); none before its folder exists."""
     if os.path.isdir(r["path"]):
         replace_file(os.path.join(r["path"], "study_minutes.json"),
                      lambda f: json.dump(spent, f))
+        replace_file(os.path.join(r["path"], "study_run.json"),
+                     lambda f: json.dump(r["starts"], f, indent=1))
 
 
 def start_run(out, name, flags, seed, steps, data, extra, expected):
@@ -243,9 +273,13 @@ def start_run(out, name, flags, seed, steps, data, extra, expected):
     # its own session: the terminal's Ctrl-C reaches the study alone, which stops it (stop_runs)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=os.environ | {"OMP_NUM_THREADS": "1"})
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time()))
+    commit, dirty = code_commit()
     return dict(name=name, seed=seed, path=path, proc=proc, log=log,
                 start=time.time(), expected=expected or 0.0,
-                before=run_minutes(path) if resume else 0.0, resume=resume)
+                before=run_minutes(path) if resume else 0.0, resume=resume,
+                starts=(run_starts(path) if resume else []) +
+                [dict(started=started, commit=commit, dirty=dirty)])
 
 
 def stop_study(running, used, steps, again, why, code):
@@ -436,7 +470,7 @@ def analyze(out, names, seeds):
             collapsed = bool(R[-1] < R.max() - COLLAPSE_DROP)
             fit = fit_sigmoid(C, R, fit_from=EARLY * C[-1])
             se, training = run_logs(path)
-            runs.append(dict(seed=s, C=C, R=R, series=series, fit=fit, se=se,
+            runs.append(dict(seed=s, C=C, R=R, series=series, fit=fit, se=se, starts=run_starts(path),
                              collapsed=collapsed, training=training,
                              final_mean3=float(np.mean(R[-3:])),
                              predictions={cut: None if collapsed else predict(C, R, cut)
@@ -536,13 +570,14 @@ def predictability(table, cut):
     return out
 
 
-def protocol_record():
-    """The protocol's path, its SHA-256 and whether it is still the frozen one."""
+def protocol_record(path=PROTOCOL, chain=PROTOCOL_CHAIN):
+    """The protocol's path, its chain of commits (each with its file's SHA-256), today's SHA-256
+    and whether it is still the last one frozen."""
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, PROTOCOL), "rb") as f:
+    with open(os.path.join(here, path), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    return dict(path=PROTOCOL, commit=PROTOCOL_COMMIT, sha256=digest,
-                frozen=digest == PROTOCOL_SHA256)
+    return dict(path=path, chain=[dict(commit=c, sha256=h, what=w) for c, h, w in chain],
+                sha256=digest, frozen=digest == chain[-1][1])
 
 # -----------------------------------------------------------------------------
 # the report
@@ -622,8 +657,10 @@ def report_lines(out, table, found, preds, meta):
         "steps", "",
         f"Written by `python study.py {out}{' --quick' if meta['quick'] else ''}`" +
         (f" after {meta['minutes']:.0f} machine-minutes of runs." if meta["minutes"] else "."),
-        f"Protocol: {proto['path']} (frozen at commit {proto['commit'][:12]}; sha256 "
-        f"{proto['sha256'][:12]}{'' if proto['frozen'] else ', CHANGED since it was frozen'}). "
+        f"Protocol: {proto['path']} ("
+        + "; ".join(f"{c['what']}: commit {c['commit'][:12]}, sha256 {c['sha256'][:12]}"
+                    for c in proto["chain"])
+        + f"{'' if proto['frozen'] else '; CHANGED since it was last frozen'}). "
         f"Seeds {', '.join(map(str, meta['seeds']))}. Collapsed runs: "
         f"{', '.join(collapsed) or 'none'}." +
         (f" Not run (over the budget): {', '.join(meta['left_out'])}." if meta["left_out"]
@@ -669,7 +706,8 @@ def summary_json(table, found, preds, meta):
                   "A_at_cap": at_cap(r["fit"]["A"]), "B": r["fit"]["B"],
                   "C_mid": r["fit"]["C_mid"], "R0": r["fit"]["R0"], "collapsed": r["collapsed"],
                   "eval_se": r["se"], "training": r["training"],
-                  "predictions": list(r["predictions"].values()), "series": r["series"]}
+                  "predictions": list(r["predictions"].values()), "series": r["series"],
+                  "starts": r["starts"]}
                  for r in runs],
         "minutes": round(meta["minutes"], 1) if meta["minutes"] else None,
         "steps": meta["steps"], "seeds": list(meta["seeds"]), "left_out": list(meta["left_out"]),

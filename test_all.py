@@ -3968,7 +3968,7 @@ def test_study_protocol_is_frozen_and_says_what_the_code_does():
     """docs/protocol.md is the file whose hash study.py holds (an edit shows as a changed protocol, and fails here),
     and it names the code's seeds, variants and flags, findings with their kinds, and the numbers of its rules."""
     text = (ROOT / study.PROTOCOL).read_text()
-    assert hashlib.sha256(text.encode()).hexdigest() == study.PROTOCOL_SHA256 and study.protocol_record()["frozen"]
+    assert hashlib.sha256(text.encode()).hexdigest() == study.PROTOCOL_CHAIN[-1][1] and study.protocol_record()["frozen"]
     assert f"Seeds {', '.join(map(str, study.SEEDS))}" in text and f"--budget {study.BUDGET:g}" in text
     for name, flags in study.VARIANTS.items():
         assert f"| {name} | " in text and all(f in text for f in flags), name
@@ -4011,7 +4011,8 @@ def test_study_report_recomputes_from_its_own_series(tmp_path):
     text = study.write_report(str(tmp_path), names, seeds, 200)
     rep = json.loads((tmp_path / "study_report.json").read_text())
     assert rep["protocol"]["path"] == "docs/protocol.md" and rep["protocol"]["frozen"]
-    assert rep["protocol"]["commit"] == study.PROTOCOL_COMMIT and rep["seeds"] == list(seeds)
+    assert [c["commit"] for c in rep["protocol"]["chain"]] == [c for c, _, _ in study.PROTOCOL_CHAIN]
+    assert rep["seeds"] == list(seeds)
     run = {(r["variant"], r["seed"]): r for r in rep["runs"]}
     assert len(run) == 20
     for (v, s), r in run.items():
@@ -4074,11 +4075,18 @@ def test_study_report_recomputes_from_its_own_series(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def study_runs_as(monkeypatch, make):
+    """study.py's runs started by make(cmd, **kw) instead of subprocess.Popen; git's answers (the code's commit)
+    stay real."""
+    real = subprocess.Popen
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, **kw: real(cmd, **kw) if cmd[0] == "git" else
+                        make(cmd, **kw))
+
+
 def test_study_quick_trains_and_reports(tmp_path, capsys, monkeypatch):
     """The quick study end to end. Its commands run as study.py makes them, with its arguments and environment,
     in processes forked from the preloaded server (fork_command: ~5 CPU-s less a process)."""
-    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: ForkedRun(
-        fork_command(cmd, stdout.name, env=env)))
+    study_runs_as(monkeypatch, lambda cmd, stdout, env, **kw: ForkedRun(fork_command(cmd, stdout.name, env=env)))
     out = tmp_path / "study"
     study.main([str(out), "--quick", "--assets", str(tmp_path / "assets")])
     first = capsys.readouterr().out
@@ -4109,7 +4117,7 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
     saves its step and stops; the study names it "interrupted" (not "failed"), prints the command to continue
     and exits 130. Run again, it continues from that checkpoint (--resume): steps 1-6 each logged once."""
     commands, real_sleep = [], time.sleep
-    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: (
+    study_runs_as(monkeypatch, lambda cmd, stdout, env, **kw: (
         commands.append(cmd), ForkedRun(fork_command(cmd, stdout.name, env=env)))[1])
     out, run = tmp_path / "study", tmp_path / "study" / "scalerl-s0"
     quick = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1", "--save_every", "0"]
@@ -4304,9 +4312,10 @@ def fake_study_runs(monkeypatch, minutes, log_steps=False):
                 next(r for r in started if r[0] is self.cmd)[2], self.done = clock[0], True
             return 0
 
-    monkeypatch.setattr(study.subprocess, "Popen", FakeRun)
+    study_runs_as(monkeypatch, FakeRun)
     monkeypatch.setattr(study.time, "time", lambda: clock[0])
-    monkeypatch.setattr(study.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 60))
+    # the study's waits (0.2 s) a minute each; subprocess's own polls (git's, at most 0.05 s) none
+    monkeypatch.setattr(study.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 60 * (s >= 0.1)))
     return clock, started
 
 
@@ -4352,6 +4361,53 @@ def test_study_overall_eta_comes_from_the_first_runs_pace_before_any_run_ends(tm
         guesses = [float(a) + float(b) for a, b in
                    (re.search(r"^study: ([\d.]+) min \|.* about (\d+) min left", ln).groups() for ln in progress)]
         assert all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
+
+
+def test_study_runs_carry_their_start_time_and_code_commit_into_the_report(tmp_path, monkeypatch):
+    """Each run records when it started and the code's commit (study_run.json, a continued run adds its start);
+    the report's runs carry them. The commit is git's own answer for this checkout."""
+    clock, _ = fake_study_runs(monkeypatch, 20)
+    clock[0] = 1.8e9
+    study.train_all(str(tmp_path), {"scalerl": []}, (10,), 200, budget_min=1000, held_out=16)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (start,) = json.loads((tmp_path / "scalerl-s10" / "study_run.json").read_text())
+    assert start["started"] == "2027-01-15T08:00:00Z" and start["commit"] == head and isinstance(start["dirty"], bool)
+    names = write_synthetic_study(tmp_path)
+    study.write_report(str(tmp_path), names, study.SEEDS, 200)
+    runs_ = {(r["variant"], r["seed"]): r for r in json.loads((tmp_path / "study_report.json").read_text())["runs"]}
+    assert runs_[("scalerl", 10)]["starts"] == [start] and runs_[("no_npr", 10)]["starts"] == []
+
+
+def test_study_report_records_every_protocol_commit_with_its_files_hash():
+    """The report recorded the first protocol commit beside the SHA-256 of the amended file: now the chain, each
+    commit with the SHA-256 of the file as that commit holds it (git's own copy), the last one today's file."""
+    rec = study.protocol_record()
+    assert [c["commit"][:7] for c in rec["chain"]] == ["1b3775d", "8a32913"] and rec["frozen"]
+    for link in rec["chain"]:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{link['commit']}:{study.PROTOCOL}"],
+                              capture_output=True, check=True).stdout
+        assert hashlib.sha256(text).hexdigest() == link["sha256"] and link["what"]
+    assert rec["sha256"] == rec["chain"][-1]["sha256"] == hashlib.sha256((ROOT / study.PROTOCOL).read_bytes()).hexdigest()
+
+
+def test_study_words_on_predictability_are_what_the_paired_test_allows():
+    """README's "only 75% gives it skill" and docs/reference.md's "skill at 75% alone" rested on RMSE 0.0129 against
+    0.0147: a paired t-test of the squared errors (fit against the constant) recomputed from the committed report
+    shows skill at no cut (p 0.52 at 75%), and the words say so."""
+    rep = json.loads((ROOT / "assets" / "study_report.json").read_text())
+    finals = np.array([r["final_mean3"] for r in rep["runs"]])
+    p = {}
+    for cut in (0.4, 0.5, 0.6, 0.75):
+        rows = [(q["predicted"], r["final_mean3"]) for r in rep["runs"] for q in r["predictions"] if q and q["cut"] == cut]
+        fit_sq = np.array([(g - m) ** 2 for g, m in rows])
+        const_sq = np.array([((finals.sum() - m) / (len(finals) - 1) - m) ** 2 for _, m in rows])
+        p[cut] = stats.ttest_rel(fit_sq, const_sq).pvalue
+        assert not (p[cut] <= 0.05 and fit_sq.mean() < const_sq.mean())  # no cut shows skill
+    assert f"{p[0.75]:.2f}" == "0.52"
+    for doc in ("README.md", "docs/reference.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert "no skill shown at any cut" in text and "p 0.52" in text, doc
+        assert "gives it skill" not in text and "skill at 75% alone" not in text, doc
 
 
 def test_study_quick_report_says_quick_and_names_its_command(tmp_path):
