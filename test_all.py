@@ -381,15 +381,18 @@ def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg, neg_trust=None
     eps_low, eps_high = {"cispo": (None, 4.0), "grpo": (0.2, 0.2), "dapo": (0.2, 0.28),
                          "gspo": (3e-3, 4e-3)}[kind]
     N, T = logp.shape
-    terms = []  # terms[i]: objective terms of sequence i's masked tokens
+    terms, per_prompt = [], {}  # terms[i]: objective terms of sequence i's masked tokens
     for i in range(N):
         A = float(adv[i])
         toks = [t for t in range(T) if mask[i, t]]
-        if kind == "gspo" and toks:
-            s = torch.exp(sum(logp[i, t] - gen_logp[i, t] for t in toks) / len(toks))
-            clipped = min(max(s, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
-            o = min(s * A, clipped * A)
+        if kind == "gspo":
+            o = 0.0 * logp[i, 0]  # a sequence without tokens: objective 0, still one of its group
+            if toks:
+                s = torch.exp(sum(logp[i, t] - gen_logp[i, t] for t in toks) / len(toks))
+                clipped = min(max(s, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
+                o = min(s * A, clipped * A)
             terms.append([o for t in toks])
+            per_prompt.setdefault(int(group[i]), []).append(o)
             continue
         seq = []
         for t in toks:
@@ -402,6 +405,8 @@ def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg, neg_trust=None
                 clipped = min(max(rho, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
                 seq.append(min(rho * A, clipped * A))
         terms.append(seq)
+    if kind == "gspo" and agg == "prompt":  # a sequence-level objective: 1/G each within its prompt (GSPO)
+        return -sum(sum(v) / len(v) for v in per_prompt.values()) / len(per_prompt)
     return -reference_aggregate(terms, group, agg)
 
 
@@ -460,6 +465,31 @@ def test_loss_policy_loss_matches_slow_reference(kind, agg, norm):
     assert abs(fast.item() - slow.item()) < 1e-6
     assert torch.allclose(fast_logp.grad, slow_logp.grad, rtol=0, atol=1e-6)
     assert fast_logp.grad.abs().sum() > 0
+
+
+def test_loss_gspo_weighs_each_sequence_1_over_g_within_its_prompt():
+    """GSPO's objective is per sequence (s_i = exp(mean log rho), clipped): under the prompt average each prompt's
+    G sequences weigh 1/G each (the paper's GSPO), not |y_i| / sum |y| as its objective spread over tokens gave."""
+    rewards, group, mask, logp, gen_logp = make_batch()
+    adv = advantages(rewards, group, "batch")
+    eps_low, eps_high = 3e-3, 4e-3
+    by_prompt = {}
+    for i in range(len(group)):
+        n = int(mask[i].sum())
+        o = 0.0
+        if n:  # a sequence without tokens counts in its group, with objective 0
+            s = math.exp(float((logp[i] - gen_logp[i])[mask[i]].sum()) / n)
+            o = min(s * float(adv[i]), min(max(s, 1 - eps_low), 1 + eps_high) * float(adv[i]))
+        by_prompt.setdefault(int(group[i]), []).append(o)
+    by_hand = -sum(sum(v) / len(v) for v in by_prompt.values()) / len(by_prompt)
+    assert policy_loss(logp, gen_logp, adv, mask, group, "gspo", "prompt").item() == pytest.approx(by_hand, abs=1e-12)
+    # and split into micro-batches with the whole batch's row weights, the same loss
+    tokens = mask.sum(1)
+    w = loss.row_weights(group, tokens, "prompt", loss.agg_counts(group, mask), kind="gspo")
+    parts = [torch.arange(0, 4), torch.arange(4, 10)]
+    split = sum(policy_loss(logp[p], gen_logp[p], adv[p], mask[p], group[p], "gspo", "prompt", weights=w[p]).item()
+                for p in parts)
+    assert split == pytest.approx(by_hand, abs=1e-12)
 
 
 @pytest.mark.parametrize("norm", ["batch", "prompt", "none"])
@@ -2428,6 +2458,17 @@ def test_curriculum_epochs_no_positive_resampling_and_resume():
     for i in off.next_batch(4):
         off.record(i, 1.0)
     assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
+
+
+def test_curriculum_retires_a_prompt_on_its_historical_pass_rate():
+    """No-Positive-Resampling retires a prompt whose historical pass rate (paper 3.2: every group of it so far, each
+    of G samples) reaches 0.9, not one group's: 0.5 then 1.0 is 0.75, kept; three more 1.0s make 4.5 / 5 = 0.9."""
+    c = data.Curriculum(3, seed=0)
+    for rate, retired in ((0.5, False), (1.0, False), (1.0, False), (1.0, False), (1.0, True)):
+        c.record(0, rate)
+        assert (0 in c.retired) == retired and (0 in c.retired) == (sum(c.history[0]) / len(c.history[0]) >= 0.9)
+    c.record(1, 0.9)  # a first group at the threshold: its history is that group
+    assert 1 in c.retired and 2 not in c.retired
 
 
 def test_prompts_keep_a_resume_copy_per_batch_that_late_groups_of_earlier_batches_still_reach():
