@@ -5130,6 +5130,35 @@ def test_train_runs_every_loss_and_ablation(toy_dir, tmp_path, flags):
     assert lines[-2]["flops"] > lines[-3]["flops"] > 0
 
 
+def test_config_methods_are_the_compared_recipes_built_from_flags_alone_over_any_size_recipe():
+    """--method NAME: the recipes the paper's Figure 2 compares (GRPO, DAPO, Magistral, MiniMax-M1, ScaleRL), each
+    a set of existing flags; it combines with a size --recipe, and a flag given wins over it. The paper's GRPO is
+    sample aggregation with prompt normalization (--loss grpo alone changes only the objective, as --help says);
+    every method is in the README with its source."""
+    dests = {a.dest: a for a in config.make_parser()._actions}
+    assert set(config.METHODS) == {"scalerl", "grpo", "dapo", "magistral", "minimax"}
+    for name, flags in config.METHODS.items():
+        assert set(flags) <= set(dests), name  # existing flags only
+        for key, value in flags.items():
+            assert dests[key].choices is None or value in dests[key].choices, (name, key)
+    defaults = config.get_args([])
+    assert config.get_args(["--method", "scalerl"]).__dict__ == {**defaults.__dict__, "method": "scalerl"}
+    grpo = config.get_args(["--method", "grpo"])
+    assert (grpo.loss, grpo.agg, grpo.adv_norm, grpo.mode) == ("grpo", "sample", "prompt", "ppo_offpolicy")
+    assert (grpo.prompts, grpo.lr) == (defaults.prompts, defaults.lr)  # the toy's sizes kept
+    dapo = config.get_args(["--method", "dapo", "--agg", "prompt", "--recipe", "one_gpu"])
+    assert (dapo.loss, dapo.agg, dapo.zero_var_filter, dapo.length_control) == ("dapo", "prompt", True, "penalty")
+    assert (dapo.prompts, dapo.think_budget) == (16, 4096)  # one_gpu's sizes under DAPO's flags
+    assert config.get_args(["--method", "minimax", "--no-fp32_head"]).fp32_head is False
+    assert config.get_args(["--method", "grpo", "--zero_var_filter"]).zero_var_filter is True
+    help_text = " ".join(config.make_parser().format_help().split())
+    assert "--loss grpo alone" in help_text and "--method grpo" in help_text
+    readme = (ROOT / "README.md").read_text()
+    for name in config.METHODS:
+        row = next((ln for ln in readme.splitlines() if ln.startswith(f"| `--method {name}`")), "")
+        assert "arXiv" in row or "section" in row, name
+
+
 def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypatch, capsys):
     def failing_fit(C, R, C_end, R0=None):
         assert len(C) == len(R) and C_end >= 0
