@@ -570,6 +570,55 @@ def predictability(table, cut):
     return out
 
 
+def skill_test(fit_sq, constant_sq, persistence_sq):
+    """The paired skill test: the fit's squared errors below the constant's and below
+    persistence's, each a one-sided paired t-test; skill shown when both p <= ALPHA."""
+    p_constant = one_sided_p(np.subtract(constant_sq, fit_sq), 0.0)
+    p_persistence = one_sided_p(np.subtract(persistence_sq, fit_sq), 0.0)
+    return dict(p_constant=p_constant, p_persistence=p_persistence,
+                skill=bool(p_constant <= ALPHA and p_persistence <= ALPHA))
+
+
+def squared_errors(C, curves):
+    """Each run's squared errors at CUT (fit, constant, persistence) from its evals, the runs
+    that could be fitted -> dict of lists."""
+    finals = np.array([np.mean(R[-3:]) for R in curves])
+    err = {"fit": [], "constant": [], "persistence": []}
+    for i, R in enumerate(curves):
+        p = predict(C, R, CUT)
+        if p:
+            err["fit"].append((p["predicted"] - finals[i]) ** 2)
+            err["persistence"].append((p["persistence"] - finals[i]) ** 2)
+            err["constant"].append(((finals.sum() - finals[i]) / (len(curves) - 1)
+                                    - finals[i]) ** 2)
+    return err
+
+
+def simulate_power(truth, steps, eval_every=20, n_eval=HELD_OUT, per_step=128, reps=50, seed=0):
+    """The skill test's power by simulation: each truth (A, B, C_mid on samples, R0) a run's
+    sigmoid, an eval every `eval_every` steps drawn binomially from `n_eval` answers, fitted from
+    EARLY to CUT of the run -> the share of simulated studies that show skill and the mean RMSEs."""
+    rng = np.random.default_rng(seed)
+    C = np.arange(0, steps + 1, eval_every) * float(per_step)
+    means = [np.clip(sigmoid(C, t["A"], t["B"], t["C_mid"], t["R0"]), 0, 1) for t in truth]
+    shown, rmse = 0, {"fit": [], "constant": [], "persistence": []}
+    for _ in range(reps):
+        err = squared_errors(C, [rng.binomial(n_eval, m) / n_eval for m in means])
+        shown += skill_test(err["fit"], err["constant"], err["persistence"])["skill"]
+        for k, v in err.items():
+            rmse[k].append(float(np.sqrt(np.mean(v))))
+    return dict(steps=steps, eval_every=eval_every, n_eval=n_eval, runs=len(truth), reps=reps,
+                seed=seed, power=shown / reps,
+                **{f"rmse_{k}": float(np.mean(v)) for k, v in rmse.items()})
+
+
+def first_study_truth(report):
+    """The first study's non-collapsed runs' full fits (study_report.json) -> simulate_power's
+    truth."""
+    return [dict(A=r["A"], B=r["B"], C_mid=r["C_mid"], R0=r["R0"]) for r in report["runs"]
+            if not r["collapsed"]]
+
+
 def protocol_record(path=PROTOCOL, chain=PROTOCOL_CHAIN):
     """The protocol's path, its chain of commits (each with its file's SHA-256), today's SHA-256
     and whether it is still the last one frozen."""

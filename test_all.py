@@ -4451,6 +4451,36 @@ def test_study_words_on_predictability_are_what_the_paired_test_allows():
         assert "gives it skill" not in text and "skill at 75% alone" not in text, doc
 
 
+def test_study_power_by_simulation_shows_skill_where_recipes_differ_and_noise_is_small():
+    """simulate_power: truth curves (sigmoids on samples) evaluated with binomial noise, each fitted at the cut;
+    recipes that end far apart (A 0.5 to 0.9) with almost no noise: the fit beats the constant (the other runs'
+    mean end) in every simulated study; the same seed gives the same answer; the skill test is the one-sided paired
+    t-test of squared errors written out, against both baselines."""
+    truth = [dict(A=a, B=2.0, C_mid=30 * 128.0, R0=0.2) for a in (0.5, 0.6, 0.7, 0.8, 0.9, 0.55, 0.75)]
+    got = study.simulate_power(truth, 400, n_eval=10 ** 8, reps=2)
+    assert got["power"] == 1.0 and got["rmse_fit"] < 0.002 < 0.1 < got["rmse_constant"], got
+    assert study.simulate_power(truth, 400, n_eval=10 ** 8, reps=2) == got and got["runs"] == 7
+    fit_sq, const_sq, pers_sq = [0.1, 0.2, 0.05, 0.3], [0.5, 0.4, 0.6, 0.9], [0.2, 0.25, 0.1, 0.2]
+    t = study.skill_test(fit_sq, const_sq, pers_sq)
+    assert t["p_constant"] == pytest.approx(paired_p_by_hand(np.subtract(const_sq, fit_sq), 0.0))
+    assert t["p_persistence"] == pytest.approx(paired_p_by_hand(np.subtract(pers_sq, fit_sq), 0.0))
+    assert t["skill"] == (t["p_constant"] <= 0.05 and t["p_persistence"] <= 0.05) and t["p_constant"] < 0.05
+
+
+def test_plots_extrapolation_draws_the_fit_solid_to_the_cut_and_dashed_beyond(tmp_path):
+    """Figure 2's form on synthetic recipes: the fitted curve solid from the first fitted point to the cut, dashed
+    from the cut to the run's end, each on the curve it was given; a PNG."""
+    C = np.arange(0, 401, 20) * 128.0
+    recipes = [dict(name=n, C=C, R=fit.sigmoid(C, a, 2.0, 4000.0, 0.2), fit_from=0.1 * C[-1],
+                    curve=lambda x, a=a: fit.sigmoid(x, a, 2.0, 4000.0, 0.2)) for n, a in (("scalerl", 0.8),
+                                                                                        ("grpo", 0.6))]
+    drawn = plots.draw_extrapolation(recipes, str(tmp_path / "f.png"), 0.5, "samples", "pass rate", "t")
+    for name, (solid, dashed) in drawn.items():
+        assert solid[0] == pytest.approx(0.1 * C[-1]) and solid[-1] == pytest.approx(0.5 * C[-1])
+        assert dashed[0] == pytest.approx(0.5 * C[-1]) and dashed[-1] == pytest.approx(C[-1])
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_study_quick_report_says_quick_and_names_its_command(tmp_path):
     """The quick study's report called itself "The confirmatory ... study" and named the command without --quick."""
     names = write_synthetic_study(tmp_path, seeds=(0,))[:1]
