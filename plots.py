@@ -89,7 +89,10 @@ def draw_extrapolation(recipes, path, cut, xlabel, ylabel, title):
         col, C, R = color(plt, k, len(recipes)), np.asarray(r["C"]), np.asarray(r["R"])
         at = cut * C[-1]
         solid, dashed = np.geomspace(r["fit_from"], at, 60), np.geomspace(at, C[-1], 60)
-        ax.scatter(C[C > 0], R[C > 0], s=6, color=col, alpha=0.5)
+        ax.scatter(C[C > 0], R[C > 0], s=6, color=col, alpha=0.5,
+                   label=None if r["curve"] else f"{r['name']} (too few points to fit)")
+        if not r["curve"]:
+            continue
         ax.plot(solid, r["curve"](solid), "-", lw=1.4, color=col, label=r["name"])
         ax.plot(dashed, r["curve"](dashed), "--", lw=1.4, color=col)
         drawn[r["name"]] = (solid, dashed)
