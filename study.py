@@ -993,7 +993,8 @@ def main(argv=None):
                    help="only fit the runs in the folder and write the report")
     p.add_argument("--assets", default="",
                    help="also copy study_report.json, study.png, study_extrap.png here "
-                        "(--assets assets replaces the committed ones)")
+                        "(--figure2: figure2_report.json, figure2.png; --assets assets replaces "
+                        "the committed ones)")
     p.add_argument("--quick", action="store_true",
                    help="2 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
     p.add_argument("--figure2", action="store_true",
