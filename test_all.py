@@ -4207,6 +4207,44 @@ def test_study_figure2_protocol_is_frozen_and_says_what_the_code_does():
         assert phrase in text, phrase
 
 
+def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
+    """Synthetic second study (3 recipes x 3 seeds, 600 steps, an eval every 20): every final_mean3, the skill
+    test's p-values, the ranking's rho and p and each A comparison recomputed here from figure2_report.json's runs
+    by formulas written out."""
+    steps = np.arange(0, 601, 20.0)
+    for name, A in (("scalerl", 0.80), ("grpo", 0.70), ("dapo", 0.76)):
+        for seed in (20, 21, 22):
+            R = study_curve(steps * 128, A + 0.003 * (seed - 21), 2.0, 40 * 128.0, 0.25, seed)
+            write_run(tmp_path / f"{name}-s{seed}", steps * 2.0, R, steps=steps, config={"prompts": 16, "samples": 8})
+    study.write_figure2_report(str(tmp_path), ["scalerl", "grpo", "dapo"], (20, 21, 22), 600)
+    rep = json.loads((tmp_path / "figure2_report.json").read_text())
+    runs_ = rep["runs"]
+    finals = {(r["recipe"], r["seed"]): np.mean([e["pass_rate"] for e in r["series"]][-3:]) for r in runs_}
+    assert all(r["final_mean3"] == pytest.approx(finals[(r["recipe"], r["seed"])]) for r in runs_)
+    rows = [(next(p for p in r["predictions"] if p and p["cut"] == 0.5), r["final_mean3"]) for r in runs_]
+    const = [(sum(finals.values()) - m) / (len(finals) - 1) for _, m in rows]
+    fit_sq = [(p["predicted"] - m) ** 2 for p, m in rows]
+    assert rep["skill"]["p_constant"] == pytest.approx(
+        paired_p_by_hand(np.subtract([(c - m) ** 2 for c, (_, m) in zip(const, rows)], fit_sq), 0.0))
+    assert rep["skill"]["p_persistence"] == pytest.approx(
+        paired_p_by_hand(np.subtract([(p["persistence"] - m) ** 2 for p, m in rows], fit_sq), 0.0))
+    mean = lambda name, get: np.mean([get(r) for r in runs_ if r["recipe"] == name])  # noqa: E731
+    predicted = [mean(n, lambda r: next(p for p in r["predictions"] if p and p["cut"] == 0.5)["predicted"])
+                 for n in ("scalerl", "grpo", "dapo")]
+    measured = [mean(n, lambda r: r["final_mean3"]) for n in ("scalerl", "grpo", "dapo")]
+    rho = stats.spearmanr(predicted, measured).statistic
+    assert rep["ranking"]["rho"] == pytest.approx(rho) and rep["ranking"]["p"] == pytest.approx(
+        np.mean([stats.spearmanr(predicted, o).statistic >= rho - 1e-12 for o in itertools.permutations(measured)]))
+    for a in rep["a_rule"]:
+        d = [next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["X"], s)) -
+             next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["Y"], s)) for s in (20, 21, 22)]
+        assert a["diff_A"] == pytest.approx(np.mean(d))
+        assert a["verdict"] == ("higher by more than 0.02" if np.mean(d) > 0.02 else "lower by more than 0.02"
+                                if np.mean(d) < -0.02 else "within +-0.02")
+    assert {a["X"]: a["verdict"] for a in rep["a_rule"]}["grpo"] == "lower by more than 0.02"
+    assert (tmp_path / "figure2.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_study_figure2_ranking_and_a_rule_by_hand():
     """Spearman's rho with its exact one-sided p over every order, and the +-0.02 rule on A, written out."""
     rho, p = study.spearman_test([0.1, 0.4, 0.3, 0.2, 0.5], [0.6, 0.9, 0.8, 0.7, 1.0])
