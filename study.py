@@ -1025,7 +1025,8 @@ def main(argv=None):
     command = lambda folder: shlex.join(  # noqa: E731
         ["python", sys.argv[0] if argv is None else "study.py",
          *[folder if w == args.out else w for w in words]])
-    other = f"{args.out.rstrip(os.sep)}-{'quick' if args.quick else 'full'}"
+    tag = "-".join(["figure2"] * args.figure2 + ["quick" if args.quick else "full"])
+    other = f"{args.out.rstrip(os.sep)}-{tag}"
     made = study_settings(args.quick, variants, seeds, steps, held_out, extra)
     keep_settings(args.out, made, False, command(other))  # refused before anything is made
     os.makedirs(args.out, exist_ok=True)
