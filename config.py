@@ -43,6 +43,29 @@ RECIPES = {
                     save_every=100, dtype="bfloat16", neg_trust=0.0, grad_clip=0.0),
 }
 
+# --method: the recipes the paper's Figure 2 compares with ScaleRL (section 5), each of the flags
+# below alone, over any --recipe's sizes; a flag given overrides (README, "Methods")
+METHODS = {
+    "scalerl": {},  # section 4: every default
+    # DeepSeekMath's GRPO (arXiv 2402.03300) with PPO-off-policy, without its KL term
+    "grpo": dict(loss="grpo", agg="sample", adv_norm="prompt", zero_var_filter=False,
+                 no_positive_resampling=False, length_control="none", keep_truncated=True,
+                 fp32_head=False, mode="ppo_offpolicy"),
+    # DAPO (arXiv 2503.14476): clip-higher, token average, dynamic sampling, overlong penalty
+    "dapo": dict(loss="dapo", agg="token", adv_norm="prompt", zero_var_filter=True,
+                 no_positive_resampling=False, length_control="penalty", fp32_head=False,
+                 mode="ppo_offpolicy"),
+    # Magistral (arXiv 2506.10910): clip-higher, the group's length as divisor, minibatch
+    # advantage normalization, zero-advantage groups dropped, a length penalty
+    "magistral": dict(loss="dapo", agg="prompt", adv_norm="batch", zero_var_filter=True,
+                      no_positive_resampling=False, length_control="penalty", fp32_head=False,
+                      mode="ppo_offpolicy"),
+    # MiniMax-M1 (arXiv 2506.13585): CISPO, token average, the group's normalization, FP32 head
+    "minimax": dict(loss="cispo", agg="token", adv_norm="prompt", zero_var_filter=False,
+                    no_positive_resampling=False, length_control="none", fp32_head=True,
+                    mode="ppo_offpolicy"),
+}
+
 
 class FlagParser(argparse.ArgumentParser):
     """argparse: one-line errors, no abbreviations."""
@@ -124,6 +147,11 @@ def model_flags(g):
                    help="the sizes and rates to start from (RECIPES; a flag given overrides its "
                         "value, and the start-up line names each one that differs): auto = toy "
                         "for the embedded tasks, paper for any --model")
+    g.add_argument("--method", default="scalerl", choices=list(METHODS),
+                   help="the RL recipe (METHODS: the ones the paper's Figure 2 compares), set by "
+                        "flags of this list alone over --recipe's sizes; a flag given overrides "
+                        "its value: scalerl = the defaults; grpo = --loss grpo --agg sample "
+                        "--adv_norm prompt ...; dapo, magistral, minimax (README, \"Methods\")")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="the weights' dtype for sampling and the loss's forward and backward; "
                         "AdamW always steps a float32 master copy (no float16: its gradients "
@@ -163,7 +191,10 @@ def rollout_flags(g):
 
 def loss_flags(g):
     g.add_argument("--loss", default="cispo", choices=LOSS_KINDS,
-                   help="policy loss: CISPO is ScaleRL's; the others are ablations (loss.py)")
+                   help="policy loss: CISPO is ScaleRL's; the others are ablations (loss.py) "
+                        "that change the objective alone: --loss grpo alone keeps ScaleRL's "
+                        "--agg prompt --adv_norm batch, where the paper's GRPO is --agg sample "
+                        "--adv_norm prompt (--method grpo)")
     g.add_argument("--agg", default="prompt", choices=AGGS, help="loss aggregation")
     g.add_argument("--adv_norm", default="batch", choices=NORMS, help="advantage normalization")
     g.add_argument("--eps_low", type=float, default=None,
@@ -186,7 +217,8 @@ def loss_flags(g):
                         "excluded from the loss and the group statistics (paper A.15's effective "
                         "batch)")
     g.add_argument("--no_positive_resampling", action=argparse.BooleanOptionalAction, default=True,
-                   help="never resample a prompt once its pass rate reaches 0.9")
+                   help="never resample a prompt once its historical pass rate (every group of "
+                        "it so far) reaches 0.9")
 
 
 def optimization_flags(g):
@@ -299,6 +331,7 @@ def get_args(argv=None):
     from checks import check_args, check_model_dir  # imports torch: after parse_first
     ap = make_parser()
     args = ap.parse_args(argv)
+    apply_method(args, ap, argv)
     # --resume compares args.model as typed
     args.model_dir = check_model_dir(args.model, ap.error)
     apply_recipe(args)
@@ -320,6 +353,16 @@ def default_out(args):
         name += f"-{world}ranks" + ("" if args.mode == "pipeline" else f"-{args.mode}") + \
             ("-fsdp" if args.fsdp else "")
     return os.path.join("runs", name)
+
+
+def apply_method(args, ap, argv):
+    """--method: its flags' values, where that flag was not given."""
+    for action in ap._actions:  # parsed again without defaults: what was given
+        action.default = argparse.SUPPRESS
+    given = vars(ap.parse_args(argv))
+    for name, value in METHODS[args.method].items():
+        if name not in given:
+            setattr(args, name, value)
 
 
 def apply_recipe(args):
@@ -357,11 +400,12 @@ def recipe_values(args, n_val):
 
 def recipe_lines(args, n_val):
     """Rank 0's first start-up lines: the recipe's values in force, then each flag that differs."""
-    defaults = vars(make_parser().parse_args([])) | recipe_defaults(args)
+    defaults = vars(make_parser().parse_args([])) | recipe_defaults(args) | METHODS[args.method]
     flag = lambda k, v: f"--{k}" if v is True else f"--no-{k}" if v is False else f"--{k} {v}"
     given = [flag(k, getattr(args, k)) for k, v in defaults.items()
-             if k not in ("recipe", "out") and getattr(args, k) != v]
-    return [f"recipe {args.recipe}: " + recipe_values(args, n_val),
+             if k not in ("recipe", "method", "out") and getattr(args, k) != v]
+    method = "" if args.method == "scalerl" else f", method {args.method}"
+    return [f"recipe {args.recipe}{method}: " + recipe_values(args, n_val),
             f"flags that differ from it and the defaults: {' '.join(given) or 'none'}"]
 
 

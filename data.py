@@ -244,7 +244,8 @@ def split_problems(problems, val_size, seed=0):
 class Curriculum:
     """Prompt indices epoch by epoch, in a seeded order.
 
-    No-Positive-Resampling (paper 3.2): a prompt whose pass rate reaches `threshold` is retired.
+    No-Positive-Resampling (paper 3.2): a prompt whose historical pass rate (the mean of every
+    group of it so far) reaches `threshold` is retired.
     """
 
     def __init__(self, n, seed=0, npr=True, threshold=0.9):
@@ -280,8 +281,10 @@ class Curriculum:
         return batch
 
     def record(self, idx, pass_rate):
-        self.history.setdefault(idx, []).append(pass_rate)
-        if self.npr and pass_rate >= self.threshold:
+        history = self.history.setdefault(idx, [])
+        history.append(pass_rate)
+        # section 3.2: "historical" pass rate, every group of G samples alike
+        if self.npr and sum(history) / len(history) >= self.threshold:
             self.retired.add(idx)
 
     def state_dict(self):

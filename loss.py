@@ -176,6 +176,8 @@ LOSSES = {
     "gspo": (gspo_objective, (3e-3, 4e-3), lambda eps_high: 1 + eps_high),
 }
 EPS_DEFAULTS = {kind: eps for kind, (_, eps, _) in LOSSES.items()}
+# objectives per sequence, spread over its tokens: a sequence, not a token, is what they average
+PER_SEQUENCE = ("gspo",)
 
 
 def clip_eps(kind, eps_low=None, eps_high=None):
@@ -199,7 +201,7 @@ def policy_loss(logp, gen_logp, adv, mask, group, kind="cispo", agg="prompt",
     obj = LOSSES[kind][0](log_ratio, logp, adv.detach()[:, None], keep, eps_low, eps_high,
                           neg_trust)
     if weights is None:
-        weights = row_weights(group, keep.sum(1), agg, agg_counts(group, keep))
+        weights = row_weights(group, keep.sum(1), agg, agg_counts(group, keep), kind)
     return -(torch.where(keep, obj, 0.0).sum(1) * weights.to(logp.dtype)).sum()
 
 
@@ -209,9 +211,10 @@ def agg_counts(group, mask):
             "token": int(mask.bool().sum())}
 
 
-def row_weights(group, tokens, agg, totals):
+def row_weights(group, tokens, agg, totals, kind="cispo"):
     """Each row's weight in the batch's loss (totals: agg_counts): prompt 1 / (groups x group
-    tokens), sample 1 / (sequences x tokens), token 1 / tokens. Splits then sum to the batch."""
+    tokens), sample 1 / (sequences x tokens), token 1 / tokens; a PER_SEQUENCE kind's prompt
+    average 1 / (groups x group size x tokens). Splits then sum to the batch."""
     tokens = tokens.to(torch.float64)
     # max(.., 1): a row, group or batch without tokens weighs nothing instead of dividing by 0
     if agg == "token":
@@ -219,4 +222,7 @@ def row_weights(group, tokens, agg, totals):
     if agg == "sample":
         return 1.0 / (totals["sample"] * tokens.clamp(min=1))
     idx, n_groups = group_index(group)
+    if kind in PER_SEQUENCE:  # GSPO: each of a prompt's G sequences weighs 1/G, not |y_i|/sum|y|
+        size = group_sum(torch.ones_like(tokens), idx, n_groups)[idx]
+        return 1.0 / (totals["prompt"] * size * tokens.clamp(min=1))
     return 1.0 / (totals["prompt"] * group_sum(tokens, idx, n_groups)[idx].clamp(min=1))

@@ -78,6 +78,33 @@ def draw_curves(curves, png, name):
     return png
 
 
+def draw_extrapolation(recipes, path, cut, xlabel, ylabel, title):
+    """The paper's Figure 2 in form: each recipe's pass rate against compute (points), its fit up
+    to `cut` of its compute (solid) and extrapolated to its end (dashed), the cut marked. recipes:
+    [{name, C, R, fit_from, curve: compute -> pass rate}] -> {name: (solid x, dashed x)}."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = {}
+    for k, r in enumerate(recipes):
+        col, C, R = color(plt, k, len(recipes)), np.asarray(r["C"]), np.asarray(r["R"])
+        at = cut * C[-1]
+        solid, dashed = np.geomspace(r["fit_from"], at, 60), np.geomspace(at, C[-1], 60)
+        ax.scatter(C[C > 0], R[C > 0], s=6, color=col, alpha=0.5,
+                   label=None if r["curve"] else f"{r['name']} (too few points to fit)")
+        if not r["curve"]:
+            continue
+        ax.plot(solid, r["curve"](solid), "-", lw=1.4, color=col, label=r["name"])
+        ax.plot(dashed, r["curve"](dashed), "--", lw=1.4, color=col)
+        drawn[r["name"]] = (solid, dashed)
+    for at in sorted({cut * np.asarray(r["C"])[-1] for r in recipes}):
+        ax.axvline(at, ls=":", lw=0.9, color="gray")
+    ax.plot([], [], ":", color="gray", label=f"the cut: {cut:g} of the compute (fitted left of it)")
+    ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    save_figure(fig, ax, path, len(recipes) + 1)
+    plt.close(fig)
+    return drawn
+
+
 def color(plt, k, n):
     return f"C{k}" if n <= 10 else plt.get_cmap("tab20")(k % 20)
 

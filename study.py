@@ -3,18 +3,22 @@ The confirmatory miniature ScaleRL study: ScaleRL and the paper's variants on th
 task, 5 fresh seeds each, every finding tested as the paper states it (superiority or
 non-inferiority, Holm over all), and predictability by the paper's fit (arXiv 2510.13786, Eq. 1,
 appendix A.5-A.7). The rules were frozen in docs/protocol.md before the runs. Start at VARIANTS,
-FINDINGS and main.
+FINDINGS and main. The second study (--figure2: FIGURE2, write_figure2_report) compares the recipes
+of the paper's Figure 2 under docs/protocol-figure2.md, its length from simulate_power.
 
     python study.py runs/study                   # within --budget; Ctrl-C, then again: resumes
     python study.py runs/study --assets assets   # also replace the committed report and figures
     python study.py runs/study --report          # only fit the runs there and write the report
-    python study.py runs/study --quick           # 2 variants x 1 seed x a few steps (the test)
+    python study.py runs/study-quick --quick     # 2 variants x 1 seed x a few steps (the test)
+    python study.py runs/figure2 --figure2       # the second study (docs/protocol-figure2.md)
 
-Writes report.md, study_report.json, study.png and study_extrap.png into the study's folder.
+Writes report.md, study_report.json, study.png and study_extrap.png into the study's folder
+(--figure2: figure2.md, figure2_report.json, figure2.png).
 """
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -32,7 +36,7 @@ from runs import (checkpoints, copy_written, open_folder, open_run_file, read_js
                   replace_file)
 from fit import (NOISE_A, check_points, checked_number, eval_point, finite, fit_sigmoid, plot,
                  sigmoid)
-from plots import color, save_figure
+from plots import color, draw_extrapolation, save_figure
 from toy import toy_model_dir, toy_problems
 
 SEEDS = (10, 11, 12, 13, 14)  # fresh: the exploratory study used 0-4
@@ -59,8 +63,15 @@ BUDGET = 160
 PROGRESS_S = 60
 # the rules, frozen in PROTOCOL before the runs; a changed file is reported as changed
 PROTOCOL = os.path.join("docs", "protocol.md")
-PROTOCOL_COMMIT = "1b3775dcd3ee9f7fb018dece064a487b41ec7f23"
-PROTOCOL_SHA256 = "ca1e5c06c1a4cd5bd3d21b2f41ffd6948b8976666c83308884a19dd7ba07f881"
+SETTINGS = "settings.json"  # in the study's folder: the settings its runs were made with
+# every commit of it, with the SHA-256 of the file as that commit holds it; the last one is in force
+PROTOCOL_CHAIN = (
+    ("1b3775dcd3ee9f7fb018dece064a487b41ec7f23",
+     "2e5c4b86b135508340b516a0996d125f92a3f9ab542f9c00559af38dd18229de", "frozen before any run"),
+    ("8a32913ea6451da06056275391062bf5a4ebc0e6",
+     "ca1e5c06c1a4cd5bd3d21b2f41ffd6948b8976666c83308884a19dd7ba07f881",
+     "amendment 1, before any run had finished: --budget 160"),
+)
 ALPHA = 0.05
 MIN_PAIRS = 5
 NI_MARGIN = 0.02
@@ -82,6 +93,31 @@ FINDINGS = [
     ("advantage normalization", "the normalizations perform similarly (section 3.2)",
      "scalerl", "norm_prompt", "non-inferiority"),
 ]
+# the second study, frozen in PROTOCOL2 before its runs: the recipes of the paper's Figure 2
+PROTOCOL2 = os.path.join("docs", "protocol-figure2.md")
+PROTOCOL2_CHAIN = (
+    ("92e6094e37d01d5172b78c25a7b5321b4f111e97",
+     "94f06ca1164c9a1b84b140885c3d7bb33c4b3f0baf7885100d70609edcc91b17", "frozen before any run"),
+)
+METHODS2 = ("scalerl", "grpo", "dapo", "magistral", "minimax")  # ranked by the fit at CUT
+# one process each; pipeline8 and ppo8 (--mode) run two ranks (ranks_of)
+FIGURE2 = {**{n: ["--method", n] for n in METHODS2},
+           "pipeline8": ["--mode", "pipeline", "--max_lag", "8"],
+           "ppo8": ["--mode", "ppo_offpolicy", "--max_lag", "8"]}
+SEEDS2 = (20, 21, 22, 23, 24)  # fresh: the studies before used 0-4 and 10-14
+STEPS2 = 600          # the shortest simulated length with 80% power (POWER)
+EVAL_EVERY2 = 20
+BUDGET2 = 720
+A_RULE = 0.02         # the paper's noise on A: a difference within it is none
+# simulate_power on the first study's fits, as the protocol records it (2,000 x 1 evals every 20)
+POWER = tuple(dict(steps=n, evals=n // 20 + 1, power=p, rmse_fit=f, rmse_constant=c,
+                   rmse_persistence=q, reps=60, seed=0)
+              for n, p, f, c, q in ((200, 0.0, 0.0231, 0.0125, 0.1139),
+                                    (400, 0.0833, 0.0108, 0.0121, 0.0307),
+                                    (500, 0.1833, 0.0113, 0.0136, 0.0218),
+                                    (600, 0.80, 0.0083, 0.0146, 0.0146),
+                                    (700, 0.45, 0.0087, 0.0153, 0.0123),
+                                    (800, 0.4667, 0.0073, 0.0156, 0.0100)))
 NOT_TESTED = [
     ("CISPO vs DAPO", "two ranks a run, over the budget"),
     ("PipelineRL-8 vs PPO-off-policy-8 and vs the synchronous loop",
@@ -120,6 +156,33 @@ def make_problems(out, held_out=HELD_OUT, max_ops=MAX_OPS):
     return paths
 
 
+def study_settings(quick, variants, seeds, steps, held_out, extra):
+    """What changes a study's runs: a folder holds the runs of one such set."""
+    return dict(quick=quick, seeds=list(seeds), steps=steps, held_out=held_out, train=TRAIN,
+                max_ops=MAX_OPS, task=TASK, extra=list(extra),
+                variants={n: list(f) for n, f in variants.items()})
+
+
+def keep_settings(out, made, write, other):
+    """The folder's settings.json, written once (write) -> SystemExit naming what differs when the
+    folder was made with other settings; `other`: the command for another folder."""
+    path = os.path.join(out, SETTINGS)
+    try:
+        there = read_json(path, follow=False)
+    except FileNotFoundError:
+        if write:
+            replace_file(path, lambda f: json.dump(made, f, indent=1))
+        return
+    if not isinstance(there, dict):
+        raise ValueError(f"{path}: not a JSON object of settings")
+    short = lambda v: str(v) if len(str(v)) <= 24 else "..."  # noqa: E731
+    differs = [f"{k} ({short(there.get(k))} there, {short(made.get(k))} here)"
+               for k in made if there.get(k) != made[k]]
+    if differs:
+        sys.exit(f"study: error: {out} holds a study made with other settings ({path}): "
+                 f"{', '.join(differs)}; run this command in another folder: {other}")
+
+
 def run_dir(out, name, seed):
     """out/NAME-sSEED, never a link planted there (train.py refuses one as --out too)."""
     path = os.path.join(out, f"{name}-s{seed}")
@@ -148,10 +211,20 @@ def finished(path, steps):
         return False
 
 
+def ranks_of(flags):
+    """A run's processes: --mode applies under torchrun alone, so a variant setting it runs two
+    ranks (a trainer and a generator) and takes both cores."""
+    return 2 if "--mode" in flags else 1
+
+
 def run_command(name, flags, path, seed, steps, data, extra):
     """train.py's command line for one run (--resume from a checkpoint)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    return [sys.executable, os.path.join(here, "train.py"), "--out", path,
+    # one machine's torchrun, listening on 127.0.0.1 alone (README)
+    launcher = [sys.executable] + ([] if ranks_of(flags) == 1 else [
+        "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-conf", "store_type=file", "--local-addr", "127.0.0.1"])
+    return [*launcher, os.path.join(here, "train.py"), "--out", path,
             "--resume" if checkpoints(path) else "--overwrite",
             "--seed", str(seed), *task_flags(data, steps), *extra, *flags]
 
@@ -179,10 +252,11 @@ def last_step(path):
 
 
 def stop_runs(running, timeout=120):
-    """SIGINT to every running run, then wait for them."""
+    """SIGTERM to every running run, then wait for them."""
     for r in running:
+        # SIGTERM: a run still starting (no handler yet) ends silently, not in a KeyboardInterrupt
         with contextlib.suppress(OSError, AttributeError):
-            r["proc"].send_signal(signal.SIGINT)
+            r["proc"].send_signal(signal.SIGTERM)
     if running:
         print(f"study: waiting up to {timeout} s for {len(running)} runs to save their last step "
               "(Ctrl-C again: stop at once)", flush=True)
@@ -197,12 +271,36 @@ def stop_runs(running, timeout=120):
             r["proc"].kill()
 
 
+def run_starts(path):
+    """A run's starts as the study recorded them ([{started, commit, dirty}]), else []."""
+    try:
+        starts = read_json(os.path.join(path, "study_run.json"), follow=False)
+    except (FileNotFoundError, ValueError):
+        return []
+    return starts if isinstance(starts, list) and all(isinstance(s, dict) for s in starts) else []
+
+
+def code_commit():
+    """The code's git commit and whether its tracked files differ from it (None: not a checkout)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head, changed = (subprocess.run(["git", "-C", here, *words], capture_output=True, text=True,
+                                        timeout=30, check=True).stdout.strip()
+                         for words in (["rev-parse", "HEAD"],
+                                       ["status", "--porcelain", "--untracked-files=no"]))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return head, bool(changed)
+
+
 def save_minutes(r, spent):
-    """A run's machine-minutes so far, beside it (a continued run adds its own); none before its
-    folder exists."""
+    """A run's machine-minutes so far and its starts (time, code commit), beside it (a continued
+    run adds its own); none before its folder exists."""
     if os.path.isdir(r["path"]):
         replace_file(os.path.join(r["path"], "study_minutes.json"),
                      lambda f: json.dump(spent, f))
+        replace_file(os.path.join(r["path"], "study_run.json"),
+                     lambda f: json.dump(r["starts"], f, indent=1))
 
 
 def start_run(out, name, flags, seed, steps, data, extra, expected):
@@ -210,12 +308,17 @@ def start_run(out, name, flags, seed, steps, data, extra, expected):
     path = run_dir(out, name, seed)
     cmd = run_command(name, flags, path, seed, steps, data, extra)
     resume = "--resume" in cmd
+    commit, dirty = code_commit()  # before the start: a Ctrl-C in it leaves no run behind
     log = open_run_file(os.path.join(out, f"{name}-s{seed}.log"), "a" if resume else "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+    # its own session: the terminal's Ctrl-C reaches the study alone, which stops it (stop_runs)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=os.environ | {"OMP_NUM_THREADS": "1"})
-    return dict(name=name, seed=seed, path=path, proc=proc, log=log,
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time()))
+    return dict(name=name, seed=seed, path=path, proc=proc, log=log, slots=ranks_of(flags),
                 start=time.time(), expected=expected or 0.0,
-                before=run_minutes(path) if resume else 0.0, resume=resume)
+                before=run_minutes(path) if resume else 0.0, resume=resume,
+                starts=(run_starts(path) if resume else []) +
+                [dict(started=started, commit=commit, dirty=dirty)])
 
 
 def stop_study(running, used, steps, again, why, code):
@@ -224,9 +327,14 @@ def stop_study(running, used, steps, again, why, code):
     stop_runs(running)
     for r in stopped:
         save_minutes(r, used(r))
-        print(f"study: {r['name']} seed {r['seed']} interrupted at step "
-              f"{last_step(r['path'])}/{steps}; saved: "
-              f"{(checkpoints(r['path'])[-1:] or ['nothing yet'])[0]}", flush=True)
+        step, saved = last_step(r["path"]), (checkpoints(r["path"])[-1:] or ["nothing yet"])[0]
+        by = "the study's Ctrl-C" if why == "interrupted" else f"the study ({why})"
+        if "log" in r:  # the run's log ends with why, not with a traceback
+            r["log"].write(f"study: {r['name']} seed {r['seed']} stopped by {by} at step "
+                           f"{step}/{steps}; saved: {saved}; the same study command continues it\n")
+            r["log"].close()
+        print(f"study: {r['name']} seed {r['seed']} interrupted at step {step}/{steps}; saved: "
+              f"{saved}", flush=True)
     print(f"study: {why}; continue with: {again or 'the same command'} (finished runs are "
           "kept, interrupted ones continue from their last checkpoint)", flush=True)
     sys.exit(code)
@@ -242,13 +350,21 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
     pending = [(n, s) for n in variants for s in seeds if (n, s) not in done]
     t0, running, left_out, shown = time.time(), [], [], [time.time()]
     spent = lambda: sum(map(sum, minutes.values())) + sum(r["expected"] for r in running)
-    used = lambda r: (time.time() - r["start"]) / 60 / PARALLEL + r["before"]
+    used = lambda r: (time.time() - r["start"]) / 60 * r.get("slots", 1) / PARALLEL + r["before"]
+
+    def projected(r):  # a run's machine-minutes at its end, at its pace so far
+        step = last_step(r["path"])
+        return used(r) * steps / step if step > 0 else None
 
     def eta():
-        paces = [pace(minutes, n) for n, _ in pending]
-        if None in paces:
-            return "an ETA once a run has ended"
-        left = sum(paces) + sum(max(0.0, r["expected"] - used(r)) for r in running)
+        # before a run has ended: the running runs' own pace
+        now = [p for p in map(projected, running) if p is not None]
+        guess = float(np.mean(now)) if now else None
+        paces = [pace(minutes, n) or guess for n, _ in pending]
+        own = [projected(r) or r["expected"] or pace(minutes, r["name"]) or guess for r in running]
+        if None in paces + own:
+            return "an ETA once a run has logged a step"
+        left = sum(paces) + sum(max(0.0, o - used(r)) for r, o in zip(running, own))
         room = budget_min - sum(map(sum, minutes.values())) - sum(map(used, running))
         return f"about {max(0.0, min(left, room)):.0f} min left"
 
@@ -278,7 +394,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 save_minutes(r, spent_r)
                 print(f"study: {r['name']} seed {r['seed']} done in {spent_r:.1f} machine-min | "
                       f"{eta()}", flush=True)
-            if PARALLEL - len(running) >= free:
+            if PARALLEL - sum(r.get("slots", 1) for r in running) >= free:
                 return
             if time.time() - shown[0] >= PROGRESS_S:
                 shown[0] = time.time()
@@ -294,7 +410,7 @@ def train_all(out, variants, seeds, steps, budget_min, extra=(), held_out=HELD_O
                 pending[:] = [(n, s) for n, s in pending if n != name]
                 continue
             for seed in todo:
-                wait(1)
+                wait(ranks_of(flags))
                 pending.remove((name, seed))
                 running.append(r := start_run(out, name, flags, seed, steps, data, extra,
                                               expected))
@@ -394,6 +510,7 @@ def analyze(out, names, seeds):
             fit = fit_sigmoid(C, R, fit_from=EARLY * C[-1])
             se, training = run_logs(path)
             runs.append(dict(seed=s, C=C, R=R, series=series, fit=fit, se=se,
+                             starts=run_starts(path),
                              collapsed=collapsed, training=training,
                              final_mean3=float(np.mean(R[-3:])),
                              predictions={cut: None if collapsed else predict(C, R, cut)
@@ -493,13 +610,63 @@ def predictability(table, cut):
     return out
 
 
-def protocol_record():
-    """The protocol's path, its SHA-256 and whether it is still the frozen one."""
+def skill_test(fit_sq, constant_sq, persistence_sq):
+    """The paired skill test: the fit's squared errors below the constant's and below
+    persistence's, each a one-sided paired t-test; skill shown when both p <= ALPHA."""
+    p_constant = one_sided_p(np.subtract(constant_sq, fit_sq), 0.0)
+    p_persistence = one_sided_p(np.subtract(persistence_sq, fit_sq), 0.0)
+    return dict(p_constant=p_constant, p_persistence=p_persistence,
+                skill=bool(p_constant <= ALPHA and p_persistence <= ALPHA))
+
+
+def squared_errors(C, curves):
+    """Each run's squared errors at CUT (fit, constant, persistence) from its evals, the runs
+    that could be fitted -> dict of lists."""
+    finals = np.array([np.mean(R[-3:]) for R in curves])
+    err = {"fit": [], "constant": [], "persistence": []}
+    for i, R in enumerate(curves):
+        p = predict(C, R, CUT)
+        if p:
+            err["fit"].append((p["predicted"] - finals[i]) ** 2)
+            err["persistence"].append((p["persistence"] - finals[i]) ** 2)
+            err["constant"].append(((finals.sum() - finals[i]) / (len(curves) - 1)
+                                    - finals[i]) ** 2)
+    return err
+
+
+def simulate_power(truth, steps, eval_every=20, n_eval=HELD_OUT, per_step=128, reps=50, seed=0):
+    """The skill test's power by simulation: each truth (A, B, C_mid on samples, R0) a run's
+    sigmoid, an eval every `eval_every` steps drawn binomially from `n_eval` answers, fitted from
+    EARLY to CUT of the run -> the share of simulated studies that show skill and the mean RMSEs."""
+    rng = np.random.default_rng(seed)
+    C = np.arange(0, steps + 1, eval_every) * float(per_step)
+    means = [np.clip(sigmoid(C, t["A"], t["B"], t["C_mid"], t["R0"]), 0, 1) for t in truth]
+    shown, rmse = 0, {"fit": [], "constant": [], "persistence": []}
+    for _ in range(reps):
+        err = squared_errors(C, [rng.binomial(n_eval, m) / n_eval for m in means])
+        shown += skill_test(err["fit"], err["constant"], err["persistence"])["skill"]
+        for k, v in err.items():
+            rmse[k].append(float(np.sqrt(np.mean(v))))
+    return dict(steps=steps, eval_every=eval_every, n_eval=n_eval, runs=len(truth), reps=reps,
+                seed=seed, power=shown / reps,
+                **{f"rmse_{k}": float(np.mean(v)) for k, v in rmse.items()})
+
+
+def first_study_truth(report):
+    """The first study's non-collapsed runs' full fits (study_report.json) -> simulate_power's
+    truth."""
+    return [dict(A=r["A"], B=r["B"], C_mid=r["C_mid"], R0=r["R0"]) for r in report["runs"]
+            if not r["collapsed"]]
+
+
+def protocol_record(path=PROTOCOL, chain=PROTOCOL_CHAIN):
+    """The protocol's path, its chain of commits (each with its file's SHA-256), today's SHA-256
+    and whether it is still the last one frozen."""
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, PROTOCOL), "rb") as f:
+    with open(os.path.join(here, path), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    return dict(path=PROTOCOL, commit=PROTOCOL_COMMIT, sha256=digest,
-                frozen=digest == PROTOCOL_SHA256)
+    return dict(path=path, chain=[dict(commit=c, sha256=h, what=w) for c, h, w in chain],
+                sha256=digest, frozen=digest == chain[-1][1])
 
 # -----------------------------------------------------------------------------
 # the report
@@ -574,12 +741,15 @@ def report_lines(out, table, found, preds, meta):
     main_cut = next(p for p in preds if p["cut"] == CUT)
     proto = meta["protocol"]
     lines = ([QUICK_NOTE, ""] if meta["quick"] else []) + [
-        f"# The confirmatory miniature ScaleRL study: {len(table)} variants x "
-        f"{len(meta['seeds'])} seeds, {len(runs)} runs of {meta['steps']} steps", "",
-        f"Written by `python study.py {out}`" +
+        f"# The {'quick' if meta['quick'] else 'confirmatory miniature ScaleRL'} study: "
+        f"{len(table)} variants x {len(meta['seeds'])} seeds, {len(runs)} runs of {meta['steps']} "
+        "steps", "",
+        f"Written by `python study.py {out}{' --quick' if meta['quick'] else ''}`" +
         (f" after {meta['minutes']:.0f} machine-minutes of runs." if meta["minutes"] else "."),
-        f"Protocol: {proto['path']} (frozen at commit {proto['commit'][:12]}; sha256 "
-        f"{proto['sha256'][:12]}{'' if proto['frozen'] else ', CHANGED since it was frozen'}). "
+        f"Protocol: {proto['path']} ("
+        + "; ".join(f"{c['what']}: commit {c['commit'][:12]}, sha256 {c['sha256'][:12]}"
+                    for c in proto["chain"])
+        + f"{'' if proto['frozen'] else '; CHANGED since it was last frozen'}). "
         f"Seeds {', '.join(map(str, meta['seeds']))}. Collapsed runs: "
         f"{', '.join(collapsed) or 'none'}." +
         (f" Not run (over the budget): {', '.join(meta['left_out'])}." if meta["left_out"]
@@ -625,7 +795,8 @@ def summary_json(table, found, preds, meta):
                   "A_at_cap": at_cap(r["fit"]["A"]), "B": r["fit"]["B"],
                   "C_mid": r["fit"]["C_mid"], "R0": r["fit"]["R0"], "collapsed": r["collapsed"],
                   "eval_se": r["se"], "training": r["training"],
-                  "predictions": list(r["predictions"].values()), "series": r["series"]}
+                  "predictions": list(r["predictions"].values()), "series": r["series"],
+                  "starts": r["starts"]}
                  for r in runs],
         "minutes": round(meta["minutes"], 1) if meta["minutes"] else None,
         "steps": meta["steps"], "seeds": list(meta["seeds"]), "left_out": list(meta["left_out"]),
@@ -682,50 +853,201 @@ def draw(out, table):
     plt.close(fig)
 
 
+# -----------------------------------------------------------------------------
+# the second study: the paper's Figure 2 in miniature (docs/protocol-figure2.md)
+
+
+def spearman_test(x, y):
+    """Spearman's rho of x and y and its exact one-sided p (rho this high or higher over every
+    order of y; ties none in practice) -> (rho, p)."""
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    rx, ry = rank(x), rank(y)
+    rho = lambda order: float(np.corrcoef(rx, order)[0, 1]) if len(rx) > 1 else float("nan")  # noqa
+    if len(rx) < 2:
+        return float("nan"), float("nan")
+    every = [rho(np.array(o)) for o in itertools.permutations(ry)]
+    got = rho(ry)
+    return got, float(np.mean([r >= got - 1e-12 for r in every]))
+
+
+def mean_interval(values):
+    """(mean, 95% t interval over the values; NaN under 2)."""
+    v = np.asarray(values, dtype=float)
+    half = stats.t.ppf(0.975, len(v) - 1) * sd(v) / np.sqrt(len(v)) if len(v) > 1 else float("nan")
+    return float(np.mean(v)), [float(np.mean(v) - half), float(np.mean(v) + half)]
+
+
+def a_rule(table, X, Y):
+    """The paper's rule on A: X's A against Y's, seed by seed; beyond +-A_RULE a difference,
+    within it none."""
+    by_seed = [{r["seed"]: r["fit"]["A"] for r in table[v]["runs"]} for v in (X, Y)]
+    seeds = sorted(set(by_seed[0]) & set(by_seed[1]))
+    d, ci = mean_interval([by_seed[0][s] - by_seed[1][s] for s in seeds])
+    word = (f"higher by more than {A_RULE}" if d > A_RULE else f"lower by more than {A_RULE}"
+            if d < -A_RULE else f"within +-{A_RULE}")
+    return dict(X=X, Y=Y, pairs=len(seeds), diff_A=d, ci95=ci, verdict=word)
+
+
+def figure2_tests(table):
+    """The protocol's tests: skill (paired, at CUT), ranking (the fit at CUT against the
+    endpoints, over the methods) and the +-A_RULE rule on A."""
+    runs = [r for t in table.values() for r in t["runs"]]
+    finals = np.array([r["final_mean3"] for r in runs])
+    err = {"fit": [], "constant": [], "persistence": []}
+    for r in runs:
+        p = r["predictions"][CUT]
+        if p:
+            m = r["final_mean3"]
+            err["fit"].append((p["predicted"] - m) ** 2)
+            err["persistence"].append((p["persistence"] - m) ** 2)
+            err["constant"].append(((finals.sum() - m) / max(len(runs) - 1, 1) - m) ** 2)
+    skill = dict(n=len(err["fit"]), **{f"rmse_{k}": float(np.sqrt(np.mean(v))) if v else None
+                                       for k, v in err.items()},
+                 **skill_test(err["fit"], err["constant"], err["persistence"]))
+    methods = [n for n in METHODS2 if n in table and all(r["predictions"][CUT]
+                                                         for r in table[n]["runs"])]
+    predicted = [np.mean([r["predictions"][CUT]["predicted"] for r in table[n]["runs"]])
+                 for n in methods]
+    measured = [table[n]["final_mean3"] for n in methods]
+    rho, p = spearman_test(predicted, measured)
+    ranking = dict(methods=methods, predicted=predicted, measured=measured, rho=rho, p=p,
+                   verdict="the fit orders the methods as their ends" if p <= ALPHA else
+                   "an order not shown" if p == p else "not decided (fewer than 2 methods)")
+    pairs = [(n, "scalerl") for n in METHODS2 if n != "scalerl"] + [("pipeline8", "ppo8")]
+    return skill, ranking, [a_rule(table, X, Y) for X, Y in pairs if X in table and Y in table]
+
+
+def recipe_rows(table):
+    """Per recipe: final_mean3, A, B, C_mid, each a seed mean with its 95% interval."""
+    rows = []
+    for name, t in table.items():
+        row = dict(recipe=name, flags=FIGURE2.get(name, []), seeds=len(t["runs"]))
+        for key in ("final_mean3", "A", "B", "C_mid"):
+            row[key], row[f"{key}_ci95"] = mean_interval(
+                [r["final_mean3"] if key == "final_mean3" else r["fit"][key] for r in t["runs"]])
+        rows.append(row)
+    return rows
+
+
+def write_figure2_report(out, names, seeds, steps, minutes=None, quick=False):
+    """The second study's report: figure2.md, figure2_report.json, figure2.png -> its text."""
+    table, _ = analyze(out, names, seeds)
+    skill, ranking, a_rules = figure2_tests(table)
+    rows = recipe_rows(table)
+    proto = protocol_record(PROTOCOL2, PROTOCOL2_CHAIN)
+    head = f"The {'quick' if quick else 'second confirmatory'} study: the paper's Figure 2"
+    text = "\n".join(([QUICK_NOTE, ""] if quick else []) + [
+        f"# {head} in miniature, {len(table)} recipes x {len(seeds)} seeds, {steps} steps", "",
+        f"Written by `python study.py {out} --figure2{' --quick' if quick else ''}`" +
+        (f" after {minutes:.0f} machine-minutes of runs." if minutes else ".") + " Protocol: " +
+        "; ".join(f"{c['what']}: commit {c['commit'][:12]}, sha256 {c['sha256'][:12]}"
+                  for c in proto["chain"]) + ("" if proto["frozen"] else "; CHANGED since"), "",
+        "| recipe | seeds | final_mean3 | A (95%) | B | C_mid |", "|---" * 6 + "|"] + [
+        f"| {r['recipe']} | {r['seeds']} | {r['final_mean3']:.3f} | {r['A']:.3f} "
+        f"({show(r['A_ci95'][0], '.3f')} to {show(r['A_ci95'][1], '.3f')}) | {r['B']:.2f} | "
+        f"{r['C_mid']:.3g} |" for r in rows] + [
+        "", f"Skill at {CUT:g} of the compute ({skill['n']} runs): fit RMSE "
+        f"{show(skill['rmse_fit'], '.4f')}, constant {show(skill['rmse_constant'], '.4f')}, "
+        f"persistence {show(skill['rmse_persistence'], '.4f')}; paired p "
+        f"{show(skill['p_constant'])} and {show(skill['p_persistence'])}: "
+        + ("skill shown." if skill["skill"] else "no skill shown."),
+        f"Ranking: Spearman {show(ranking['rho'], '.2f')} (exact p {show(ranking['p'])}): "
+        f"{ranking['verdict']}.", "", "A, the paper's rule (+-0.02): " +
+        "; ".join(f"{a['X']} vs {a['Y']} {a['diff_A']:+.3f}: {a['verdict']}" for a in a_rules)
+        + "."]) + "\n"
+    replace_file(os.path.join(out, "figure2.md"), lambda f: f.write(text))
+    runs = [{"recipe": n, "seed": r["seed"], "final_mean3": r["final_mean3"], "A": r["fit"]["A"],
+             "B": r["fit"]["B"], "C_mid": r["fit"]["C_mid"], "R0": r["fit"]["R0"],
+             "collapsed": r["collapsed"], "predictions": list(r["predictions"].values()),
+             "series": r["series"], "starts": r["starts"],
+             "minutes": run_minutes(run_dir(out, n, r["seed"]))}
+            for n, t in table.items() for r in t["runs"]]
+    summary = clean(dict(protocol=proto, power=list(POWER), skill=skill, ranking=ranking,
+                         a_rule=a_rules, recipes=rows, runs=runs, steps=steps, seeds=list(seeds),
+                         minutes=minutes, quick=quick, **({"note": QUICK_NOTE} if quick else {})))
+    replace_file(os.path.join(out, "figure2_report.json"),
+                 lambda f: json.dump(summary, f, indent=1))
+    curves = []
+    for name, t in table.items():  # the seed means, fitted up to the cut
+        C, R = t["curve"]
+        p = predict(C, R, CUT)
+        curves.append(dict(name=name, C=C, R=R, fit_from=EARLY * C[-1], curve=p and (
+            lambda x, p=p, R0=R[0]: sigmoid(x, p["A"], p["B"], p["C_mid"], R0))))
+    draw_extrapolation(curves, os.path.join(out, "figure2.png"), CUT, "compute (samples generated)",
+                       f"held-out pass rate ({HELD_OUT} problems)",
+                       f"each recipe fitted up to {CUT:g} of its compute, extrapolated (dashed)")
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="The miniature ScaleRL study on the toy-hard task.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out", help="the study's folder (one sub-folder per run)")
-    p.add_argument("--budget", type=float, default=BUDGET,
-                   help="machine-minutes of runs (the protocol's): variants that would not fit "
-                        "are not run (in the order of study.VARIANTS)")
-    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per run")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"machine-minutes of runs (the protocol's; None: {BUDGET:g}, --figure2 "
+                        f"{BUDGET2:g}): variants that would not fit are not run (in the order of "
+                        "study.VARIANTS or FIGURE2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps per run (None: {STEPS}, --figure2 {STEPS2})")
     p.add_argument("--report", action="store_true",
                    help="only fit the runs in the folder and write the report")
     p.add_argument("--assets", default="",
                    help="also copy study_report.json, study.png, study_extrap.png here "
-                        "(--assets assets replaces the committed ones)")
+                        "(--figure2: figure2_report.json, figure2.png; --assets assets replaces "
+                        "the committed ones)")
     p.add_argument("--quick", action="store_true",
                    help="2 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
+    p.add_argument("--figure2", action="store_true",
+                   help="the second study (docs/protocol-figure2.md): the recipes of the paper's "
+                        f"Figure 2 (FIGURE2), seeds {SEEDS2[0]}-{SEEDS2[-1]}, {STEPS2} steps, an "
+                        f"eval every {EVAL_EVERY2}; writes figure2.md, figure2_report.json and "
+                        "figure2.png")
     args = p.parse_args(argv)
-    variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps, HELD_OUT
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the runs (own sessions) stop too
+        signal.signal(sig, signal.default_int_handler)
+    variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps or STEPS, HELD_OUT
+    if args.figure2:
+        variants, seeds, steps = FIGURE2, SEEDS2, args.steps or STEPS2
+        extra = ["--eval_every", str(EVAL_EVERY2)]
     if args.quick:
-        variants = {n: VARIANTS[n] for n in ("scalerl", "batch32")}
+        variants = {n: variants[n] for n in (("scalerl", "dapo") if args.figure2 else
+                                             ("scalerl", "batch32"))}
         seeds, steps, held_out = (0,), 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
-    report = os.path.join(args.assets, "study_report.json")
+    budget = args.budget or (BUDGET2 if args.figure2 else BUDGET)
+    written = (["figure2.md", "figure2_report.json", "figure2.png"] if args.figure2 else
+               ["report.md", "study_report.json", "study.png", "study_extrap.png"])
+    report = os.path.join(args.assets, written[1])
     if args.quick and args.assets and os.path.exists(report) and "note" not in read_json(report):
         sys.exit(f"study: --quick would replace the full study's report in {args.assets}; "
                  "give --quick another --assets")
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = lambda folder: shlex.join(  # noqa: E731
+        ["python", sys.argv[0] if argv is None else "study.py",
+         *[folder if w == args.out else w for w in words]])
+    tag = "-".join(["figure2"] * args.figure2 + ["quick" if args.quick else "full"])
+    other = f"{args.out.rstrip(os.sep)}-{tag}"
+    made = study_settings(args.quick, variants, seeds, steps, held_out, extra)
+    keep_settings(args.out, made, False, command(other))  # refused before anything is made
     os.makedirs(args.out, exist_ok=True)
     if not args.report:
-        again = shlex.join(["python", sys.argv[0] if argv is None else "study.py",
-                            *(sys.argv[1:] if argv is None else argv)])
-        train_all(args.out, variants, seeds, steps, args.budget, extra, held_out, again)
+        keep_settings(args.out, made, True, command(other))
+        again = command(args.out)
+        train_all(args.out, variants, seeds, steps, budget, extra, held_out, again)
     names = [n for n in variants
              if all(finished(run_dir(args.out, n, s), steps) for s in seeds)]
     if not names:
         sys.exit(f"study: no variant has all {len(seeds)} seeds finished in {args.out}")
     minutes = sum(run_minutes(run_dir(args.out, n, s)) for n in names for s in seeds)
-    print(write_report(args.out, names, seeds, steps, minutes,
-                       [n for n in variants if n not in names], args.quick))
-    written = ["report.md", "study_report.json", "study.png", "study_extrap.png"]
+    print(write_figure2_report(args.out, names, seeds, steps, minutes, args.quick)
+          if args.figure2 else write_report(args.out, names, seeds, steps, minutes,
+                                            [n for n in variants if n not in names], args.quick))
     if args.assets:
         os.makedirs(args.assets, exist_ok=True)
         for name in written[1:]:  # what was written, not a file put there since
             copy_written(os.path.join(args.out, name), os.path.join(args.assets, name))
     print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}" +
-          (f"; copied the last three to {args.assets}" if args.assets else ""))
+          (f"; copied all but {written[0]} to {args.assets}" if args.assets else ""))
 
 
 if __name__ == "__main__":

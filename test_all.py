@@ -445,15 +445,18 @@ def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg, neg_trust=None
     eps_low, eps_high = {"cispo": (None, 4.0), "grpo": (0.2, 0.2), "dapo": (0.2, 0.28),
                          "gspo": (3e-3, 4e-3)}[kind]
     N, T = logp.shape
-    terms = []  # terms[i]: objective terms of sequence i's masked tokens
+    terms, per_prompt = [], {}  # terms[i]: objective terms of sequence i's masked tokens
     for i in range(N):
         A = float(adv[i])
         toks = [t for t in range(T) if mask[i, t]]
-        if kind == "gspo" and toks:
-            s = torch.exp(sum(logp[i, t] - gen_logp[i, t] for t in toks) / len(toks))
-            clipped = min(max(s, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
-            o = min(s * A, clipped * A)
+        if kind == "gspo":
+            o = 0.0 * logp[i, 0]  # a sequence without tokens: objective 0, still one of its group
+            if toks:
+                s = torch.exp(sum(logp[i, t] - gen_logp[i, t] for t in toks) / len(toks))
+                clipped = min(max(s, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
+                o = min(s * A, clipped * A)
             terms.append([o for t in toks])
+            per_prompt.setdefault(int(group[i]), []).append(o)
             continue
         seq = []
         for t in toks:
@@ -466,6 +469,8 @@ def slow_policy_loss(logp, gen_logp, adv, mask, group, kind, agg, neg_trust=None
                 clipped = min(max(rho, torch.tensor(1 - eps_low)), torch.tensor(1 + eps_high))
                 seq.append(min(rho * A, clipped * A))
         terms.append(seq)
+    if kind == "gspo" and agg == "prompt":  # a sequence-level objective: 1/G each within its prompt (GSPO)
+        return -sum(sum(v) / len(v) for v in per_prompt.values()) / len(per_prompt)
     return -reference_aggregate(terms, group, agg)
 
 
@@ -524,6 +529,31 @@ def test_loss_policy_loss_matches_slow_reference(kind, agg, norm):
     assert abs(fast.item() - slow.item()) < 1e-6
     assert torch.allclose(fast_logp.grad, slow_logp.grad, rtol=0, atol=1e-6)
     assert fast_logp.grad.abs().sum() > 0
+
+
+def test_loss_gspo_weighs_each_sequence_1_over_g_within_its_prompt():
+    """GSPO's objective is per sequence (s_i = exp(mean log rho), clipped): under the prompt average each prompt's
+    G sequences weigh 1/G each (the paper's GSPO), not |y_i| / sum |y| as its objective spread over tokens gave."""
+    rewards, group, mask, logp, gen_logp = make_batch()
+    adv = advantages(rewards, group, "batch")
+    eps_low, eps_high = 3e-3, 4e-3
+    by_prompt = {}
+    for i in range(len(group)):
+        n = int(mask[i].sum())
+        o = 0.0
+        if n:  # a sequence without tokens counts in its group, with objective 0
+            s = math.exp(float((logp[i] - gen_logp[i])[mask[i]].sum()) / n)
+            o = min(s * float(adv[i]), min(max(s, 1 - eps_low), 1 + eps_high) * float(adv[i]))
+        by_prompt.setdefault(int(group[i]), []).append(o)
+    by_hand = -sum(sum(v) / len(v) for v in by_prompt.values()) / len(by_prompt)
+    assert policy_loss(logp, gen_logp, adv, mask, group, "gspo", "prompt").item() == pytest.approx(by_hand, abs=1e-12)
+    # and split into micro-batches with the whole batch's row weights, the same loss
+    tokens = mask.sum(1)
+    w = loss.row_weights(group, tokens, "prompt", loss.agg_counts(group, mask), kind="gspo")
+    parts = [torch.arange(0, 4), torch.arange(4, 10)]
+    split = sum(policy_loss(logp[p], gen_logp[p], adv[p], mask[p], group[p], "gspo", "prompt", weights=w[p]).item()
+                for p in parts)
+    assert split == pytest.approx(by_hand, abs=1e-12)
 
 
 @pytest.mark.parametrize("norm", ["batch", "prompt", "none"])
@@ -2574,6 +2604,17 @@ def test_curriculum_epochs_no_positive_resampling_and_resume():
     assert sorted(off.next_batch(4)) == [0, 1, 2, 3]
 
 
+def test_curriculum_retires_a_prompt_on_its_historical_pass_rate():
+    """No-Positive-Resampling retires a prompt whose historical pass rate (paper 3.2: every group of it so far, each
+    of G samples) reaches 0.9, not one group's: 0.5 then 1.0 is 0.75, kept; three more 1.0s make 4.5 / 5 = 0.9."""
+    c = data.Curriculum(3, seed=0)
+    for rate, retired in ((0.5, False), (1.0, False), (1.0, False), (1.0, False), (1.0, True)):
+        c.record(0, rate)
+        assert (0 in c.retired) == retired and (0 in c.retired) == (sum(c.history[0]) / len(c.history[0]) >= 0.9)
+    c.record(1, 0.9)  # a first group at the threshold: its history is that group
+    assert 1 in c.retired and 2 not in c.retired
+
+
 def test_prompts_keep_a_resume_copy_per_batch_that_late_groups_of_earlier_batches_still_reach():
     """data.Prompts, generator 1 of 2 (prompts 1, 3, 5, 7, 9), batches of 2 groups: the copy of batch b is the
     curriculum before b's first pick; a pass rate of a group of batch b' < b that ends after b started goes into
@@ -4410,7 +4451,7 @@ def test_study_protocol_is_frozen_and_says_what_the_code_does():
     """docs/protocol.md is the file whose hash study.py holds (an edit shows as a changed protocol, and fails here),
     and it names the code's seeds, variants and flags, findings with their kinds, and the numbers of its rules."""
     text = (ROOT / study.PROTOCOL).read_text()
-    assert hashlib.sha256(text.encode()).hexdigest() == study.PROTOCOL_SHA256 and study.protocol_record()["frozen"]
+    assert hashlib.sha256(text.encode()).hexdigest() == study.PROTOCOL_CHAIN[-1][1] and study.protocol_record()["frozen"]
     assert f"Seeds {', '.join(map(str, study.SEEDS))}" in text and f"--budget {study.BUDGET:g}" in text
     for name, flags in study.VARIANTS.items():
         assert f"| {name} | " in text and all(f in text for f in flags), name
@@ -4453,7 +4494,8 @@ def test_study_report_recomputes_from_its_own_series(tmp_path):
     text = study.write_report(str(tmp_path), names, seeds, 200)
     rep = json.loads((tmp_path / "study_report.json").read_text())
     assert rep["protocol"]["path"] == "docs/protocol.md" and rep["protocol"]["frozen"]
-    assert rep["protocol"]["commit"] == study.PROTOCOL_COMMIT and rep["seeds"] == list(seeds)
+    assert [c["commit"] for c in rep["protocol"]["chain"]] == [c for c, _, _ in study.PROTOCOL_CHAIN]
+    assert rep["seeds"] == list(seeds)
     run = {(r["variant"], r["seed"]): r for r in rep["runs"]}
     assert len(run) == 20
     for (v, s), r in run.items():
@@ -4516,11 +4558,18 @@ def test_study_report_recomputes_from_its_own_series(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def study_runs_as(monkeypatch, make):
+    """study.py's runs started by make(cmd, **kw) instead of subprocess.Popen; git's answers (the code's commit)
+    stay real."""
+    real = subprocess.Popen
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, **kw: real(cmd, **kw) if cmd[0] == "git" else
+                        make(cmd, **kw))
+
+
 def test_study_quick_trains_and_reports(tmp_path, capsys, monkeypatch):
     """The quick study end to end. Its commands run as study.py makes them, with its arguments and environment,
     in processes forked from the preloaded server (fork_command: ~5 CPU-s less a process)."""
-    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: ForkedRun(
-        fork_command(cmd, stdout.name, env=env)))
+    study_runs_as(monkeypatch, lambda cmd, stdout, env, **kw: ForkedRun(fork_command(cmd, stdout.name, env=env)))
     out = tmp_path / "study"
     study.main([str(out), "--quick", "--assets", str(tmp_path / "assets")])
     first = capsys.readouterr().out
@@ -4546,12 +4595,120 @@ def test_study_quick_trains_and_reports(tmp_path, capsys, monkeypatch):
     assert "study: [" not in capsys.readouterr().out
 
 
+def test_study_figure2_quick_runs_the_recipes_and_reports_the_protocols_tests(tmp_path, capsys, monkeypatch):
+    """--figure2 --quick: two of the second study's recipes (--method scalerl, --method dapo) x 1 seed x 6 tiny
+    steps, then its report: the protocol chain, the power table, per-recipe A with intervals, the skill, ranking and
+    A tests, each run's series and starts; the figure. The two-rank recipes run under torchrun on both cores."""
+    commands = []
+    study_runs_as(monkeypatch, lambda cmd, stdout, env, **kw: (
+        commands.append(cmd), ForkedRun(fork_command(cmd, stdout.name, env=env)))[1])
+    out = tmp_path / "fig2"
+    study.main([str(out), "--figure2", "--quick"])
+    assert [c[c.index("--method") + 1] for c in commands] == ["scalerl", "dapo"]
+    cfg = {n: json.loads(open(out / f"{n}-s0" / "metrics.jsonl").readline()) for n in ("scalerl", "dapo")}
+    assert (cfg["dapo"]["loss"], cfg["dapo"]["agg"], cfg["scalerl"]["loss"]) == ("dapo", "token", "cispo")
+    rep = json.loads((out / "figure2_report.json").read_text())
+    assert rep["note"] == study.QUICK_NOTE and rep["protocol"]["path"] == study.PROTOCOL2
+    assert rep["power"] == [dict(p) for p in study.POWER] and {r["recipe"] for r in rep["runs"]} == {"scalerl", "dapo"}
+    assert all(len(r["series"]) == 7 and len(r["starts"]) == 1 for r in rep["runs"])
+    # 6 steps leave too few points before the cut to predict: nothing to rank, no skill test
+    assert rep["ranking"]["methods"] == [] and rep["ranking"]["verdict"].startswith("not decided")
+    assert rep["skill"]["n"] == 0 and not rep["skill"]["skill"]
+    assert rep["a_rule"] == [dict(X="dapo", Y="scalerl", pairs=1, diff_A=pytest.approx(
+        rep["recipes"][1]["A"] - rep["recipes"][0]["A"]), ci95=[None, None], verdict=rep["a_rule"][0]["verdict"])]
+    for row in rep["recipes"]:
+        run = next(r for r in rep["runs"] if r["recipe"] == row["recipe"])
+        assert row["A"] == pytest.approx(run["A"])  # one seed: its own fit
+    assert (out / "figure2.md").read_text().splitlines()[2].startswith("# The quick study")
+    assert (out / "figure2.png").read_bytes()[:4] == b"\x89PNG"
+    two = study.run_command("pipeline8", study.FIGURE2["pipeline8"], str(out / "p"), 20, 400, ("t", "v"), [])
+    assert two[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"] and study.ranks_of(
+        study.FIGURE2["ppo8"]) == 2 and study.ranks_of(study.FIGURE2["grpo"]) == 1
+
+
+def test_study_figure2_protocol_is_frozen_and_says_what_the_code_does():
+    """docs/protocol-figure2.md is the file whose chain study.py holds (each commit's file hashed by git's own copy),
+    and it names the code's seeds, steps, eval interval, budget, recipes with their flags, the power table the code
+    records, and the length chosen: the shortest simulated with 80% power."""
+    text = " ".join((ROOT / study.PROTOCOL2).read_text().split())
+    rec = study.protocol_record(study.PROTOCOL2, study.PROTOCOL2_CHAIN)
+    assert rec["frozen"] and rec["sha256"] == hashlib.sha256((ROOT / study.PROTOCOL2).read_bytes()).hexdigest()
+    for link in rec["chain"]:
+        held = subprocess.run(["git", "-C", str(ROOT), "show", f"{link['commit']}:{study.PROTOCOL2}"],
+                              capture_output=True, check=True).stdout
+        assert hashlib.sha256(held).hexdigest() == link["sha256"]
+    assert f"Seeds {', '.join(map(str, study.SEEDS2))}" in text and f"{study.STEPS2} optimizer steps" in text
+    assert f"--eval_every {study.EVAL_EVERY2}" in text and f"{study.BUDGET2:g} machine-minutes" in text
+    for name, flags in study.FIGURE2.items():
+        assert f"| {name} | `{' '.join(flags)}" in text, name
+    for row in study.POWER:
+        assert (f"| {row['steps']} | {row['evals']} | {row['power']:.2f} | {row['rmse_fit']:.4f} | "
+                f"{row['rmse_constant']:.4f} | {row['rmse_persistence']:.4f} |") in text, row
+    assert study.STEPS2 == min(r["steps"] for r in study.POWER if r["power"] >= 0.8)
+    for phrase in ("both p <= 0.05", "Spearman", "120 orders", "+-0.02", "(step 300)", "steps 560, 580, 600"):
+        assert phrase in text, phrase
+
+
+def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
+    """Synthetic second study (3 recipes x 3 seeds, 600 steps, an eval every 20): every final_mean3, the skill
+    test's p-values, the ranking's rho and p and each A comparison recomputed here from figure2_report.json's runs
+    by formulas written out."""
+    steps = np.arange(0, 601, 20.0)
+    for name, A in (("scalerl", 0.80), ("grpo", 0.70), ("dapo", 0.76)):
+        for seed in (20, 21, 22):
+            R = study_curve(steps * 128, A + 0.003 * (seed - 21), 2.0, 40 * 128.0, 0.25, seed)
+            write_run(tmp_path / f"{name}-s{seed}", steps * 2.0, R, steps=steps, config={"prompts": 16, "samples": 8})
+    study.write_figure2_report(str(tmp_path), ["scalerl", "grpo", "dapo"], (20, 21, 22), 600)
+    rep = json.loads((tmp_path / "figure2_report.json").read_text())
+    runs_ = rep["runs"]
+    finals = {(r["recipe"], r["seed"]): np.mean([e["pass_rate"] for e in r["series"]][-3:]) for r in runs_}
+    assert all(r["final_mean3"] == pytest.approx(finals[(r["recipe"], r["seed"])]) for r in runs_)
+    rows = [(next(p for p in r["predictions"] if p and p["cut"] == 0.5), r["final_mean3"]) for r in runs_]
+    const = [(sum(finals.values()) - m) / (len(finals) - 1) for _, m in rows]
+    fit_sq = [(p["predicted"] - m) ** 2 for p, m in rows]
+    assert rep["skill"]["p_constant"] == pytest.approx(
+        paired_p_by_hand(np.subtract([(c - m) ** 2 for c, (_, m) in zip(const, rows)], fit_sq), 0.0))
+    assert rep["skill"]["p_persistence"] == pytest.approx(
+        paired_p_by_hand(np.subtract([(p["persistence"] - m) ** 2 for p, m in rows], fit_sq), 0.0))
+    mean = lambda name, get: np.mean([get(r) for r in runs_ if r["recipe"] == name])  # noqa: E731
+    predicted = [mean(n, lambda r: next(p for p in r["predictions"] if p and p["cut"] == 0.5)["predicted"])
+                 for n in ("scalerl", "grpo", "dapo")]
+    measured = [mean(n, lambda r: r["final_mean3"]) for n in ("scalerl", "grpo", "dapo")]
+    rho = stats.spearmanr(predicted, measured).statistic
+    assert rep["ranking"]["rho"] == pytest.approx(rho) and rep["ranking"]["p"] == pytest.approx(
+        np.mean([stats.spearmanr(predicted, o).statistic >= rho - 1e-12 for o in itertools.permutations(measured)]))
+    for a in rep["a_rule"]:
+        d = [next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["X"], s)) -
+             next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["Y"], s)) for s in (20, 21, 22)]
+        assert a["diff_A"] == pytest.approx(np.mean(d))
+        assert a["verdict"] == ("higher by more than 0.02" if np.mean(d) > 0.02 else "lower by more than 0.02"
+                                if np.mean(d) < -0.02 else "within +-0.02")
+    assert {a["X"]: a["verdict"] for a in rep["a_rule"]}["grpo"] == "lower by more than 0.02"
+    assert (tmp_path / "figure2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_study_figure2_ranking_and_a_rule_by_hand():
+    """Spearman's rho with its exact one-sided p over every order, and the +-0.02 rule on A, written out."""
+    rho, p = study.spearman_test([0.1, 0.4, 0.3, 0.2, 0.5], [0.6, 0.9, 0.8, 0.7, 1.0])
+    assert rho == pytest.approx(1.0) and p == pytest.approx(1 / 120)
+    x, y = [0.3, 0.1, 0.2, 0.5, 0.4], [0.2, 0.1, 0.3, 0.5, 0.4]
+    rho, p = study.spearman_test(x, y)
+    assert rho == pytest.approx(stats.spearmanr(x, y).statistic)
+    assert p == pytest.approx(np.mean([stats.spearmanr(x, o).statistic >= rho - 1e-12
+                                       for o in itertools.permutations(y)]))
+    runs = lambda As: {"runs": [{"seed": s, "fit": {"A": a}} for s, a in zip((20, 21, 22), As)]}  # noqa: E731
+    table = {"dapo": runs([0.70, 0.72, 0.71]), "scalerl": runs([0.75, 0.74, 0.76]), "grpo": runs([0.74, 0.75, 0.75])}
+    assert study.a_rule(table, "dapo", "scalerl")["verdict"] == "lower by more than 0.02"
+    got = study.a_rule(table, "grpo", "scalerl")
+    assert got["verdict"] == "within +-0.02" and got["diff_A"] == pytest.approx(-0.0033333333) and got["pairs"] == 3
+
+
 def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_them(tmp_path, capsys, monkeypatch):
     """Ctrl-C on the study (a KeyboardInterrupt in its wait, once the run has logged step 2): the run gets SIGINT,
     saves its step and stops; the study names it "interrupted" (not "failed"), prints the command to continue
     and exits 130. Run again, it continues from that checkpoint (--resume): steps 1-6 each logged once."""
     commands, real_sleep = [], time.sleep
-    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, stdout, env, **kw: (
+    study_runs_as(monkeypatch, lambda cmd, stdout, env, **kw: (
         commands.append(cmd), ForkedRun(fork_command(cmd, stdout.name, env=env)))[1])
     out, run = tmp_path / "study", tmp_path / "study" / "scalerl-s0"
     quick = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1", "--save_every", "0"]
@@ -4578,6 +4735,35 @@ def test_study_ctrl_c_stops_runs_as_interrupted_and_the_same_command_continues_t
     assert [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2, 3, 4,
                                                                                                         5, 6]
     assert study.run_minutes(run) > 0
+
+
+def test_study_ctrl_c_leaves_no_traceback_in_a_runs_log_and_ends_it_with_one_line(tmp_path, capsys, monkeypatch):
+    """A run still starting (no signal handler yet, as train.py importing torch) took the terminal's and the study's
+    SIGINT as a KeyboardInterrupt: its log ended in a traceback. Runs start in their own session (the terminal's
+    Ctrl-C reaches the study alone), are stopped by SIGTERM, and their log ends with the study's one line."""
+    popen, kwargs = subprocess.Popen, []
+    # Python's own start-up SIGINT (a shell's background job starts with it ignored)
+    start = "import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nprint('starting', " \
+            "flush=True)\ntime.sleep(60)"
+    monkeypatch.setattr(study, "run_command", lambda *a: [sys.executable, "-c", start])
+    monkeypatch.setattr(study.subprocess, "Popen", lambda cmd, **kw: (kwargs.append(kw) if cmd[0] != "git" else None,
+                                                                      popen(cmd, **kw))[1])
+    out, real_sleep, pressed = tmp_path / "study", time.sleep, []
+
+    def ctrl_c(seconds):  # the terminal's Ctrl-C, once, in the study's wait (0.2 s) when the run has started
+        if not pressed and seconds >= 0.1 and "starting" in (out / "scalerl-s0.log").read_text():
+            pressed.append(time.time())
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+    monkeypatch.setattr(study.time, "sleep", ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        study.train_all(str(out), {"scalerl": []}, (0,), 6, 1000, held_out=8, again="python study.py X")
+    assert stopped.value.code == 130 and kwargs[0].get("start_new_session") is True
+    assert time.time() - pressed[0] < 30  # ended by the study's signal, not killed after its 120 s wait
+    log = (out / "scalerl-s0.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert log.splitlines() == ["starting", "study: scalerl seed 0 stopped by the study's Ctrl-C at step 0/6; saved: "
+                                "nothing yet; the same study command continues it"], log
 
 
 def test_study_a_failed_run_is_named_when_the_other_has_no_folder_yet(tmp_path, capsys):
@@ -4630,6 +4816,33 @@ def test_study_report_names_the_file_line_and_field_of_a_missing_number(tmp_path
         assert str(err.value) == f"{path}:{i + 1}: missing field '{field}'"
 
 
+
+def test_study_folder_keeps_its_settings_and_refuses_another_command(tmp_path, monkeypatch):
+    """A study folder records the settings it was made with (settings.json, through runs.py's writer); another
+    command on it (the full study on the quick study's folder, which silently ran on its 8 held-out problems) is
+    refused in one line naming the folder, what differs and the command for another folder. The README's two
+    study commands use separate folders."""
+    monkeypatch.setattr(study, "train_all", lambda *a, **k: [])  # nothing runs: the settings alone
+    out = tmp_path / "study"
+    with pytest.raises(SystemExit, match="no variant"):
+        study.main([str(out), "--quick"])
+    made = json.loads((out / "settings.json").read_text())
+    assert made["quick"] is True and made["held_out"] == 8 and made["seeds"] == [0] and made["steps"] == 6
+    with pytest.raises(SystemExit, match="no variant"):  # the same command again: accepted
+        study.main([str(out), "--quick"])
+    for argv, differs in (([str(out)], "quick (True there, False here)"), ([str(out), "--report"], "held_out (8 there, "
+                          "2000 here)")):
+        with pytest.raises(SystemExit) as refused:
+            study.main(argv)
+        line = str(refused.value.code)
+        assert "\n" not in line and line.startswith(f"study: error: {out} holds a study made with other settings")
+        assert differs in line and "another folder: python study.py " in line, line
+    assert json.loads((out / "settings.json").read_text()) == made  # never overwritten by the refused command
+    readme = (ROOT / "README.md").read_text()
+    folders = re.findall(r"^python study\.py (\S+)", readme, re.M)
+    assert len(folders) >= 2 and len(set(folders)) == len(folders), folders
+
+
 def test_study_quick_refuses_to_replace_a_full_studys_assets(tmp_path):
     (tmp_path / "assets").mkdir()
     shutil.copyfile(ROOT / "assets" / "study_report.json", tmp_path / "assets" / "study_report.json")
@@ -4664,20 +4877,25 @@ def test_study_assets_copies_the_report_it_wrote_never_a_file_swapped_in_since(t
         name: f"{name} as written" for name in ("study_report.json", "study.png", "study_extrap.png")}
 
 
-def fake_study_runs(monkeypatch, minutes):
+def fake_study_runs(monkeypatch, minutes, log_steps=False):
     """study.subprocess.Popen replaced by runs that take `minutes` of a fake clock (advanced by each sleep)
-    and then write their last eval -> (the clock, the started runs as (command, start, end), live count)."""
+    and then write their last eval (log_steps: a train line per step as they go, at an even pace) -> (the clock,
+    the started runs as (command, start, end), live count)."""
     clock, started = [0.0], []
 
     class FakeRun:
         def __init__(self, cmd, **_):
-            self.cmd, self.end, self.done = cmd, clock[0] + 60 * minutes, False
+            self.cmd, self.start, self.end, self.done = cmd, clock[0], clock[0] + 60 * minutes, False
             started.append([cmd, clock[0], None])
             live = sum(r[2] is None for r in started)
             assert live <= 2  # two cores
 
         def poll(self):
             if clock[0] < self.end:
+                if log_steps:
+                    out, steps = self.cmd[self.cmd.index("--out") + 1], int(self.cmd[self.cmd.index("--steps") + 1])
+                    done = int(steps * (clock[0] - self.start) / (self.end - self.start))
+                    write_eval_lines(out, [{"kind": "train", "step": k} for k in range(1, done + 1)])
                 return None
             if not self.done:
                 out, steps = self.cmd[self.cmd.index("--out") + 1], int(self.cmd[self.cmd.index("--steps") + 1])
@@ -4686,9 +4904,10 @@ def fake_study_runs(monkeypatch, minutes):
                 next(r for r in started if r[0] is self.cmd)[2], self.done = clock[0], True
             return 0
 
-    monkeypatch.setattr(study.subprocess, "Popen", FakeRun)
+    study_runs_as(monkeypatch, FakeRun)
     monkeypatch.setattr(study.time, "time", lambda: clock[0])
-    monkeypatch.setattr(study.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 60))
+    # the study's waits (0.2 s) a minute each; subprocess's own polls (git's, at most 0.05 s) none
+    monkeypatch.setattr(study.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 60 * (s >= 0.1)))
     return clock, started
 
 
@@ -4712,11 +4931,115 @@ def test_study_overall_eta_is_within_2x_of_the_time_it_took(tmp_path, monkeypatc
     variants = {"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": []}
     study.train_all(str(tmp_path), variants, (0, 1, 2), 5, budget_min=1000, held_out=16)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("study: [")]
-    assert len(lines) == 9 and "an ETA once a run has ended" in lines[0]
+    assert len(lines) == 9 and "an ETA once a run has logged a step" in lines[0]
     total = clock[0] / 60
     guesses = [float(a) + float(b) for a, b in
                (re.search(r"\| ([\d.]+) min so far, .* about (\d+) min left", ln).groups() for ln in lines[2:])]
     assert len(guesses) == 7 and all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
+
+
+def test_study_overall_eta_comes_from_the_first_runs_pace_before_any_run_ends(tmp_path, monkeypatch, capsys):
+    """Before any run has ended, the overall ETA comes from the running runs' pace (steps logged against their
+    machine-minutes): every progress line from the first step on says "about N min left", with so far + ETA within
+    2x of the whole study's time; the quick study's shape (every run started at once) said "about 0 min left"."""
+    for variants, seeds in (({"scalerl": [], "batch8": ["--prompts", "8"], "no_npr": []}, (0, 1, 2)),
+                            ({"scalerl": [], "batch32": ["--prompts", "32"]}, (0,))):
+        clock, _ = fake_study_runs(monkeypatch, 20, log_steps=True)
+        study.train_all(str(tmp_path / str(len(seeds))), variants, seeds, 20, budget_min=1000, held_out=16)
+        said, total = capsys.readouterr().out.splitlines(), clock[0] / 60
+        first_end = next(i for i, ln in enumerate(said) if " done in " in ln)
+        progress = [ln for ln in said[:first_end] if re.match(r"study: [\d.]+ min \|", ln)]
+        assert len(progress) >= 10 and all("min left" in ln for ln in progress), said[:first_end]
+        guesses = [float(a) + float(b) for a, b in
+                   (re.search(r"^study: ([\d.]+) min \|.* about (\d+) min left", ln).groups() for ln in progress)]
+        assert all(total / 2 <= g <= total * 2 for g in guesses), (guesses, total)
+
+
+def test_study_runs_carry_their_start_time_and_code_commit_into_the_report(tmp_path, monkeypatch):
+    """Each run records when it started and the code's commit (study_run.json, a continued run adds its start);
+    the report's runs carry them. The commit is git's own answer for this checkout."""
+    clock, _ = fake_study_runs(monkeypatch, 20)
+    clock[0] = 1.8e9
+    study.train_all(str(tmp_path), {"scalerl": []}, (10,), 200, budget_min=1000, held_out=16)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (start,) = json.loads((tmp_path / "scalerl-s10" / "study_run.json").read_text())
+    assert start["started"] == "2027-01-15T08:00:00Z" and start["commit"] == head and isinstance(start["dirty"], bool)
+    names = write_synthetic_study(tmp_path)
+    study.write_report(str(tmp_path), names, study.SEEDS, 200)
+    runs_ = {(r["variant"], r["seed"]): r for r in json.loads((tmp_path / "study_report.json").read_text())["runs"]}
+    assert runs_[("scalerl", 10)]["starts"] == [start] and runs_[("no_npr", 10)]["starts"] == []
+
+
+def test_study_report_records_every_protocol_commit_with_its_files_hash():
+    """The report recorded the first protocol commit beside the SHA-256 of the amended file: now the chain, each
+    commit with the SHA-256 of the file as that commit holds it (git's own copy), the last one today's file."""
+    rec = study.protocol_record()
+    assert [c["commit"][:7] for c in rec["chain"]] == ["1b3775d", "8a32913"] and rec["frozen"]
+    for link in rec["chain"]:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{link['commit']}:{study.PROTOCOL}"],
+                              capture_output=True, check=True).stdout
+        assert hashlib.sha256(text).hexdigest() == link["sha256"] and link["what"]
+    assert rec["sha256"] == rec["chain"][-1]["sha256"] == hashlib.sha256((ROOT / study.PROTOCOL).read_bytes()).hexdigest()
+
+
+def test_study_words_on_predictability_are_what_the_paired_test_allows():
+    """README's "only 75% gives it skill" and docs/reference.md's "skill at 75% alone" rested on RMSE 0.0129 against
+    0.0147: a paired t-test of the squared errors (fit against the constant) recomputed from the committed report
+    shows skill at no cut (p 0.52 at 75%), and the words say so."""
+    rep = json.loads((ROOT / "assets" / "study_report.json").read_text())
+    finals = np.array([r["final_mean3"] for r in rep["runs"]])
+    p = {}
+    for cut in (0.4, 0.5, 0.6, 0.75):
+        rows = [(q["predicted"], r["final_mean3"]) for r in rep["runs"] for q in r["predictions"] if q and q["cut"] == cut]
+        fit_sq = np.array([(g - m) ** 2 for g, m in rows])
+        const_sq = np.array([((finals.sum() - m) / (len(finals) - 1) - m) ** 2 for _, m in rows])
+        p[cut] = stats.ttest_rel(fit_sq, const_sq).pvalue
+        assert not (p[cut] <= 0.05 and fit_sq.mean() < const_sq.mean())  # no cut shows skill
+    assert f"{p[0.75]:.2f}" == "0.52"
+    for doc in ("README.md", "docs/reference.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert "no skill shown at any cut" in text and "p 0.52" in text, doc
+        assert "gives it skill" not in text and "skill at 75% alone" not in text, doc
+
+
+def test_study_power_by_simulation_shows_skill_where_recipes_differ_and_noise_is_small():
+    """simulate_power: truth curves (sigmoids on samples) evaluated with binomial noise, each fitted at the cut;
+    recipes that end far apart (A 0.5 to 0.9) with almost no noise: the fit beats the constant (the other runs'
+    mean end) in every simulated study; the same seed gives the same answer; the skill test is the one-sided paired
+    t-test of squared errors written out, against both baselines."""
+    truth = [dict(A=a, B=2.0, C_mid=30 * 128.0, R0=0.2) for a in (0.5, 0.6, 0.7, 0.8, 0.9, 0.55, 0.75)]
+    got = study.simulate_power(truth, 400, n_eval=10 ** 8, reps=2)
+    assert got["power"] == 1.0 and got["rmse_fit"] < 0.002 < 0.1 < got["rmse_constant"], got
+    assert study.simulate_power(truth, 400, n_eval=10 ** 8, reps=2) == got and got["runs"] == 7
+    fit_sq, const_sq, pers_sq = [0.1, 0.2, 0.05, 0.3], [0.5, 0.4, 0.6, 0.9], [0.2, 0.25, 0.1, 0.2]
+    t = study.skill_test(fit_sq, const_sq, pers_sq)
+    assert t["p_constant"] == pytest.approx(paired_p_by_hand(np.subtract(const_sq, fit_sq), 0.0))
+    assert t["p_persistence"] == pytest.approx(paired_p_by_hand(np.subtract(pers_sq, fit_sq), 0.0))
+    assert t["skill"] == (t["p_constant"] <= 0.05 and t["p_persistence"] <= 0.05) and t["p_constant"] < 0.05
+
+
+def test_plots_extrapolation_draws_the_fit_solid_to_the_cut_and_dashed_beyond(tmp_path):
+    """Figure 2's form on synthetic recipes: the fitted curve solid from the first fitted point to the cut, dashed
+    from the cut to the run's end, each on the curve it was given; a PNG."""
+    C = np.arange(0, 401, 20) * 128.0
+    recipes = [dict(name=n, C=C, R=fit.sigmoid(C, a, 2.0, 4000.0, 0.2), fit_from=0.1 * C[-1],
+                    curve=lambda x, a=a: fit.sigmoid(x, a, 2.0, 4000.0, 0.2)) for n, a in (("scalerl", 0.8),
+                                                                                        ("grpo", 0.6))]
+    drawn = plots.draw_extrapolation(recipes, str(tmp_path / "f.png"), 0.5, "samples", "pass rate", "t")
+    for name, (solid, dashed) in drawn.items():
+        assert solid[0] == pytest.approx(0.1 * C[-1]) and solid[-1] == pytest.approx(0.5 * C[-1])
+        assert dashed[0] == pytest.approx(0.5 * C[-1]) and dashed[-1] == pytest.approx(C[-1])
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_study_quick_report_says_quick_and_names_its_command(tmp_path):
+    """The quick study's report called itself "The confirmatory ... study" and named the command without --quick."""
+    names = write_synthetic_study(tmp_path, seeds=(0,))[:1]
+    quick = study.write_report(str(tmp_path), names, (0,), 200, quick=True).splitlines()
+    assert quick[0] == study.QUICK_NOTE and quick[2].startswith("# The quick study") and "confirmatory" not in quick[2]
+    assert f"Written by `python study.py {tmp_path} --quick`" in quick[4]
+    full = study.write_report(str(tmp_path), names, (0,), 200).splitlines()
+    assert full[0].startswith("# The confirmatory") and f"Written by `python study.py {tmp_path}`" in full[2]
 
 
 def test_study_one_seed_decides_nothing_and_no_prediction_without_points_before_the_cut(tmp_path):
@@ -5796,6 +6119,35 @@ def test_train_runs_every_loss_and_ablation(toy_dir, tmp_path, flags):
     for m in lines[1:]:
         assert 0 <= m["pass_rate"] <= 1 and m["compute_s"] >= 0 and math.isfinite(m.get("loss", 0.0))
     assert lines[-2]["flops"] > lines[-3]["flops"] > 0
+
+
+def test_config_methods_are_the_compared_recipes_built_from_flags_alone_over_any_size_recipe():
+    """--method NAME: the recipes the paper's Figure 2 compares (GRPO, DAPO, Magistral, MiniMax-M1, ScaleRL), each
+    a set of existing flags; it combines with a size --recipe, and a flag given wins over it. The paper's GRPO is
+    sample aggregation with prompt normalization (--loss grpo alone changes only the objective, as --help says);
+    every method is in the README with its source."""
+    dests = {a.dest: a for a in config.make_parser()._actions}
+    assert set(config.METHODS) == {"scalerl", "grpo", "dapo", "magistral", "minimax"}
+    for name, flags in config.METHODS.items():
+        assert set(flags) <= set(dests), name  # existing flags only
+        for key, value in flags.items():
+            assert dests[key].choices is None or value in dests[key].choices, (name, key)
+    defaults = config.get_args([])
+    assert config.get_args(["--method", "scalerl"]).__dict__ == {**defaults.__dict__, "method": "scalerl"}
+    grpo = config.get_args(["--method", "grpo"])
+    assert (grpo.loss, grpo.agg, grpo.adv_norm, grpo.mode) == ("grpo", "sample", "prompt", "ppo_offpolicy")
+    assert (grpo.prompts, grpo.lr) == (defaults.prompts, defaults.lr)  # the toy's sizes kept
+    dapo = config.get_args(["--method", "dapo", "--agg", "prompt", "--recipe", "one_gpu"])
+    assert (dapo.loss, dapo.agg, dapo.zero_var_filter, dapo.length_control) == ("dapo", "prompt", True, "penalty")
+    assert (dapo.prompts, dapo.think_budget) == (16, 4096)  # one_gpu's sizes under DAPO's flags
+    assert config.get_args(["--method", "minimax", "--no-fp32_head"]).fp32_head is False
+    assert config.get_args(["--method", "grpo", "--zero_var_filter"]).zero_var_filter is True
+    help_text = " ".join(config.make_parser().format_help().split())
+    assert "--loss grpo alone" in help_text and "--method grpo" in help_text
+    readme = (ROOT / "README.md").read_text()
+    for name in config.METHODS:
+        row = next((ln for ln in readme.splitlines() if ln.startswith(f"| `--method {name}`")), "")
+        assert "arXiv" in row or "section" in row, name
 
 
 def test_train_live_fit_failure_is_logged_not_fatal(toy_dir, tmp_path, monkeypatch, capsys):

@@ -209,7 +209,7 @@ def train_step(trainer, batch, args):
     group = batch.group[rows]
     # each row's weight in the whole batch's loss (--agg, prompt average: section 3.2), so that
     # micro-batches and trainers sum to the one loss of the whole batch, however its rows split
-    weights = row_weights(group, tokens, args.agg, batch.sums).to(device)
+    weights = row_weights(group, tokens, args.agg, batch.sums, args.loss).to(device)
     loss_sum, stats = 0.0, []
     for part in trainer.micro_batches(batch):
         prompts = [batch.prompt_ids[rows[i]] for i in part]
