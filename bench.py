@@ -43,6 +43,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2
                           Qwen2ForCausalLM)
 
 import config
+import faults
 from checks import check_supported
 from data import prompt_ids, score_samples, special_tokens
 from runs import read_jsonl
@@ -53,7 +54,6 @@ from loss import LengthControl, make_batch, policy_loss
 import metrics
 import paged_attention
 import pipeline
-import ranks
 from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, memory_plan,
                   plan_activations, plan_lines, plan_param_count, plan_params, plan_shape,
                   plan_trainer)
@@ -699,7 +699,7 @@ def efficiency_sampler(args, rows=64, max_len=2048):
 def fsdp_worker(rank, world, port, config, cap_bytes, args, queue):
     """One trainer rank, unsharded or FSDP2, under RLIMIT_DATA (cap_bytes)."""
     import resource
-    ranks.pick_threads(world)
+    faults.pick_threads(world)
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -1522,7 +1522,7 @@ GPU_PART = {"kernels": gpu_kernels, "sampler": gpu_sampler, "trainer": gpu_train
 
 def main(args):
     hide_progress_bars()
-    ranks.pick_threads()
+    faults.pick_threads()
     if args.write_model:
         return write_model(args)
     t_start = time.perf_counter()

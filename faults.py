@@ -57,6 +57,20 @@ def role_of(ctx, r):
     return f"rank {r} ({'trainer' if r < ctx.n_trainers else 'generator'})"
 
 
+def pick_threads(local_world=None):
+    """torch's CPU threads for this process, every entry point's -> their count: the cores shared
+    among a machine's local_world ranks (torchrun's OMP_NUM_THREADS=1 overruled); one process
+    (None) half of them unless OMP_NUM_THREADS says (threads on a busy machine's cores wait on each
+    other: BENCHMARKS.md section 9)."""
+    import torch  # here: config.py imports this file before torch is imported
+    cores = os.cpu_count() or 1
+    if local_world:
+        torch.set_num_threads(max(1, cores // local_world))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // 2)))
+    return torch.get_num_threads()
+
+
 def set_status(ctx, text):
     ctx.live.status = text
     ctx.store.set(f"status/{ctx.rank}", text)

@@ -640,7 +640,7 @@ if __name__ == "__main__":
     from data import completion_text, special_tokens
     from toy import toy_model_dir, toy_problems
     from hub import hide_progress_bars, resolve_model
-    from ranks import pick_threads
+    from faults import pick_threads
     from runs import check_model_files
 
     args = config.sample_parser(__doc__.split("\n\n")[0]).parse_args()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import runs
-from faults import get_int, role_of, set_status, wait_until, watch
+from faults import get_int, pick_threads, role_of, set_status, wait_until, watch
 from generate import FINISH, Sample
 from hub import one_line
 
@@ -85,19 +85,6 @@ class Context:
     rollouts: object
     length: int = 0  # a packed rollout row's tokens per sample
     live: Live = field(default_factory=Live)
-
-
-def pick_threads(local_world=None):
-    """torch's CPU threads for this process, every entry point's -> their count: the cores shared
-    among a machine's local_world ranks (torchrun's OMP_NUM_THREADS=1 overruled); one process
-    (None) half of them unless OMP_NUM_THREADS says (threads on a busy machine's cores wait on each
-    other: BENCHMARKS.md section 9)."""
-    cores = os.cpu_count() or 1
-    if local_world:
-        torch.set_num_threads(max(1, cores // local_world))
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // 2)))
-    return torch.get_num_threads()
 
 
 def check_launcher():

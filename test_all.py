@@ -2553,7 +2553,7 @@ def test_every_entry_point_picks_torch_threads_and_hides_loading_bars_the_same_w
                                                                                    capsys):
     """--eval_only never capped torch's threads as training does (80 s against 8 s on a busy 2-core machine), and it
     and generate.py showed transformers' "Loading weights" bar that training hides: every entry point goes through
-    ranks.pick_threads (half the cores unless OMP_NUM_THREADS says) and hub.hide_progress_bars."""
+    faults.pick_threads (half the cores unless OMP_NUM_THREADS says) and hub.hide_progress_bars."""
     from transformers.utils import logging as hf_logging
     threads, picked = torch.get_num_threads(), []
     real = torch.set_num_threads
@@ -2574,8 +2574,8 @@ def test_every_entry_point_picks_torch_threads_and_hides_loading_bars_the_same_w
     out, err = capsys.readouterr()
     assert picked == [threads] * 2 and out.count(" -> [") == 3 and "Loading weights" not in err, (picked, err)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # said: kept
-    assert ranks.pick_threads() == threads and picked == [threads] * 2
-    assert ranks.pick_threads(2) == threads and picked == [threads] * 3  # torchrun's 2 ranks: its OMP_NUM_THREADS=1
+    assert faults.pick_threads() == threads and picked == [threads] * 2
+    assert faults.pick_threads(2) == threads and picked == [threads] * 3  # torchrun's 2 ranks: its OMP_NUM_THREADS=1
 
 
 def test_split_is_seeded_and_disjoint():
@@ -5554,7 +5554,7 @@ def test_pipeline_a_held_out_prompt_longer_than_every_training_prompt_is_sampled
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"problem": f"Compute {'+'.join(['1'] * n)}.", "answer": str(n)}) + "\n"
                            for n in (2, 12)))  # the toy's prompts have 1 to 4 operations
-    rcs, (out, _) = finish_all(launch(2, tmp_path / "run", "--steps", "1", "--val_data", str(val)))
+    rcs, (out, _) = finish_all(launch(2, tmp_path / "run", "--steps", "1", "--val_data", str(val), "--val_size", "2"))
     assert rcs == [0, 0], out
     evals = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "eval"]
     assert [(r["step"], r["n"]) for r in evals] == [(0, 2), (1, 2)]

@@ -99,9 +99,9 @@ def base_model_dir(args):
 
 
 def say_threads(args):
-    """One process on a CPU: ranks.pick_threads, and the line that says its count."""
+    """One process on a CPU: faults.pick_threads, and the line that says its count."""
     if pick_device(args).type == "cpu":
-        print(f"torch threads: {ranks.pick_threads()} of {os.cpu_count()} cores", flush=True)
+        print(f"torch threads: {faults.pick_threads()} of {os.cpu_count()} cores", flush=True)
 
 
 def pick_device(args, ctx=None):
