@@ -35,38 +35,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
-                          Qwen2ForCausalLM)
-
-import config
-import faults
-from checks import check_supported
-from data import prompt_ids, score_samples, special_tokens
-from runs import read_jsonl
-from generate import Decoder, Sample, drive, generate, tensor_core_head
-import generate as gen_module
-from hub import hide_progress_bars
-from loss import LengthControl, make_batch, policy_loss
-import metrics
-import paged_attention
-import pipeline
-from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, memory_plan,
-                  plan_activations, plan_lines, plan_param_count, plan_params, plan_shape,
-                  plan_trainer)
-import study
-from toy import toy_model_dir, toy_problems
-import train
-import trainer as trainer_module
-from trainer import (LogProbs, _Head, collate, kernels_line, micro_batches, packed_logprobs,
-                     sequence_logprobs, shard_trainer)
-
 # -----------------------------------------------------------------------------
 # flags
 
+GPU_PARTS = ("kernels", "sampler", "trainer")  # figure gpu's, each in its own process
 FIGURES = ("1", "2", "3", "4", "5", "6", "7", "memory", "efficiency", "stability", "replay",
            "plan_rss", "gpu")
 
@@ -128,7 +100,7 @@ def get_args(argv=None):
                     help="save the random-weight --size config (--dtype) with the toy tokenizer "
                          "to DIR, for train.py --model DIR (a real architecture on the toy task), "
                          "and exit")
-    ap.add_argument("--gpu_part", default="", choices=["", *GPU_PART],
+    ap.add_argument("--gpu_part", default="", choices=["", *GPU_PARTS],
                     help="figure gpu: run this one of its parts here (the figure runs each so)")
     ap.add_argument("--json", action="store_true",
                     help="print every figure as one JSON dict, last line")
@@ -139,11 +111,8 @@ def get_args(argv=None):
                  f"{', '.join(FIGURES)})")
     return args
 
-# -----------------------------------------------------------------------------
-# models (random weights, no download)
 
-
-SIZES = {
+SIZES = {  # --size: the random-weight Qwen2 configs (models, below)
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, intermediate_size=1408, vocab_size=32000,
                   tie_word_embeddings=False),
@@ -154,6 +123,44 @@ SIZES = {
                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
                  tie_word_embeddings=True),  # Qwen2-0.5B's shape
 }
+
+
+if __name__ == "__main__":  # flags, --help and their errors before torch's seconds of imports
+    get_args()
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+import config
+import faults
+from checks import check_supported
+from data import prompt_ids, score_samples, special_tokens
+from runs import read_jsonl
+from generate import Decoder, Sample, drive, generate, tensor_core_head
+import generate as gen_module
+from hub import hide_progress_bars
+from loss import LengthControl, make_batch, policy_loss
+import metrics
+import paged_attention
+import pipeline
+from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, memory_plan,
+                  plan_activations, plan_lines, plan_param_count, plan_params, plan_shape,
+                  plan_trainer)
+import study
+from toy import toy_model_dir, toy_problems
+import train
+import trainer as trainer_module
+from trainer import (LogProbs, _Head, collate, kernels_line, micro_batches, packed_logprobs,
+                     sequence_logprobs, shard_trainer)
+
+# -----------------------------------------------------------------------------
+# models (random weights, no download)
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -1517,7 +1524,7 @@ def bench_gpu():
     return run_parts(gpu_parts())
 
 
-GPU_PART = {"kernels": gpu_kernels, "sampler": gpu_sampler, "trainer": gpu_trainer}
+GPU_PART = dict(zip(GPU_PARTS, (gpu_kernels, gpu_sampler, gpu_trainer)))
 
 
 def main(args):

@@ -6714,7 +6714,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_flags_and_their_errors_come_before_torch_is_imported():
     """Every flag error and --help took 13-24 s on a busy machine (torch and transformers imported first), and a normal
-    start was silent for 15 s: train.py and generate.py parse their flags before those imports, and a start says so
+    start was silent for 15 s: train.py, generate.py and bench.py parse their flags before those imports, and a start says so
     first. (config.py imports neither.)"""
     def run(*argv):
         done = subprocess.run([sys.executable, "-c", STOP_AT_TORCH, *argv], cwd=ROOT, capture_output=True, text=True,
@@ -6731,6 +6731,10 @@ def test_flags_and_their_errors_come_before_torch_is_imported():
     code, out, err = run("generate.py", "--nn", "2")  # one line, as train.py's
     assert code == 2 and "imported>" not in out and err.strip().splitlines() == [
         "generate.py: error: unrecognized arguments: --nn 2 (--nn: did you mean --n?) (--help lists the flags)"], err
+    code, out, err = run("bench.py", "--help")
+    assert code == 0 and "--figures" in out and "imported>" not in out, (out, err)
+    code, out, err = run("bench.py", "--figures", "9")
+    assert code == 2 and "imported>" not in out and "--figures: no figure 9" in err, (out, err)
     for script in ("train.py", "generate.py"):  # a start: its first line before the heavy imports
         code, out, err = run(script)
         assert out.splitlines()[:2] == ["starting: importing torch and transformers ...", "<torch imported>"], out
