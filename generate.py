@@ -4,7 +4,8 @@ sections 3.1-3.2); the trainer's log-probs of the same tokens are trainer.py's.
 
 Start at `sampler`: continuous batching, in-flight weight updates (the KV cache kept, as
 PipelineRL), forced interruption. `Decoder` is its device side: a static-shape decode step, a CUDA
-graph per step size. The KV cache is a pool of blocks that rows take as they grow; when it runs
+graph per step size. The KV cache is a pool of blocks that rows take as they grow; a row is
+admitted while the pool holds every row at the length samples reach, and where it still runs
 out the newest rows restart from their prompts. A sample is a function of its noise key, whatever
 its slot, batch or restarts.
 
@@ -618,6 +619,15 @@ def cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids, int
     return max_prompt_len + max_new, max_new
 
 
+def peak_blocks(lengths, tops, block):
+    """The most KV blocks rows at `lengths` tokens hold at once if each grows a token a step up to
+    its top, then frees its blocks: the worst case of every row reaching its top."""
+    lengths, tops = np.asarray(lengths), np.maximum(tops, lengths)
+    left = tops - lengths  # steps until each row ends
+    at = np.minimum(lengths[None] + left[:, None], tops[None])  # every row's length as row i ends
+    return int((-(-at // block) * (left[None] >= left[:, None])).sum(1).max(initial=0))
+
+
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
@@ -652,6 +662,9 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
     order = []  # busy slots, oldest first: the newest is preempted first
     # a busy row's cache position, at most: the host sees rows finish only at collect (-1: free)
     bound = np.full(slots, -1)
+    # admission's reserve: the pool less vLLM's watermark (1% of its blocks), rows projected to
+    # the longest of the last `slots` samples (the whole budget until that many have finished)
+    room, recent = len(dec.free) - len(dec.free) // 100, deque([max_new], maxlen=slots)
     finished = []
     while True:
         new, new_version = yield finished, owner.count(None) - len(pending)
@@ -675,9 +688,18 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                 pending.appendleft(owner[last])
                 owner[last], bound[last], preempted = None, -1, True
         free, items = [s for s in range(slots) if owner[s] is None], []
-        # no new rows in a round that preempted one: they would take the blocks it gave back
-        while (pending and len(items) < len(free) and not preempted and dec.reserve(
-                free[len(items)], min(len(pending[0][0]) - 1 + sync_every, max_len))):
+        reach = max(recent)
+        rows = [(bound[s], min(len(owner[s][0]) - 1 + reach, max_len)) for s in order]
+        # admission with a watermark (vLLM's rule): a new row only while the pool, less the
+        # watermark, holds every running row and it at the length the last samples reached, so
+        # none is preempted to make room for it and its decoding thrown away; none in a round
+        # that preempted one (they would take the blocks it gave back)
+        while pending and len(items) < len(free) and not preempted:
+            m = len(pending[0][0]) - 1
+            rows.append((m, min(m + reach, max_len)))
+            if (len(rows) > 1 and peak_blocks(*zip(*rows), dec.block) > room
+                    or not dec.reserve(free[len(items)], min(m + sync_every, max_len))):
+                break
             items.append(pending.popleft())
         if items:
             dec.admit(free[:len(items)], [p for p, _, _ in items], [key for _, key, _ in items])
@@ -695,6 +717,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         for s, sample in dec.collect(R).items():
             (_, sample.key, tag), owner[s], bound[s] = owner[s], None, -1
             order.remove(s)
+            recent.append(len(sample.tokens))
             finished.append((tag, sample))
 
 
