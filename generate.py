@@ -13,6 +13,7 @@ its slot, batch or restarts.
     python generate.py --model Qwen/Qwen3-0.6B --prompt "What is 2+2?" --think_budget 512
 """
 
+import heapq
 import inspect
 import random
 import sys
@@ -154,6 +155,7 @@ def _decode(q, k_cache, v_cache, scale, how):
         return varlen_attn(q[:, 0].contiguous(), k_cache, v_cache, how[3], None, 1,
                            how[2].size(1) * k_cache.size(1), scale=scale, enable_gqa=True,
                            seqused_k=how[1], block_table=how[2])
+    pool = k_cache, v_cache
     k_cache, v_cache = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # by flat position
 
     def sdpa(q, k, v, mask):
@@ -162,12 +164,15 @@ def _decode(q, k_cache, v_cache, scale, how):
         return out.reshape(-1, H, D)
     if how[0] == "masked":
         return sdpa(q, k_cache[how[2]], v_cache[how[2]], how[1])
-    out = q.new_empty(R, H, D)
+    out = None if how[1][0][0] == slice(0, R) else q.new_empty(R, H, D)  # None: one group of all
     for rows, at, mask in how[1]:
+        k, v = (c[at] for c in (pool if isinstance(at, tuple) else (k_cache, v_cache)))
+        if out is None:
+            return sdpa(q, k, v, mask)
         if isinstance(rows, slice):
-            out[rows] = sdpa(q[rows], k_cache[at], v_cache[at], mask)
+            out[rows] = sdpa(q[rows], k, v, mask)
         else:
-            out.index_copy_(0, rows, sdpa(q[rows], k_cache[at], v_cache[at], mask))
+            out.index_copy_(0, rows, sdpa(q[rows], k, v, mask))
     return out
 
 
@@ -304,20 +309,22 @@ def bucket(n, sizes):
 
 
 def len_bucket(n, cap):
-    """n rounded up by at most 15 or n/8, so a step's plan, and its graph, recur."""
-    step = max(16, 1 << max(0, n.bit_length() - 4))
-    return min(-(-n // step) * step, cap)
+    """n rounded up by at most 15 or n/8 (n an int or an array), so a step's plan recurs."""
+    step = np.maximum(16, 1 << np.maximum(0, np.frexp(n)[1] - 4))  # frexp: n's bit length
+    return np.minimum(-(-n // step) * step, cap)
 
 
-def row_groups(lengths, cap, slack=1.2):
+def row_groups(lengths, cap, slack=1.2, floor=256):
     """Rows grouped by key length, neighbours merged while the keys read stay within slack x the
-    rows'. Where no paged kernel runs, a row reads keys up to its group's length, not the longest
-    row's; fewer groups are fewer attention calls."""
-    groups = {}
-    for r, n in enumerate(lengths):
-        groups.setdefault(len_bucket(max(int(n), 1), cap), []).append(r)
-    groups = sorted(groups.items())
-    room = slack * sum(max(int(n), 64) for n in lengths) - sum(S * len(rs) for S, rs in groups)
+    rows' -> (rows, keys read: the group's longest row, masked: rows of fewer keys in it). Where
+    no paged kernel runs, a row reads keys up to its group's length, not the longest row's; fewer
+    groups are fewer attention calls."""
+    n = np.maximum(np.asarray(lengths, dtype=np.int64), 1)
+    if n.min() == n.max():  # rows of one length (no mask)
+        return ((slice(0, len(n)), int(n[0]), False),)
+    sizes, which = np.unique(len_bucket(n, cap), return_inverse=True)  # numpy: a step's host cost
+    groups = [(int(S), np.flatnonzero(which == i).tolist()) for i, S in enumerate(sizes)]
+    room = slack * np.maximum(n, floor).sum() - sum(S * len(rs) for S, rs in groups)
     while len(groups) > 1:
         cost, i = min(((groups[i + 1][0] - S) * len(rs), i)
                       for i, (S, rs) in enumerate(groups[:-1]))
@@ -325,9 +332,13 @@ def row_groups(lengths, cap, slack=1.2):
             break
         room -= cost
         groups[i:i + 2] = [(groups[i + 1][0], sorted(groups[i][1] + groups[i + 1][1]))]
-    # consecutive rows as a slice: a view, not a gather
-    return tuple((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S)
-                 for S, rs in groups)
+    out = []
+    for _, rs in groups:
+        S, short = int(n[rs].max()), bool((n[rs] < n[rs].max()).any())
+        # consecutive rows as a slice: a view, not a gather
+        out.append((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S,
+                    short))
+    return tuple(out)
 
 
 _KERNELS = {}
@@ -378,10 +389,13 @@ def _how(plan, pos, dtype, table, block):
     if plan[0] == "masked":
         return "masked", mask(pos, plan[1]), keys(table, plan[1])
     groups = []
-    for rows, S in plan[1]:
+    for rows, S, masked, first in plan[1]:
         if not isinstance(rows, slice):
             rows = torch.tensor(rows, device=pos.device)
-        groups.append((rows, keys(table[rows], S), mask(pos[rows], S)))
+        # rows in consecutive blocks, one each: their keys a view of the pool, not a gather
+        at = ((slice(first, first + rows.stop - rows.start), slice(0, S)) if first else
+              keys(table[rows], S))
+        groups.append((rows, at, mask(pos[rows], S) if masked else None))
     return "groups", groups
 
 
@@ -430,7 +444,7 @@ class Decoder:
         # the device's (table) is refreshed before the next forward.
         self.table = torch.zeros(slots, width, dtype=torch.int32, device=dev)
         self.tables, self.held = np.zeros((slots, width), np.int32), np.zeros(slots, int)
-        self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
+        self.free, self.stale = list(range(1, blocks)), False  # a heap: the lowest block first
         self.qkv = fused_qkv(model)
         self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config), block)
         w = model.lm_head.weight
@@ -473,14 +487,15 @@ class Decoder:
         if need > len(self.free):
             return False
         for i in range(self.held[slot], self.held[slot] + max(need, 0)):
-            self.tables[slot, i], self.stale = self.free.pop(), True
+            self.tables[slot, i], self.stale = heapq.heappop(self.free), True
         self.held[slot] += max(need, 0)
         return True
 
     def release(self, slots):
         """Stop these rows (finished or preempted); their blocks back to the pool."""
         for s in slots:
-            self.free += self.tables[s, :self.held[s]].tolist()
+            for b in self.tables[s, :self.held[s]].tolist():
+                heapq.heappush(self.free, b)
             self.tables[s], self.held[s], self.stale = 0, 0, True
         self.live[torch.tensor(slots, device=self.device)] = False
 
@@ -521,10 +536,19 @@ class Decoder:
     def attention_plan(self, lengths):
         """How this step's attention reads each row's keys (_how); with R, a CUDA graph's key."""
         if self.kernel == "groups":
-            return "groups", row_groups(lengths, self.max_len)
+            return "groups", tuple((rows, S, masked, self.first_block(rows, S))
+                                   for rows, S, masked in row_groups(lengths, self.max_len))
         if self.kernel == "masked":
             return "masked", bucket(int(max(lengths)), bucket_sizes(self.max_len, 64))
         return (self.kernel,)
+
+    def first_block(self, rows, S):
+        """The first of the blocks of rows a..b whose S keys lie in consecutive blocks, one a row
+        (as a pool that holds every row lends them: the lowest free block first), else 0."""
+        if not isinstance(rows, slice) or S > self.block:
+            return 0
+        first = self.tables[rows, 0]
+        return int(first[0]) if first[0] and (np.diff(first) == 1).all() else 0
 
     def step(self, R, lengths):
         """One decode step of rows 0..R-1: a CUDA graph replay, else eager."""
@@ -656,15 +680,19 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                   answer_budget=answer_budget, interrupt=interrupt, temperature=temperature,
                   fp32_head=fp32_head, seed=seed, version=version, graphs=graphs,
                   prefill_tokens=prefill_tokens, blocks=blocks, block=block)
-    row_sizes = bucket_sizes(slots, 8)
+    # step sizes: a CUDA graph each; eager steps run the busy rows alone
+    row_sizes = bucket_sizes(slots, 8) if graphs else list(range(1, slots + 1))
     pending = deque()
     owner = [None] * slots  # (prompt, key, tag)
     order = []  # busy slots, oldest first: the newest is preempted first
     # a busy row's cache position, at most: the host sees rows finish only at collect (-1: free)
     bound = np.full(slots, -1)
-    # admission's reserve: the pool less vLLM's watermark (1% of its blocks), rows projected to
-    # the longest of the last `slots` samples (the whole budget until that many have finished)
-    room, recent = len(dec.free) - len(dec.free) // 100, deque([max_new], maxlen=slots)
+    # admission's room: the pool less vLLM's watermark (1% of its blocks), None where it holds
+    # every slot at max_len; rows projected to the longest of the last `slots` samples (the whole
+    # budget until that many have finished)
+    room = (None if len(dec.free) >= slots * -(-max_len // dec.block) else
+            len(dec.free) - len(dec.free) // 100)
+    recent = deque([max_new], maxlen=slots)
     finished = []
     while True:
         new, new_version = yield finished, owner.count(None) - len(pending)
@@ -681,7 +709,8 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         # blocks back and waits again (vLLM's preemption by recompute): it restarts from its prompt
         # with its key, so under the same weights it makes the same sample
         preempted = False
-        for s in list(order):
+        short = (-(-np.minimum(bound + sync_every, max_len) // dec.block) > dec.held).tolist()
+        for s in [s for s in order if short[s]]:  # a reserve call only where one can do something
             while owner[s] and not dec.reserve(s, min(bound[s] + sync_every, max_len)):
                 last = order.pop()
                 dec.release([last])
@@ -689,7 +718,8 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                 owner[last], bound[last], preempted = None, -1, True
         free, items = [s for s in range(slots) if owner[s] is None], []
         reach = max(recent)
-        rows = [(bound[s], min(len(owner[s][0]) - 1 + reach, max_len)) for s in order]
+        rows = [(bound[s], min(len(owner[s][0]) - 1 + reach, max_len))
+                for s in (order if room and pending and free and not preempted else ())]
         # admission with a watermark (vLLM's rule): a new row only while the pool, less the
         # watermark, holds every running row and it at the length the last samples reached, so
         # none is preempted to make room for it and its decoding thrown away; none in a round
@@ -697,7 +727,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         while pending and len(items) < len(free) and not preempted:
             m = len(pending[0][0]) - 1
             rows.append((m, min(m + reach, max_len)))
-            if (len(rows) > 1 and peak_blocks(*zip(*rows), dec.block) > room
+            if (room and len(rows) > 1 and peak_blocks(*zip(*rows), dec.block) > room
                     or not dec.reserve(free[len(items)], min(m + sync_every, max_len))):
                 break
             items.append(pending.popleft())
