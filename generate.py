@@ -164,7 +164,7 @@ def _decode(q, k_cache, v_cache, scale, how):
         return out.reshape(-1, H, D)
     if how[0] == "masked":
         return sdpa(q, k_cache[how[2]], v_cache[how[2]], how[1])
-    out = None if how[1][0][0] == slice(0, R) else q.new_empty(R, H, D)  # None: one group of all
+    out = None if len(how[1]) == 1 else q.new_empty(R, H, D)  # None: one group, every row
     for rows, at, mask in how[1]:
         k, v = (c[at] for c in (pool if isinstance(at, tuple) else (k_cache, v_cache)))
         if out is None:
