@@ -320,8 +320,8 @@ def row_groups(lengths, cap, slack=1.2, floor=256):
     no paged kernel runs, a row reads keys up to its group's length, not the longest row's; fewer
     groups are fewer attention calls."""
     n = np.maximum(np.asarray(lengths, dtype=np.int64), 1)
-    if n.min() == n.max():  # rows of one length (no mask)
-        return ((slice(0, len(n)), int(n[0]), False),)
+    if len(n) * len_bucket(n.max(), cap) <= slack * np.maximum(n, floor).sum():  # one group fits
+        return ((slice(0, len(n)), int(n.max()), bool(n.min() < n.max())),)
     sizes, which = np.unique(len_bucket(n, cap), return_inverse=True)  # numpy: a step's host cost
     groups = [(int(S), np.flatnonzero(which == i).tolist()) for i, S in enumerate(sizes)]
     room = slack * np.maximum(n, floor).sum() - sum(S * len(rs) for S, rs in groups)
