@@ -433,6 +433,8 @@ class Decoder:
         self.eos = torch.tensor(eos_id, dtype=torch.long, device=dev).view(-1)
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)
+        if dev.type != "cuda":  # no paged kernel's page size: rows shorter than a block take less
+            block = min(block, max_len)
         width, self.block = -(-max_len // block), block
         blocks = min(blocks or 1 + slots * width, 1 + slots * width)  # at most: all at max_len
         if blocks < 1 + width:
