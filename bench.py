@@ -147,8 +147,8 @@ from loss import LengthControl, make_batch, policy_loss
 import metrics
 import paged_attention
 import pipeline
-from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, memory_plan,
-                  plan_activations, plan_lines, plan_param_count, plan_params, plan_shape,
+from plan import (LOGITS_BYTES, PlanRun, head_chunk, head_peak, kv_bytes_per_token, mean_length,
+                  memory_plan, plan_activations, plan_lines, plan_param_count, plan_params, plan_shape,
                   plan_trainer)
 import study
 from toy import toy_model_dir, toy_problems
@@ -698,6 +698,88 @@ def efficiency_sampler(args, rows=64, max_len=2048):
           f"layers | " + " | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in out.items()))
     return out
+
+class LengthsDecoder(Decoder):
+    """A Decoder whose step runs no model: sample `key` is lengths[key] tokens (truncated at the
+    budget, else eos). Its KV pool and bookkeeping (reserve, release, collect) are Decoder's own."""
+
+    lengths, decoded, admitted, steps = (), 0, 0, 0
+
+    def admit(self, slots, prompts, keys):
+        rows = torch.tensor(slots)
+        self.n[rows], self.limit[rows] = 0, torch.tensor([self.lengths[k] for k in keys])
+        self.cut[rows] = self.think_budget  # the budget: the finish reason of a full-length row
+        self.live[rows], LengthsDecoder.admitted = True, self.admitted + len(slots)
+
+    def step(self, R, lengths):
+        live, n = self.live[:R], self.n[:R]
+        LengthsDecoder.decoded, LengthsDecoder.steps = self.decoded + int(live.sum()), self.steps + 1
+        n += live
+        self.pos[:R] += live
+        over = live & (n >= self.limit[:R])
+        self.finish[:R] += over * torch.where(self.limit[:R] >= self.cut[:R], 3, 1)
+        self.live[:R] &= ~over
+
+
+def long_tailed_lengths(n, budget, reach, seed=0):
+    """n sample lengths: `reach` of them the whole budget, the rest log-uniform in 16..budget."""
+    rng = np.random.default_rng(seed)
+    return [budget if rng.random() < reach else int(np.exp(rng.uniform(np.log(16), np.log(budget))))
+            for _ in range(n)]
+
+
+def admission_run(prompts, lengths, slots, budget, blocks, sync_every, block=gen_module.BLOCK):
+    """The real sampler loop over LengthsDecoder -> ({tag: Sample}, tokens decoded, admissions,
+    decode steps)."""
+    model = qwen2_model(dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, intermediate_size=8, vocab_size=16), "cpu",
+                        torch.float32)
+    LengthsDecoder.lengths, LengthsDecoder.decoded = lengths, 0
+    LengthsDecoder.admitted = LengthsDecoder.steps = 0
+    real, gen_module.Decoder = gen_module.Decoder, LengthsDecoder
+    try:
+        steps = gen_module.sampler(model, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=budget,
+                            answer_budget=0, max_prompt_len=max(map(len, prompts)),
+                            interrupt=False, slots=slots, sync_every=sync_every, blocks=blocks,
+                            block=block)
+        done = drive(steps, [(p, k, k) for k, p in enumerate(prompts)])
+    finally:
+        gen_module.Decoder = real
+    return done, LengthsDecoder.decoded, LengthsDecoder.admitted, LengthsDecoder.steps
+
+
+def efficiency_admission(slots=128, prompts=256, budget=8192, reach=0.945, sync_every=8,
+                         block=gen_module.BLOCK, seed=0, quiet=False):
+    """Decoded tokens the sampler throws away when rows restart (decode_tokens_discarded: thrown
+    away / kept), the KV pool sized at the mean length (plan.slots_in) against one that holds
+    every row at the full budget; the samples must be the same."""
+    rng = np.random.default_rng(seed)
+    ids = [[1] * int(rng.integers(budget // 160 + 1, budget // 20)) for _ in range(prompts)]
+    lengths = long_tailed_lengths(prompts, budget, reach, seed)
+    max_len = max(map(len, ids)) + budget
+    mean = 1 + slots * -(-mean_length(max_len, budget) // block)
+    out = {}
+    for name, blocks in (("full", None), ("mean", mean)):
+        done, decoded, admitted, steps = admission_run(ids, lengths, slots, budget, blocks, sync_every,
+                                                block)
+        kept = sum(len(s.tokens) for s in done.values())
+        out[name] = {"discarded": (decoded - kept) / kept, "restarts": admitted - prompts,
+                     "steps": steps,
+                     "samples": {k: (len(s.tokens), s.finish) for k, s in done.items()}}
+    full, mean_pool = out["full"], out["mean"]
+    r = {"decode_tokens_discarded": mean_pool["discarded"], "restarts": mean_pool["restarts"],
+         "samples_equal_full_pool": mean_pool["samples"] == full["samples"],
+         "discarded_full_pool": full["discarded"], "decode_steps": mean_pool["steps"],
+         "decode_steps_full_pool": full["steps"]}
+    if not quiet:
+        print(f"efficiency  | sampler admission, {prompts} prompts, {slots} slots, budget {budget} "
+              f"({reach:.1%} reach it), sync_every {sync_every}, KV pool at the mean length "
+              f"({mean} blocks of {block}) | decode_tokens_discarded {r['decode_tokens_discarded']:.3f} "
+              f"({r['restarts']} restarts) | decode steps {r['decode_steps']} (full pool "
+              f"{r['decode_steps_full_pool']}) | samples as with a full pool "
+              f"{r['samples_equal_full_pool']}", flush=True)
+    return r
+
 
 # -----------------------------------------------------------------------------
 # figure 7: FSDP2 under a memory cap
@@ -1359,7 +1441,8 @@ def gpu_peaks():
 
 def decode_path(kernel, q, k, v, pos, table, scale):
     """One of DECODE_PATHS on rows at positions pos over their block tables."""
-    plan = ("groups", [(slice(None), table.size(1) * k.size(1))]) if kernel == "groups" else (kernel,)
+    plan = (("groups", [(slice(0, q.size(0)), table.size(1) * k.size(1), True, 0)])
+            if kernel == "groups" else (kernel,))
     how = paged_attention.attention_inputs(plan, pos, q.dtype, table, k.size(1))
     return paged_attention.decode_attention(q, k, v, scale, how)
 
@@ -1574,6 +1657,10 @@ def main(args):
         results["fsdp"] = bench_fsdp(args)
     if "efficiency" in figures:
         results.setdefault("efficiency", {}).update(efficiency_sampler(args))
+        admission = efficiency_admission()
+        results["efficiency"].update({k: admission[k] for k in ("decode_tokens_discarded",
+                                                                "restarts", "decode_steps",
+                                                                "decode_steps_full_pool")})
     if "memory" in figures:
         results["memory_plan"] = bench_memory_plan(args)
     if "efficiency" in figures:

@@ -4,7 +4,8 @@ sections 3.1-3.2); the trainer's log-probs of the same tokens are trainer.py's.
 
 Start at `sampler`: continuous batching, in-flight weight updates (the KV cache kept, as
 PipelineRL), forced interruption. `Decoder` is its device side: a static-shape decode step, a CUDA
-graph per step size. The KV cache is a pool of blocks that rows take as they grow; when it runs
+graph per step size. The KV cache is a pool of blocks that rows take as they grow; a row is
+admitted while the pool holds every row at the length samples reach, and where it still runs
 out the newest rows restart from their prompts. A sample is a function of its noise key, whatever
 its slot, batch or restarts.
 
@@ -16,6 +17,7 @@ if __name__ == "__main__":  # flags, --help and their errors before torch's seco
     import config
     config.parse_first(config.sample_parser(__doc__.split("\n\n")[0]))
 
+import heapq
 import random
 import sys
 from collections import deque
@@ -265,20 +267,22 @@ def bucket(n, sizes):
 
 
 def len_bucket(n, cap):
-    """n rounded up by at most 15 or n/8, so a step's plan, and its graph, recur."""
-    step = max(16, 1 << max(0, n.bit_length() - 4))
-    return min(-(-n // step) * step, cap)
+    """n rounded up by at most 15 or n/8 (n an int or an array), so a step's plan recurs."""
+    step = np.maximum(16, 1 << np.maximum(0, np.frexp(n)[1] - 4))  # frexp: n's bit length
+    return np.minimum(-(-n // step) * step, cap)
 
 
-def row_groups(lengths, cap, slack=1.2):
+def row_groups(lengths, cap, slack=1.2, floor=256):
     """Rows grouped by key length, neighbours merged while the keys read stay within slack x the
-    rows'. Where no paged kernel runs, a row reads keys up to its group's length, not the longest
-    row's; fewer groups are fewer attention calls."""
-    groups = {}
-    for r, n in enumerate(lengths):
-        groups.setdefault(len_bucket(max(int(n), 1), cap), []).append(r)
-    groups = sorted(groups.items())
-    room = slack * sum(max(int(n), 64) for n in lengths) - sum(S * len(rs) for S, rs in groups)
+    rows' -> (rows, keys read: the group's longest row, masked: rows of fewer keys in it). Where
+    no paged kernel runs, a row reads keys up to its group's length, not the longest row's; fewer
+    groups are fewer attention calls."""
+    n = np.maximum(np.asarray(lengths, dtype=np.int64), 1)
+    if len(n) * len_bucket(n.max(), cap) <= slack * np.maximum(n, floor).sum():  # one group fits
+        return ((slice(0, len(n)), int(n.max()), bool(n.min() < n.max())),)
+    sizes, which = np.unique(len_bucket(n, cap), return_inverse=True)  # numpy: a step's host cost
+    groups = [(int(S), np.flatnonzero(which == i).tolist()) for i, S in enumerate(sizes)]
+    room = slack * np.maximum(n, floor).sum() - sum(S * len(rs) for S, rs in groups)
     while len(groups) > 1:
         cost, i = min(((groups[i + 1][0] - S) * len(rs), i)
                       for i, (S, rs) in enumerate(groups[:-1]))
@@ -286,9 +290,13 @@ def row_groups(lengths, cap, slack=1.2):
             break
         room -= cost
         groups[i:i + 2] = [(groups[i + 1][0], sorted(groups[i][1] + groups[i + 1][1]))]
-    # consecutive rows as a slice: a view, not a gather
-    return tuple((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S)
-                 for S, rs in groups)
+    out = []
+    for _, rs in groups:
+        S, short = int(n[rs].max()), bool((n[rs] < n[rs].max()).any())
+        # consecutive rows as a slice: a view, not a gather
+        out.append((slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs) else tuple(rs), S,
+                    short))
+    return tuple(out)
 
 
 def prefill_width(length, max_len):
@@ -325,6 +333,8 @@ class Decoder:
         self.eos = torch.tensor(eos_id, dtype=torch.long, device=dev).view(-1)
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)
+        if dev.type != "cuda":  # no paged kernel's page size: rows shorter than a block take less
+            block = min(block, max_len)
         width, self.block = -(-max_len // block), block
         blocks = min(blocks or 1 + slots * width, 1 + slots * width)  # at most: all at max_len
         if blocks < 1 + width:
@@ -336,7 +346,7 @@ class Decoder:
         # the device's (table) is refreshed before the next forward.
         self.table = torch.zeros(slots, width, dtype=torch.int32, device=dev)
         self.tables, self.held = np.zeros((slots, width), np.int32), np.zeros(slots, int)
-        self.free, self.stale = list(range(blocks - 1, 0, -1)), False  # pop() takes the lowest
+        self.free, self.stale = list(range(1, blocks)), False  # a heap: the lowest block first
         self.qkv = fused_qkv(model)
         self.kernel = decode_kernel(dev, self.cache[0][0].dtype, head_dim_of(model.config), block)
         w = model.lm_head.weight
@@ -379,14 +389,15 @@ class Decoder:
         if need > len(self.free):
             return False
         for i in range(self.held[slot], self.held[slot] + max(need, 0)):
-            self.tables[slot, i], self.stale = self.free.pop(), True
+            self.tables[slot, i], self.stale = heapq.heappop(self.free), True
         self.held[slot] += max(need, 0)
         return True
 
     def release(self, slots):
         """Stop these rows (finished or preempted); their blocks back to the pool."""
         for s in slots:
-            self.free += self.tables[s, :self.held[s]].tolist()
+            for b in self.tables[s, :self.held[s]].tolist():
+                heapq.heappush(self.free, b)
             self.tables[s], self.held[s], self.stale = 0, 0, True
         self.live[torch.tensor(slots, device=self.device)] = False
 
@@ -428,8 +439,17 @@ class Decoder:
         """How this step's attention reads each row's keys (attention_inputs); with R, a CUDA
         graph's key."""
         if self.kernel == "groups":
-            return "groups", row_groups(lengths, self.max_len)
+            return "groups", tuple((rows, S, masked, self.first_block(rows, S))
+                                   for rows, S, masked in row_groups(lengths, self.max_len))
         return (self.kernel,)
+
+    def first_block(self, rows, S):
+        """The first of the blocks of rows a..b whose S keys lie in consecutive blocks, one a row
+        (as a pool that holds every row lends them: the lowest free block first), else 0."""
+        if not isinstance(rows, slice) or S > self.block:
+            return 0
+        first = self.tables[rows, 0]
+        return int(first[0]) if first[0] and (np.diff(first) == 1).all() else 0
 
     def step(self, R, lengths):
         """One decode step of rows 0..R-1: a CUDA graph replay, else eager."""
@@ -524,6 +544,15 @@ def cache_length(max_prompt_len, think_budget, answer_budget, interrupt_ids, int
     return max_prompt_len + max_new, max_new
 
 
+def peak_blocks(lengths, tops, block):
+    """The most KV blocks rows at `lengths` tokens hold at once if each grows a token a step up to
+    its top, then frees its blocks: the worst case of every row reaching its top."""
+    lengths, tops = np.asarray(lengths), np.maximum(tops, lengths)
+    left = tops - lengths  # steps until each row ends
+    at = np.minimum(lengths[None] + left[:, None], tops[None])  # every row's length as row i ends
+    return int((-(-at // block) * (left[None] >= left[:, None])).sum(1).max(initial=0))
+
+
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
@@ -552,12 +581,19 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
                   answer_budget=answer_budget, interrupt=interrupt, temperature=temperature,
                   fp32_head=fp32_head, seed=seed, version=version, graphs=graphs,
                   prefill_tokens=prefill_tokens, blocks=blocks, block=block)
-    row_sizes = bucket_sizes(slots, 8)
+    # step sizes: a CUDA graph each; eager steps run the busy rows alone
+    row_sizes = bucket_sizes(slots, 8) if graphs else list(range(1, slots + 1))
     pending = deque()
     owner = [None] * slots  # (prompt, key, tag)
     order = []  # busy slots, oldest first: the newest is preempted first
     # a busy row's cache position, at most: the host sees rows finish only at collect (-1: free)
     bound = np.full(slots, -1)
+    # admission's room: the pool less vLLM's watermark (1% of its blocks), None where it holds
+    # every slot at max_len; rows projected to the longest of the last `slots` samples (the whole
+    # budget until that many have finished)
+    room = (None if len(dec.free) >= slots * -(-max_len // dec.block) else
+            len(dec.free) - len(dec.free) // 100)
+    recent = deque([max_new], maxlen=slots)
     finished = []
     while True:
         new, new_version = yield finished, owner.count(None) - len(pending)
@@ -574,16 +610,27 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         # blocks back and waits again (vLLM's preemption by recompute): it restarts from its prompt
         # with its key, so under the same weights it makes the same sample
         preempted = False
-        for s in list(order):
+        short = (-(-np.minimum(bound + sync_every, max_len) // dec.block) > dec.held).tolist()
+        for s in [s for s in order if short[s]]:  # a reserve call only where one can do something
             while owner[s] and not dec.reserve(s, min(bound[s] + sync_every, max_len)):
                 last = order.pop()
                 dec.release([last])
                 pending.appendleft(owner[last])
                 owner[last], bound[last], preempted = None, -1, True
         free, items = [s for s in range(slots) if owner[s] is None], []
-        # no new rows in a round that preempted one: they would take the blocks it gave back
-        while (pending and len(items) < len(free) and not preempted and dec.reserve(
-                free[len(items)], min(len(pending[0][0]) - 1 + sync_every, max_len))):
+        reach = max(recent)
+        rows = [(bound[s], min(len(owner[s][0]) - 1 + reach, max_len))
+                for s in (order if room and pending and free and not preempted else ())]
+        # admission with a watermark (vLLM's rule): a new row only while the pool, less the
+        # watermark, holds every running row and it at the length the last samples reached, so
+        # none is preempted to make room for it and its decoding thrown away; none in a round
+        # that preempted one (they would take the blocks it gave back)
+        while pending and len(items) < len(free) and not preempted:
+            m = len(pending[0][0]) - 1
+            rows.append((m, min(m + reach, max_len)))
+            if (room and len(rows) > 1 and peak_blocks(*zip(*rows), dec.block) > room
+                    or not dec.reserve(free[len(items)], min(m + sync_every, max_len))):
+                break
             items.append(pending.popleft())
         if items:
             dec.admit(free[:len(items)], [p for p, _, _ in items], [key for _, key, _ in items])
@@ -601,6 +648,7 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         for s, sample in dec.collect(R).items():
             (_, sample.key, tag), owner[s], bound[s] = owner[s], None, -1
             order.remove(s)
+            recent.append(len(sample.tokens))
             finished.append((tag, sample))
 
 

@@ -62,7 +62,7 @@ def exact_kernel(device, dtype, head_dim, block):
     pos = torch.tensor([0, block + block // 2, 2 * block - 1], device=device)
     table = torch.tensor([[2, 4], [3, 1], [4, 2]], dtype=torch.int32, device=device)
     ref = decode_attention(q, k, v, 0.125, attention_inputs(
-        ("groups", ((slice(0, 3), 2 * block),)), pos, dtype, table, block))
+        ("groups", ((slice(0, 3), 2 * block, True, 0),)), pos, dtype, table, block))
     missing = {"flash": flash_attn_with_kvcache is None and "flash-attn not installed",
                "varlen": (varlen_attn is None or "block_table" not in
                           inspect.signature(varlen_attn).parameters)
@@ -102,10 +102,13 @@ def attention_inputs(plan, pos, dtype, table, block):
         return torch.zeros(p.size(0), 1, 1, S, dtype=dtype, device=pos.device).masked_fill_(
             torch.arange(S, device=pos.device) > p[:, None, None, None], float("-inf"))
     groups = []
-    for rows, S in plan[1]:
+    for rows, S, masked, first in plan[1]:
         if not isinstance(rows, slice):
             rows = torch.tensor(rows, device=pos.device)
-        groups.append((rows, keys(table[rows], S), mask(pos[rows], S)))
+        # rows in consecutive blocks, one each: their keys a view of the pool, not a gather
+        at = ((slice(first, first + rows.stop - rows.start), slice(0, S)) if first else
+              keys(table[rows], S))
+        groups.append((rows, at, mask(pos[rows], S) if masked else None))
     return "groups", groups
 
 
@@ -122,18 +125,22 @@ def decode_attention(q, k_cache, v_cache, scale, how):
                            seqused_k=how[1], block_table=how[2])
     if how[0] == "triton":
         return paged_decode(q[:, 0], k_cache, v_cache, how[1], how[2], scale)
+    pool = k_cache, v_cache
     k_cache, v_cache = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)  # by flat position
 
     def sdpa(q, k, v, mask):
         out = F.scaled_dot_product_attention(q.reshape(-1, Hkv, H // Hkv, D), k.transpose(1, 2),
                                              v.transpose(1, 2), attn_mask=mask, scale=scale)
         return out.reshape(-1, H, D)
-    out = q.new_empty(R, H, D)
+    out = None if len(how[1]) == 1 else q.new_empty(R, H, D)  # None: one group, every row
     for rows, at, mask in how[1]:
+        k, v = (c[at] for c in (pool if isinstance(at, tuple) else (k_cache, v_cache)))
+        if out is None:
+            return sdpa(q, k, v, mask)
         if isinstance(rows, slice):
-            out[rows] = sdpa(q[rows], k_cache[at], v_cache[at], mask)
+            out[rows] = sdpa(q[rows], k, v, mask)
         else:
-            out.index_copy_(0, rows, sdpa(q[rows], k_cache[at], v_cache[at], mask))
+            out.index_copy_(0, rows, sdpa(q[rows], k, v, mask))
     return out
 
 

@@ -2874,6 +2874,35 @@ def test_generate_a_pool_too_small_for_every_row_preempts_and_gives_the_same_sam
             assert np.allclose(a.logps, b.logps, atol=1e-9)
 
 
+def test_sampler_admission_throws_away_no_decoding_when_the_pool_holds_rows_at_their_mean_length():
+    """The real sampler loop over a model-free decoder (bench.LengthsDecoder: 16 slots, a 512-token budget that
+    94.5% of samples reach, the KV pool sized at the mean length as plan.slots_in sizes it): decoded tokens
+    thrown away by restarts stay within 5% of those kept (0.62 when rows were admitted while any block was
+    free), and every sample has the length and finish reason it has with a block for every token of every
+    slot (the stand-in samples nothing: its samples are their lengths)."""
+    r = bench.efficiency_admission(slots=16, prompts=32, budget=512, block=16, sync_every=4, quiet=True)
+    assert r["samples_equal_full_pool"] and r["discarded_full_pool"] == 0
+    assert r["decode_tokens_discarded"] <= 0.05, r
+
+
+def test_peak_blocks_equals_rows_grown_step_by_step():
+    """Admission's projection against a step-by-step simulation: rows grow a token a step to their tops, then
+    free their blocks; the most blocks held at once."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 8))
+        lengths = rng.integers(1, 40, n)
+        tops = lengths + rng.integers(0, 40, n)
+        most, t = 0, 0
+        while True:
+            now = np.minimum(lengths + t, tops)
+            held = (-(-now // 8) * (lengths + t <= tops)).sum()
+            most, t = max(most, held), t + 1
+            if not (lengths + t <= tops).any():
+                break
+        assert gen.peak_blocks(lengths.tolist(), tops.tolist(), 8) == most
+
+
 def test_decoder_blocks_are_taken_as_rows_grow_and_returned_when_they_finish():
     model = tiny_model("qwen2")
     dec = gen.Decoder(model, 3, 28, 20, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=6, answer_budget=0,
@@ -3162,11 +3191,11 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
                                     @ v_rows[r, :p + 1, h // 2] for h in range(H)])
                        for r, p in enumerate(pos.tolist())])
     lengths = (pos + 1).tolist()
-    plan = gen.row_groups(lengths, max_len)
-    members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S in plan]
+    plan = tuple(g + (0,) for g in gen.row_groups(lengths, max_len))  # first block 0: keys gathered
+    members = [(list(range(R)[a]) if isinstance(a, slice) else list(a), S) for a, S, _, _ in plan]
     assert sorted(r for rs, _ in members for r in rs) == list(range(R))  # every row in one group
     assert all(lengths[r] <= S for rs, S in members for r in rs) and len(plan) < R
-    for how in (("groups", plan), ("groups", ((slice(0, R), 600),))):
+    for how in (("groups", plan), ("groups", ((slice(0, R), 600, True, 0),))):
         assert torch.allclose(pa.decode_attention(q, k, v, 0.3, pa.attention_inputs(how, pos, q.dtype, table, B)), ref,
                               atol=1e-12), how
 
@@ -3195,10 +3224,10 @@ def test_decode_attention_reads_each_rows_own_keys_and_equals_softmax_over_them(
         assert torch.allclose(pa.decode_attention(q, k, v, 0.3, pa.attention_inputs((kernel,), pos, q.dtype, table, B)),
                               ref, atol=1e-12), kernel
     read = sum(len(rs) * S for rs, S in members)
-    assert read <= 1.2 * sum(max(n, 64) for n in lengths) and 600 * R > 1.9 * sum(lengths)
+    assert read <= 1.2 * sum(max(n, 256) for n in lengths) and 600 * R > 1.9 * sum(lengths)
     for seed in range(5):  # rows of 64..2048 keys: the groups read at most 1.25x, one bucket for all ~2x
         n = torch.randint(64, 2049, (64,), generator=torch.Generator().manual_seed(seed)).tolist()
-        sizes = [(len(range(64)[a]) if isinstance(a, slice) else len(a), S) for a, S in gen.row_groups(n, 2048)]
+        sizes = [(len(range(64)[a]) if isinstance(a, slice) else len(a), S) for a, S, _ in gen.row_groups(n, 2048)]
         assert sum(k * S for k, S in sizes) <= 1.25 * sum(n)
     for n in range(1, 5000):  # a group's keys: at most 1/8 more than its longest row's (or 16 under 128)
         assert n <= gen.len_bucket(n, 10 ** 6) <= max(n + 15, n * 9 / 8)
@@ -3349,6 +3378,39 @@ def test_decode_kernels_per_step_counts_what_computes_once_a_call_and_grows_by_a
         plan = dec.attention_plan(lens.tolist())
         counts.append(bench.kernels_of(lambda: dec._step(4, plan, dec.off[:4]), "cpu"))
     assert counts[2] - counts[1] == counts[1] - counts[0] > 20, counts  # a layer: 7 projections, norms, attention
+
+
+def test_decode_attention_reads_rows_in_consecutive_blocks_as_a_view_of_the_pool():
+    """Off CUDA, rows of one block each, in consecutive blocks (what a pool that holds every row lends, the
+    lowest free block first, also after rows finish and others take their slots), read their keys as a view
+    of the pool, no gather, unmasked where every row has the group's length: the same attention as the
+    gathered, masked read and each row's softmax over its own keys."""
+    model = tiny_model("qwen2", torch.float64)
+    dec = gen.Decoder(model, 4, 20, 8, eos_id=-1, think_end=[-2], interrupt_ids=[], think_budget=8, answer_budget=0,
+                      interrupt=False, temperature=1.0, fp32_head=True, seed=0, version=0, graphs=False, block=32)
+    for s in range(4):
+        dec.reserve(s, 12)
+    dec.release([1, 2])
+    assert dec.reserve(1, 12) and dec.reserve(2, 12)  # refilled lowest slot first (the sampler's order)
+    assert dec.tables[:, 0].tolist() == [1, 2, 3, 4] and dec.first_block(slice(0, 4), 12) == 1
+    assert dec.first_block(slice(0, 4), 33) == 0 and dec.first_block((0, 2), 12) == 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 1, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(5, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    table = torch.tensor(dec.tables)
+    for pos in ([11] * 4, [11, 3, 7, 0]):
+        pos = torch.tensor(pos)
+        ref = torch.stack([torch.stack([((q[r, 0, h] @ k[1 + r, :p + 1, h // 2].T) * 0.3).softmax(-1)
+                                        @ v[1 + r, :p + 1, h // 2] for h in range(4)])
+                           for r, p in enumerate(pos.tolist())])
+        ((rows, S, masked),) = gen.row_groups((pos + 1).tolist(), 20, slack=100)
+        assert (rows, S, masked) == (slice(0, 4), 12, pos.min() < 11)
+        view = pa.attention_inputs(("groups", ((rows, S, masked, 1),)), pos, q.dtype, table, 32)
+        gather = pa.attention_inputs(("groups", ((rows, S, True, 0),)), pos, q.dtype, table, 32)
+        assert isinstance(view[1][0][1], tuple) and torch.is_tensor(gather[1][0][1])
+        assert k[view[1][0][1]].data_ptr() == k[1].data_ptr()  # a view: no copy
+        for how in (view, gather):
+            assert torch.allclose(pa.decode_attention(q, k, v, 0.3, how), ref, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
