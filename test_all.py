@@ -5252,12 +5252,17 @@ def _faked_gpu_rank(rank, world, port, out):
     Path(out, f"rank{rank}.txt").write_text(ended)
 
 
+def two_ranks_end(rank_fn, tmp_path):
+    """Two forked ranks of rank_fn(rank, world, port, out) -> how each ended (its rank{r}.txt)."""
+    torch.multiprocessing.start_processes(rank_fn, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
+                                          start_method="forkserver")
+    return [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+
+
 def test_ranks_a_rank_that_differs_stops_every_rank_at_once_instead_of_hanging(tmp_path):
     in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
-    torch.multiprocessing.start_processes(_faked_gpu_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
-                                          start_method="forkserver")
-    ended = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    ended = two_ranks_end(_faked_gpu_rank, tmp_path)
     assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: this rank runs on GPUs, rank 0 "
                      f"({socket.gethostname()}) on the CPU: every rank must (the same GPUs on every node, or "
                      "--device cpu everywhere)"], ended
@@ -5339,9 +5344,7 @@ def test_ranks_weight_broadcast_layout_is_checked_once_at_start(tmp_path):
         in ranks.layout_mismatch(sent, shorter)
     in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
-    torch.multiprocessing.start_processes(_layout_rank, args=(2, bench.free_port(), str(tmp_path)), nprocs=2,
-                                          start_method="forkserver")
-    ended = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    ended = two_ranks_end(_layout_rank, tmp_path)
     assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: the weight broadcast does not match: "
                      "parameter 0 is model.embed_tokens.weight (40, 32) float32 on trainer 0 but "
                      "model.embed_tokens.weight (40, 32) bfloat16 here; every rank must load the same --model with "
