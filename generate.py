@@ -553,6 +553,40 @@ def peak_blocks(lengths, tops, block):
     return int((-(-at // block) * (left[None] >= left[:, None])).sum(1).max(initial=0))
 
 
+def make_room(dec, order, owner, bound, pending, ahead, max_len):
+    """Blocks for the next `ahead` tokens of every busy row, oldest first; where they run out, the
+    newest row gives its blocks back and waits again (vLLM's preemption by recompute): it restarts
+    from its prompt with its key, so under the same weights it makes the same sample -> whether a
+    row was preempted."""
+    preempted = False
+    short = (-(-np.minimum(bound + ahead, max_len) // dec.block) > dec.held).tolist()
+    for s in [s for s in order if short[s]]:  # a reserve call only where one can do something
+        while owner[s] and not dec.reserve(s, min(bound[s] + ahead, max_len)):
+            last = order.pop()
+            dec.release([last])
+            pending.appendleft(owner[last])
+            owner[last], bound[last], preempted = None, -1, True
+    return preempted
+
+
+def admissible(dec, order, owner, bound, pending, free, room, reach, sync_every, max_len):
+    """The pending prompts admitted into `free` slots this round, their first blocks reserved.
+    With a watermark (vLLM's rule): a new row only while the pool, less the watermark (`room`),
+    holds every running row and it at the length the last samples reached (`reach`), so none is
+    preempted to make room for it and its decoding thrown away."""
+    items = []
+    rows = [(bound[s], min(len(owner[s][0]) - 1 + reach, max_len))
+            for s in (order if room and pending and free else ())]
+    while pending and len(items) < len(free):
+        m = len(pending[0][0]) - 1
+        rows.append((m, min(m + reach, max_len)))
+        if (room and len(rows) > 1 and peak_blocks(*zip(*rows), dec.block) > room
+                or not dec.reserve(free[len(items)], min(m + sync_every, max_len))):
+            break
+        items.append(pending.popleft())
+    return items
+
+
 @torch.no_grad()
 def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_budget, max_prompt_len,
             interrupt=True, slots=64, temperature=1.0, fp32_head=True, seed=0, version=0,
@@ -606,32 +640,11 @@ def sampler(model, *, eos_id, think_end, interrupt_ids, think_budget, answer_bud
         if new_version != version:  # in-flight update (PipelineRL, section 3.1): the cache stays
             version = new_version
             dec.new_weights(version)
-        # blocks for this round, oldest rows first; where they run out, the newest row gives its
-        # blocks back and waits again (vLLM's preemption by recompute): it restarts from its prompt
-        # with its key, so under the same weights it makes the same sample
-        preempted = False
-        short = (-(-np.minimum(bound + sync_every, max_len) // dec.block) > dec.held).tolist()
-        for s in [s for s in order if short[s]]:  # a reserve call only where one can do something
-            while owner[s] and not dec.reserve(s, min(bound[s] + sync_every, max_len)):
-                last = order.pop()
-                dec.release([last])
-                pending.appendleft(owner[last])
-                owner[last], bound[last], preempted = None, -1, True
-        free, items = [s for s in range(slots) if owner[s] is None], []
-        reach = max(recent)
-        rows = [(bound[s], min(len(owner[s][0]) - 1 + reach, max_len))
-                for s in (order if room and pending and free and not preempted else ())]
-        # admission with a watermark (vLLM's rule): a new row only while the pool, less the
-        # watermark, holds every running row and it at the length the last samples reached, so
-        # none is preempted to make room for it and its decoding thrown away; none in a round
-        # that preempted one (they would take the blocks it gave back)
-        while pending and len(items) < len(free) and not preempted:
-            m = len(pending[0][0]) - 1
-            rows.append((m, min(m + reach, max_len)))
-            if (room and len(rows) > 1 and peak_blocks(*zip(*rows), dec.block) > room
-                    or not dec.reserve(free[len(items)], min(m + sync_every, max_len))):
-                break
-            items.append(pending.popleft())
+        preempted = make_room(dec, order, owner, bound, pending, sync_every, max_len)
+        free = [s for s in range(slots) if owner[s] is None]
+        # none admitted in a round that preempted a row (they would take the blocks it gave back)
+        items = [] if preempted else admissible(dec, order, owner, bound, pending, free, room,
+                                                max(recent), sync_every, max_len)
         if items:
             dec.admit(free[:len(items)], [p for p, _, _ in items], [key for _, key, _ in items])
             for s, item in zip(free, items):
