@@ -7,10 +7,8 @@ Figures (--figures; 1-5 by default): 1 sampler tokens/s against model.generate; 
 and the chunked log-probs' peak memory against full logits; 3 weight broadcast; 4 generator vs
 trainer log-prob agreement; 5 decode roofline (arithmetic); 6 training wall-clock per --mode; 7
 FSDP2 under a memory cap; memory (the memory plan against CPU measurements); efficiency; stability
-(PipelineRL-8 at its worst case, seed by seed); replay; plan_rss; gpu (on a GPU, in 8 minutes, each
-part in its own process under its own timeout: test_all.py's CUDA tests, the kernels against their
-exact references, the 0.5B-shape sampler at batch 64 and 256 and trainer on 8k tokens, with
-tokens/s, the fraction of the HBM roofline and MFU; run it first on a GPU).
+(PipelineRL-8 at its worst case, seed by seed); replay; plan_rss; gpu (on a GPU, first: its CUDA
+tests, kernels, 0.5B sampler and trainer, each part under its own timeout: bench_gpu).
 
     python bench.py                            # CPU, about 70 s
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16
