@@ -224,15 +224,22 @@ def bench_sampler(name, model, args):
     # warm-up (CUDA graphs)
     time_ours(model, prompts, args.new_tokens, args.fp32_head)
     time_hf(model, ids[:2], 2)
-    ours, hf = [], []
+    ours, hf, ours1, hf1 = [], [], [], []
     for _ in range(args.repeats):  # alternate: the same load for both
         ours.append(time_ours(model, prompts, args.new_tokens, args.fp32_head))
         hf.append(time_hf(model, ids, args.new_tokens))
+        # one new token: the prefill and a step, what a call costs besides its decode steps
+        ours1.append(time_ours(model, prompts, 1, args.fp32_head))
+        hf1.append(time_hf(model, ids, 1))
     tokens = args.batch * args.new_tokens
     r = {"model": name, "params": n_params(model), "batch": args.batch,
          "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "fp32_head": args.fp32_head,
-         "ours_tok_s": tokens / min(ours), "hf_tok_s": tokens / min(hf), "ours_s": ours, "hf_s": hf}
+         "ours_tok_s": tokens / min(ours), "hf_tok_s": tokens / min(hf), "ours_s": ours, "hf_s": hf,
+         "ours_fixed_s": min(ours1), "hf_fixed_s": min(hf1)}
     r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
+    steps = max(1, args.new_tokens - 1)
+    for side in ("ours", "hf"):
+        r[f"{side}_step_ms"] = (min(r[f"{side}_s"]) - r[f"{side}_fixed_s"]) / steps * 1e3
     roof = ""
     if args.device == "cuda":
         context = args.prompt_len + args.new_tokens // 2
@@ -244,7 +251,10 @@ def bench_sampler(name, model, args):
     print(f"1 sampler   | {name} ({r['params'] / 1e6:.2f}M, {args.dtype}, ours fp32_head "
           f"{args.fp32_head}) | batch {args.batch} x ({args.prompt_len} + {args.new_tokens}) | "
           f"ours {r['ours_tok_s']:.0f} tok/s | model.generate {r['hf_tok_s']:.0f} tok/s | "
-          f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating){roof}")
+          f"ours/hf {r['ratio']:.2f} (best of {args.repeats} each, alternating){roof} | a call "
+          f"of one token (prefill) ours {r['ours_fixed_s'] * 1e3:.1f} ms, hf "
+          f"{r['hf_fixed_s'] * 1e3:.1f} ms; each further step ours {r['ours_step_ms']:.2f} ms, "
+          f"hf {r['hf_step_ms']:.2f} ms")
     return r
 
 
