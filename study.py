@@ -996,7 +996,8 @@ def main(argv=None):
                         "(--figure2: figure2_report.json, figure2.png; --assets assets replaces "
                         "the committed ones)")
     p.add_argument("--quick", action="store_true",
-                   help="2 variants x 1 seed x 6 tiny steps, an eval after each (the test's form)")
+                   help="2 variants x 1 seed x 6 tiny steps (or --steps), an eval after each (the test's "
+                        "form)")
     p.add_argument("--figure2", action="store_true",
                    help="the second study (docs/protocol-figure2.md): the recipes of the paper's "
                         f"Figure 2 (FIGURE2), seeds {SEEDS2[0]}-{SEEDS2[-1]}, {STEPS2} steps, an "
@@ -1012,7 +1013,7 @@ def main(argv=None):
     if args.quick:
         variants = {n: variants[n] for n in (("scalerl", "dapo") if args.figure2 else
                                              ("scalerl", "batch32"))}
-        seeds, steps, held_out = (0,), 6, 8
+        seeds, steps, held_out = (0,), args.steps or 6, 8
         extra = ["--prompts", "4", "--samples", "4", "--eval_every", "1", "--eval_samples", "1"]
     budget = args.budget or (BUDGET2 if args.figure2 else BUDGET)
     written = (["figure2.md", "figure2_report.json", "figure2.png"] if args.figure2 else

@@ -4879,6 +4879,17 @@ def test_study_report_names_the_file_line_and_field_of_a_missing_number(tmp_path
 
 
 
+def test_study_quick_takes_steps(tmp_path, monkeypatch):
+    """--quick --steps N trains N steps a run (it once kept its 6 whatever --steps said)."""
+    seen = []
+    monkeypatch.setattr(study, "train_all", lambda out, variants, seeds, steps, *a, **k: seen.append(steps) or [])
+    for argv, steps in ((["--quick", "--steps", "3"], 3), (["--quick"], 6)):
+        with pytest.raises(SystemExit, match="no variant"):
+            study.main([str(tmp_path / str(steps)), *argv])
+        assert seen.pop() == steps
+        assert json.loads((tmp_path / str(steps) / "settings.json").read_text())["steps"] == steps
+
+
 def test_study_folder_keeps_its_settings_and_refuses_another_command(tmp_path, monkeypatch):
     """A study folder records the settings it was made with (settings.json, through runs.py's writer); another
     command on it (the full study on the quick study's folder, which silently ran on its 8 held-out problems) is
