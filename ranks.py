@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 import runs
-from faults import get_int, pick_threads, role_of, set_status, wait_until, watch
+from faults import (get_int, pick_threads, printable, record_error, role_of, set_status,
+                    wait_until, watch)
 from generate import FINISH, Sample
 from hub import one_line
 
@@ -274,7 +275,8 @@ def decide_plan(store, rank, world, facts, trainers, gens, timeout):
     store_wait(store, ["plan"], timeout, "rank 0's device plan")
     plan = json.loads(store.get("plan"))
     if plan["refused"]:
-        stop_together(store, rank, world, plan["refused"].get(str(rank)), "plan")
+        refused = {int(r): why for r, why in plan["refused"].items()}  # JSON's keys are strings
+        stop_together(store, rank, world, refused, "plan")
     return plan
 
 
@@ -290,14 +292,27 @@ def disagreement(mine, first):
     return None
 
 
-def stop_together(store, rank, world, why, check):
-    """A start-up check failed: a rank it names says why in one line, the others exit 2; rank 0,
-    the store's host, last, once every rank has read the verdict (or 30 s passed: one is gone)."""
+def stop_together(store, rank, world, refused, check):
+    """A start-up check failed ({rank: why}): a rank it names says why, as torchrun's root cause
+    (its error file, else stderr); the others point to the first one named, after it has said it (up
+    to 5 s); all exit 2, rank 0 (the store's host) last, once every rank has read the verdict (or
+    30 s passed: one is gone)."""
     store.add(f"{check}/read", 1)
+    if rank in refused:
+        line = printable(f"train.py: error: rank {rank} on {socket.gethostname()}: {refused[rank]}")
+        if not record_error(line, shown="\n" + line):
+            print(line, file=sys.stderr, flush=True)
+        store.set(f"{check}/said", "1")
+    else:
+        record_error(f"stopped with rank {min(refused)}, whose start-up check failed (the root "
+                     "cause)", later=True)
+        t0 = time.time()
+        while not store.check([f"{check}/said"]) and time.time() - t0 < 5:
+            time.sleep(0.05)
     t0 = time.time()
     while rank == 0 and int(store.add(f"{check}/read", 0)) < world and time.time() - t0 < 30:
         time.sleep(0.05)
-    sys.exit(f"error: rank {rank} on {socket.gethostname()}: {why}" if why else 2)
+    sys.exit(2)
 
 
 def store_wait(store, keys, timeout, what):
@@ -368,9 +383,9 @@ def meet(ctx, version, length, layout):
         ctx.store.set(f"layout/{ctx.rank}", layout_mismatch(json.loads(ctx.store.get("layout")),
                                                             layout) or "")
     wait_until(ctx, lambda: ctx.store.check([f"layout/{r}" for r in gens]), "the generators' weights")
-    refused = {r: ctx.store.get(f"layout/{r}").decode() for r in gens}
-    if any(refused.values()):  # the broadcast sends bare bytes: a mismatch is garbage or a hang
-        stop_together(ctx.store, ctx.rank, ctx.world, refused.get(ctx.rank), "layout")
+    refused = {r: why for r in gens if (why := ctx.store.get(f"layout/{r}").decode())}
+    if refused:  # the broadcast sends bare bytes: a mismatch is garbage or a hang
+        stop_together(ctx.store, ctx.rank, ctx.world, refused, "layout")
     dist.barrier(group=ctx.rollouts)
 
 

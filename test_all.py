@@ -5247,7 +5247,8 @@ def test_ranks_a_rank_whose_answers_differ_is_named_in_one_line():
 def _faked_gpu_rank(rank, world, port, out):
     """A rank of setup where rank 1 sees a GPU (faked) and rank 0 none: -> out/rank{r}.txt, how it ended."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_ERROR_FILE=str(Path(out, f"error{rank}.json")))
     if rank == 1:
         torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 1)
         torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(uuid="GPU-x")
@@ -5271,13 +5272,19 @@ def two_ranks_end(rank_fn, tmp_path):
 
 
 def test_ranks_a_rank_that_differs_stops_every_rank_at_once_instead_of_hanging(tmp_path):
+    """Every rank stops at once, exit 2; torchrun's root cause is the rank that differs, saying why in its error
+    file (it once said "the same error as rank 0", whose own file held nothing); the other points to it."""
     in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
     ended = two_ranks_end(_faked_gpu_rank, tmp_path)
-    assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: this rank runs on GPUs, rank 0 "
-                     f"({socket.gethostname()}) on the CPU: every rank must (the same GPUs on every node, or "
-                     "--device cpu everywhere)"], ended
+    assert ended == ["exit 2", "exit 2"], ended
     assert time.time() - t0 < 15  # not the 20 s --timeout of a hang
+    said = [json.loads((tmp_path / f"error{r}.json").read_text())["message"] for r in range(2)]
+    host = socket.gethostname()
+    assert said[1]["message"] == (f"train.py: error: rank 1 on {host}: this rank runs on GPUs, rank 0 ({host}) on "
+                                  "the CPU: every rank must (the same GPUs on every node, or --device cpu everywhere)")
+    assert said[0]["message"] == "stopped with rank 1, whose start-up check failed (the root cause)"
+    assert int(said[0]["extraInfo"]["timestamp"]) > int(said[1]["extraInfo"]["timestamp"])  # torchrun: the earliest
 
 
 def test_ranks_loopback_master_addr_pins_lo_on_one_machine_only(monkeypatch):
@@ -5325,9 +5332,11 @@ def test_runs_a_filesystem_without_locks_is_one_line_not_a_traceback(tmp_path, m
 
 
 def _layout_rank(rank, world, port, out):
-    """setup and meet where the generator's model is bfloat16 and trainer 0's float32 -> out/rank{r}.txt."""
+    """setup and meet where the generator's model is bfloat16 and trainer 0's float32 -> out/rank{r}.txt (and what
+    it told torchrun: out/error{r}.json)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_ERROR_FILE=str(Path(out, f"error{rank}.json")))
     args = types.SimpleNamespace(gen_ranks=1, prompts=1, samples=1, device="cpu", timeout=20, mode="pipeline",
                                  max_lag=8, heartbeat_timeout=30)
     ctx = ranks.setup(args)
@@ -5356,11 +5365,14 @@ def test_ranks_weight_broadcast_layout_is_checked_once_at_start(tmp_path):
     in_fork(int)  # the fork server started (it imports this file), then the clock
     t0 = time.time()
     ended = two_ranks_end(_layout_rank, tmp_path)
-    assert ended == ["exit 2", f"exit error: rank 1 on {socket.gethostname()}: the weight broadcast does not match: "
-                     "parameter 0 is model.embed_tokens.weight (40, 32) float32 on trainer 0 but "
-                     "model.embed_tokens.weight (40, 32) bfloat16 here; every rank must load the same --model with "
-                     "the same --dtype"], ended
+    assert ended == ["exit 2", "exit 2"], ended
     assert time.time() - t0 < 15
+    said = [json.loads((tmp_path / f"error{r}.json").read_text())["message"]["message"] for r in range(2)]
+    assert said == ["stopped with rank 1, whose start-up check failed (the root cause)",
+                    f"train.py: error: rank 1 on {socket.gethostname()}: the weight broadcast does not match: "
+                    "parameter 0 is model.embed_tokens.weight (40, 32) float32 on trainer 0 but "
+                    "model.embed_tokens.weight (40, 32) bfloat16 here; every rank must load the same --model with "
+                    "the same --dtype"], said
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
