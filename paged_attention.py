@@ -13,6 +13,7 @@ keys through its block table. On CPU it runs through Triton's interpreter (TRITO
 before triton is imported).
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -27,10 +28,10 @@ try:
     from flash_attn import flash_attn_with_kvcache
 except Exception:
     flash_attn_with_kvcache = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
+varlen_attn = None
+if torch.cuda.is_available():  # CUDA's alone; importing it pulls torch's compiler (~1.5 s)
+    with contextlib.suppress(ImportError):
+        from torch.nn.attention.varlen import varlen_attn
 
 _KERNELS = {}
 PAGED = ("flash", "varlen", "triton")  # CUDA's decode attention, in order of preference

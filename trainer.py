@@ -12,6 +12,7 @@ calls its `micro_batches`, `logprobs` (packed_logprobs), `accumulate`, `reduce_g
     python -m pytest -q test_all.py -k "fsdp or micro_batches or packed_logprobs"
 """
 
+import contextlib
 import inspect
 import os
 
@@ -32,10 +33,10 @@ try:  # attention within each packed sample on CUDA
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
+varlen_attn = None
+if torch.cuda.is_available():  # CUDA's alone; importing it pulls torch's compiler (~1.5 s)
+    with contextlib.suppress(ImportError):
+        from torch.nn.attention.varlen import varlen_attn
 
 PACKED = "scalerl_packed"  # the attention implementation decoder_states registers
 SHARDS = "shards"  # a --fsdp checkpoint's sharded state
