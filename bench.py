@@ -936,6 +936,7 @@ def two_layer_model(name, dtype=torch.bfloat16, **changes):
     config = shape_config(name, num_hidden_layers=2, **changes)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # no_init_weights skips the tie: a tied shape had its own head
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
