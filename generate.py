@@ -54,6 +54,12 @@ def head_dim_of(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def kv_block(device_type, max_len, block=BLOCK):
+    """Tokens per KV block: off CUDA (no paged kernel's page size) at most a row, so short rows
+    take less."""
+    return block if device_type == "cuda" else min(block, max_len)
+
+
 def new_cache(model, blocks, block=BLOCK):
     """Per layer (k, v) pools of blocks: token t of a row at table[row, t // block], t % block."""
     cfg = model.config
@@ -333,8 +339,7 @@ class Decoder:
         self.eos = torch.tensor(eos_id, dtype=torch.long, device=dev).view(-1)
         self.think_end = torch.tensor(think_end, dtype=torch.long, device=dev)
         self.phrase = torch.tensor(interrupt_ids or [0], dtype=torch.long, device=dev)
-        if dev.type != "cuda":  # no paged kernel's page size: rows shorter than a block take less
-            block = min(block, max_len)
+        block = kv_block(dev.type, max_len, block)
         width, self.block = -(-max_len // block), block
         blocks = min(blocks or 1 + slots * width, 1 + slots * width)  # at most: all at max_len
         if blocks < 1 + width:

@@ -217,17 +217,19 @@ def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True
 
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
                    prefill_tokens=generate.PREFILL_TOKENS):
-    """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, bytes per block);
-    room None (CPU): slots or CPU_SLOTS rows, each at max_len."""
-    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head)
+    """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, tokens a block);
+    room None (CPU): slots or CPU_SLOTS rows, each at max_len, in blocks of at most a row."""
+    block = generate.kv_block("cuda" if room is not None else "cpu", max_len)
+    per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
+                                               block=block)
     seqs = slots or generate.CPU_SLOTS
-    blocks = 1 + seqs * -(-max_len // generate.BLOCK)
+    blocks = 1 + seqs * -(-max_len // block)
     if room is not None:
         seqs, blocks, _ = slots_in(room, config, dtype, max_len, max_new, fp32_head, slots)
     b = dtype.itemsize
     prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
     return ({"decoder": fixed + seqs * per_slot, "KV cache": blocks * per_block,
-             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, per_block)
+             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, block)
 
 
 @dataclass
@@ -268,8 +270,8 @@ def memory_plan(config, run):
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
     most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
     caps = [c for c in (run.slots, most if run.sized else None) if c]
-    gen, seqs, blocks, per_block = plan_generator(config, s, run.dtype, max_len, max_new, room,
-                                                  min(caps, default=None), run.fp32_head)
+    gen, seqs, blocks, block = plan_generator(config, s, run.dtype, max_len, max_new, room,
+                                              min(caps, default=None), run.fp32_head)
     if run.evaluate:
         roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
     elif run.generators == 0:  # the larger phase
@@ -283,7 +285,8 @@ def memory_plan(config, run):
                           "fits": total <= run.device_bytes and holds >= run.samples}
                       for r, (n, parts, total, holds) in roles.items()},
             "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "blocks": blocks,
-            "per_block": per_block, "mean_len": mean_length(max_len, max_new),
+            "block": block, "per_block": kv_bytes_per_token(config, run.dtype) * block,
+            "mean_len": mean_length(max_len, max_new),
             "per_token": plan_activations(s, size)}
 
 
@@ -307,7 +310,7 @@ def plan_lines(plan, run, context=None):
              if run.generators else "")
     lines.append(f"    sampler: {plan['sequences']} sequences of up to {plan['max_len']} tokens at "
                  f"once ({plan['mean_len']} at the mean), KV cache {plan['blocks']} blocks of "
-                 f"{generate.BLOCK} tokens ({plan['per_block'] / 1e6:,.1f} MB each){where}, for "
+                 f"{plan['block']} tokens ({plan['per_block'] / 1e6:,.1f} MB each){where}, for "
                  + (f"{run.evaluate} held-out samples" if run.evaluate else
                     f"a batch of {run.prompts * run.samples}")
                  + (f"; the model's context {context}" if context else ""))

@@ -3739,6 +3739,21 @@ def test_bench_gpu_attention_checks_each_decode_path_and_the_trainers_against_sd
     assert pa.flash_attn_with_kvcache is not None or out["decode_flash"] is None
 
 
+def test_plan_on_cpu_counts_the_kv_blocks_a_decoder_allocates():
+    """Off CUDA a KV block is at most a row (generate.kv_block); the plan printed 256-token blocks for the toy's
+    165-token rows. The plan's blocks, their size and their bytes are what a Decoder of those sizes allocates."""
+    model = tiny_model()
+    run = PlanRun(prompts=4, samples=4, prompt_len=20, think_budget=48, answer_budget=16, phrase_len=3,
+                  micro_tokens=512, dtype=torch.float32, sized=False, slots=8)
+    planned = memory_plan(model.config, run)
+    dec = gen.Decoder(model, 8, planned["max_len"], planned["max_len"] - 20, eos_id=0, think_end=[1],
+                      interrupt_ids=[5, 6, 7], think_budget=48, answer_budget=16, interrupt=True, temperature=1.0,
+                      fp32_head=True, seed=0, version=0, graphs=False)
+    assert (planned["block"], planned["blocks"]) == (dec.block, dec.cache[0][0].size(0)) == (87, 9)
+    assert planned["roles"]["one process"]["parts"]["KV cache"] == sum(k.nbytes + v.nbytes for k, v in dec.cache)
+    assert "KV cache 9 blocks of 87 tokens" in "\n".join(plan.plan_lines(planned, run))
+
+
 def test_bench_two_layer_model_has_the_parameters_the_plan_counts():
     """The memory figure's 2-layer models, built under transformers' no_init_weights, left a tied shape's head
     untied: the 0.5B shape's per-parameter bytes read 11% above the plan. Tied where the shape ties, and the
