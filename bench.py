@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 # -----------------------------------------------------------------------------
@@ -1121,8 +1122,9 @@ def stability_seed(args, seed, folder, flags):
             for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))):
         stability_run([sys.executable, "train.py", "--out", one, *common], one)
     ranks = os.path.join(folder, f"{args.stability_load}-s{seed}")
-    launch = [sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN,
-              "--nproc_per_node", "2"]
+    # the README's torchrun_local: a fresh rendezvous file (without one torchrun warns of master_addr)
+    launch = [sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN, "--rdzv-endpoint",
+              os.path.join(tempfile.mkdtemp(), "rdzv"), "--nproc_per_node", "2"]
     pinned = args.stability_load == "pinned"
     train_cmd = ["train.py", "--out", ranks, *common] + (["--micro_tokens", "1"] if pinned else [])
     cmd = (launch + ["--no-python", "sh", "-c",
