@@ -100,6 +100,10 @@ def draw_extrapolation(recipes, path, cut, xlabel, ylabel, title):
         ax.axvline(at, ls=":", lw=0.9, color="gray")
     ax.plot([], [], ":", color="gray", label=f"the cut: {cut:g} of the compute (fitted left of it)")
     ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ticker = plt.matplotlib.ticker  # ticks at 1, 2, 5 of each decade, as numbers: labels apart
+    ax.xaxis.set_minor_locator(ticker.LogLocator(subs=(2, 5)))
+    for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+        axis(ticker.FuncFormatter(lambda x, _: f"{x:,.0f}"))
     save_figure(fig, ax, path, len(recipes) + 1)
     plt.close(fig)
     return drawn
