@@ -26,6 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -220,10 +221,12 @@ def ranks_of(flags):
 def run_command(name, flags, path, seed, steps, data, extra):
     """train.py's command line for one run (--resume from a checkpoint)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    # one machine's torchrun, listening on 127.0.0.1 alone (README)
+    # one machine's torchrun, listening on 127.0.0.1 alone, a fresh rendezvous file (README's
+    # torchrun_local)
     launcher = [sys.executable] + ([] if ranks_of(flags) == 1 else [
         "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-        "--rdzv-conf", "store_type=file", "--local-addr", "127.0.0.1"])
+        "--rdzv-conf", "store_type=file", "--rdzv-endpoint",
+        os.path.join(tempfile.mkdtemp(), "rdzv"), "--local-addr", "127.0.0.1"])
     return [*launcher, os.path.join(here, "train.py"), "--out", path,
             "--resume" if checkpoints(path) else "--overwrite",
             "--seed", str(seed), *task_flags(data, steps), *extra, *flags]

@@ -4713,6 +4713,10 @@ def test_study_figure2_quick_runs_the_recipes_and_reports_the_protocols_tests(tm
     two = study.run_command("pipeline8", study.FIGURE2["pipeline8"], str(out / "p"), 20, 400, ("t", "v"), [])
     assert two[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"] and study.ranks_of(
         study.FIGURE2["ppo8"]) == 2 and study.ranks_of(study.FIGURE2["grpo"]) == 1
+    # each launch a rendezvous file of its own, not there yet (without one torchrun warns of master_addr)
+    again = study.run_command("pipeline8", study.FIGURE2["pipeline8"], str(out / "p"), 20, 400, ("t", "v"), [])
+    ends = [c[c.index("--rdzv-endpoint") + 1] for c in (two, again)]
+    assert ends[0] != ends[1] and not any(os.path.exists(e) for e in ends), ends
 
 
 def test_study_figure2_protocol_is_frozen_and_says_what_the_code_does():
