@@ -16,6 +16,7 @@ Writes report.md, study_report.json, study.png and study_extrap.png into the stu
 (--figure2: figure2.md, figure2_report.json, figure2.png).
 """
 import argparse
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -939,8 +940,17 @@ def write_figure2_report(out, names, seeds, steps, minutes=None, quick=False):
     rows = recipe_rows(table)
     proto = protocol_record(PROTOCOL2, PROTOCOL2_CHAIN)
     head = f"The {'quick' if quick else 'second confirmatory'} study: the paper's Figure 2"
+    gone = [f"{n}-s{r['seed']}" for n, t in table.items() for r in t["runs"] if r["collapsed"]]
+    collapsed = f"; collapsed, so left out: {', '.join(gone)}" if gone else ""
+    planned = [row["power"] for row in POWER if row["steps"] == steps]
+    power = (f" (its power at {steps} steps, by the protocol's simulation: {planned[0]:.2f})"
+             if planned else "")
+    commits = collections.Counter(" ".join(sorted({st.get("commit") or "unknown"
+                                                   for st in r["starts"]})) or "unknown"
+                                  for t in table.values() for r in t["runs"])
     text = "\n".join(([QUICK_NOTE, ""] if quick else []) + [
-        f"# {head} in miniature, {len(table)} recipes x {len(seeds)} seeds, {steps} steps", "",
+        f"# {head} in miniature, {len(table)} recipe{'s' * (len(table) > 1)} x {len(seeds)} "
+        f"seed{'s' * (len(seeds) > 1)}, {steps} steps", "",
         f"Written by `python study.py {out} --figure2{' --quick' if quick else ''}`" +
         (f" after {minutes:.0f} machine-minutes of runs." if minutes else ".") + " Protocol: " +
         "; ".join(f"{c['what']}: commit {c['commit'][:12]}, sha256 {c['sha256'][:12]}"
@@ -949,15 +959,18 @@ def write_figure2_report(out, names, seeds, steps, minutes=None, quick=False):
         f"| {r['recipe']} | {r['seeds']} | {r['final_mean3']:.3f} | {r['A']:.3f} "
         f"({show(r['A_ci95'][0], '.3f')} to {show(r['A_ci95'][1], '.3f')}) | {r['B']:.2f} | "
         f"{r['C_mid']:.3g} |" for r in rows] + [
-        "", f"Skill at {CUT:g} of the compute ({skill['n']} runs): fit RMSE "
+        "", f"Skill at {CUT:g} of the compute ({skill['n']} runs{collapsed}): fit RMSE "
         f"{show(skill['rmse_fit'], '.4f')}, constant {show(skill['rmse_constant'], '.4f')}, "
-        f"persistence {show(skill['rmse_persistence'], '.4f')}; paired p "
-        f"{show(skill['p_constant'])} and {show(skill['p_persistence'])}: "
-        + ("skill shown." if skill["skill"] else "no skill shown."),
+        f"persistence {show(skill['rmse_persistence'], '.4f')}; one-sided paired p, fit against "
+        f"the constant {show(skill['p_constant'])}, against persistence "
+        f"{show(skill['p_persistence'])}: " + ("skill shown" if skill["skill"] else
+                                               "no skill shown") + power + ".",
         f"Ranking: Spearman {show(ranking['rho'], '.2f')} (exact p {show(ranking['p'])}): "
         f"{ranking['verdict']}.", "", "A, the paper's rule (+-0.02): " +
-        "; ".join(f"{a['X']} vs {a['Y']} {a['diff_A']:+.3f}: {a['verdict']}" for a in a_rules)
-        + "."]) + "\n"
+        ("; ".join(f"{a['X']} vs {a['Y']} {a['diff_A']:+.3f}: {a['verdict']}" for a in a_rules)
+         or "no pair of recipes yet") + ".", "",
+        "The runs' code: " + ", ".join(f"{c[:12]} ({n} runs)" for c, n in commits.items()) + "."])
+    text += "\n"
     replace_file(os.path.join(out, "figure2.md"), lambda f: f.write(text))
     runs = [{"recipe": n, "seed": r["seed"], "final_mean3": r["final_mean3"], "A": r["fit"]["A"],
              "B": r["fit"]["B"], "C_mid": r["fit"]["C_mid"], "R0": r["fit"]["R0"],

@@ -4778,6 +4778,11 @@ def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
                                 if np.mean(d) < -0.02 else "within +-0.02")
     assert {a["X"]: a["verdict"] for a in rep["a_rule"]}["grpo"] == "lower by more than 0.02"
     assert (tmp_path / "figure2.png").read_bytes()[:4] == b"\x89PNG"
+    # the words: the skill verdict beside the power the protocol simulated for this length, the runs' code
+    text = (tmp_path / "figure2.md").read_text()
+    power = next(r["power"] for r in study.POWER if r["steps"] == 600)
+    assert f"(its power at 600 steps, by the protocol's simulation: {power:.2f})." in text
+    assert "The runs' code: unknown (9 runs)." in text and "3 recipes x 3 seeds" in text
 
 
 def test_study_figure2_ranking_and_a_rule_by_hand():
