@@ -955,6 +955,9 @@ def write_figure2_report(out, names, seeds, steps, minutes=None, quick=False):
         (f" after {minutes:.0f} machine-minutes of runs." if minutes else ".") + " Protocol: " +
         "; ".join(f"{c['what']}: commit {c['commit'][:12]}, sha256 {c['sha256'][:12]}"
                   for c in proto["chain"]) + ("" if proto["frozen"] else "; CHANGED since"), "",
+        "One process a run for the methods: --mode applies under torchrun alone, so each ran "
+        "synchronous and on-policy whatever its --method says of the mode; pipeline8 against ppo8 "
+        "(two ranks each) is the off-policy pair.", "",
         "| recipe | seeds | final_mean3 | A (95%) | B | C_mid |", "|---" * 6 + "|"] + [
         f"| {r['recipe']} | {r['seeds']} | {r['final_mean3']:.3f} | {r['A']:.3f} "
         f"({show(r['A_ci95'][0], '.3f')} to {show(r['A_ci95'][1], '.3f')}) | {r['B']:.2f} | "

@@ -4783,6 +4783,7 @@ def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
     power = next(r["power"] for r in study.POWER if r["steps"] == 600)
     assert f"(its power at 600 steps, by the protocol's simulation: {power:.2f})." in text
     assert "The runs' code: unknown (9 runs)." in text and "3 recipes x 3 seeds" in text
+    assert "each ran synchronous and on-policy" in text  # --method grpo's PPO-off-policy needs torchrun
 
 
 def test_study_figure2_ranking_and_a_rule_by_hand():
