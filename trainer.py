@@ -34,7 +34,7 @@ try:  # attention within each packed sample on CUDA
 except ImportError:
     flash_attn_varlen_func = None
 varlen_attn = None
-if torch.cuda.is_available():  # CUDA's alone; importing it pulls torch's compiler (~1.5 s)
+if torch.cuda.is_available():  # CUDA's alone: its import pulls torch's compiler (~1 s a start)
     with contextlib.suppress(ImportError):
         from torch.nn.attention.varlen import varlen_attn
 
