@@ -2090,9 +2090,9 @@ def test_data_counts_golds_no_response_can_match_and_cuts_tests_to_the_cases_a_s
         {"problem": "d", "answer": "3" * 1001}, {"prompt": "e", "tests": many}]) + "\n")
     problems = data.load_problems(str(path))
     err = capsys.readouterr().err
-    assert f"2 gold answer(s) that no response can match (longer than 1000 characters): kept" in err and f"{path}:2)" in err
-    assert f"1 gold answer(s) that no response can match (nothing is left of it once normalized)" in err
-    assert f"1 code problem(s) with more than 32 test cases: each keeps its first 32" in err and f"{path}:5)" in err
+    assert "2 gold answer(s) that no response can match (longer than 1000 characters): kept" in err and f"{path}:2)" in err
+    assert "1 gold answer(s) that no response can match (nothing is left of it once normalized)" in err
+    assert "1 code problem(s) with more than 32 test cases: each keeps its first 32" in err and f"{path}:5)" in err
     assert len(problems) == 5 and problems[4]["tests"] == {"inputs": many["inputs"][:32], "outputs": many["outputs"][:32]}
     assert not verify.score(r"\boxed{" + "2" * 1001 + "}", "2" * 1001)  # what the warning says
 
@@ -5717,12 +5717,12 @@ def test_pipeline_a_dead_or_stalled_rank_stops_the_other(tmp_path):
     cases = [("generator", signal.SIGKILL), ("generator", signal.SIGSTOP), ("trainer", signal.SIGSTOP)]
     runs = [launch(2, tmp_path / f"{who}-{sig}", "--steps", "1000", "--heartbeat_timeout", "4") for who, sig in cases]
     try:
-        for (who, sig), (trainer, generator) in zip(cases, runs):
-            wait_for_train_records(tmp_path / f"{who}-{sig}", 1, [trainer, generator])
-            os.kill((generator if who == "generator" else trainer).pid, sig)
+        for (who, sig), (trains, generator) in zip(cases, runs):
+            wait_for_train_records(tmp_path / f"{who}-{sig}", 1, [trains, generator])
+            os.kill((generator if who == "generator" else trains).pid, sig)
         t_kill = time.time()
-        for (who, sig), (trainer, generator) in zip(cases, runs):
-            other = trainer if who == "generator" else generator
+        for (who, sig), (trains, generator) in zip(cases, runs):
+            other = trains if who == "generator" else generator
             out = other.communicate(timeout=120)[0]
             assert other.returncode != 0 and time.time() - t_kill < 60, (who, sig, out)
             said = "rank 1 (generator)" if who == "generator" else "the rendezvous store did not answer for 4 s"
