@@ -4753,29 +4753,8 @@ def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
             write_run(tmp_path / f"{name}-s{seed}", steps * 2.0, R, steps=steps, config={"prompts": 16, "samples": 8})
     study.write_figure2_report(str(tmp_path), ["scalerl", "grpo", "dapo"], (20, 21, 22), 600)
     rep = json.loads((tmp_path / "figure2_report.json").read_text())
-    runs_ = rep["runs"]
-    finals = {(r["recipe"], r["seed"]): np.mean([e["pass_rate"] for e in r["series"]][-3:]) for r in runs_}
-    assert all(r["final_mean3"] == pytest.approx(finals[(r["recipe"], r["seed"])]) for r in runs_)
-    rows = [(next(p for p in r["predictions"] if p and p["cut"] == 0.5), r["final_mean3"]) for r in runs_]
-    const = [(sum(finals.values()) - m) / (len(finals) - 1) for _, m in rows]
-    fit_sq = [(p["predicted"] - m) ** 2 for p, m in rows]
-    assert rep["skill"]["p_constant"] == pytest.approx(
-        paired_p_by_hand(np.subtract([(c - m) ** 2 for c, (_, m) in zip(const, rows)], fit_sq), 0.0))
-    assert rep["skill"]["p_persistence"] == pytest.approx(
-        paired_p_by_hand(np.subtract([(p["persistence"] - m) ** 2 for p, m in rows], fit_sq), 0.0))
-    mean = lambda name, get: np.mean([get(r) for r in runs_ if r["recipe"] == name])  # noqa: E731
-    predicted = [mean(n, lambda r: next(p for p in r["predictions"] if p and p["cut"] == 0.5)["predicted"])
-                 for n in ("scalerl", "grpo", "dapo")]
-    measured = [mean(n, lambda r: r["final_mean3"]) for n in ("scalerl", "grpo", "dapo")]
-    rho = stats.spearmanr(predicted, measured).statistic
-    assert rep["ranking"]["rho"] == pytest.approx(rho) and rep["ranking"]["p"] == pytest.approx(
-        np.mean([stats.spearmanr(predicted, o).statistic >= rho - 1e-12 for o in itertools.permutations(measured)]))
-    for a in rep["a_rule"]:
-        d = [next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["X"], s)) -
-             next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["Y"], s)) for s in (20, 21, 22)]
-        assert a["diff_A"] == pytest.approx(np.mean(d))
-        assert a["verdict"] == ("higher by more than 0.02" if np.mean(d) > 0.02 else "lower by more than 0.02"
-                                if np.mean(d) < -0.02 else "within +-0.02")
+    recompute_figure2_report(rep)
+    assert rep["ranking"]["methods"] == ["scalerl", "grpo", "dapo"] and rep["skill"]["n"] == 9
     assert {a["X"]: a["verdict"] for a in rep["a_rule"]}["grpo"] == "lower by more than 0.02"
     assert (tmp_path / "figure2.png").read_bytes()[:4] == b"\x89PNG"
     # the words: the skill verdict beside the power the protocol simulated for this length, the runs' code
@@ -4784,6 +4763,38 @@ def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
     assert f"(its power at 600 steps, by the protocol's simulation: {power:.2f})." in text
     assert "The runs' code: unknown (9 runs)." in text and "3 recipes x 3 seeds" in text
     assert "each ran synchronous and on-policy" in text  # --method grpo's PPO-off-policy needs torchrun
+
+
+def recompute_figure2_report(rep):
+    """A second study's report (figure2_report.json) against formulas written out from its own runs: every
+    final_mean3 from its series, the skill test's p-values (paired, one-sided, fit against the constant and
+    persistence at the cut, collapsed runs left out), the ranking's rho and exact p, each A comparison."""
+    runs_, seeds = rep["runs"], rep["seeds"]
+    finals = {(r["recipe"], r["seed"]): np.mean([e["pass_rate"] for e in r["series"]][-3:]) for r in runs_}
+    assert all(r["final_mean3"] == pytest.approx(finals[(r["recipe"], r["seed"])]) for r in runs_)
+    rows = [(next(p for p in r["predictions"] if p and p["cut"] == 0.5), r["final_mean3"]) for r in runs_
+            if not r["collapsed"]]
+    const = [(sum(finals.values()) - m) / (len(finals) - 1) for _, m in rows]
+    fit_sq = [(p["predicted"] - m) ** 2 for p, m in rows]
+    assert rep["skill"]["n"] == len(rows)
+    assert rep["skill"]["p_constant"] == pytest.approx(
+        paired_p_by_hand(np.subtract([(c - m) ** 2 for c, (_, m) in zip(const, rows)], fit_sq), 0.0))
+    assert rep["skill"]["p_persistence"] == pytest.approx(
+        paired_p_by_hand(np.subtract([(p["persistence"] - m) ** 2 for p, m in rows], fit_sq), 0.0))
+    mean = lambda name, get: np.mean([get(r) for r in runs_ if r["recipe"] == name])  # noqa: E731
+    methods = rep["ranking"]["methods"]
+    predicted = [mean(n, lambda r: next(p for p in r["predictions"] if p and p["cut"] == 0.5)["predicted"])
+                 for n in methods]
+    measured = [mean(n, lambda r: r["final_mean3"]) for n in methods]
+    rho = stats.spearmanr(predicted, measured).statistic
+    assert rep["ranking"]["rho"] == pytest.approx(rho) and rep["ranking"]["p"] == pytest.approx(
+        np.mean([stats.spearmanr(predicted, o).statistic >= rho - 1e-12 for o in itertools.permutations(measured)]))
+    for a in rep["a_rule"]:
+        d = [next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["X"], s)) -
+             next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["Y"], s)) for s in seeds]
+        assert a["diff_A"] == pytest.approx(np.mean(d))
+        assert a["verdict"] == ("higher by more than 0.02" if np.mean(d) > 0.02 else "lower by more than 0.02"
+                                if np.mean(d) < -0.02 else "within +-0.02")
 
 
 def test_study_figure2_ranking_and_a_rule_by_hand():
