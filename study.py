@@ -1023,7 +1023,9 @@ def main(argv=None):
                         f"eval every {EVAL_EVERY2}; writes figure2.md, figure2_report.json and "
                         "figure2.png")
     args = p.parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the runs (own sessions) stop too
+    # as Ctrl-C: the runs (own sessions) stop too; SIGINT as well, which a study started in the
+    # background (nohup ... &) inherits ignored
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     variants, seeds, extra, steps, held_out = VARIANTS, SEEDS, [], args.steps or STEPS, HELD_OUT
     if args.figure2:

@@ -4938,6 +4938,22 @@ def test_study_quick_takes_steps(tmp_path, monkeypatch):
         assert json.loads((tmp_path / str(steps) / "settings.json").read_text())["steps"] == steps
 
 
+def test_study_started_with_sigint_ignored_still_stops_on_it(tmp_path, monkeypatch):
+    """A study started in the background (`nohup python study.py ... &`) inherits SIGINT ignored: `kill -INT` did
+    nothing (SIGTERM did). SIGINT, SIGTERM and SIGHUP each stop it as Ctrl-C does, the runs saving their step."""
+    handlers = []
+    monkeypatch.setattr(study, "train_all", lambda *a, **k: handlers.append(
+        [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]) or [])
+    before = [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+    try:
+        with pytest.raises(SystemExit, match="no variant"):
+            study.main([str(tmp_path / "s"), "--quick"])
+    finally:
+        for s, h in zip((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), before):
+            signal.signal(s, h)
+    assert handlers == [[signal.default_int_handler] * 3]
+
+
 def test_study_folder_keeps_its_settings_and_refuses_another_command(tmp_path, monkeypatch):
     """A study folder records the settings it was made with (settings.json, through runs.py's writer); another
     command on it (the full study on the quick study's folder, which silently ran on its 8 held-out problems) is
