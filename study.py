@@ -958,10 +958,12 @@ def write_figure2_report(out, names, seeds, steps, minutes=None, quick=False):
         "One process a run for the methods: --mode applies under torchrun alone, so each ran "
         "synchronous and on-policy whatever its --method says of the mode; pipeline8 against ppo8 "
         "(two ranks each) is the off-policy pair.", "",
-        "| recipe | seeds | final_mean3 | A (95%) | B | C_mid |", "|---" * 6 + "|"] + [
-        f"| {r['recipe']} | {r['seeds']} | {r['final_mean3']:.3f} | {r['A']:.3f} "
-        f"({show(r['A_ci95'][0], '.3f')} to {show(r['A_ci95'][1], '.3f')}) | {r['B']:.2f} | "
-        f"{r['C_mid']:.3g} |" for r in rows] + [
+        "Seed means, each with its 95% t interval over the seeds:", "",
+        "| recipe | seeds | final_mean3 | A | B | C_mid (samples) |", "|---" * 6 + "|"] + [
+        f"| {r['recipe']} | {r['seeds']} | " + " | ".join(
+            f"{r[k]:{spec}} ({show(r[k + '_ci95'][0], spec)} to {show(r[k + '_ci95'][1], spec)})"
+            for k, spec in (("final_mean3", ".3f"), ("A", ".3f"), ("B", ".2f"), ("C_mid", ".3g")))
+        + " |" for r in rows] + [
         "", f"Skill at {CUT:g} of the compute ({skill['n']} runs{collapsed}): fit RMSE "
         f"{show(skill['rmse_fit'], '.4f')}, constant {show(skill['rmse_constant'], '.4f')}, "
         f"persistence {show(skill['rmse_persistence'], '.4f')}; one-sided paired p, fit against "

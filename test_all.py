@@ -4763,6 +4763,10 @@ def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
     assert f"(its power at 600 steps, by the protocol's simulation: {power:.2f})." in text
     assert "The runs' code: unknown (9 runs)." in text and "3 recipes x 3 seeds" in text
     assert "each ran synchronous and on-policy" in text  # --method grpo's PPO-off-policy needs torchrun
+    for row in rep["recipes"]:  # every interval in the table, as the report holds it
+        assert (f"| {row['recipe']} | 3 | " + " | ".join(f"{row[k]:{f}} ({row[k + '_ci95'][0]:{f}} to "
+                                                         f"{row[k + '_ci95'][1]:{f}})" for k, f in (
+            ("final_mean3", ".3f"), ("A", ".3f"), ("B", ".2f"), ("C_mid", ".3g"))) + " |") in text, row
 
 
 def recompute_figure2_report(rep):
@@ -4789,6 +4793,12 @@ def recompute_figure2_report(rep):
     rho = stats.spearmanr(predicted, measured).statistic
     assert rep["ranking"]["rho"] == pytest.approx(rho) and rep["ranking"]["p"] == pytest.approx(
         np.mean([stats.spearmanr(predicted, o).statistic >= rho - 1e-12 for o in itertools.permutations(measured)]))
+    for row in rep["recipes"]:  # seed means and their 95% t intervals
+        for key in ("final_mean3", "A", "B", "C_mid"):
+            v = [r[key] for r in runs_ if r["recipe"] == row["recipe"]]
+            half = stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / math.sqrt(len(v))
+            assert row[key] == pytest.approx(np.mean(v)) and row[f"{key}_ci95"] == pytest.approx(
+                [np.mean(v) - half, np.mean(v) + half]), (row["recipe"], key)
     for a in rep["a_rule"]:
         d = [next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["X"], s)) -
              next(r["A"] for r in runs_ if (r["recipe"], r["seed"]) == (a["Y"], s)) for s in seeds]
