@@ -31,7 +31,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 # -----------------------------------------------------------------------------
@@ -1074,8 +1073,6 @@ def bench_plan_rss(args, seconds=40):
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOG = [sys.executable, "-c", "while True: pass"]
 # the README's torchrun form: the launcher's rendezvous a file, the ranks' store on 127.0.0.1 alone
-LOOPBACK_TORCHRUN = ["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
-                     "--local-addr", "127.0.0.1"]
 LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -1122,9 +1119,7 @@ def stability_seed(args, seed, folder, flags):
             for _, r in read_jsonl(os.path.join(one, "metrics.jsonl"))):
         stability_run([sys.executable, "train.py", "--out", one, *common], one)
     ranks = os.path.join(folder, f"{args.stability_load}-s{seed}")
-    # the README's torchrun_local: a fresh rendezvous file (without one torchrun warns of master_addr)
-    launch = [sys.executable, "-m", "torch.distributed.run", *LOOPBACK_TORCHRUN, "--rdzv-endpoint",
-              os.path.join(tempfile.mkdtemp(), "rdzv"), "--nproc_per_node", "2"]
+    launch = study.local_torchrun(2)
     pinned = args.stability_load == "pinned"
     train_cmd = ["train.py", "--out", ranks, *common] + (["--micro_tokens", "1"] if pinned else [])
     cmd = (launch + ["--no-python", "sh", "-c",

@@ -219,15 +219,18 @@ def ranks_of(flags):
     return 2 if "--mode" in flags else 1
 
 
+def local_torchrun(ranks):
+    """One machine's torchrun as the README's torchrun_local: listening on 127.0.0.1 alone, a fresh
+    rendezvous file (without one torchrun warns of master_addr)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file", "--rdzv-endpoint",
+            os.path.join(tempfile.mkdtemp(), "rdzv"), "--local-addr", "127.0.0.1"]
+
+
 def run_command(name, flags, path, seed, steps, data, extra):
     """train.py's command line for one run (--resume from a checkpoint)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    # one machine's torchrun, listening on 127.0.0.1 alone, a fresh rendezvous file (README's
-    # torchrun_local)
-    launcher = [sys.executable] + ([] if ranks_of(flags) == 1 else [
-        "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-        "--rdzv-conf", "store_type=file", "--rdzv-endpoint",
-        os.path.join(tempfile.mkdtemp(), "rdzv"), "--local-addr", "127.0.0.1"])
+    launcher = [sys.executable] if ranks_of(flags) == 1 else local_torchrun(2)
     return [*launcher, os.path.join(here, "train.py"), "--out", path,
             "--resume" if checkpoints(path) else "--overwrite",
             "--seed", str(seed), *task_flags(data, steps), *extra, *flags]
