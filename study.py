@@ -8,7 +8,6 @@ of the paper's Figure 2 under docs/protocol-figure2.md, its length from simulate
 
     python study.py runs/study                   # within --budget; Ctrl-C, then again: resumes
     python study.py runs/study --assets assets   # also replace the committed report and figures
-    python study.py runs/study --report          # only fit the runs there and write the report
     python study.py runs/study-quick --quick     # 2 variants x 1 seed x a few steps (the test)
     python study.py runs/figure2 --figure2       # the second study (docs/protocol-figure2.md)
 
