@@ -217,8 +217,8 @@ def fit_slots(model, max_len, max_new, gen_memory=0.85, cap=None, fp32_head=True
 
 def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_head=True,
                    prefill_tokens=generate.PREFILL_TOKENS):
-    """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, tokens a block);
-    room None (CPU): slots or CPU_SLOTS rows, each at max_len, in blocks of at most a row."""
+    """The sampler's bytes beyond the weights -> (parts, sequences, KV blocks, tokens and bytes a
+    block); room None (CPU): slots or CPU_SLOTS rows, each at max_len, in blocks of at most a row."""
     block = generate.kv_block("cuda" if room is not None else "cpu", max_len)
     per_slot, per_block, fixed = decoder_bytes(config, dtype, max_len, max_new, fp32_head,
                                                block=block)
@@ -229,7 +229,7 @@ def plan_generator(config, s, dtype, max_len, max_new, room, slots=None, fp32_he
     b = dtype.itemsize
     prefill = prefill_tokens * b * (4 * s["d"] + 2 * s["D"] * (s["H"] + s["K"]) + 3 * s["I"])
     return ({"decoder": fixed + seqs * per_slot, "KV cache": blocks * per_block,
-             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, block)
+             "workspace": seqs * 3 * 4 * s["V"] + prefill}, seqs, blocks, block, per_block)
 
 
 @dataclass
@@ -270,7 +270,7 @@ def memory_plan(config, run):
     room = run.gen_memory * (run.device_bytes - held) if run.sized else None
     most = run.evaluate or in_flight(run, max(run.generators, 1), run.lag if run.generators else 0)
     caps = [c for c in (run.slots, most if run.sized else None) if c]
-    gen, seqs, blocks, block = plan_generator(config, s, run.dtype, max_len, max_new, room,
+    gen, seqs, blocks, block, per_block = plan_generator(config, s, run.dtype, max_len, max_new, room,
                                               min(caps, default=None), run.fp32_head)
     if run.evaluate:
         roles = {"eval": (1, {"weights": weights, **gen}, weights + sum(gen.values()), seqs)}
@@ -285,7 +285,7 @@ def memory_plan(config, run):
                           "fits": total <= run.device_bytes and holds >= run.samples}
                       for r, (n, parts, total, holds) in roles.items()},
             "shape": s, "ckpt": ckpt, "max_len": max_len, "sequences": seqs, "blocks": blocks,
-            "block": block, "per_block": kv_bytes_per_token(config, run.dtype) * block,
+            "block": block, "per_block": per_block,
             "mean_len": mean_length(max_len, max_new),
             "per_token": plan_activations(s, size)}
 
