@@ -3,12 +3,9 @@ bench.py: speed, memory and numerics figures of the generator and the trainer, o
 per measurement (--json adds a dict as the last line). BENCHMARKS.md has each figure's reading,
 command and results.
 
-Figures (--figures; 1-5 by default): 1 sampler tokens/s against model.generate; 2 trainer tokens/s
-and the chunked log-probs' peak memory against full logits; 3 weight broadcast; 4 generator vs
-trainer log-prob agreement; 5 decode roofline (arithmetic); 6 training wall-clock per --mode; 7
-FSDP2 under a memory cap; memory (the memory plan against CPU measurements); efficiency; stability
-(PipelineRL-8 at its worst case, seed by seed); replay; plan_rss; gpu (on a GPU, first: its CUDA
-tests, kernels, 0.5B sampler and trainer, each part under its own timeout: bench_gpu).
+Figures (--figures; 1-5 by default): 1 sampler against model.generate; 2 trainer tokens/s and
+peak memory; 3 weight broadcast; 4 generator vs trainer log-probs; 5 decode roofline; 6 wall-clock
+per --mode; 7 FSDP2; memory; efficiency; stability; replay; plan_rss; gpu (on a GPU, first: bench_gpu).
 
     python bench.py                            # CPU, about 70 s
     python bench.py --device cuda --dtype bfloat16 --size 0.5b --new_tokens 512 --mem_seqs 16
