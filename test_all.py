@@ -4769,6 +4769,38 @@ def test_study_figure2_report_recomputes_from_its_own_series(tmp_path):
             ("final_mean3", ".3f"), ("A", ".3f"), ("B", ".2f"), ("C_mid", ".3g"))) + " |") in text, row
 
 
+def test_study_figure2_committed_report_recomputes_and_readme_says_what_its_tests_allow():
+    """assets/figure2_report.json, the second study as it ran: every (recipe, seed) of its frozen protocol, each
+    number recomputed from the runs' own series (recompute_figure2_report), and README's words on it the verdicts
+    the report holds, each with its numbers as the report rounds them."""
+    rep = json.loads((ROOT / "assets" / "figure2_report.json").read_text())
+    recompute_figure2_report(rep)
+    assert not rep["quick"] and rep["protocol"] == study.protocol_record(study.PROTOCOL2, study.PROTOCOL2_CHAIN)
+    assert sorted((r["recipe"], r["seed"]) for r in rep["runs"]) == sorted(
+        itertools.product(study.FIGURE2, study.SEEDS2)) and rep["steps"] == study.STEPS2
+    assert all(len(r["series"]) == study.STEPS2 // study.EVAL_EVERY2 + 1 for r in rep["runs"])
+    assert (ROOT / "assets" / "figure2.png").read_bytes()[:4] == b"\x89PNG"
+    text = " ".join((ROOT / "README.md").read_text().split())
+    sk, rk = rep["skill"], rep["ranking"]
+    power = next(r["power"] for r in study.POWER if r["steps"] == rep["steps"])
+    assert (f"{'skill shown' if sk['skill'] else 'no skill shown'}: at half the compute the fit misses the runs' "
+            f"ends by RMSE {sk['rmse_fit']:.4f}, against {sk['rmse_constant']:.4f} for the constant") in text
+    assert (f"and {sk['rmse_persistence']:.4f} for persistence (one-sided paired p {study.show(sk['p_constant'])} "
+            f"and {study.show(sk['p_persistence'])}") in text and f"a power of {power:.2f}" in text
+    assert f"Spearman {rk['rho']:.2f} (exact p {study.show(rk['p'])}): {rk['verdict']}" in text
+    for a in rep["a_rule"]:
+        lo, hi = a["ci95"]
+        assert f"{a['X']} {a['diff_A']:+.3f} ({lo:+.3f} to {hi:+.3f}): {a['verdict']}" in text, a
+    # the descriptive numbers beside them: the half-compute fits' mean error and A against the whole runs'
+    cut = [(q, r) for r in rep["runs"] if not r["collapsed"] for q in r["predictions"] if q and q["cut"] == 0.5]
+    under = -np.mean([q["predicted"] - r["final_mean3"] for q, r in cut])
+    assert (f"fall under the ends by {under:.3f} on average (their A {np.mean([q['A'] for q, _ in cut]):.3f} "
+            f"against {np.mean([r['A'] for _, r in cut]):.3f} fitted on whole runs)") in text
+    best = max(rep["recipes"], key=lambda row: row["final_mean3"])
+    assert best["recipe"] == "scalerl" == max(rep["recipes"], key=lambda row: row["A"])["recipe"]
+    assert f"(final_mean3 {best['final_mean3']:.3f}; A {best['A']:.3f}, 95% interval {best['A_ci95'][0]:.3f}" in text
+
+
 def recompute_figure2_report(rep):
     """A second study's report (figure2_report.json) against formulas written out from its own runs: every
     final_mean3 from its series, the skill test's p-values (paired, one-sided, fit against the constant and
